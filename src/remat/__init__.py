@@ -1,0 +1,57 @@
+"""remat: a training compiler that fits deep-learning training into a memory budget
+with the least recomputation.
+
+The pipeline, by folder: ``ir`` (typed SSA tensor IR, text format, verifier) ←
+``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``memory`` / ``chain``
+(liveness, scheduling, rematerialisation solvers) → ``backends`` (dialects) → ``runtime`` (the VM).
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import BudgetTooSmall, format_bytes
+from .ir import (DType, Function, Module, ParseError, TensorType, VerificationError, parse, verify)
+from .ir.types import DType as _D, _TypeMaker
+
+bool_ = _TypeMaker(_D.bool)
+i32 = _TypeMaker(_D.i32)
+i64 = _TypeMaker(_D.i64)
+f16 = _TypeMaker(_D.f16)
+bf16 = _TypeMaker(_D.bf16)
+f32 = _TypeMaker(_D.f32)
+f64 = _TypeMaker(_D.f64)
+
+__version__ = "0.1.0"
+
+# Public names provided by later stages of the pipeline, imported on first use so that
+# ``import remat`` stays light and the IR never depends on them.
+_LAZY = {
+    "function": "remat.frontend.dsl",
+    "Staged": "remat.frontend.dsl",
+    "cond": "remat.frontend.dsl",
+    "ops": "remat.frontend.dsl",
+    "run": "remat.runtime.vm",
+    "RunStats": "remat.runtime.vm",
+    "VM": "remat.runtime.vm",
+    "dialects": "remat.backends",
+    "grad": "remat.autodiff.api",
+    "value_and_grad": "remat.autodiff.api",
+    "compile": "remat.train.api",
+    "chain": None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        mod = _LAZY[name]
+        if mod is None:
+            return importlib.import_module(f"remat.{name}")
+        value = getattr(importlib.import_module(mod), name) if name != "dialects" else importlib.import_module(mod)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'remat' has no attribute '{name}'")
+
+
+__all__ = ["BudgetTooSmall", "DType", "Function", "Module", "ParseError", "TensorType", "VerificationError",
+           "bf16", "bool_", "f16", "f32", "f64", "format_bytes", "i32", "i64", "parse", "verify", *_LAZY]

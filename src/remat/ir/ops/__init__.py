@@ -1,0 +1,2 @@
+"""All op declarations. Importing this package registers every op in ``remat.ir.opdef.OPS``."""
+from . import control, elementwise, nn, random, shape  # noqa: F401

@@ -1,0 +1,215 @@
+"""Reductions, matmul, softmax, convolution and pooling (with their backward ops)."""
+from __future__ import annotations
+
+from ..opdef import Attr, OpDef, Sample, declare
+from ..types import TensorType
+from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, norm_axis, rand
+
+
+# ---------------------------------------------------------------- reductions
+def _reduce_infer(name):
+    def infer(types, attrs):
+        (t,) = types
+        axes = attrs["axes"]
+        for a in axes:
+            check_axis(name, a, t.rank, "axis")
+        if len(set(axes)) != len(axes):
+            raise TypeError(f"'{name}': repeated axis in {list(axes)}")
+        if name == "reduce_mean":
+            expect_float(name, t)
+        if attrs["keepdims"]:
+            shape = tuple(1 if i in axes else d for i, d in enumerate(t.shape))
+        else:
+            shape = tuple(d for i, d in enumerate(t.shape) if i not in axes)
+        return t.with_shape(shape)
+
+    return infer
+
+
+def _reduce_norm(types, attrs):
+    if not types:
+        return attrs
+    return {**attrs, "axes": tuple(sorted(norm_axis(a, types[0].rank) for a in attrs["axes"]))}
+
+
+for _name, _doc in {"reduce_sum": "sum over axes", "reduce_mean": "mean over axes", "reduce_max": "max over axes"}.items():
+    declare(OpDef(_name, 1, (ints("axes"), Attr("keepdims", "bool", False)), _reduce_infer(_name),
+                  frozenset({"reduction"}), normalize=_reduce_norm, doc=_doc,
+                  sample=lambda r: [Sample([rand(r, 3, 4, 5)], {"axes": (0, 2)}),
+                                    Sample([rand(r, 3, 4)], {"axes": (1,), "keepdims": True}),
+                                    Sample([rand(r, 6)], {"axes": (0,)})]))
+
+
+# ---------------------------------------------------------------- softmax
+def _softmax_infer(name):
+    def infer(types, attrs):
+        (t,) = types
+        expect_float(name, t)
+        check_axis(name, attrs["axis"], t.rank)
+        return t
+
+    return infer
+
+
+def _axis_norm(types, attrs):
+    return {**attrs, "axis": norm_axis(attrs["axis"], types[0].rank)} if types else attrs
+
+
+for _name in ("softmax", "log_softmax"):
+    declare(OpDef(_name, 1, (Attr("axis", "int"),), _softmax_infer(_name), frozenset(), normalize=_axis_norm,
+                  doc=f"{_name.replace('_', '-')} along an axis",
+                  sample=lambda r: [Sample([rand(r, 3, 5, low=-3, high=3)], {"axis": 1}),
+                                    Sample([rand(r, 2, 3, 4)], {"axis": 0})]))
+
+
+# ---------------------------------------------------------------- matmul
+def _matmul_infer(types, attrs):
+    a, b = types
+    dt = expect_same_dtype("matmul", types)
+    if a.rank < 2 or b.rank < 2:
+        raise TypeError(f"'matmul' needs operands of rank >= 2, got {a} and {b}; reshape vectors to [1,n] or [n,1]")
+    if a.shape[-1] != b.shape[-2]:
+        raise TypeError(f"'matmul': contraction mismatch, {a} @ {b} ({a.shape[-1]} != {b.shape[-2]})")
+    batch = bcast("matmul", [TensorType(dt, a.shape[:-2]), TensorType(dt, b.shape[:-2])])
+    return TensorType(dt, batch + (a.shape[-2], b.shape[-1]))
+
+
+declare(OpDef("matmul", 2, (), _matmul_infer, frozenset({"matmul"}),
+              doc="batched matrix product a[..., m, k] @ b[..., k, n] with broadcast batch dims",
+              sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 4, 2)]), Sample([rand(r, 2, 3, 4), rand(r, 4, 5)]),
+                                Sample([rand(r, 2, 1, 3, 4), rand(r, 3, 4, 2)])]))
+
+
+# ---------------------------------------------------------------- convolution (NCHW, OIHW)
+_CONV_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("groups", "int", 1))
+
+
+def _pair(name, attrs, key):
+    v = attrs[key]
+    if len(v) != 2:
+        raise TypeError(f"'{name}': {key} needs 2 entries (height, width), got {list(v)}")
+    return v
+
+
+def conv_out_hw(name, hw, k, attrs):
+    """Output spatial size of a convolution/pooling window; raises if empty."""
+    s, p = _pair(name, attrs, "stride"), _pair(name, attrs, "padding")
+    d = _pair(name, attrs, "dilation") if "dilation" in attrs else (1, 1)
+    if min(s) < 1 or min(p) < 0 or min(d) < 1:
+        raise TypeError(f"'{name}': stride and dilation must be >= 1 and padding >= 0, got {attrs}")
+    out = tuple((hw[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i in range(2))
+    if min(out) < 1:
+        raise TypeError(f"'{name}': window {list(k)} does not fit input {list(hw)} with padding {list(p)}")
+    return out
+
+
+def _conv_check(x, w, attrs):
+    expect_same_dtype("conv2d", [x, w])
+    expect_float("conv2d", x)
+    if x.rank != 4 or w.rank != 4:
+        raise TypeError(f"'conv2d' needs input [N,C,H,W] and weight [O,C/groups,kH,kW], got {x} and {w}")
+    g = attrs["groups"]
+    if g < 1 or x.shape[1] % g or w.shape[0] % g or w.shape[1] * g != x.shape[1]:
+        raise TypeError(f"'conv2d': {x.shape[1]} input channels and weight {w} do not fit groups={g}")
+    return conv_out_hw("conv2d", x.shape[2:], w.shape[2:], attrs)
+
+
+def _conv_infer(types, attrs):
+    x, w = types
+    oh, ow = _conv_check(x, w, attrs)
+    return x.with_shape((x.shape[0], w.shape[0], oh, ow))
+
+
+declare(OpDef("conv2d", 2, _CONV_ATTRS, _conv_infer, frozenset({"conv"}),
+              doc="2-d cross-correlation, NCHW input, OIHW weight",
+              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
+                                Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
+                                Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)})]))
+
+
+def _conv_in_grad_infer(types, attrs):
+    gy, w = types
+    x = TensorType(gy.dtype, attrs["input_shape"])
+    want = _conv_infer([x, w], attrs)
+    if want != gy:
+        raise TypeError(f"'conv2d_input_grad': output gradient {gy} does not match conv2d output {want} of input {x}")
+    return x
+
+
+def _conv_w_grad_infer(types, attrs):
+    x, gy = types
+    w = TensorType(x.dtype, attrs["weight_shape"])
+    want = _conv_infer([x, w], attrs)
+    if want != gy:
+        raise TypeError(f"'conv2d_weight_grad': output gradient {gy} does not match conv2d output {want} of weight {w}")
+    return w
+
+
+declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _conv_in_grad_infer, frozenset({"conv"}),
+              doc="gradient of conv2d wrt its input, from (grad_output, weight)",
+              sample=lambda r: [Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
+                                Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1), "groups": 2})]))
+declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS, _conv_w_grad_infer, frozenset({"conv"}),
+              doc="gradient of conv2d wrt its weight, from (input, grad_output)",
+              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 4, 6, 6)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1)}),
+                                Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1), "groups": 2})]))
+
+
+# ---------------------------------------------------------------- pooling (NCHW)
+_POOL_ATTRS = (ints("kernel"), ints("stride", ()), ints("padding", (0, 0)))
+
+
+def _pool_norm(types, attrs):
+    if not attrs["stride"]:
+        attrs = {**attrs, "stride": attrs["kernel"]}
+    return attrs
+
+
+def _pool_infer(name):
+    def infer(types, attrs):
+        x = types[0]
+        expect_float(name, x)
+        if x.rank != 4:
+            raise TypeError(f"'{name}' needs an input [N,C,H,W], got {x}")
+        k = _pair(name, attrs, "kernel")
+        if any(2 * p > kk for p, kk in zip(attrs["padding"], k)):
+            raise TypeError(f"'{name}': padding {list(attrs['padding'])} must be at most half the kernel {list(k)}")
+        oh, ow = conv_out_hw(name, x.shape[2:], k, attrs)
+        return x.with_shape(x.shape[:2] + (oh, ow))
+
+    return infer
+
+
+_POOL_SAMPLES = lambda r: [Sample([rand(r, 2, 3, 6, 6)], {"kernel": (2, 2)}),  # noqa: E731
+                           Sample([rand(r, 1, 2, 7, 5)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]
+declare(OpDef("max_pool2d", 1, _POOL_ATTRS, _pool_infer("max_pool2d"), frozenset(), normalize=_pool_norm,
+              doc="max over windows (padding never wins)", sample=_POOL_SAMPLES))
+declare(OpDef("avg_pool2d", 1, _POOL_ATTRS, _pool_infer("avg_pool2d"), frozenset(), normalize=_pool_norm,
+              doc="mean over windows, padding counted as zeros", sample=_POOL_SAMPLES))
+
+
+def _max_pool_grad_infer(types, attrs):
+    x, gy = types
+    want = _pool_infer("max_pool2d_grad")([x], attrs)
+    if gy != want:
+        raise TypeError(f"'max_pool2d_grad': output gradient {gy} does not match pooled output {want}")
+    return x
+
+
+def _avg_pool_grad_infer(types, attrs):
+    (gy,) = types
+    x = TensorType(gy.dtype, attrs["input_shape"])
+    want = _pool_infer("avg_pool2d_grad")([x], attrs)
+    if gy != want:
+        raise TypeError(f"'avg_pool2d_grad': output gradient {gy} does not match pooled output {want}")
+    return x
+
+
+declare(OpDef("max_pool2d_grad", 2, _POOL_ATTRS, _max_pool_grad_infer, frozenset(), normalize=_pool_norm,
+              doc="gradient of max_pool2d from (input, grad_output): routed to the first maximum of each window",
+              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 3, 3, 3)], {"kernel": (2, 2)}),
+                                Sample([rand(r, 1, 2, 7, 5), rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]))
+declare(OpDef("avg_pool2d_grad", 1, (ints("input_shape"),) + _POOL_ATTRS, _avg_pool_grad_infer, frozenset(),
+              normalize=_pool_norm, doc="gradient of avg_pool2d from grad_output",
+              sample=lambda r: [Sample([rand(r, 2, 3, 3, 3)], {"kernel": (2, 2), "input_shape": (2, 3, 6, 6)}),
+                                Sample([rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1), "input_shape": (1, 2, 7, 5)})]))

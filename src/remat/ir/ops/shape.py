@@ -1,0 +1,177 @@
+"""Data-movement ops: transpose, reshape (a view), broadcast, slice, pad, concat, gather/scatter,
+and value-producing ops without operands (constant, iota)."""
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from ..opdef import Attr, OpDef, Sample, declare
+from ..types import DType, TensorType
+from ._util import check_axis, expect_same_dtype, ints, norm_axis, rand
+
+
+def _transpose_infer(types, attrs):
+    (t,) = types
+    perm = attrs["perm"]
+    if sorted(perm) != list(range(t.rank)):
+        raise TypeError(f"'transpose': perm {list(perm)} is not a permutation of 0..{t.rank - 1} for {t}")
+    return t.with_shape(tuple(t.shape[p] for p in perm))
+
+
+def _transpose_norm(types, attrs):
+    return {**attrs, "perm": tuple(norm_axis(p, types[0].rank) for p in attrs["perm"])} if types else attrs
+
+
+declare(OpDef("transpose", 1, (ints("perm"),), _transpose_infer, frozenset({"shape"}), normalize=_transpose_norm,
+              doc="permute axes (materialises a contiguous result)",
+              sample=lambda r: [Sample([rand(r, 2, 3, 4)], {"perm": (2, 0, 1)}), Sample([rand(r, 3, 4)], {"perm": (1, 0)})]))
+
+
+def _reshape_infer(types, attrs):
+    (t,) = types
+    shape = attrs["shape"]
+    if any(d < 0 for d in shape) or prod(shape) != t.numel:
+        raise TypeError(f"'reshape': cannot reshape {t} ({t.numel} elements) to {list(shape)} ({prod(shape)} elements)")
+    return t.with_shape(shape)
+
+
+declare(OpDef("reshape", 1, (ints("shape"),), _reshape_infer, frozenset({"shape", "view"}), aliases={0: 0},
+              doc="same elements, new shape; shares the operand's storage",
+              sample=lambda r: [Sample([rand(r, 2, 6)], {"shape": (3, 4)}), Sample([rand(r, 4)], {"shape": (2, 1, 2)}),
+                                Sample([rand(r, 1, 1)], {"shape": ()})]))
+
+
+def _broadcast_infer(types, attrs):
+    (t,) = types
+    shape = attrs["shape"]
+    ok = len(shape) >= t.rank and all(d == s or d == 1 for d, s in zip(t.shape[::-1], shape[::-1]))
+    if not ok:
+        raise TypeError(f"'broadcast': {t} cannot broadcast to {list(shape)} (dims must match or be 1, aligned right)")
+    return t.with_shape(shape)
+
+
+declare(OpDef("broadcast", 1, (ints("shape"),), _broadcast_infer, frozenset({"shape"}),
+              doc="NumPy broadcast_to, materialised",
+              sample=lambda r: [Sample([rand(r, 3, 1)], {"shape": (2, 3, 4)}), Sample([rand(r)], {"shape": (2, 2)})]))
+
+
+def _slice_infer(types, attrs):
+    (t,) = types
+    start, stop, step = attrs["start"], attrs["stop"], attrs["step"] or (1,) * t.rank
+    if not (len(start) == len(stop) == len(step) == t.rank):
+        raise TypeError(f"'slice': start/stop/step need {t.rank} entries for {t}, got {list(start)}, {list(stop)}, {list(step)}")
+    out = []
+    for i, (a, b, s, d) in enumerate(zip(start, stop, step, t.shape)):
+        if s < 1 or not 0 <= a <= b <= d:
+            raise TypeError(f"'slice': axis {i} of {t}: need 0 <= start <= stop <= {d} and step >= 1, got {a}:{b}:{s}")
+        out.append(-(-(b - a) // s))
+    return t.with_shape(out)
+
+
+def _slice_norm(types, attrs):
+    if not attrs["step"] and types:
+        attrs = {**attrs, "step": (1,) * types[0].rank}
+    return attrs
+
+
+declare(OpDef("slice", 1, (ints("start"), ints("stop"), ints("step", ())), _slice_infer, frozenset({"shape"}),
+              normalize=_slice_norm, doc="strided slice x[start:stop:step] per axis, materialised",
+              sample=lambda r: [Sample([rand(r, 4, 6)], {"start": (1, 0), "stop": (3, 6), "step": (1, 2)}),
+                                Sample([rand(r, 5)], {"start": (2,), "stop": (5,), "step": (1,)})]))
+
+
+def _pad_infer(types, attrs):
+    (t,) = types
+    lo, hi, it = attrs["low"], attrs["high"], attrs["interior"] or (0,) * t.rank
+    if not (len(lo) == len(hi) == len(it) == t.rank) or min(lo + hi + it, default=0) < 0:
+        raise TypeError(f"'pad': low/high/interior need {t.rank} non-negative entries for {t}, got {list(lo)}, {list(hi)}, {list(it)}")
+    return t.with_shape(tuple(a + b + d + max(d - 1, 0) * i for a, b, i, d in zip(lo, hi, it, t.shape)))
+
+
+def _pad_norm(types, attrs):
+    if not attrs["interior"] and types:
+        attrs = {**attrs, "interior": (0,) * types[0].rank}
+    return attrs
+
+
+declare(OpDef("pad", 1, (ints("low"), ints("high"), ints("interior", ()), Attr("value", "float", 0.0)), _pad_infer,
+              frozenset({"shape"}), normalize=_pad_norm,
+              doc="pad with a constant: low/high per axis, interior between elements (XLA's pad)",
+              sample=lambda r: [Sample([rand(r, 2, 3)], {"low": (1, 0), "high": (0, 2), "interior": (0, 1)}),
+                                Sample([rand(r, 3)], {"low": (2,), "high": (1,), "interior": (0,), "value": 0.5})]))
+
+
+def _concat_infer(types, attrs):
+    axis = attrs["axis"]
+    t0 = types[0]
+    check_axis("concat", axis, t0.rank)
+    expect_same_dtype("concat", types)
+    for t in types[1:]:
+        if t.rank != t0.rank or any(a != b for i, (a, b) in enumerate(zip(t.shape, t0.shape)) if i != axis):
+            raise TypeError(f"'concat' along axis {axis}: shapes {', '.join(str(x) for x in types)} differ off that axis")
+    return t0.with_shape(t0.shape[:axis] + (sum(t.shape[axis] for t in types),) + t0.shape[axis + 1:])
+
+
+def _axis_norm(types, attrs):
+    return {**attrs, "axis": norm_axis(attrs["axis"], types[0].rank)} if types else attrs
+
+
+declare(OpDef("concat", None, (Attr("axis", "int"),), _concat_infer, frozenset({"shape"}), normalize=_axis_norm,
+              doc="join along an axis",
+              sample=lambda r: [Sample([rand(r, 2, 3), rand(r, 2, 1), rand(r, 2, 2)], {"axis": 1}),
+                                Sample([rand(r, 1, 2), rand(r, 3, 2)], {"axis": 0})]))
+
+
+def _gather_infer(types, attrs):
+    table, idx = types
+    axis = attrs["axis"]
+    check_axis("gather", axis, table.rank)
+    if not idx.dtype.is_int:
+        raise TypeError(f"'gather' indices must be i32 or i64, got {idx}")
+    return table.with_shape(table.shape[:axis] + idx.shape + table.shape[axis + 1:])
+
+
+declare(OpDef("gather", 2, (Attr("axis", "int", 0),), _gather_infer, frozenset({"shape"}), normalize=_axis_norm,
+              doc="numpy take(table, indices, axis): embedding lookup when axis=0",
+              sample=lambda r: [Sample([rand(r, 5, 3), r.integers(0, 5, size=(2, 4))]),
+                                Sample([rand(r, 2, 4), r.integers(0, 4, size=(3,))], {"axis": 1})]))
+
+
+def _scatter_infer(types, attrs):
+    idx, upd = types
+    shape, axis = attrs["shape"], attrs["axis"]
+    check_axis("scatter_add", axis, len(shape))
+    if not idx.dtype.is_int:
+        raise TypeError(f"'scatter_add' indices must be i32 or i64, got {idx}")
+    want = tuple(shape[:axis]) + idx.shape + tuple(shape[axis + 1:])
+    if upd.shape != want:
+        raise TypeError(f"'scatter_add' updates must have shape {list(want)} for indices {idx} into {list(shape)}, got {upd}")
+    return upd.with_shape(shape)
+
+
+declare(OpDef("scatter_add", 2, (ints("shape"), Attr("axis", "int", 0)), _scatter_infer, frozenset({"shape"}),
+              doc="zeros(shape) with updates added at indices along axis (the transpose of gather)",
+              sample=lambda r: [Sample([r.integers(0, 5, size=(2, 4)), rand(r, 2, 4, 3)], {"shape": (5, 3)}),
+                                Sample([r.integers(0, 4, size=(3,)), rand(r, 2, 3)], {"shape": (2, 4), "axis": 1})]))
+
+
+def _constant_infer(types, attrs):
+    return TensorType(attrs["dtype"], attrs["shape"])
+
+
+declare(OpDef("constant", 0, (Attr("value", "scalar"), ints("shape", ()), Attr("dtype", "dtype", DType.f32)),
+              _constant_infer, frozenset({"constant"}), nondiff=True, doc="a tensor filled with one value",
+              sample=lambda r: [Sample([], {"value": 1.5, "shape": (2, 3), "dtype": DType.f32}),
+                                Sample([], {"value": 3, "shape": (), "dtype": DType.i64})]))
+
+
+def _iota_infer(types, attrs):
+    shape = attrs["shape"]
+    check_axis("iota", attrs["axis"], len(shape))
+    return TensorType(attrs["dtype"], shape)
+
+
+declare(OpDef("iota", 0, (ints("shape"), Attr("axis", "int", 0), Attr("dtype", "dtype", DType.i64)), _iota_infer,
+              frozenset({"constant"}), nondiff=True, doc="index along an axis, broadcast over the others (0, 1, 2, …)",
+              sample=lambda r: [Sample([], {"shape": (3, 4), "axis": 1}), Sample([], {"shape": (5,), "dtype": DType.f32})]))

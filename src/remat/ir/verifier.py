@@ -1,0 +1,209 @@
+"""The verifier: structure, single definition, dominance, types against each op's rule,
+branch arguments against block parameters, calls against callees, return types.
+
+Errors name the function, block and instruction and show it in context.
+"""
+from __future__ import annotations
+
+from .core import Block, Function, Instruction, Module, Value, BlockArg, OpResult
+
+
+class VerificationError(ValueError):
+    """The IR breaks an invariant. ``errors`` lists every problem found."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("IR verification failed:\n" + "\n\n".join(errors))
+
+
+def _context(f: Function, ins: Instruction | None, radius: int = 2) -> str:
+    from .printer import function_lines
+
+    lines, where, _ = function_lines(f)
+    if ins is None or ins not in where:
+        return ""
+    k = where[ins]
+    lo, hi = max(0, k - radius), min(len(lines), k + radius + 1)
+    return "\n".join(("--> " if i == k else "    ") + lines[i] for i in range(lo, hi))
+
+
+def dominators(f: Function) -> dict[Block, set[Block]]:
+    """Dominator sets of the reachable blocks (iterative data-flow)."""
+    preds = predecessors(f)
+    reach = reachable(f)
+    blocks = [b for b in f.blocks if b in reach]
+    dom = {b: set(blocks) for b in blocks}
+    dom[f.entry] = {f.entry}
+    changed = True
+    while changed:
+        changed = False
+        for b in blocks[1:]:
+            ps = [dom[p] for p in preds[b] if p in reach]
+            new = set.intersection(*ps) | {b} if ps else {b}
+            if new != dom[b]:
+                dom[b], changed = new, True
+    return dom
+
+
+def predecessors(f: Function) -> dict[Block, list[Block]]:
+    preds: dict[Block, list[Block]] = {b: [] for b in f.blocks}
+    for b in f.blocks:
+        t = b.terminator
+        for s in t.successors if t else ():
+            if s.block in preds:
+                preds[s.block].append(b)
+    return preds
+
+
+def reachable(f: Function) -> set[Block]:
+    seen, stack = set(), [f.entry] if f.blocks else []
+    while stack:
+        b = stack.pop()
+        if b in seen:
+            continue
+        seen.add(b)
+        t = b.terminator
+        stack.extend(s.block for s in (t.successors if t else ()))
+    return seen
+
+
+def verify_function(f: Function, module: Module | None = None) -> list[str]:
+    errs: list[str] = []
+    if f.is_declaration:
+        g = f.gradient
+        if module is not None:
+            if g.of not in module:
+                errs.append(f"in @{f.name}: gradient of unknown function @{g.of}")
+            else:
+                n = len(module[g.of].param_types) if not module[g.of].is_declaration else None
+                bad = [i for i in g.wrt if n is not None and not 0 <= i < n]
+                if bad:
+                    errs.append(f"in @{f.name}: 'wrt' index {bad[0]} is out of range; @{g.of} has {n} parameters (valid: 0..{n - 1})")
+        if len(set(g.wrt)) != len(g.wrt):
+            errs.append(f"in @{f.name}: 'wrt' repeats an index: {list(g.wrt)}")
+        return errs
+    if not f.blocks:
+        return [f"in @{f.name}: a function needs at least one block"]
+
+    bname = {b: ("entry block" if i == 0 else f"block ^bb{i}") for i, b in enumerate(f.blocks)}
+    defs: dict[Value, tuple[Block, int]] = {}
+
+    def err(b: Block, ins: Instruction | None, msg: str) -> None:
+        where = f"in @{f.name}, {bname[b]}"
+        if ins is not None:
+            where += f", instruction '{ins.op.name}'"
+        ctx = _context(f, ins)
+        errs.append(f"{where}: {msg}" + (f"\n{ctx}" if ctx else ""))
+
+    # Definitions (single definition, ownership).
+    for b in f.blocks:
+        if b.function is not f:
+            err(b, None, "block belongs to another function")
+        for a in b.args:
+            if a in defs:
+                err(b, None, "block argument defined twice")
+            defs[a] = (b, -1)
+        for i, ins in enumerate(b.instrs):
+            if ins.block is not b:
+                err(b, ins, "instruction's parent block is wrong")
+            for r in ins.results:
+                if r in defs:
+                    err(b, ins, "value defined twice (SSA values have one definition)")
+                defs[r] = (b, i)
+
+    dom = dominators(f)
+    reach = set(dom)
+
+    def check_use(b: Block, i: int, ins: Instruction, v: Value, what: str) -> None:
+        if v not in defs:
+            err(b, ins, f"{what} is not defined in @{f.name} (a value from another function or a deleted instruction)")
+            return
+        db, di = defs[v]
+        if b not in reach:
+            return
+        if db is b:
+            if di >= i:
+                err(b, ins, f"{what} is used before its definition")
+        elif db not in dom[b]:
+            err(b, ins, f"{what} is defined in {bname[db]}, which does not dominate its use")
+
+    for b in f.blocks:
+        if not b.instrs or not b.instrs[-1].op.has("terminator"):
+            err(b, b.instrs[-1] if b.instrs else None, "block does not end with a terminator (return, br or cond_br)")
+        freed: dict[Value, Instruction] = {}
+        for i, ins in enumerate(b.instrs):
+            op = ins.op
+            if op.has("terminator") and i != len(b.instrs) - 1:
+                err(b, ins, "terminator in the middle of a block")
+            for k, v in enumerate(ins.operands):
+                check_use(b, i, ins, v, f"operand {k}")
+                if v in freed:
+                    err(b, ins, f"operand {k} is used after it was freed")
+            for s in ins.successors:
+                for k, v in enumerate(s.args):
+                    check_use(b, i, ins, v, f"branch argument {k}")
+            if op.name == "free":
+                for v in ins.operands:
+                    freed[v] = ins
+            # Successor structure.
+            want = {"br": 1, "cond_br": 2}.get(op.name, 0)
+            if len(ins.successors) != want:
+                err(b, ins, f"'{op.name}' needs {want} branch target(s), has {len(ins.successors)}")
+            for s in ins.successors:
+                if s.block not in bname:
+                    err(b, ins, "branch to a block outside the function")
+                    continue
+                if s.block is f.entry:
+                    err(b, ins, "branch to the entry block (the entry block has no predecessors)")
+                ptypes = [a.type for a in s.block.args]
+                atypes = [a.type for a in s.args]
+                if ptypes != atypes:
+                    err(b, ins, f"branch to {bname[s.block]} passes ({', '.join(map(str, atypes))}) "
+                                f"but the block takes ({', '.join(map(str, ptypes))})")
+            # Types.
+            types = [v.type for v in ins.operands]
+            rtypes = tuple(r.type for r in ins.results)
+            if op.name == "return":
+                if list(types) != list(f.result_types):
+                    err(b, ins, f"returns ({', '.join(map(str, types))}) but @{f.name} is declared to return "
+                                f"({', '.join(map(str, f.result_types))})")
+                continue
+            if op.name == "call":
+                callee = ins.attrs.get("callee")
+                if module is None or callee not in module:
+                    err(b, ins, f"call to unknown function @{callee}")
+                    continue
+                g = module[callee]
+                if g.is_declaration:
+                    err(b, ins, f"call to @{callee}, a gradient declaration not yet differentiated (run the 'grad' pass)")
+                    continue
+                if types != g.param_types:
+                    err(b, ins, f"call passes ({', '.join(map(str, types))}) but @{callee} takes ({', '.join(map(str, g.param_types))})")
+                if list(rtypes) != g.result_types:
+                    err(b, ins, f"call results ({', '.join(map(str, rtypes))}) do not match @{callee}'s results ({', '.join(map(str, g.result_types))})")
+                continue
+            try:
+                attrs = op.check_attrs(types, ins.attrs)
+                if attrs != ins.attrs:
+                    err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
+                expected = op.result_types(types, attrs)
+            except (TypeError, IndexError) as e:
+                err(b, ins, str(e))
+                continue
+            if expected != rtypes:
+                err(b, ins, f"result type ({', '.join(map(str, rtypes))}) does not match the type rule: "
+                            f"operands ({', '.join(map(str, types))}) give ({', '.join(map(str, expected))})")
+    return errs
+
+
+def verify(obj: Module | Function) -> Module | Function:
+    """Check every invariant; raise :class:`VerificationError` listing all problems. Returns ``obj``."""
+    if isinstance(obj, Function):
+        errs = verify_function(obj, obj.module)
+    else:
+        errs = []
+        for f in obj:
+            errs += verify_function(f, obj)
+    if errs:
+        raise VerificationError(errs)
+    return obj

@@ -1,0 +1,4 @@
+"""IR -> IR passes (simplify, fold, cse, dce, …) and the pipeline that runs them by name."""
+from .pipeline import PASSES, PipelineResult, get_pass, register_pass, run_pipeline
+
+__all__ = ["PASSES", "PipelineResult", "get_pass", "register_pass", "run_pipeline"]
