@@ -1,0 +1,238 @@
+"""Chain schedules (plans), their steps, and an exact memory/compute simulator.
+
+Memory model replayed by :func:`simulate` (bytes; this is what an executor with
+exact byte accounting must reproduce).  Initially live: ``f_0`` (with its tape)
+and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
+
+* ``F(i)`` / ``FT(i)`` (1 <= i <= N): needs ``f_{i-1}`` live and ``f_i`` not live.
+  While it runs, ``live + out_i + tape_i + fwd_overhead_i`` bytes are in use (the
+  step's peak).  Afterwards ``f_i``'s output (``beta_f[i]`` bytes) is live; ``FT``
+  also keeps its tape (``tape_bytes[i]``), ``F`` drops it.
+* ``B(i)`` (0 <= i <= N): needs ``f_i``, its tape (model ``"extended"`` only;
+  ``f_0``'s tape counts as given), and ``b_{i+1}`` live, ``b_i`` not live.  Peak
+  ``live + beta_b[i] + bwd_overhead[i]``; afterwards ``b_i`` is live.
+* ``Free("f", i)`` frees ``f_i`` (and its tape if kept); ``Free("b", i)`` frees
+  ``b_i``.  Frees are explicit: nothing is freed implicitly, so the schedule
+  states exactly what an executor must keep.
+
+Model ``"thesis"`` replays the thesis cost model on :meth:`ChainCosts.folded`
+costs (tape and workspaces folded into ``beta_f`` / ``beta_b``; ``F`` and ``FT``
+are then identical in memory and tapes are not tracked).  Model ``"extended"``
+uses the extended fields as above.  With all extended fields zero, both models
+coincide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Union
+
+import numpy as np
+
+from .costs import ChainCosts
+
+__all__ = ["F", "FT", "B", "Free", "Step", "Plan", "simulate", "ScheduleError", "format_schedule"]
+
+
+class ScheduleError(ValueError):
+    """A schedule is invalid under the memory model (missing input, leak, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class F:
+    """Compute f_i from f_{i-1}, keeping only the output (tape dropped)."""
+
+    i: int
+
+    def __str__(self) -> str:
+        return f"F({self.i})"
+
+
+@dataclass(frozen=True, slots=True)
+class FT:
+    """Compute f_i from f_{i-1} keeping everything b_i needs (output + tape): a checkpoint."""
+
+    i: int
+
+    def __str__(self) -> str:
+        return f"FT({self.i})"
+
+
+@dataclass(frozen=True, slots=True)
+class B:
+    """Compute b_i from f_i (+ tape) and b_{i+1}."""
+
+    i: int
+
+    def __str__(self) -> str:
+        return f"B({self.i})"
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Free a live tensor: kind ``"f"`` (f_i with its tape) or ``"b"`` (b_i)."""
+
+    kind: Literal["f", "b"]
+    i: int
+
+    def __str__(self) -> str:
+        return f"Free({self.kind}{self.i})"
+
+
+Step = Union[F, FT, B, Free]
+
+
+def format_schedule(schedule: Iterable[Step], width: int = 100) -> str:
+    """Wrap a schedule's steps into lines of at most ``width`` characters."""
+    lines: list[str] = []
+    cur = ""
+    for s in schedule:
+        tok = str(s)
+        if cur and len(cur) + 1 + len(tok) > width:
+            lines.append(cur)
+            cur = tok
+        else:
+            cur = f"{cur} {tok}" if cur else tok
+    if cur:
+        lines.append(cur)
+    return "\n".join(lines)
+
+
+@dataclass
+class Plan:
+    """Result of a chain solver.
+
+    ``cost``: total compute (sum of the alpha's of the executed steps, the given
+    f_0 / b_{N+1} not charged).  ``peak``: peak bytes of the schedule under
+    ``model`` (equal to :func:`simulate`'s).  ``feasible``: ``peak <= budget``
+    (baselines such as ``sqrt``/``uniform`` ignore or mis-model the budget and
+    may be infeasible).
+    """
+
+    method: str
+    budget: float
+    cost: float
+    peak: int
+    schedule: list[Step]
+    model: Literal["thesis", "extended"] = "thesis"
+    bucket: int | str | None = None
+    solve_time_s: float = 0.0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak <= self.budget
+
+    def overhead(self, costs: ChainCosts) -> float:
+        """Compute overhead relative to no recomputation (cost / no-recompute cost)."""
+        return self.cost / costs.no_recompute_cost()
+
+    def n_recomputed(self, costs: ChainCosts) -> int:
+        """Number of forward evaluations beyond one per layer."""
+        return sum(isinstance(s, (F, FT)) for s in self.schedule) - costs.n
+
+    def __str__(self) -> str:
+        head = (f"Plan[{self.method}] budget={self.budget:,.0f} B  peak={self.peak:,} B  "
+                f"cost={self.cost:.6g}  {'feasible' if self.feasible else 'INFEASIBLE'}  "
+                f"model={self.model} bucket={self.bucket} steps={len(self.schedule)} "
+                f"solve={self.solve_time_s * 1e3:.1f} ms")
+        return head + "\n" + format_schedule(self.schedule)
+
+
+def simulate(
+    costs: ChainCosts,
+    schedule: Iterable[Step],
+    model: Literal["thesis", "extended"] = "thesis",
+    *,
+    strict: bool = True,
+) -> tuple[float, int]:
+    """Replay ``schedule`` and return ``(total compute cost, peak bytes)``.
+
+    Raises :class:`ScheduleError` if a step's inputs are not live, a tensor is
+    computed while already live, a free targets a dead tensor, or (``strict``)
+    the schedule does not end with exactly ``f_0`` and ``b_0`` live.
+    """
+    n = costs.n
+    if model == "thesis":
+        c = costs.folded()
+        out = c.beta_f
+        tape = np.zeros(n + 1, np.int64)
+        fx = c.beta_f  # transient bytes while computing f_i
+        bx = c.beta_b
+    elif model == "extended":
+        c = costs
+        out = c.beta_f
+        tape = c.tape_bytes
+        fx = c.beta_f + c.tape_bytes + c.fwd_overhead
+        bx = c.beta_b + c.bwd_overhead
+    else:
+        raise ValueError(f"unknown model {model!r}")
+    bsz = c.beta_b
+    track_tape = model == "extended"
+    f_live = [False] * (n + 1)
+    t_live = [False] * (n + 1)
+    b_live = [False] * (n + 2)
+    f_live[0] = t_live[0] = True
+    b_live[n + 1] = True
+    live = int(out[0] + tape[0] + bsz[n + 1])
+    peak = live
+    cost = 0.0
+    for pos, s in enumerate(schedule):
+        if isinstance(s, (F, FT)):
+            i = s.i
+            if not 1 <= i <= n:
+                raise ScheduleError(f"step {pos} {s}: index out of range 1..{n}")
+            if not f_live[i - 1]:
+                raise ScheduleError(f"step {pos} {s}: input f_{i - 1} is not live")
+            if f_live[i]:
+                raise ScheduleError(f"step {pos} {s}: f_{i} is already live")
+            peak = max(peak, live + int(fx[i]))
+            f_live[i] = True
+            live += int(out[i])
+            if isinstance(s, FT):
+                t_live[i] = True
+                live += int(tape[i])
+            cost += float(c.alpha_f[i])
+        elif isinstance(s, B):
+            i = s.i
+            if not 0 <= i <= n:
+                raise ScheduleError(f"step {pos} {s}: index out of range 0..{n}")
+            if not f_live[i]:
+                raise ScheduleError(f"step {pos} {s}: f_{i} is not live")
+            if track_tape and not t_live[i]:
+                raise ScheduleError(f"step {pos} {s}: the tape of f_{i} is not live (use FT({i}))")
+            if not b_live[i + 1]:
+                raise ScheduleError(f"step {pos} {s}: b_{i + 1} is not live")
+            if b_live[i]:
+                raise ScheduleError(f"step {pos} {s}: b_{i} is already live")
+            peak = max(peak, live + int(bx[i]))
+            b_live[i] = True
+            live += int(bsz[i])
+            cost += float(c.alpha_b[i])
+        elif isinstance(s, Free):
+            i = s.i
+            if s.kind == "f":
+                if not (0 <= i <= n and f_live[i]):
+                    raise ScheduleError(f"step {pos} {s}: f_{i} is not live")
+                f_live[i] = False
+                live -= int(out[i])
+                if t_live[i]:
+                    t_live[i] = False
+                    live -= int(tape[i])
+            elif s.kind == "b":
+                if not (0 <= i <= n + 1 and b_live[i]):
+                    raise ScheduleError(f"step {pos} {s}: b_{i} is not live")
+                b_live[i] = False
+                live -= int(bsz[i])
+            else:
+                raise ScheduleError(f"step {pos} {s}: unknown free kind {s.kind!r}")
+        else:
+            raise ScheduleError(f"step {pos}: unknown step {s!r}")
+    if not b_live[0]:
+        raise ScheduleError("schedule does not compute b_0")
+    if strict:
+        extra = [f"f_{i}" for i in range(1, n + 1) if f_live[i]]
+        extra += [f"b_{i}" for i in range(1, n + 2) if b_live[i]]
+        if extra or not f_live[0]:
+            raise ScheduleError(f"schedule ends with unexpected live set: {extra or 'f_0 freed'}")
+    return cost, peak
