@@ -122,6 +122,14 @@ class _Parser:
             raise self.error(f"expected {what}")
         return self.next()
 
+    def at_block_header(self) -> bool:
+        """Whether the current '^label' token starts a block (``^bb1:`` or ``^bb1(%3: ...``)."""
+        def text(k: int) -> str:
+            return self.toks[min(self.i + k, len(self.toks) - 1)].text
+
+        kind2 = self.toks[min(self.i + 2, len(self.toks) - 1)].kind
+        return text(1) == ":" or (text(1) == "(" and kind2 == "value" and text(3) == ":")
+
     # -- grammar
     def module(self) -> Module:
         m = Module()
@@ -200,6 +208,8 @@ class _Parser:
         while not self.at("}"):
             if self.tok.kind == "eof":
                 raise self.error(f"function @{fname} is not closed with '}}'")
+            if self.tok.text == "func" and self.toks[self.i + 1].kind == "func":
+                raise self.error(f"function @{fname} is not closed with '}}' before the next function")
             if self.tok.kind == "block":
                 label = self.next()
                 args = []
@@ -285,7 +295,9 @@ class _Parser:
             self.expect(")")
             attrs["callee"] = callee
         else:
-            if self.tok.kind in ("value", "block"):
+            # A '^label' right after a bare op (``return`` with no operands) may be the next
+            # block's header, not a branch target: the grammar is newline-insensitive.
+            if self.tok.kind == "value" or (self.tok.kind == "block" and not self.at_block_header()):
                 while True:
                     if self.tok.kind == "value":
                         if successors:

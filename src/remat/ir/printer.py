@@ -38,7 +38,11 @@ def format_attr_value(kind: str, v: Any) -> str:
 def _is_default(a, v) -> bool:
     if a.default is REQUIRED:
         return False
-    return type(a.default) is type(v) and a.default == v
+    if type(a.default) is not type(v):
+        return False
+    if isinstance(v, float):  # -0.0 == 0.0 but is a different value; nan is never a default
+        return repr(v) == repr(a.default)
+    return a.default == v
 
 
 class Namer:

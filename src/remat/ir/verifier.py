@@ -79,6 +79,8 @@ def verify_function(f: Function, module: Module | None = None) -> list[str]:
                 bad = [i for i in g.wrt if n is not None and not 0 <= i < n]
                 if bad:
                     errs.append(f"in @{f.name}: 'wrt' index {bad[0]} is out of range; @{g.of} has {n} parameters (valid: 0..{n - 1})")
+        if not g.wrt:
+            errs.append(f"in @{f.name}: 'wrt' is empty; name at least one parameter index of @{g.of}")
         if len(set(g.wrt)) != len(g.wrt):
             errs.append(f"in @{f.name}: 'wrt' repeats an index: {list(g.wrt)}")
         return errs
