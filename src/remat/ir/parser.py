@@ -51,7 +51,9 @@ def tokenize(text: str) -> list[Tok]:
         m = _TOKEN.match(text, pos)
         if not m:
             src = text.splitlines()[line - 1] if text.splitlines() else ""
-            raise ParseError("unexpected character", line, pos - start + 1, text[pos], src)
+            msg = ("unterminated string (a string closes with '\"' on the same line)" if text[pos] == '"'
+                   else "unexpected character")
+            raise ParseError(msg, line, pos - start + 1, text[pos], src)
         kind = m.lastgroup
         if kind == "nl":
             line, start = line + 1, m.end()
@@ -112,14 +114,23 @@ class _Parser:
             return True
         return False
 
+    def missing(self, msg: str) -> ParseError:
+        """An 'expected …' error. When the offending token starts a later line, the missing piece
+        belongs at the end of the previous line, so point there."""
+        prev = self.toks[self.i - 1] if self.i > 0 else None
+        if prev is not None and self.tok.line > prev.line:
+            src = self.lines[prev.line - 1] if 0 < prev.line <= len(self.lines) else ""
+            return ParseError(msg, prev.line, prev.col + len(prev.text), "<end of line>", src)
+        return self.error(msg)
+
     def expect(self, text: str, what: str = "") -> Tok:
         if not self.at(text):
-            raise self.error(f"expected '{text}'{' ' + what if what else ''}")
+            raise self.missing(f"expected '{text}'{' ' + what if what else ''}")
         return self.next()
 
     def expect_kind(self, kind: str, what: str) -> Tok:
         if self.tok.kind != kind:
-            raise self.error(f"expected {what}")
+            raise self.missing(f"expected {what}")
         return self.next()
 
     def at_block_header(self) -> bool:
@@ -345,7 +356,7 @@ class _Parser:
                 if not self.accept(","):
                     break
             if len(types) != len(results):
-                raise self.error(f"{len(results)} result name(s) but {len(types)} result type(s)")
+                raise self.error(f"{len(results)} result name(s) but {len(types)} result type(s)", results[0])
         return _RawInstr(results, optok, dialect, operands, attrs, successors, types, callee)
 
     def build(self, fname: str, params, results, raw_blocks: list[_RawBlock]) -> Function:

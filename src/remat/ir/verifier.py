@@ -16,13 +16,21 @@ class VerificationError(ValueError):
         super().__init__("IR verification failed:\n" + "\n\n".join(errors))
 
 
-def _context(f: Function, ins: Instruction | None, radius: int = 2) -> str:
+def _context(f: Function, ins: Instruction | None, radius: int = 2, block: Block | None = None) -> str:
+    """The printed function around ``ins`` (or, without one, around ``block``'s label), marked ``-->``."""
     from .printer import function_lines
 
-    lines, where, _ = function_lines(f)
-    if ins is None or ins not in where:
+    lines, where, names = function_lines(f)
+    if ins is not None and ins in where:
+        k = where[ins]
+    elif ins is None and block is not None and names is not None and block in names.blocks:
+        label = names.blocks[block]
+        k = 0 if block is f.entry else next(
+            (i for i, line in enumerate(lines) if line.startswith(label + ":") or line.startswith(label + "(")), -1)
+        if k < 0:
+            return ""
+    else:
         return ""
-    k = where[ins]
     lo, hi = max(0, k - radius), min(len(lines), k + radius + 1)
     return "\n".join(("--> " if i == k else "    ") + lines[i] for i in range(lo, hi))
 
@@ -68,25 +76,37 @@ def reachable(f: Function) -> set[Block]:
 
 
 def verify_function(f: Function, module: Module | None = None) -> list[str]:
-    errs: list[str] = []
+    """Every problem of one function as a message naming the function, block and instruction."""
     if f.is_declaration:
-        g = f.gradient
-        if module is not None:
-            if g.of not in module:
-                errs.append(f"in @{f.name}: gradient of unknown function @{g.of}")
-            else:
-                n = len(module[g.of].param_types) if not module[g.of].is_declaration else None
-                bad = [i for i in g.wrt if n is not None and not 0 <= i < n]
-                if bad:
-                    errs.append(f"in @{f.name}: 'wrt' index {bad[0]} is out of range; @{g.of} has {n} parameters (valid: 0..{n - 1})")
-        if not g.wrt:
-            errs.append(f"in @{f.name}: 'wrt' is empty; name at least one parameter index of @{g.of}")
-        if len(set(g.wrt)) != len(g.wrt):
-            errs.append(f"in @{f.name}: 'wrt' repeats an index: {list(g.wrt)}")
-        return errs
+        return [f"{e}\n--> {str(f).strip()}" for e in _verify_declaration(f, module)]
     if not f.blocks:
         return [f"in @{f.name}: a function needs at least one block"]
+    return _verify_body(f, module)
 
+
+def _verify_declaration(f: Function, module: Module | None) -> list[str]:
+    """A gradient declaration names a function of the module and distinct, in-range parameters."""
+    errs: list[str] = []
+    g = f.gradient
+    if module is not None:
+        if g.of not in module:
+            errs.append(f"in @{f.name}: gradient of unknown function @{g.of}; the module has "
+                        f"{', '.join('@' + n for n in module.functions) or 'no functions'}")
+        else:
+            n = len(module[g.of].param_types) if not module[g.of].is_declaration else None
+            bad = [i for i in g.wrt if n is not None and not 0 <= i < n]
+            if bad:
+                valid = f"valid: 0..{n - 1}" if n else "it has none to differentiate"
+                errs.append(f"in @{f.name}: 'wrt' index {bad[0]} is out of range; @{g.of} has {n} parameters ({valid})")
+    if not g.wrt:
+        errs.append(f"in @{f.name}: 'wrt' is empty; name at least one parameter index of @{g.of}")
+    if len(set(g.wrt)) != len(g.wrt):
+        errs.append(f"in @{f.name}: 'wrt' repeats an index: {list(g.wrt)}")
+    return errs
+
+
+def _verify_body(f: Function, module: Module | None) -> list[str]:
+    errs: list[str] = []
     bname = {b: ("entry block" if i == 0 else f"block ^bb{i}") for i, b in enumerate(f.blocks)}
     defs: dict[Value, tuple[Block, int]] = {}
 
@@ -94,7 +114,7 @@ def verify_function(f: Function, module: Module | None = None) -> list[str]:
         where = f"in @{f.name}, {bname[b]}"
         if ins is not None:
             where += f", instruction '{ins.op.name}'"
-        ctx = _context(f, ins)
+        ctx = _context(f, ins, block=b)
         errs.append(f"{where}: {msg}" + (f"\n{ctx}" if ctx else ""))
 
     # Definitions (single definition, ownership).
@@ -125,9 +145,18 @@ def verify_function(f: Function, module: Module | None = None) -> list[str]:
             return
         if db is b:
             if di >= i:
-                err(b, ins, f"{what} is used before its definition")
+                err(b, ins, f"{what} ({printed(v)}) is used before its definition")
         elif db not in dom[b]:
-            err(b, ins, f"{what} is defined in {bname[db]}, which does not dominate its use")
+            err(b, ins, f"{what} ({printed(v)}) is defined in {bname[db]}, which does not dominate its use")
+
+    namer = []  # built on the first error only: the printed names of values
+
+    def printed(v: Value) -> str:
+        if not namer:
+            from .printer import Namer
+
+            namer.append(Namer(f))
+        return namer[0][v]
 
     for b in f.blocks:
         if not b.instrs or not b.instrs[-1].op.has("terminator"):
