@@ -1,1 +1,14 @@
-"""remat.autodiff"""
+"""Reverse-mode automatic differentiation by source transformation.
+
+``differentiate(module)`` (the pass ``grad``) turns gradient declarations into ordinary IR
+functions built from the per-op VJP rules declared beside each op in ``remat.ir.ops``;
+``remat.grad`` / ``remat.value_and_grad`` (in :mod:`remat.autodiff.api`) do the same for staged
+DSL functions.
+"""
+from .transform import ADJOINT_POLICIES, DifferentiationError, differentiate, gradient_function, vjp_rule
+
+STRUCTURAL_OPS = frozenset({"return", "br", "cond_br", "call", "free"})
+"""Ops the transformation handles itself (control flow, calls by inlining, frees dropped)."""
+
+__all__ = ["ADJOINT_POLICIES", "DifferentiationError", "STRUCTURAL_OPS", "differentiate", "gradient_function",
+           "vjp_rule"]

@@ -155,3 +155,204 @@ def _copy_infer(types, attrs):
 
 declare(OpDef("copy", 1, (), _copy_infer, frozenset({"elementwise", "unary"}),
               doc="a fresh copy of x (a new buffer)", sample=lambda r: [Sample([rand(r, 3, 4)])]))
+
+
+# ================================================================ VJP rules (reverse mode)
+# rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. ``saves`` is what the
+# backward keeps alive from the forward.
+import math as _math  # noqa: E402
+
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import def_vjp_variant, scalar_like as _c, unbroadcast as _unb  # noqa: E402
+
+
+def _mul(b, *vs):
+    out = vs[0]
+    for v in vs[1:]:
+        out = b.op("mul", out, v)
+    return out
+
+
+@def_vjp("neg", saves="none")
+def _neg_vjp(b, p, g):
+    return [b.op("neg", g)]
+
+
+@def_vjp("copy", saves="none")
+def _copy_vjp(b, p, g):
+    return [g]
+
+
+@def_vjp("abs", saves="inputs")
+def _abs_vjp(b, p, g):
+    return [b.op("mul", g, b.op("sign", p.x[0]))]
+
+
+@def_vjp("relu", saves="outputs")
+def _relu_vjp(b, p, g):
+    (y,) = p.y
+    zero = _c(b, 0, g)
+    return [b.op("select", b.op("gt", y, zero), g, zero)]
+
+
+@def_vjp_variant("relu", "inputs", saves="inputs")
+def _relu_vjp_in(b, p, g):
+    (x,) = p.x
+    zero = _c(b, 0, g)
+    return [b.op("select", b.op("gt", x, zero), g, zero)]
+
+
+@def_vjp("exp", saves="outputs")
+def _exp_vjp(b, p, g):
+    return [b.op("mul", g, p.y[0])]
+
+
+@def_vjp_variant("exp", "inputs", saves="inputs")
+def _exp_vjp_in(b, p, g):
+    return [b.op("mul", g, b.op("exp", p.x[0]))]
+
+
+@def_vjp("log", saves="inputs")
+def _log_vjp(b, p, g):
+    return [b.op("div", g, p.x[0])]
+
+
+@def_vjp("sqrt", saves="outputs")
+def _sqrt_vjp(b, p, g):
+    # d sqrt(x) = 1 / (2 sqrt(x))
+    return [b.op("div", g, b.op("mul", p.y[0], _c(b, 2, g)))]
+
+
+@def_vjp("rsqrt", saves="outputs")
+def _rsqrt_vjp(b, p, g):
+    # d x^-1/2 = -1/2 x^-3/2 = -1/2 y^3
+    y = p.y[0]
+    return [_mul(b, g, _c(b, -0.5, g), y, y, y)]
+
+
+def _tanh_from_y(b, g, y):
+    return b.op("mul", g, b.op("sub", _c(b, 1, g), b.op("mul", y, y)))
+
+
+@def_vjp("tanh", saves="outputs")
+def _tanh_vjp(b, p, g):
+    return [_tanh_from_y(b, g, p.y[0])]
+
+
+@def_vjp_variant("tanh", "inputs", saves="inputs")
+def _tanh_vjp_in(b, p, g):
+    return [_tanh_from_y(b, g, b.op("tanh", p.x[0]))]
+
+
+def _sigmoid_from_y(b, g, y):
+    return _mul(b, g, y, b.op("sub", _c(b, 1, g), y))
+
+
+@def_vjp("sigmoid", saves="outputs")
+def _sigmoid_vjp(b, p, g):
+    return [_sigmoid_from_y(b, g, p.y[0])]
+
+
+@def_vjp_variant("sigmoid", "inputs", saves="inputs")
+def _sigmoid_vjp_in(b, p, g):
+    return [_sigmoid_from_y(b, g, b.op("sigmoid", p.x[0]))]
+
+
+@def_vjp("sin", saves="inputs")
+def _sin_vjp(b, p, g):
+    return [b.op("mul", g, b.op("cos", p.x[0]))]
+
+
+@def_vjp("cos", saves="inputs")
+def _cos_vjp(b, p, g):
+    return [b.op("neg", b.op("mul", g, b.op("sin", p.x[0])))]
+
+
+@def_vjp("erf", saves="inputs")
+def _erf_vjp(b, p, g):
+    x = p.x[0]
+    e = b.op("exp", b.op("neg", b.op("mul", x, x)))
+    return [_mul(b, g, _c(b, 2 / _math.sqrt(_math.pi), g), e)]
+
+
+@def_vjp("gelu", saves="inputs")
+def _gelu_vjp(b, p, g):
+    x = p.x[0]
+    half, one = _c(b, 0.5, g), _c(b, 1, g)
+    if p.attrs["approximate"] == "tanh":
+        k, a = _math.sqrt(2 / _math.pi), 0.044715
+        x2 = b.op("mul", x, x)
+        u = _mul(b, _c(b, k, g), b.op("add", x, _mul(b, _c(b, a, g), x2, x)))
+        t = b.op("tanh", u)
+        du = _mul(b, _c(b, k, g), b.op("add", one, _mul(b, _c(b, 3 * a, g), x2)))
+        d = b.op("add", _mul(b, half, b.op("add", one, t)),
+                 _mul(b, half, x, b.op("sub", one, b.op("mul", t, t)), du))
+    else:
+        cdf = _mul(b, half, b.op("add", one, b.op("erf", b.op("mul", x, _c(b, 1 / _math.sqrt(2), g)))))
+        pdf = b.op("mul", _c(b, 1 / _math.sqrt(2 * _math.pi), g),
+                   b.op("exp", b.op("mul", _c(b, -0.5, g), b.op("mul", x, x))))
+        d = b.op("add", cdf, b.op("mul", x, pdf))
+    return [b.op("mul", g, d)]
+
+
+@def_vjp("cast", saves="none")
+def _cast_vjp(b, p, g):
+    t = p.in_types[0]
+    if not t.dtype.is_float:
+        return [None]
+    return [b.op("cast", g, dtype=t.dtype) if t.dtype != g.type.dtype else g]
+
+
+@def_vjp("add", saves="none")
+def _add_vjp(b, p, g):
+    return [_unb(b, g, p.in_types[0].shape), _unb(b, g, p.in_types[1].shape)]
+
+
+@def_vjp("sub", saves="none")
+def _sub_vjp(b, p, g):
+    return [_unb(b, g, p.in_types[0].shape), _unb(b, b.op("neg", g), p.in_types[1].shape)]
+
+
+@def_vjp("mul", saves="inputs")
+def _mul_vjp(b, p, g):
+    x, y = p.x
+    return [_unb(b, b.op("mul", g, y), p.in_types[0].shape), _unb(b, b.op("mul", g, x), p.in_types[1].shape)]
+
+
+@def_vjp("div", saves="inputs")
+def _div_vjp(b, p, g):
+    x, y = p.x
+    gx = b.op("div", g, y)
+    gy = b.op("neg", b.op("div", b.op("mul", gx, x), y))  # -g x / y^2
+    return [_unb(b, gx, p.in_types[0].shape), _unb(b, gy, p.in_types[1].shape)]
+
+
+@def_vjp("pow", saves="inputs")
+def _pow_vjp(b, p, g):
+    x, y = p.x
+    gx = _mul(b, g, y, b.op("pow", x, b.op("sub", y, _c(b, 1, g))))
+    gy = _mul(b, g, b.op("pow", x, y), b.op("log", x))
+    return [_unb(b, gx, p.in_types[0].shape), _unb(b, gy, p.in_types[1].shape)]
+
+
+def _minmax_vjp(cmp):
+    def rule(b, p, g):
+        x, y = p.x
+        zero = _c(b, 0, g)
+        m = b.op(cmp, x, y)  # ties go to the first operand
+        return [_unb(b, b.op("select", m, g, zero), p.in_types[0].shape),
+                _unb(b, b.op("select", m, zero, g), p.in_types[1].shape)]
+
+    return rule
+
+
+def_vjp("maximum", saves="inputs")(_minmax_vjp("ge"))
+def_vjp("minimum", saves="inputs")(_minmax_vjp("le"))
+
+
+@def_vjp("select", saves=(0,))
+def _select_vjp(b, p, g):
+    c = p.x[0]
+    zero = _c(b, 0, g)
+    return [None, _unb(b, b.op("select", c, g, zero), p.in_types[1].shape),
+            _unb(b, b.op("select", c, zero, g), p.in_types[2].shape)]

@@ -213,3 +213,157 @@ declare(OpDef("avg_pool2d_grad", 1, (ints("input_shape"),) + _POOL_ATTRS, _avg_p
               normalize=_pool_norm, doc="gradient of avg_pool2d from grad_output",
               sample=lambda r: [Sample([rand(r, 2, 3, 3, 3)], {"kernel": (2, 2), "input_shape": (2, 3, 6, 6)}),
                                 Sample([rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1), "input_shape": (1, 2, 7, 5)})]))
+
+
+# ================================================================ VJP rules (reverse mode)
+# rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp.
+from math import prod as _prod  # noqa: E402
+
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import const as _const, def_vjp_variant, expand_to as _expand, scalar_like as _c, unbroadcast as _unb  # noqa: E402
+
+_CONV_KEYS = ("stride", "padding", "dilation", "groups")
+_POOL_KEYS = ("kernel", "stride", "padding")
+
+
+def _keepdims_shape(p):
+    axes = p.attrs["axes"]
+    return tuple(1 if i in axes else d for i, d in enumerate(p.in_types[0].shape))
+
+
+def _to_keepdims(b, p, g):
+    """Reshape a reduction's cotangent so it broadcasts against the input (skipped when it already does)."""
+    keep = _keepdims_shape(p)
+    lead = len(keep) - g.type.rank
+    if keep[lead:] == g.type.shape and all(d == 1 for d in keep[:lead]):
+        return g
+    return b.op("reshape", g, shape=keep)
+
+
+@def_vjp("reduce_sum", saves="none")
+def _reduce_sum_vjp(b, p, g):
+    return [_expand(b, _to_keepdims(b, p, g), p.in_types[0].shape)]
+
+
+@def_vjp("reduce_mean", saves="none")
+def _reduce_mean_vjp(b, p, g):
+    n = _prod(p.in_types[0].shape[a] for a in p.attrs["axes"])
+    g = b.op("mul", g, _c(b, 1.0 / n, g))
+    return [_expand(b, _to_keepdims(b, p, g), p.in_types[0].shape)]
+
+
+@def_vjp("reduce_max", saves="inputs")
+def _reduce_max_vjp(b, p, g):
+    # The cotangent is shared evenly between tied maxima; the max is recomputed from the input.
+    x = p.x[0]
+    ymax = b.op("reduce_max", x, axes=p.attrs["axes"], keepdims=True)
+    mask = b.op("eq", x, ymax)
+    cnt = b.op("reduce_sum", b.op("cast", mask, dtype=g.type.dtype), axes=p.attrs["axes"], keepdims=True)
+    share = b.op("div", _to_keepdims(b, p, g), cnt)
+    return [b.op("select", mask, _expand(b, share, p.in_types[0].shape), _c(b, 0, g))]
+
+
+def _softmax_from_y(b, p, g, y):
+    s = b.op("reduce_sum", b.op("mul", g, y), axes=[p.attrs["axis"]], keepdims=True)
+    return [b.op("mul", y, b.op("sub", g, s))]
+
+
+def _log_softmax_from_y(b, p, g, y):
+    s = b.op("reduce_sum", g, axes=[p.attrs["axis"]], keepdims=True)
+    return [b.op("sub", g, b.op("mul", b.op("exp", y), s))]
+
+
+@def_vjp("softmax", saves="outputs")
+def _softmax_vjp(b, p, g):
+    return _softmax_from_y(b, p, g, p.y[0])
+
+
+@def_vjp_variant("softmax", "inputs", saves="inputs")
+def _softmax_vjp_in(b, p, g):
+    return _softmax_from_y(b, p, g, b.op("softmax", p.x[0], axis=p.attrs["axis"]))
+
+
+@def_vjp("log_softmax", saves="outputs")
+def _log_softmax_vjp(b, p, g):
+    return _log_softmax_from_y(b, p, g, p.y[0])
+
+
+@def_vjp_variant("log_softmax", "inputs", saves="inputs")
+def _log_softmax_vjp_in(b, p, g):
+    return _log_softmax_from_y(b, p, g, b.op("log_softmax", p.x[0], axis=p.attrs["axis"]))
+
+
+def _mT(b, v):
+    r = v.type.rank
+    return b.op("transpose", v, perm=list(range(r - 2)) + [r - 1, r - 2])
+
+
+@def_vjp("matmul", saves="inputs")
+def _matmul_vjp(b, p, g):
+    x, w = p.x
+    gx = b.op("matmul", g, _mT(b, w))
+    gw = b.op("matmul", _mT(b, x), g)
+    return [_unb(b, gx, p.in_types[0].shape), _unb(b, gw, p.in_types[1].shape)]
+
+
+def _conv_attrs(p):
+    return {k: p.attrs[k] for k in _CONV_KEYS}
+
+
+@def_vjp("conv2d", saves="inputs")
+def _conv2d_vjp(b, p, g):
+    x, w = p.x
+    a = _conv_attrs(p)
+    return [b.op("conv2d_input_grad", g, w, input_shape=p.in_types[0].shape, **a),
+            b.op("conv2d_weight_grad", x, g, weight_shape=p.in_types[1].shape, **a)]
+
+
+@def_vjp("conv2d_input_grad", saves="inputs")
+def _conv2d_input_grad_vjp(b, p, g):
+    # conv2d_input_grad(gy, w) is bilinear: <g, Jx^T gy> = <conv2d(g, w), gy>.
+    gy, w = p.x
+    a = _conv_attrs(p)
+    return [b.op("conv2d", g, w, **a), b.op("conv2d_weight_grad", g, gy, weight_shape=p.in_types[1].shape, **a)]
+
+
+@def_vjp("conv2d_weight_grad", saves="inputs")
+def _conv2d_weight_grad_vjp(b, p, g):
+    # <g, Jw^T gy> = <conv2d(x, g), gy>.
+    x, gy = p.x
+    a = _conv_attrs(p)
+    return [b.op("conv2d_input_grad", gy, g, input_shape=p.in_types[0].shape, **a), b.op("conv2d", x, g, **a)]
+
+
+def _pool_attrs(p):
+    return {k: p.attrs[k] for k in _POOL_KEYS}
+
+
+@def_vjp("max_pool2d", saves="inputs")
+def _max_pool2d_vjp(b, p, g):
+    return [b.op("max_pool2d_grad", p.x[0], g, **_pool_attrs(p))]
+
+
+@def_vjp("avg_pool2d", saves="none")
+def _avg_pool2d_vjp(b, p, g):
+    return [b.op("avg_pool2d_grad", g, input_shape=p.in_types[0].shape, **_pool_attrs(p))]
+
+
+@def_vjp("avg_pool2d_grad", saves="none")
+def _avg_pool2d_grad_vjp(b, p, g):
+    return [b.op("avg_pool2d", g, **_pool_attrs(p))]
+
+
+@def_vjp("max_pool2d_grad", saves=(0,))
+def _max_pool2d_grad_vjp(b, p, g):
+    # Piecewise constant in the input; linear in gy. Its transpose picks, per window, the cotangent
+    # at the window's (first) maximum: with non-overlapping windows that is a sum-pool of g masked
+    # by the routing of ones.
+    a = _pool_attrs(p)
+    if tuple(a["stride"]) != tuple(a["kernel"]):
+        raise NotImplementedError(
+            f"second-order differentiation through max_pool2d needs non-overlapping windows "
+            f"(stride == kernel), got kernel {list(a['kernel'])}, stride {list(a['stride'])}")
+    gy_t = p.in_types[1]
+    mask = b.op("max_pool2d_grad", p.x[0], _const(b, 1, gy_t.dtype, gy_t.shape), **a)
+    pooled = b.op("avg_pool2d", b.op("mul", g, mask), **a)
+    return [None, b.op("mul", pooled, _c(b, float(a["kernel"][0] * a["kernel"][1]), g))]

@@ -175,3 +175,70 @@ def _iota_infer(types, attrs):
 declare(OpDef("iota", 0, (ints("shape"), Attr("axis", "int", 0), Attr("dtype", "dtype", DType.i64)), _iota_infer,
               frozenset({"constant"}), nondiff=True, doc="index along an axis, broadcast over the others (0, 1, 2, …)",
               sample=lambda r: [Sample([], {"shape": (3, 4), "axis": 1}), Sample([], {"shape": (5,), "dtype": DType.f32})]))
+
+
+# ================================================================ VJP rules (reverse mode)
+# rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. Data movement keeps nothing
+# from the forward except integer indices.
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import unbroadcast as _unb  # noqa: E402
+
+
+@def_vjp("transpose", saves="none")
+def _transpose_vjp(b, p, g):
+    perm = p.attrs["perm"]
+    inv = [0] * len(perm)
+    for i, q in enumerate(perm):
+        inv[q] = i
+    return [b.op("transpose", g, perm=inv)]
+
+
+@def_vjp("reshape", saves="none")
+def _reshape_vjp(b, p, g):
+    return [b.op("reshape", g, shape=p.in_types[0].shape)]
+
+
+@def_vjp("broadcast", saves="none")
+def _broadcast_vjp(b, p, g):
+    return [_unb(b, g, p.in_types[0].shape)]
+
+
+@def_vjp("slice", saves="none")
+def _slice_vjp(b, p, g):
+    # Scatter the slice back with a pad: start zeros, step-1 zeros between elements, the rest after.
+    shape = p.in_types[0].shape
+    a, s = p.attrs["start"], p.attrs["step"]
+    n = g.type.shape
+    high = [d - (ai + (ni - 1) * si + 1) if ni else d - ai for d, ai, si, ni in zip(shape, a, s, n)]
+    return [b.op("pad", g, low=list(a), high=high, interior=[si - 1 for si in s])]
+
+
+@def_vjp("pad", saves="none")
+def _pad_vjp(b, p, g):
+    shape = p.in_types[0].shape
+    lo, it = p.attrs["low"], p.attrs["interior"]
+    stop = [l + (d - 1) * (i + 1) + 1 if d else l for l, d, i in zip(lo, shape, it)]
+    return [b.op("slice", g, start=lo, stop=stop, step=[i + 1 for i in it])]
+
+
+@def_vjp("concat", saves="none")
+def _concat_vjp(b, p, g):
+    axis, out, off = p.attrs["axis"], [], 0
+    full = g.type.shape
+    for t in p.in_types:
+        start = [0] * len(full)
+        stop = list(full)
+        start[axis], stop[axis] = off, off + t.shape[axis]
+        off += t.shape[axis]
+        out.append(b.op("slice", g, start=start, stop=stop, step=[1] * len(full)))
+    return out
+
+
+@def_vjp("gather", saves=(1,))
+def _gather_vjp(b, p, g):
+    return [b.op("scatter_add", p.x[1], g, shape=p.in_types[0].shape, axis=p.attrs["axis"]), None]
+
+
+@def_vjp("scatter_add", saves=(0,))
+def _scatter_add_vjp(b, p, g):
+    return [None, b.op("gather", g, p.x[0], axis=p.attrs["axis"])]

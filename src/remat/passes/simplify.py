@@ -1,0 +1,195 @@
+"""Algebraic simplification as declarative rule tables: ``RULES[op]`` lists small functions
+``rule(ins, b) -> Value | None`` that return a replacement for the instruction's result (emitting
+any new instruction through the builder ``b``) or None when they do not apply. The pass applies the
+rules until nothing changes.
+
+Every rule is exact for all inputs, NaN and infinities included: ``x*1 -> x`` holds for every
+float, while ``x*0 -> 0`` or ``x-x -> 0`` do not (NaN, inf) and are deliberately absent.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ._rewrite import apply_replacements, constant_value, resolve
+from .pipeline import register_pass
+
+Rule = Callable[[Instruction, Builder], "Value | None"]
+
+
+def _splat(v: Value):
+    """The splat value of a constant, also seen through reshape/broadcast of a constant."""
+    ins = getattr(v, "instr", None)
+    while ins is not None and ins.op.name in ("reshape", "broadcast"):
+        ins = getattr(ins.operands[0], "instr", None)
+    return ins.attrs["value"] if ins is not None and ins.op.name == "constant" else None
+
+
+def _is(v: Value, value: float) -> bool:
+    c = _splat(v)
+    return c is not None and not isinstance(c, bool) and v.type.dtype.value != "bool" and c == value
+
+
+def _def(v: Value, op: str) -> Instruction | None:
+    ins = getattr(v, "instr", None)
+    return ins if ins is not None and ins.op.name == op else None
+
+
+def _same(ins: Instruction, v: Value) -> Value | None:
+    """``v`` if it can stand for the result (same type), else None."""
+    return v if v.type == ins.results[0].type else None
+
+
+def _right_identity(value: float) -> Rule:
+    def rule(ins, b):
+        x, y = ins.operands
+        return _same(ins, x) if _is(y, value) else None
+
+    rule.__name__ = f"x_op_{value:g}"
+    return rule
+
+
+def _left_identity(value: float) -> Rule:
+    def rule(ins, b):
+        x, y = ins.operands
+        return _same(ins, y) if _is(x, value) else None
+
+    rule.__name__ = f"{value:g}_op_x"
+    return rule
+
+
+def neg_neg(ins, b):
+    d = _def(ins.operands[0], "neg")
+    return d.operands[0] if d else None
+
+
+def transpose_identity(ins, b):
+    return ins.operands[0] if list(ins.attrs["perm"]) == list(range(len(ins.attrs["perm"]))) else None
+
+
+def transpose_transpose(ins, b):
+    d = _def(ins.operands[0], "transpose")
+    if not d:
+        return None
+    p1, p2 = d.attrs["perm"], ins.attrs["perm"]
+    perm = [p1[i] for i in p2]
+    x = d.operands[0]
+    return x if perm == list(range(len(perm))) else b.op("transpose", x, perm=perm)
+
+
+def same_shape(ins, b):
+    return _same(ins, ins.operands[0])
+
+
+def reshape_reshape(ins, b):
+    d = _def(ins.operands[0], "reshape")
+    return b.op("reshape", d.operands[0], shape=ins.attrs["shape"]) if d else None
+
+
+def broadcast_broadcast(ins, b):
+    d = _def(ins.operands[0], "broadcast")
+    return b.op("broadcast", d.operands[0], shape=ins.attrs["shape"]) if d else None
+
+
+def cast_same(ins, b):
+    return _same(ins, ins.operands[0])
+
+
+def select_constant(ins, b):
+    c, x, y = ins.operands
+    cv = constant_value(c)
+    if cv is None:
+        return None
+    v = x if cv else y
+    t = ins.results[0].type
+    if v.type == t:
+        return v
+    return b.op("broadcast", v, shape=t.shape)
+
+
+def reduce_nothing(ins, b):
+    return _same(ins, ins.operands[0]) if not ins.attrs["axes"] else None
+
+
+def slice_full(ins, b):
+    t = ins.operands[0].type
+    a = ins.attrs
+    if all(s == 0 and e == d and st == 1 for s, e, st, d in zip(a["start"], a["stop"], a["step"], t.shape)):
+        return ins.operands[0]
+    return None
+
+
+def pad_nothing(ins, b):
+    a = ins.attrs
+    return ins.operands[0] if not any(a["low"]) and not any(a["high"]) and not any(a["interior"]) else None
+
+
+def concat_one(ins, b):
+    return ins.operands[0] if len(ins.operands) == 1 else None
+
+
+RULES: dict[str, list[Rule]] = {
+    "mul": [_right_identity(1), _left_identity(1)],
+    "add": [_right_identity(0), _left_identity(0)],
+    "sub": [_right_identity(0)],
+    "div": [_right_identity(1)],
+    "pow": [_right_identity(1)],
+    "neg": [neg_neg],
+    "transpose": [transpose_identity, transpose_transpose],
+    "reshape": [same_shape, reshape_reshape],
+    "broadcast": [same_shape, broadcast_broadcast],
+    "cast": [cast_same],
+    "select": [select_constant],
+    "reduce_sum": [reduce_nothing],
+    "reduce_mean": [reduce_nothing],
+    "reduce_max": [reduce_nothing],
+    "slice": [slice_full],
+    "pad": [pad_nothing],
+    "concat": [concat_one],
+}
+
+
+def rewrite_function(f: Function, rules: dict[str, list[Rule]], max_rounds: int = 20) -> tuple[Function, list[str]]:
+    """Apply ``rules`` to a copy of ``f`` until none fires; also returns the names of the rules that fired."""
+    g = f.clone()
+    fired: list[str] = []
+    if g.is_declaration:
+        return g, fired
+    for _ in range(max_rounds):
+        repl: dict[Value, Value] = {}
+        changed = False
+        for blk in g.blocks:
+            out: list[Instruction] = []
+            for ins in blk.instrs:
+                ins.operands = [resolve(repl, v) for v in ins.operands]
+                for s in ins.successors:
+                    s.args = [resolve(repl, v) for v in s.args]
+                new = None
+                if len(ins.results) == 1:
+                    scratch = Block()
+                    bld = Builder(scratch)
+                    for rule in rules.get(ins.op.name, ()):
+                        new = rule(ins, bld)
+                        if new is not None:
+                            fired.append(f"{ins.op.name}:{rule.__name__}")
+                            break
+                        scratch.instrs.clear()
+                    if new is not None:
+                        for ni in scratch.instrs:
+                            ni.block = blk
+                        out.extend(scratch.instrs)
+                        repl[ins.results[0]] = new
+                        changed = True
+                        continue
+                out.append(ins)
+            blk.instrs = out
+        apply_replacements(g, repl)
+        if not changed:
+            break
+    return g, fired
+
+
+@register_pass("simplify")
+def simplify(module: Module) -> Module:
+    """Algebraic simplification with :data:`RULES` in every function."""
+    return Module([rewrite_function(f, RULES)[0] for f in module])
