@@ -1,0 +1,781 @@
+"""Lowering rules from core ATen ops (as produced by ``torch.export`` + ``run_decompositions``) to
+remat IR ops: one small function per ATen overload, registered in :data:`LOWERINGS`.
+
+A rule receives a :class:`Lowerer` (builder, node metadata, helpers) and the node's arguments with
+FX nodes replaced by IR values; it returns an IR value, or a tuple for multi-output ATen ops (with
+``None`` for outputs it does not compute, which the importer rejects if they are used).
+IR values have value semantics, so ATen views (view, permute, expand …) become the IR op that
+computes the same logical array; strides never matter.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..ir import Builder, DType, TensorType, Value
+
+_TORCH_TO_DTYPE = {
+    torch.bool: DType.bool, torch.int32: DType.i32, torch.int64: DType.i64, torch.float16: DType.f16,
+    torch.bfloat16: DType.bf16, torch.float32: DType.f32, torch.float64: DType.f64,
+}
+
+
+def to_dtype(dt: torch.dtype) -> DType:
+    """The remat dtype of a torch dtype; raises TypeError listing the supported ones."""
+    try:
+        return _TORCH_TO_DTYPE[dt]
+    except KeyError:
+        valid = ", ".join(str(t).removeprefix("torch.") for t in _TORCH_TO_DTYPE)
+        raise TypeError(f"torch dtype {dt} has no remat equivalent; supported: {valid}") from None
+
+
+class LoweringError(Exception):
+    """An ATen op is supported but not with these arguments; the importer adds where it came from."""
+
+
+class Lowerer:
+    """State shared by the rules while translating one FX node: the builder, the node's expected
+    outputs (``meta['val']``), and the function's dropout seed."""
+
+    def __init__(self, builder: Builder, seed_fn: Callable[[], Value]):
+        self.b = builder
+        self._seed_fn = seed_fn
+        self.node: torch.fx.Node | None = None
+        self.dropout_count = 0
+
+    # -- what the node must produce
+    def meta(self, i: int | None = None) -> Any:
+        v = self.node.meta.get("val")
+        return v[i] if i is not None else v
+
+    def out_type(self, i: int | None = None) -> TensorType:
+        v = self.meta(i)
+        return TensorType(to_dtype(v.dtype), tuple(int(d) for d in v.shape))
+
+    @staticmethod
+    def arg_meta(a: Any) -> Any:
+        """The example value of an FX argument: a fake tensor for a node, else the Python value."""
+        return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+    def used_outputs(self) -> set[int]:
+        """Indices of a multi-output node's results that some user reads."""
+        used = set()
+        for u in self.node.users:
+            if u.op == "call_function" and u.target is operator.getitem:
+                used.add(u.args[1])
+            else:
+                used.update(range(64))
+        return used
+
+    # -- value helpers
+    def op(self, name: str, *operands: Value, **attrs: Any) -> Value:
+        return self.b.op(name, *operands, **attrs)
+
+    def const(self, value: float | int | bool, dtype: DType, shape: Sequence[int] = ()) -> Value:
+        if dtype == DType.bool:
+            value = bool(value)
+        elif dtype.is_int:
+            if isinstance(value, float) and value != int(value):
+                raise LoweringError(f"constant {value!r} is not an integer but the tensor is {dtype}")
+            value = int(value)
+        else:
+            value = float(value)
+        return self.op("constant", value=value, shape=tuple(shape), dtype=dtype)
+
+    def cast(self, v: Value, dtype: DType) -> Value:
+        return v if v.type.dtype == dtype else self.op("cast", v, dtype=dtype)
+
+    def value(self, x: Value | float | int | bool, dtype: DType) -> Value:
+        """``x`` as an IR value of ``dtype``: Python scalars become constants, values are cast."""
+        if isinstance(x, Value):
+            return self.cast(x, dtype)
+        return self.const(x, dtype)
+
+    def reshape(self, v: Value, shape: Sequence[int]) -> Value:
+        shape = tuple(int(d) for d in shape)
+        return v if v.type.shape == shape else self.op("reshape", v, shape=shape)
+
+    def seed(self) -> Value:
+        """A fresh seed for the next random op: ``fold_seed(seed, k)`` for the k-th one."""
+        k = self.dropout_count
+        self.dropout_count += 1
+        return self.op("fold_seed", self._seed_fn(), salt=k)
+
+
+Rule = Callable[..., Any]
+LOWERINGS: dict[str, Rule] = {}
+
+
+def lower(*names: str):
+    """Register a rule for ATen overloads given as ``"add.Tensor"`` (the ``aten.`` prefix implied)."""
+
+    def deco(fn: Rule) -> Rule:
+        for n in names:
+            if n in LOWERINGS:
+                raise ValueError(f"two lowering rules for aten.{n}")
+            LOWERINGS[n] = fn
+        return fn
+
+    return deco
+
+
+def _axis(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def _axes(dims: Sequence[int] | int | None, rank: int) -> tuple[int, ...]:
+    if dims is None:
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return tuple(range(rank))
+    return tuple(sorted({_axis(int(d), max(rank, 1)) for d in dims}))
+
+
+def _pair(v: Sequence[int] | int, name: str) -> tuple[int, int]:
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(int(x) for x in v)
+    if len(v) == 1:
+        return (v[0], v[0])
+    if len(v) != 2:
+        raise LoweringError(f"{name} {list(v)} needs 1 or 2 entries for a 2-d op")
+    return v
+
+
+# ---------------------------------------------------------------- element-wise
+def _result_dtype(L: Lowerer) -> DType:
+    """The dtype PyTorch computes a binary op in, from the node's example operands (tensors or scalars)."""
+    a, b = L.node.args[:2]
+    return to_dtype(torch.result_type(L.arg_meta(a), L.arg_meta(b)))
+
+
+def _binary(name: str):
+    def rule(L: Lowerer, a, b, alpha=1):
+        dt = L.out_type().dtype if name not in _CMP else _result_dtype(L)
+        if dt == DType.bool and name in ("add", "mul", "maximum", "minimum"):  # bool arithmetic is logic
+            return L.op({"add": "or", "mul": "and", "maximum": "or", "minimum": "and"}[name], L.value(a, dt), L.value(b, dt))
+        if alpha != 1:
+            b = L.op("mul", L.value(b, dt), L.const(alpha, dt))
+        return L.op(name, L.value(a, dt), L.value(b, dt))
+
+    return rule
+
+
+_CMP = {"eq", "ne", "lt", "le", "gt", "ge"}
+for _n, _ops in {
+    "add": ("add.Tensor", "add.Scalar"), "sub": ("sub.Tensor", "sub.Scalar"), "mul": ("mul.Tensor", "mul.Scalar"),
+    "maximum": ("maximum.default",), "minimum": ("minimum.default",),
+    "pow": ("pow.Tensor_Tensor",),
+    **{c: (f"{c}.Tensor", f"{c}.Scalar") for c in _CMP},
+}.items():
+    lower(*_ops)(_binary(_n))
+
+
+@lower("div.Tensor", "div.Scalar")
+def _div(L: Lowerer, a, b):
+    dt = L.out_type().dtype
+    return L.op("div", L.value(a, dt), L.value(b, dt))
+
+
+@lower("div.Tensor_mode")
+def _div_mode(L: Lowerer, a, b, rounding_mode=None):
+    if rounding_mode is not None:
+        raise LoweringError(f"division with rounding_mode={rounding_mode!r} is not supported (only true division)")
+    return _div(L, a, b)
+
+
+@lower("rsub.Scalar", "rsub.Tensor")
+def _rsub(L: Lowerer, a, b, alpha=1):
+    dt = L.out_type().dtype
+    a = L.value(a, dt)
+    if alpha != 1:
+        a = L.op("mul", a, L.const(alpha, dt))
+    return L.op("sub", L.value(b, dt), a)
+
+
+@lower("pow.Tensor_Scalar")
+def _pow_scalar(L: Lowerer, x, e):
+    dt = L.out_type().dtype
+    x = L.value(x, dt)
+    if e == 1:
+        return x
+    if e == 2:
+        return L.op("mul", x, x)
+    if e == 0.5 and dt.is_float:
+        return L.op("sqrt", x)
+    if e == -0.5 and dt.is_float:
+        return L.op("rsqrt", x)
+    return L.op("pow", x, L.const(e, dt))
+
+
+@lower("pow.Scalar")
+def _pow_base(L: Lowerer, base, e):
+    dt = L.out_type().dtype
+    return L.op("pow", L.const(base, dt), L.value(e, dt))
+
+
+_UNARY = {"neg": "neg", "abs": "abs", "sign": "sign", "relu": "relu", "exp": "exp", "log": "log", "sqrt": "sqrt",
+          "rsqrt": "rsqrt", "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "erf": "erf"}
+
+
+def _unary(name: str):
+    def rule(L: Lowerer, x):
+        return L.op(name, L.cast(x, L.out_type().dtype))
+
+    return rule
+
+
+for _a, _r in _UNARY.items():
+    lower(f"{_a}.default")(_unary(_r))
+
+
+@lower("gelu.default")
+def _gelu(L: Lowerer, x, approximate="none"):
+    return L.op("gelu", x, approximate=approximate)
+
+
+@lower("reciprocal.default")
+def _reciprocal(L: Lowerer, x):
+    dt = L.out_type().dtype
+    return L.op("div", L.const(1, dt), L.cast(x, dt))
+
+
+@lower("log1p.default")
+def _log1p(L: Lowerer, x):
+    dt = L.out_type().dtype
+    return L.op("log", L.op("add", L.cast(x, dt), L.const(1, dt)))
+
+
+@lower("expm1.default")
+def _expm1(L: Lowerer, x):
+    dt = L.out_type().dtype
+    return L.op("sub", L.op("exp", L.cast(x, dt)), L.const(1, dt))
+
+
+@lower("silu.default")
+def _silu(L: Lowerer, x):
+    return L.op("mul", x, L.op("sigmoid", x))
+
+
+@lower("leaky_relu.default")
+def _leaky_relu(L: Lowerer, x, negative_slope=0.01):
+    dt = x.type.dtype
+    return L.op("select", L.op("gt", x, L.const(0, dt)), x, L.op("mul", x, L.const(negative_slope, dt)))
+
+
+@lower("clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_max.default", "hardtanh.default")
+def _clamp(L: Lowerer, x, min=None, max=None):
+    if L.node.target.__name__.startswith("clamp_max"):
+        min, max = None, min
+    dt = L.out_type().dtype
+    x = L.cast(x, dt)
+    if min is not None:
+        x = L.op("maximum", x, L.value(min, dt))
+    if max is not None:
+        x = L.op("minimum", x, L.value(max, dt))
+    return x
+
+
+@lower("where.self")
+def _where(L: Lowerer, c, a, b):
+    dt = L.out_type().dtype
+    return L.op("select", L.cast(c, DType.bool) if isinstance(c, Value) else L.const(c, DType.bool),
+                L.value(a, dt), L.value(b, dt))
+
+
+@lower("bitwise_not.default")
+def _bitwise_not(L: Lowerer, x):
+    if x.type.dtype != DType.bool:
+        raise LoweringError(f"bitwise_not of {x.type} is not supported (only of bool tensors)")
+    return L.op("not", x)
+
+
+@lower("logical_not.default")
+def _logical_not(L: Lowerer, x):
+    if x.type.dtype == DType.bool:
+        return L.op("not", x)
+    return L.op("eq", x, L.const(0, x.type.dtype))
+
+
+def _as_bool(L: Lowerer, x) -> Value:
+    if isinstance(x, Value):
+        return x if x.type.dtype == DType.bool else L.op("ne", x, L.const(0, x.type.dtype))
+    return L.const(bool(x), DType.bool)
+
+
+def _logic(name: str):
+    def rule(L: Lowerer, a, b):
+        a, b = _as_bool(L, a), _as_bool(L, b)
+        if name == "xor":
+            return L.op("ne", a, b)
+        return L.op(name, a, b)
+
+    return rule
+
+
+lower("logical_and.default", "bitwise_and.Tensor")(_logic("and"))
+lower("logical_or.default", "bitwise_or.Tensor")(_logic("or"))
+lower("logical_xor.default", "bitwise_xor.Tensor")(_logic("xor"))
+
+
+@lower("_to_copy.default")
+def _to_copy(L: Lowerer, x, **kwargs):
+    return L.cast(x, L.out_type().dtype)
+
+
+@lower("clone.default", "alias.default", "lift_fresh_copy.default", "detach.default", "contiguous.default")
+def _identity(L: Lowerer, x, **kwargs):
+    return x
+
+
+# ---------------------------------------------------------------- creation
+@lower("scalar_tensor.default", "full.default", "full_like.default", "zeros_like.default", "ones_like.default",
+       "zeros.default", "ones.default")
+def _full(L: Lowerer, *args, **kwargs):
+    t = L.out_type()
+    name = L.node.target.__name__.split(".")[0]
+    value = {"zeros_like": 0, "ones_like": 1, "zeros": 0, "ones": 1}.get(name)
+    if value is None:
+        value = args[0] if name == "scalar_tensor" else args[1]
+    return L.const(value, t.dtype, t.shape)
+
+
+@lower("arange.default", "arange.start", "arange.start_step")
+def _arange(L: Lowerer, *args, **kwargs):
+    t = L.out_type()
+    start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+    v = L.op("iota", shape=t.shape, axis=0, dtype=t.dtype)
+    if step != 1:
+        v = L.op("mul", v, L.const(step, t.dtype))
+    if start != 0:
+        v = L.op("add", v, L.const(start, t.dtype))
+    return v
+
+
+# ---------------------------------------------------------------- shape
+@lower("view.default", "_unsafe_view.default", "reshape.default", "squeeze.default", "squeeze.dim", "squeeze.dims",
+       "unsqueeze.default", "flatten.using_ints", "view_copy.default")
+def _reshape(L: Lowerer, x, *args, **kwargs):
+    return L.reshape(x, L.out_type().shape)
+
+
+@lower("permute.default")
+def _permute(L: Lowerer, x, dims):
+    perm = tuple(_axis(int(d), x.type.rank) for d in dims)
+    return x if perm == tuple(range(x.type.rank)) else L.op("transpose", x, perm=perm)
+
+
+@lower("transpose.int")
+def _transpose(L: Lowerer, x, d0, d1):
+    perm = list(range(x.type.rank))
+    a, b = _axis(d0, x.type.rank), _axis(d1, x.type.rank)
+    perm[a], perm[b] = perm[b], perm[a]
+    return _permute(L, x, perm)
+
+
+@lower("t.default")
+def _t(L: Lowerer, x):
+    return x if x.type.rank < 2 else _permute(L, x, [1, 0])
+
+
+@lower("expand.default", "expand_copy.default")
+def _expand(L: Lowerer, x, size, implicit=False):
+    shape = L.out_type().shape
+    return x if x.type.shape == shape else L.op("broadcast", x, shape=shape)
+
+
+def _slice(L: Lowerer, x: Value, dim: int, start: int, stop: int, step: int = 1) -> Value:
+    shape = x.type.shape
+    if start == 0 and stop == shape[dim] and step == 1:
+        return x
+    lo = [0] * len(shape)
+    hi = list(shape)
+    st = [1] * len(shape)
+    lo[dim], hi[dim], st[dim] = start, stop, step
+    return L.op("slice", x, start=lo, stop=hi, step=st)
+
+
+@lower("slice.Tensor", "slice_copy.Tensor")
+def _slice_tensor(L: Lowerer, x, dim=0, start=None, end=None, step=1):
+    dim = _axis(dim, x.type.rank)
+    s, e, st = slice(start, end, step).indices(x.type.shape[dim])
+    if st < 1:
+        raise LoweringError(f"slice step {step} is not supported; steps must be >= 1")
+    e = max(e, s)
+    return _slice(L, x, dim, s, e, st)
+
+
+@lower("select.int", "select_copy.int")
+def _select(L: Lowerer, x, dim, index):
+    dim = _axis(dim, x.type.rank)
+    index = index + x.type.shape[dim] if index < 0 else index
+    return L.reshape(_slice(L, x, dim, index, index + 1), L.out_type().shape)
+
+
+@lower("split_with_sizes.default", "split.Tensor", "split_with_sizes_copy.default", "split_copy.Tensor")
+def _split(L: Lowerer, x, sizes, dim=0):
+    dim = _axis(dim, x.type.rank)
+    n = x.type.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)] or [0]
+    out, at = [], 0
+    for s in sizes:
+        out.append(_slice(L, x, dim, at, at + s))
+        at += s
+    return tuple(out)
+
+
+@lower("unbind.int")
+def _unbind(L: Lowerer, x, dim=0):
+    dim = _axis(dim, x.type.rank)
+    shape = x.type.shape[:dim] + x.type.shape[dim + 1:]
+    return tuple(L.reshape(_slice(L, x, dim, i, i + 1), shape) for i in range(x.type.shape[dim]))
+
+
+@lower("cat.default")
+def _cat(L: Lowerer, tensors, dim=0):
+    t = L.out_type()
+    parts = [L.cast(v, t.dtype) for v in tensors if not (v.type.rank == 1 and v.type.shape[0] == 0)]
+    if len(parts) == 1:
+        return parts[0]
+    return L.op("concat", *parts, axis=_axis(dim, t.rank))
+
+
+@lower("constant_pad_nd.default")
+def _pad(L: Lowerer, x, pad, value=0):
+    rank = x.type.rank
+    lo, hi = [0] * rank, [0] * rank
+    for i in range(len(pad) // 2):  # pad lists (left, right) pairs from the last axis backwards
+        lo[rank - 1 - i], hi[rank - 1 - i] = int(pad[2 * i]), int(pad[2 * i + 1])
+    if any(p > 0 for p in lo + hi):
+        x = L.op("pad", x, low=[max(p, 0) for p in lo], high=[max(p, 0) for p in hi], value=float(value))
+    if any(p < 0 for p in lo + hi):  # negative padding crops
+        shape = x.type.shape
+        x = L.op("slice", x, start=[max(-p, 0) for p in lo], stop=[d - max(-p, 0) for d, p in zip(shape, hi)])
+    return x
+
+
+@lower("embedding.default")
+def _embedding(L: Lowerer, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return L.op("gather", weight, indices, axis=0)
+
+
+@lower("index_select.default")
+def _index_select(L: Lowerer, x, dim, index):
+    return L.reshape(L.op("gather", x, index, axis=_axis(dim, x.type.rank)), L.out_type().shape)
+
+
+@lower("index.Tensor")
+def _index(L: Lowerer, x, indices):
+    real = [(i, v) for i, v in enumerate(indices) if v is not None]
+    if len(real) != 1 or real[0][1].type.dtype not in (DType.i32, DType.i64):
+        raise LoweringError("indexing is supported with exactly one integer index tensor (x[..., idx, ...]); "
+                            "boolean masks and several index tensors are not")
+    (dim, idx), = real
+    return L.op("gather", x, idx, axis=dim)
+
+
+@lower("gather.default")
+def _gather_along(L: Lowerer, x, dim, index, sparse_grad=False):
+    """torch.gather (take_along_axis) as a one-hot selection: out[..., j, ...] = x[..., index[..., j, ...], ...]."""
+    rank = x.type.rank
+    dim = _axis(dim, rank)
+    n = x.type.shape[dim]
+    ishape = index.type.shape
+    if any(ishape[i] != x.type.shape[i] for i in range(rank) if i != dim):
+        x = L.op("slice", x, start=[0] * rank, stop=[ishape[i] if i != dim else n for i in range(rank)])
+    # onehot[..., j, c, ...] = index[..., j, ...] == c, the class axis c inserted after dim
+    oh_shape = ishape[:dim + 1] + (n,) + ishape[dim + 1:]
+    idx = L.reshape(index, ishape[:dim + 1] + (1,) + ishape[dim + 1:])
+    cls = L.op("iota", shape=oh_shape, axis=dim + 1, dtype=index.type.dtype)
+    onehot = L.op("eq", idx, cls)
+    xs = L.reshape(x, x.type.shape[:dim] + (1,) + x.type.shape[dim:])
+    picked = L.op("select", onehot, xs, L.const(0, x.type.dtype))
+    return L.op("reduce_sum", picked, axes=[dim + 1])
+
+
+# ---------------------------------------------------------------- reductions
+@lower("sum.dim_IntList", "sum.default")
+def _sum(L: Lowerer, x, dim=None, keepdim=False, dtype=None):
+    t = L.out_type()
+    return L.op("reduce_sum", L.cast(x, t.dtype), axes=_axes(dim, x.type.rank), keepdims=keepdim)
+
+
+@lower("mean.dim", "mean.default")
+def _mean(L: Lowerer, x, dim=None, keepdim=False, dtype=None):
+    t = L.out_type()
+    return L.op("reduce_mean", L.cast(x, t.dtype), axes=_axes(dim, x.type.rank), keepdims=keepdim)
+
+
+@lower("amax.default")
+def _amax(L: Lowerer, x, dim=(), keepdim=False):
+    return L.op("reduce_max", x, axes=_axes(dim, x.type.rank), keepdims=keepdim)
+
+
+@lower("amin.default")
+def _amin(L: Lowerer, x, dim=(), keepdim=False):
+    return L.op("neg", L.op("reduce_max", L.op("neg", x), axes=_axes(dim, x.type.rank), keepdims=keepdim))
+
+
+@lower("max.dim")
+def _max_dim(L: Lowerer, x, dim, keepdim=False):
+    ax = _axis(dim, x.type.rank)
+    m = L.op("reduce_max", x, axes=[ax], keepdims=True)
+    values = m if keepdim else L.reshape(m, L.out_type(0).shape)
+    indices = None
+    if 1 in L.used_outputs():  # first index of the maximum: -max(-where(x == max, i, n))
+        it = L.out_type(1)
+        i = L.op("iota", shape=x.type.shape, axis=ax, dtype=it.dtype)
+        cand = L.op("select", L.op("eq", x, m), L.op("neg", i), L.const(-x.type.shape[ax], it.dtype))
+        indices = L.reshape(L.op("neg", L.op("reduce_max", cand, axes=[ax], keepdims=True)), it.shape)
+    return values, indices
+
+
+@lower("any.dim", "any.dims", "any.default")
+def _any(L: Lowerer, x, dim=None, keepdim=False):
+    v = L.op("cast", _as_bool(L, x), dtype=DType.i32)
+    m = L.op("reduce_max", v, axes=_axes(dim, x.type.rank), keepdims=keepdim)
+    return L.op("ne", m, L.const(0, DType.i32))
+
+
+def _var(L: Lowerer, x: Value, axes: tuple[int, ...], correction: float, keepdim: bool) -> tuple[Value, Value]:
+    mean = L.op("reduce_mean", x, axes=axes, keepdims=True)
+    d = L.op("sub", x, mean)
+    n = math.prod(x.type.shape[a] for a in axes)
+    ss = L.op("reduce_sum", L.op("mul", d, d), axes=axes, keepdims=keepdim)
+    var = L.op("div", ss, L.const(max(n - correction, 0), x.type.dtype))
+    return var, mean if keepdim else L.reshape(mean, var.type.shape)
+
+
+@lower("var.correction", "var.dim")
+def _var_rule(L: Lowerer, x, dim=None, unbiased=None, keepdim=False, *, correction=None):
+    if isinstance(unbiased, bool):  # var.dim(x, dim, unbiased, keepdim)
+        correction = 1 if unbiased else 0
+    return _var(L, x, _axes(dim, x.type.rank), 1 if correction is None else correction, keepdim)[0]
+
+
+@lower("var_mean.correction")
+def _var_mean(L: Lowerer, x, dim=None, *, correction=None, keepdim=False):
+    return _var(L, x, _axes(dim, x.type.rank), 1 if correction is None else correction, keepdim)
+
+
+@lower("_softmax.default", "softmax.int")
+def _softmax(L: Lowerer, x, dim, half_to_float=False):
+    return L.cast(L.op("softmax", x, axis=_axis(dim, x.type.rank)), L.out_type().dtype)
+
+
+@lower("_log_softmax.default", "log_softmax.int")
+def _log_softmax(L: Lowerer, x, dim, half_to_float=False):
+    return L.cast(L.op("log_softmax", x, axis=_axis(dim, x.type.rank)), L.out_type().dtype)
+
+
+# ---------------------------------------------------------------- linear algebra
+@lower("mm.default", "bmm.default")
+def _mm(L: Lowerer, a, b):
+    return L.op("matmul", a, b)
+
+
+@lower("addmm.default", "baddbmm.default")
+def _addmm(L: Lowerer, bias, a, b, *, beta=1, alpha=1):
+    dt = L.out_type().dtype
+    p = L.op("matmul", a, b)
+    if alpha != 1:
+        p = L.op("mul", p, L.const(alpha, dt))
+    if beta == 0:
+        return p
+    if beta != 1:
+        bias = L.op("mul", bias, L.const(beta, dt))
+    return L.op("add", p, bias)
+
+
+# ---------------------------------------------------------------- convolution and pooling
+@lower("convolution.default")
+def _convolution(L: Lowerer, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    t = L.out_type()
+    one_d = x.type.rank == 3
+    if one_d:  # conv1d as a conv2d with a unit height
+        x = L.reshape(x, x.type.shape[:2] + (1,) + x.type.shape[2:])
+        w = L.reshape(w, w.type.shape[:2] + (1,) + w.type.shape[2:])
+        stride, padding, dilation = (1, stride[0]), (0, padding[0]), (1, dilation[0])
+    elif x.type.rank != 4:
+        raise LoweringError(f"convolution of a rank-{x.type.rank} input {x.type} is not supported (1-d and 2-d only)")
+    attrs = dict(stride=_pair(stride, "stride"), padding=_pair(padding, "padding"),
+                 dilation=_pair(dilation, "dilation"), groups=int(groups))
+    if transposed:  # a transposed convolution is the input gradient of the matching convolution
+        out_shape = t.shape if not one_d else t.shape[:2] + (1,) + t.shape[2:]
+        y = L.op("conv2d_input_grad", x, w, input_shape=out_shape, **attrs)
+    else:
+        y = L.op("conv2d", x, w, **attrs)
+    if bias is not None:
+        y = L.op("add", y, L.reshape(bias, (1, bias.type.shape[0], 1, 1)))
+    return L.reshape(y, t.shape)
+
+
+@lower("max_pool2d_with_indices.default", "max_pool2d.default")
+def _max_pool(L: Lowerer, x, kernel, stride=(), padding=0, dilation=1, ceil_mode=False):
+    if _pair(dilation, "dilation") != (1, 1):
+        raise LoweringError(f"max pooling with dilation {dilation} is not supported (only dilation 1)")
+    attrs = dict(kernel=_pair(kernel, "kernel_size"), stride=_pair(stride, "stride") if stride else _pair(kernel, "kernel_size"),
+                 padding=_pair(padding, "padding"))
+    y = L.op("max_pool2d", x, **attrs)
+    if ceil_mode and y.type.shape != L.out_type(0 if L.node.target.__name__.endswith("indices.default") else None).shape:
+        raise LoweringError("max pooling with ceil_mode=True is not supported when it changes the output size")
+    if L.node.target.__name__.startswith("max_pool2d_with_indices"):
+        return y, None
+    return y
+
+
+@lower("avg_pool2d.default")
+def _avg_pool(L: Lowerer, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    k = _pair(kernel, "kernel_size")
+    attrs = dict(kernel=k, stride=_pair(stride, "stride") if stride else k, padding=_pair(padding, "padding"))
+    y = L.op("avg_pool2d", x, **attrs)
+    if ceil_mode and y.type.shape != L.out_type().shape:
+        raise LoweringError("average pooling with ceil_mode=True is not supported when it changes the output size")
+    if divisor_override:
+        return L.op("mul", y, L.const(k[0] * k[1] / divisor_override, x.type.dtype))
+    if not count_include_pad and any(attrs["padding"]):  # divide by the number of real elements per window
+        ones = L.const(1, x.type.dtype, (1, 1) + x.type.shape[2:])
+        y = L.op("div", y, L.op("avg_pool2d", ones, **attrs))
+    return y
+
+
+@lower("_adaptive_avg_pool2d.default", "adaptive_avg_pool2d.default")
+def _adaptive_avg_pool(L: Lowerer, x, output_size):
+    oh, ow = _pair(output_size, "output_size")
+    h, w = x.type.shape[-2:]
+    if (oh, ow) == (1, 1):
+        return L.op("reduce_mean", x, axes=[x.type.rank - 2, x.type.rank - 1], keepdims=True)
+    if h % oh or w % ow or x.type.rank != 4:
+        raise LoweringError(f"adaptive average pooling from {h}x{w} to {oh}x{ow} is supported only when the sizes divide")
+    k = (h // oh, w // ow)
+    return L.op("avg_pool2d", x, kernel=k, stride=k)
+
+
+@lower("upsample_nearest2d.vec", "upsample_nearest2d.default")
+def _upsample_nearest(L: Lowerer, x, *args, **kwargs):
+    n, c, h, w = x.type.shape
+    oh, ow = L.out_type().shape[2:]
+    if oh % h or ow % w:
+        raise LoweringError(f"nearest upsampling from {h}x{w} to {oh}x{ow} is supported only by integer factors")
+    sh, sw = oh // h, ow // w  # repeat each pixel sh x sw times: [n,c,h,1,w,1] -> [n,c,h,sh,w,sw]
+    v = L.op("broadcast", L.reshape(x, (n, c, h, 1, w, 1)), shape=(n, c, h, sh, w, sw))
+    return L.reshape(v, (n, c, oh, ow))
+
+
+# ---------------------------------------------------------------- normalisation
+def _normalize(L: Lowerer, x: Value, axes: Sequence[int], eps: float) -> tuple[Value, Value, Value, Value]:
+    """(x - mean) * rsqrt(var + eps) over ``axes``, with mean, rstd and the biased variance (dims kept)."""
+    dt = x.type.dtype
+    mean = L.op("reduce_mean", x, axes=axes, keepdims=True)
+    d = L.op("sub", x, mean)
+    var = L.op("reduce_mean", L.op("mul", d, d), axes=axes, keepdims=True)
+    rstd = L.op("rsqrt", L.op("add", var, L.const(eps, dt)))
+    return L.op("mul", d, rstd), mean, rstd, var
+
+
+def _channel(v: Value, rank: int, L: Lowerer) -> Value:
+    """A per-channel vector [C] shaped to broadcast over an NC… tensor."""
+    return L.reshape(v, (1, v.type.shape[0]) + (1,) * (rank - 2))
+
+
+def _affine(L: Lowerer, y: Value, weight, bias, shape_fn) -> Value:
+    if weight is not None:
+        y = L.op("mul", y, shape_fn(weight))
+    if bias is not None:
+        y = L.op("add", y, shape_fn(bias))
+    return y
+
+
+@lower("native_layer_norm.default")
+def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
+    r = x.type.rank
+    axes = list(range(r - len(normalized_shape), r))
+    y, mean, rstd, _ = _normalize(L, x, axes, eps)
+    return _affine(L, y, weight, bias, lambda v: v), mean, rstd
+
+
+@lower("native_group_norm.default")
+def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
+    shape = x.type.shape
+    g = L.reshape(x, (N, group, (C // group) * HxW))
+    y, mean, rstd, _ = _normalize(L, g, [2], eps)
+    y = L.reshape(y, shape)
+    y = _affine(L, y, weight, bias, lambda v: _channel(v, len(shape), L))
+    return y, L.reshape(mean, (N, group)), L.reshape(rstd, (N, group))
+
+
+def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    r = x.type.rank
+    axes = [0] + list(range(2, r))
+    C = x.type.shape[1]
+    dt = x.type.dtype
+    if training:
+        y, mean, rstd, var = _normalize(L, x, axes, eps)
+        mean_c, rstd_c = L.reshape(mean, (C,)), L.reshape(rstd, (C,))
+        new_mean = new_var = None
+        if running_mean is not None:
+            n = x.type.numel // C
+            var_c = L.reshape(var, (C,))
+            keep = L.const(1 - momentum, dt)
+            new_mean = L.op("add", L.op("mul", running_mean, keep), L.op("mul", mean_c, L.const(momentum, dt)))
+            unbiased = L.op("mul", var_c, L.const(momentum * n / max(n - 1, 1), dt))
+            new_var = L.op("add", L.op("mul", running_var, keep), unbiased)
+        return _affine(L, y, weight, bias, lambda v: _channel(v, r, L)), mean_c, rstd_c, new_mean, new_var
+    rstd_c = L.op("rsqrt", L.op("add", running_var, L.const(eps, dt)))
+    y = L.op("mul", L.op("sub", x, _channel(running_mean, r, L)), _channel(rstd_c, r, L))
+    # The saved mean/rstd outputs are empty in PyTorch's eval mode and unused by forward graphs.
+    return _affine(L, y, weight, bias, lambda v: _channel(v, r, L)), None, None
+
+
+@lower("_native_batch_norm_legit_functional.default")
+def _bn_functional(L: Lowerer, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    out = _batch_norm(L, x, weight, bias, running_mean, running_var, training, momentum, eps)
+    if not training:  # same five outputs: running statistics unchanged
+        return out[0], out[1], out[2], running_mean, running_var
+    return out
+
+
+@lower("_native_batch_norm_legit_no_training.default")
+def _bn_no_training(L: Lowerer, x, weight, bias, running_mean, running_var, momentum, eps):
+    return _batch_norm(L, x, weight, bias, running_mean, running_var, False, momentum, eps)
+
+
+@lower("_native_batch_norm_legit.no_stats")
+def _bn_no_stats(L: Lowerer, x, weight, bias, training, momentum, eps):
+    return _batch_norm(L, x, weight, bias, None, None, True, momentum, eps)[:3]
+
+
+# ---------------------------------------------------------------- dropout
+def _dropout(L: Lowerer, x: Value, p: float, train: bool | None) -> tuple[Value, Value | None]:
+    """Inverted dropout: keep each element with probability 1-p (a bernoulli mask drawn from a
+    seed folded from the function's seed parameter) and scale kept ones by 1/(1-p)."""
+    if not train or p == 0:
+        return x, None
+    dt = x.type.dtype
+    if p >= 1:
+        return L.const(0, dt, x.type.shape), L.const(False, DType.bool, x.type.shape)
+    mask = L.op("bernoulli", L.seed(), shape=x.type.shape, p=1.0 - p)
+    y = L.op("select", mask, L.op("mul", x, L.const(1.0 / (1.0 - p), dt)), L.const(0, dt))
+    return y, mask
+
+
+@lower("native_dropout.default")
+def _native_dropout(L: Lowerer, x, p, train):
+    y, mask = _dropout(L, x, p, train)
+    if mask is None and 1 in L.used_outputs():
+        mask = L.const(True, DType.bool, x.type.shape)
+    return y, mask
+
+
+@lower("dropout.default")
+def _dropout_rule(L: Lowerer, x, p, train):
+    return _dropout(L, x, p, train)[0]
+
+
+SUPPORTED = tuple(sorted(f"aten.{n}" for n in LOWERINGS))

@@ -1,0 +1,349 @@
+"""Import a vanilla PyTorch ``nn.Module`` (optionally with its loss) as a remat IR function.
+
+The model is captured with ``torch.export.export``, decomposed to core ATen, and each ATen op is
+translated by a rule of ``remat.frontend._aten``. The entry function's parameters are, in order:
+
+1. the model's parameters, in ``model.named_parameters()`` order (tied weights appear once),
+2. its buffers, in ``model.named_buffers()`` order (running statistics, masks …), then any
+   tensor constants the trace lifted,
+3. the user inputs (model inputs, then loss targets when a loss function is given),
+4. an ``i64[]`` dropout seed, only if some dropout is active (each dropout uses ``fold_seed(seed, k)``).
+
+Its results are the loss (or the model's outputs), then the new value of every buffer the forward
+updates (batch-norm running statistics in training mode), in the order of ``output_names``.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
+from . import _aten
+from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, to_dtype
+
+__all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
+
+_SEED = TensorType(DType.i64, ())
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class UnsupportedOpError(NotImplementedError):
+    """The model uses an ATen op (or an op's variant) that remat cannot translate.
+
+    ``op`` is the ATen overload, ``module_path`` the submodule it came from, ``source`` the user
+    source line; the message lists the supported ops.
+    """
+
+    def __init__(self, op: str, module_path: str, source: str, reason: str = ""):
+        self.op, self.module_path, self.source = op, module_path, source
+        where = f"in module '{module_path}'" if module_path else "at the top level of the model"
+        why = f": {reason}" if reason else " (remat has no translation for it)"
+        supported = ", ".join(s.removeprefix("aten.") for s in SUPPORTED)
+        super().__init__(f"unsupported PyTorch op {op} {where}{why}\n  from: {source or '(source unknown)'}\n"
+                         f"Supported ATen ops: {supported}")
+
+
+class TranslationError(RuntimeError):
+    """A translation rule produced a value whose type differs from PyTorch's: a bug in remat."""
+
+
+def supported_ops() -> tuple[str, ...]:
+    """The ATen overloads the importer translates, e.g. ``'aten.convolution.default'``."""
+    return SUPPORTED
+
+
+@dataclass
+class ImportedModel:
+    """A PyTorch model as a remat module. ``function`` takes
+    ``(*param_tensors(), *inputs[, seed])`` and returns the values named by ``output_names``."""
+
+    module: Module
+    function: Function
+    param_names: list[str]
+    buffer_names: list[str]
+    input_count: int
+    has_seed: bool
+    output_names: list[str]
+    constant_names: list[str] = field(default_factory=list)
+    _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    @property
+    def state_count(self) -> int:
+        """Number of leading function parameters holding the model's own tensors."""
+        return len(self.param_names) + len(self.buffer_names) + len(self.constant_names)
+
+    def param_tensors(self) -> list[torch.Tensor]:
+        """The model's parameters, buffers and lifted constants, in function-parameter order
+        (the live tensors of the model, detached)."""
+        return [t.detach() for t in self._tensors]
+
+    def arguments(self, *inputs: torch.Tensor | np.ndarray, seed: int = 0) -> list[np.ndarray]:
+        """All function arguments as NumPy arrays: the model's tensors, ``inputs``, and the seed if any."""
+        if len(inputs) != self.input_count:
+            raise TypeError(f"the imported function takes {self.input_count} input(s) after the model's tensors, "
+                            f"got {len(inputs)}")
+        args = [_to_numpy(t) for t in self.param_tensors()] + [_to_numpy(x) for x in inputs]
+        if self.has_seed:
+            args.append(np.array(seed, dtype=np.int64))
+        return args
+
+
+def _to_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _WithLoss(torch.nn.Module):
+    """``loss_fn(model(*inputs), *targets)`` as one module, so that export sees the whole step."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n_inputs = n_inputs
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        out = self.model(*args[:self.n_inputs])
+        return out if self.loss_fn is None else self.loss_fn(out, *args[self.n_inputs:])
+
+
+_PREFIX = "model."
+
+
+def _strip(name: str) -> str:
+    return name[len(_PREFIX):] if name.startswith(_PREFIX) else name
+
+
+def _count_targets(loss_fn: Callable[..., Any]) -> int:
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        raise TypeError("cannot read the loss function's signature; pass num_targets=") from None
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise TypeError("the loss function takes *args; pass num_targets= to say how many inputs are targets")
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if not positional:
+        raise TypeError("the loss function must take the model output as its first argument: loss_fn(output, *targets)")
+    return len(positional) - 1
+
+
+def _where(node: torch.fx.Node) -> tuple[str, str]:
+    """The submodule path and the innermost user source line (outside torch) that produced a node."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    if stack:
+        path = _strip(list(stack.values())[-1][0])
+        path = "" if path == "model" else path
+    trace = node.meta.get("stack_trace") or ""
+    lines = trace.strip().splitlines()
+    source = ""
+    for i in range(len(lines) - 1, -1, -1):  # frames: 'File "...", line N, in f' followed by the code
+        s = lines[i].strip()
+        if s.startswith("File ") and _TORCH_DIR not in s and __file__ not in s:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            source = f"{s}: {code}" if code else s
+            break
+    return path, source
+
+
+def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                  loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool = True,
+                  num_targets: int | None = None, name: str = "forward") -> ImportedModel:
+    """Translate ``model`` (and ``loss_fn`` if given) into a remat module.
+
+    ``example_inputs`` are the model's inputs followed, when ``loss_fn`` is given, by its targets:
+    the function computes ``loss_fn(model(*inputs), *targets)``, the number of targets being
+    ``num_targets`` or else the loss function's positional parameters after the output.
+    ``train`` selects training-mode semantics (batch statistics and running-stat updates in batch
+    norm, active dropout) or eval mode. Shapes are static: those of ``example_inputs``.
+    Raises :class:`UnsupportedOpError` naming the op, the submodule and the source line when an op
+    has no translation.
+    """
+    example_inputs = tuple(example_inputs)
+    n_targets = 0
+    if loss_fn is not None:
+        n_targets = _count_targets(loss_fn) if num_targets is None else int(num_targets)
+    n_inputs = len(example_inputs) - n_targets
+    if n_inputs < 0:
+        raise TypeError(f"the loss function takes {n_targets} target(s) but only {len(example_inputs)} example inputs were given")
+    wrapper = _WithLoss(model, loss_fn, n_inputs)
+    was_training = [m.training for m in model.modules()]
+    wrapper.train(train)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(wrapper, example_inputs).run_decompositions()
+    finally:
+        for m, t in zip(model.modules(), was_training):
+            m.training = t
+    return _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
+
+
+def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_user: int, has_loss: bool,
+               name: str) -> ImportedModel:
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    graph = ep.graph_module.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+
+    # The model's own tensors, with tied parameters folded onto their first name.
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for fqn, p in wrapper.named_parameters(remove_duplicate=False):
+        canon[fqn] = first.setdefault(id(p), fqn)
+    named_params = dict(wrapper.named_parameters())
+    named_buffers = dict(wrapper.named_buffers())
+    param_order = list(named_params)
+    buffer_order = list(named_buffers)
+
+    kinds: dict[str, tuple[str, str]] = {}  # placeholder name -> (kind, canonical target)
+    constants: list[str] = []
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            kinds[spec.arg.name] = ("param", canon.get(spec.target, spec.target))
+        elif spec.kind == InputKind.BUFFER:
+            kinds[spec.arg.name] = ("buffer", spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            kinds[spec.arg.name] = ("constant", spec.target)
+            constants.append(spec.target)
+        elif spec.kind == InputKind.USER_INPUT:
+            kinds[spec.arg.name] = ("input", spec.arg.name)
+        else:
+            raise UnsupportedOpError(f"input of kind {spec.kind.name}", "", "",
+                                     "only parameters, buffers, tensor constants and tensor inputs are supported")
+    used_params = {t for k, t in kinds.values() if k == "param"}
+    used_buffers = {t for k, t in kinds.values() if k == "buffer"}
+    params = [p for p in param_order if p in used_params]
+    buffers = [b for b in buffer_order if b in used_buffers]
+    inputs = [n.name for n in placeholders if kinds[n.name][0] == "input"]
+    if len(inputs) != n_user:
+        raise UnsupportedOpError("non-tensor input", "", "", f"expected {n_user} tensor inputs, the trace has {len(inputs)}")
+
+    def tensor_of(kind: str, target: str) -> torch.Tensor:
+        if kind == "param":
+            return named_params[target]
+        if kind == "buffer":
+            return named_buffers[target]
+        return ep.constants[target]
+
+    def ttype(t: torch.Tensor) -> TensorType:
+        return TensorType(to_dtype(t.dtype), tuple(int(d) for d in t.shape))
+
+    state = [("param", p) for p in params] + [("buffer", b) for b in buffers] + [("constant", c) for c in constants]
+    tensors = [tensor_of(k, t) for k, t in state]
+    input_types = [ttype(n.meta["val"]) for n in placeholders if kinds[n.name][0] == "input"]
+
+    # Results: user outputs, then buffer mutations.
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    out_args = list(out_node.args[0])
+    user_outs, mutations = [], []
+    for spec, a in zip(sig.output_specs, out_args):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            user_outs.append(a)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations.append((spec.target, a))
+        else:
+            raise UnsupportedOpError(f"output of kind {spec.kind.name}", "", "",
+                                     "the model mutates one of its inputs; only buffer updates are supported")
+    for u in user_outs:
+        if not isinstance(u, torch.fx.Node):
+            raise UnsupportedOpError("non-tensor output", "", "", f"the model returns {u!r}; return tensors only")
+
+    f = Function(name, [ttype(t) for t in tensors] + input_types, [])
+    b = Builder(f.entry)
+    seed_holder: list[Value] = []
+
+    def seed() -> Value:
+        if not seed_holder:
+            seed_holder.append(f.entry.add_arg(_SEED))
+        return seed_holder[0]
+
+    L = Lowerer(b, seed)
+    env: dict[torch.fx.Node, Any] = {}
+    slot = {f"{k}:{t}": i for i, (k, t) in enumerate(state)}
+    in_iter = iter(f.params[len(state):])
+    for n in placeholders:
+        k, t = kinds[n.name]
+        env[n] = next(in_iter) if k == "input" else f.params[slot[f"{k}:{t}"]]
+
+    def lookup(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            v = env[a]
+            if v is None:
+                path, src = _where(a)
+                raise UnsupportedOpError(str(a.target), path, src, "this output of the op is not supported")
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(lookup(x) for x in a)
+        return a
+
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, i = node.args
+            v = env[src][i]
+            if v is None:
+                path, s = _where(node)
+                raise UnsupportedOpError(f"{src.target} (output {i})", path, s,
+                                         "remat computes only the outputs of this op that training models use")
+            env[node] = v
+            continue
+        target = str(node.target)
+        rule = LOWERINGS.get(target.removeprefix("aten.")) if target.startswith("aten.") else None
+        if rule is None:
+            path, src = _where(node)
+            raise UnsupportedOpError(target, path, src)
+        L.node = node
+        try:
+            args = lookup(node.args)
+            kwargs = {k: lookup(v) for k, v in node.kwargs.items() if k not in ("device", "layout", "pin_memory", "memory_format")}
+            result = rule(L, *args, **kwargs)
+        except LoweringError as e:
+            path, src = _where(node)
+            raise UnsupportedOpError(str(node.target), path, src, str(e)) from None
+        _check(node, result)
+        env[node] = result
+
+    results = [env[u] for u in user_outs] + [env[a] for _, a in mutations]
+    # The IR returns each value by type: results that alias a parameter unchanged are still returned.
+    b.ret(*results)
+    f.result_types = [v.type for v in results]
+    module = Module([f])
+    verify(module)
+    out_names = (["loss"] if has_loss and len(user_outs) == 1 else
+                 [f"output{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
+    out_names += [_strip(t) for t, _ in mutations]
+    return ImportedModel(module=module, function=f, param_names=[_strip(p) for p in params],
+                         buffer_names=[_strip(x) for x in buffers], input_count=len(inputs),
+                         has_seed=bool(seed_holder), output_names=out_names,
+                         constant_names=[_strip(c) for c in constants], _tensors=tensors)
+
+
+def _check(node: torch.fx.Node, result: Any) -> None:
+    """Each translated value must have exactly the dtype and shape PyTorch computed."""
+    val = node.meta.get("val")
+    pairs = list(zip(val, result)) if isinstance(val, (list, tuple)) else [(val, result)]
+    for i, (m, v) in enumerate(pairs):
+        if v is None or not isinstance(m, torch.Tensor):
+            continue
+        want = TensorType(to_dtype(m.dtype), tuple(int(d) for d in m.shape))
+        if not isinstance(v, Value) or v.type != want:
+            path, src = _where(node)
+            got = v.type if isinstance(v, Value) else v
+            raise TranslationError(f"translating {node.target} (result {i}) in '{path}' gave {got}, PyTorch has {want}\n"
+                                   f"  from: {src}")
