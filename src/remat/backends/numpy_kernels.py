@@ -1,0 +1,462 @@
+"""The reference dialect ``numpy``: a kernel for every non-control op of the IR.
+
+Low-precision floats (f16, bf16 through ml_dtypes) are computed in f32 and rounded to the result
+dtype once per op. Convolution and pooling use stride tricks and einsum. Every kernel returns a
+fresh C-contiguous array owning exactly its bytes (``reshape`` returns a view), with the exact IR
+result dtype and shape; rank-0 results are 0-d arrays, never NumPy scalars.
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.special
+from numpy.lib.stride_tricks import as_strided
+
+from ..ir.types import DType
+from . import kernel
+
+_BF16 = DType.bf16.numpy
+_F16 = DType.f16.numpy
+_LOWP = (_BF16, _F16)
+
+
+def k(op: str, checker=None):
+    return kernel(op, "numpy", checker)
+
+
+def _fresh(x, dtype=None) -> np.ndarray:
+    """A fresh C-contiguous array (0-d for scalars) of ``dtype`` (default: x's)."""
+    return np.array(x, dtype=dtype, order="C", copy=True)
+
+
+def _up(x: np.ndarray) -> np.ndarray:
+    """Compute dtype for float math: f16/bf16 go to f32."""
+    return x.astype(np.float32) if x.dtype in _LOWP else x
+
+
+def _float_unary(fn):
+    def run(x):
+        return _fresh(fn(_up(x)), x.dtype)
+
+    return run
+
+
+# ---------------------------------------------------------------- unary
+_FLOAT_UNARY = {
+    "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "rsqrt": lambda x: 1.0 / np.sqrt(x), "tanh": np.tanh,
+    "sigmoid": scipy.special.expit, "sin": np.sin, "cos": np.cos, "erf": scipy.special.erf,
+}
+for _n, _f in _FLOAT_UNARY.items():
+    k(_n)(_float_unary(_f))
+
+k("neg")(_float_unary(np.negative))
+k("abs")(_float_unary(np.abs))
+k("sign")(_float_unary(np.sign))
+k("relu")(_float_unary(lambda x: np.maximum(x, np.zeros((), x.dtype))))
+
+
+@k("gelu")
+def gelu(x, approximate="none"):
+    y = _up(x)
+    if approximate == "tanh":
+        c = np.sqrt(2.0 / np.pi).astype(y.dtype) if y.dtype == np.float32 else np.sqrt(2.0 / np.pi)
+        r = 0.5 * y * (1.0 + np.tanh(c * (y + 0.044715 * y ** 3)))
+    else:
+        r = 0.5 * y * (1.0 + scipy.special.erf(y / np.sqrt(2.0).astype(y.dtype)))
+    return _fresh(r, x.dtype)
+
+
+@k("not")
+def not_(x):
+    return _fresh(np.logical_not(x))
+
+
+# ---------------------------------------------------------------- binary
+def _binary(fn):
+    def run(a, b):
+        return _fresh(fn(_up(a), _up(b)), a.dtype)
+
+    return run
+
+
+for _n, _f in {"add": np.add, "sub": np.subtract, "mul": np.multiply, "maximum": np.maximum,
+               "minimum": np.minimum}.items():
+    k(_n)(_binary(_f))
+
+
+@k("div")
+def div(a, b):
+    """True division for floats; floor division for integers (as Python and torch's 'floor' mode)."""
+    if a.dtype.kind in "iu":
+        return _fresh(np.floor_divide(a, b), a.dtype)
+    return _fresh(np.true_divide(_up(a), _up(b)), a.dtype)
+
+
+@k("pow")
+def pow_(a, b):
+    return _fresh(np.power(_up(a), _up(b)), a.dtype)
+
+
+def _cmp(fn):
+    def run(a, b):
+        return _fresh(fn(_up(a), _up(b)))
+
+    return run
+
+
+for _n, _f in {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+               "ge": np.greater_equal}.items():
+    k(_n)(_cmp(_f))
+k("and")(lambda a, b: _fresh(np.logical_and(a, b)))
+k("or")(lambda a, b: _fresh(np.logical_or(a, b)))
+
+
+@k("select")
+def select(c, a, b):
+    return _fresh(np.where(c, a, b), a.dtype)
+
+
+@k("cast")
+def cast(x, dtype):
+    dt = dtype.numpy
+    if x.dtype in _LOWP and dt not in _LOWP and dt != np.float32:
+        x = x.astype(np.float32)  # ml_dtypes casts low precision through f32 for ints and bool
+    return _fresh(x, dt)
+
+
+@k("copy")
+def copy(x):
+    return _fresh(x)
+
+
+# ---------------------------------------------------------------- reductions and softmax
+@k("reduce_sum")
+def reduce_sum(x, axes, keepdims=False):
+    if x.dtype == np.bool_:
+        return _fresh(np.any(x, axis=tuple(axes), keepdims=keepdims))
+    acc = np.float32 if x.dtype in _LOWP else x.dtype
+    return _fresh(np.sum(x, axis=tuple(axes), keepdims=keepdims, dtype=acc), x.dtype)
+
+
+@k("reduce_mean")
+def reduce_mean(x, axes, keepdims=False):
+    return _fresh(np.mean(_up(x), axis=tuple(axes), keepdims=keepdims), x.dtype)
+
+
+@k("reduce_max")
+def reduce_max(x, axes, keepdims=False):
+    return _fresh(np.max(_up(x), axis=tuple(axes), keepdims=keepdims), x.dtype)
+
+
+@k("softmax")
+def softmax(x, axis):
+    y = _up(x)
+    e = np.exp(y - np.max(y, axis=axis, keepdims=True))
+    return _fresh(e / np.sum(e, axis=axis, keepdims=True), x.dtype)
+
+
+@k("log_softmax")
+def log_softmax(x, axis):
+    y = _up(x)
+    z = y - np.max(y, axis=axis, keepdims=True)
+    return _fresh(z - np.log(np.sum(np.exp(z), axis=axis, keepdims=True)), x.dtype)
+
+
+@k("matmul")
+def matmul(a, b):
+    return _fresh(np.matmul(_up(a), _up(b)), a.dtype)
+
+
+# ---------------------------------------------------------------- convolution (NCHW, OIHW)
+def _windows(xp: np.ndarray, kh: int, kw: int, oh: int, ow: int, stride, dilation) -> np.ndarray:
+    """Read-only view [N, C, OH, OW, kH, kW] of the windows of a padded input."""
+    n, c = xp.shape[:2]
+    sn, sc, sh, sw = xp.strides
+    return as_strided(xp, (n, c, oh, ow, kh, kw),
+                      (sn, sc, sh * stride[0], sw * stride[1], sh * dilation[0], sw * dilation[1]), writeable=False)
+
+
+def _pad_hw(x: np.ndarray, padding, value=0.0) -> np.ndarray:
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)), constant_values=value)
+
+
+def _out_hw(h, w, kh, kw, stride, padding, dilation):
+    return ((h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1,
+            (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1)
+
+
+@k("conv2d")
+def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    xd = _up(x)
+    wd = _up(w)
+    n, c, h, wid = x.shape
+    o, cg, kh, kw = w.shape
+    oh, ow = _out_hw(h, wid, kh, kw, stride, padding, dilation)
+    win = _windows(_pad_hw(xd, padding), kh, kw, oh, ow, stride, dilation)
+    win = win.reshape(n, groups, cg, oh, ow, kh, kw)
+    wg = wd.reshape(groups, o // groups, cg, kh, kw)
+    y = np.einsum("ngcijhw,gochw->ngoij", win, wg, optimize=True)
+    return _fresh(y.reshape(n, o, oh, ow), x.dtype)
+
+
+@k("conv2d_input_grad")
+def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    gyd, wd = _up(gy), _up(w)
+    n, c, h, wid = input_shape
+    o, cg, kh, kw = w.shape
+    _, _, oh, ow = gy.shape
+    gp = np.zeros((n, groups, cg, h + 2 * padding[0], wid + 2 * padding[1]), dtype=gyd.dtype)
+    gyg = gyd.reshape(n, groups, o // groups, oh, ow)
+    wg = wd.reshape(groups, o // groups, cg, kh, kw)
+    for i in range(kh):
+        for j in range(kw):
+            r0, c0 = i * dilation[0], j * dilation[1]
+            gp[:, :, :, r0:r0 + stride[0] * (oh - 1) + 1:stride[0], c0:c0 + stride[1] * (ow - 1) + 1:stride[1]] += \
+                np.einsum("ngoij,goc->ngcij", gyg, wg[:, :, :, i, j], optimize=True)
+    gx = gp[:, :, :, padding[0]:padding[0] + h, padding[1]:padding[1] + wid]
+    return _fresh(gx.reshape(n, c, h, wid), gy.dtype)
+
+
+@k("conv2d_weight_grad")
+def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    xd, gyd = _up(x), _up(gy)
+    n, c, h, wid = x.shape
+    o, cg, kh, kw = weight_shape
+    _, _, oh, ow = gy.shape
+    win = _windows(_pad_hw(xd, padding), kh, kw, oh, ow, stride, dilation).reshape(n, groups, cg, oh, ow, kh, kw)
+    gyg = gyd.reshape(n, groups, o // groups, oh, ow)
+    gw = np.einsum("ngcijhw,ngoij->gochw", win, gyg, optimize=True)
+    return _fresh(gw.reshape(o, cg, kh, kw), x.dtype)
+
+
+# ---------------------------------------------------------------- pooling (NCHW)
+def _pool_windows(x, kernel, stride, padding, fill):
+    n, c, h, w = x.shape
+    oh, ow = _out_hw(h, w, kernel[0], kernel[1], stride, padding, (1, 1))
+    return _windows(_pad_hw(x, padding, fill), kernel[0], kernel[1], oh, ow, stride, (1, 1)), oh, ow
+
+
+@k("max_pool2d")
+def max_pool2d(x, kernel, stride, padding=(0, 0)):
+    win, _, _ = _pool_windows(_up(x), kernel, stride, padding, -np.inf)  # padding never wins
+    return _fresh(win.max(axis=(4, 5)), x.dtype)
+
+
+@k("avg_pool2d")
+def avg_pool2d(x, kernel, stride, padding=(0, 0)):
+    # Padding counts as zeros in the mean (torch's count_include_pad=True).
+    win, _, _ = _pool_windows(_up(x), kernel, stride, padding, 0.0)
+    return _fresh(win.sum(axis=(4, 5)) / (kernel[0] * kernel[1]), x.dtype)
+
+
+@k("max_pool2d_grad")
+def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
+    """Each window's gradient goes to its first maximum in row-major window order (torch's CPU rule
+    for ties; with NaNs torch picks the last NaN, this kernel the first)."""
+    xd, gyd = _up(x), _up(gy)
+    n, c, h, w = x.shape
+    kh, kw = kernel
+    win, oh, ow = _pool_windows(xd, kernel, stride, padding, -np.inf)
+    arg = win.reshape(n, c, oh, ow, kh * kw).argmax(axis=-1)
+    di, dj = np.divmod(arg, kw)
+    rows = np.arange(oh)[:, None] * stride[0] + di  # padded coordinates
+    cols = np.arange(ow)[None, :] * stride[1] + dj
+    gp = np.zeros((n, c, h + 2 * padding[0], w + 2 * padding[1]), dtype=gyd.dtype)
+    ni = np.arange(n)[:, None, None, None]
+    ci = np.arange(c)[None, :, None, None]
+    np.add.at(gp, (ni, ci, rows, cols), gyd)
+    return _fresh(gp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + w], x.dtype)
+
+
+@k("avg_pool2d_grad")
+def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
+    gyd = _up(gy)
+    n, c, h, w = input_shape
+    _, _, oh, ow = gy.shape
+    gp = np.zeros((n, c, h + 2 * padding[0], w + 2 * padding[1]), dtype=gyd.dtype)
+    share = gyd / (kernel[0] * kernel[1])
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            gp[:, :, i:i + stride[0] * (oh - 1) + 1:stride[0], j:j + stride[1] * (ow - 1) + 1:stride[1]] += share
+    return _fresh(gp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + w], gy.dtype)
+
+
+# ---------------------------------------------------------------- random (shared with the torch dialect)
+_M64 = (1 << 64) - 1
+
+
+def splitmix64(z: int) -> int:
+    """The splitmix64 finaliser on an unsigned 64-bit integer."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def fold_seed_int(seed: int, salt: int) -> int:
+    """Derive a seed from (seed, salt) as a signed 64-bit integer; a fixed hash, stable across runs."""
+    z = splitmix64((splitmix64(seed & _M64) ^ (salt & _M64)) & _M64)
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def generator(seed: int) -> np.random.Generator:
+    """The Philox generator both dialects draw from, so their samples are bit-identical."""
+    return np.random.Generator(np.random.Philox(key=int(seed) & _M64))
+
+
+def sample_uniform(seed: int, shape, dtype: DType, low: float, high: float) -> np.ndarray:
+    u = generator(seed).random(tuple(shape), dtype=np.float64)
+    return _fresh(low + (high - low) * u, dtype.numpy)
+
+
+def sample_normal(seed: int, shape, dtype: DType, mean: float, std: float) -> np.ndarray:
+    z = generator(seed).standard_normal(tuple(shape), dtype=np.float64)
+    return _fresh(mean + std * z, dtype.numpy)
+
+
+def sample_bernoulli(seed: int, shape, p: float) -> np.ndarray:
+    return _fresh(generator(seed).random(tuple(shape), dtype=np.float64) < p)
+
+
+@k("uniform")
+def uniform(seed, shape, dtype=DType.f32, low=0.0, high=1.0):
+    return sample_uniform(int(seed), shape, dtype, low, high)
+
+
+@k("normal")
+def normal(seed, shape, dtype=DType.f32, mean=0.0, std=1.0):
+    return sample_normal(int(seed), shape, dtype, mean, std)
+
+
+@k("bernoulli")
+def bernoulli(seed, shape, p):
+    return sample_bernoulli(int(seed), shape, p)
+
+
+@k("fold_seed")
+def fold_seed(seed, salt):
+    return np.array(fold_seed_int(int(seed), salt), dtype=np.int64)
+
+
+# ---------------------------------------------------------------- data movement
+@k("transpose")
+def transpose(x, perm):
+    return _fresh(x.transpose(perm))
+
+
+@k("reshape")
+def reshape(x, shape):
+    """A view of the operand (operands are contiguous, so numpy never copies here)."""
+    return x.reshape(shape)
+
+
+@k("broadcast")
+def broadcast(x, shape):
+    return _fresh(np.broadcast_to(x, tuple(shape)))
+
+
+@k("slice")
+def slice_(x, start, stop, step=()):
+    step = step or (1,) * x.ndim
+    return _fresh(x[tuple(slice(a, b, s) for a, b, s in zip(start, stop, step))])
+
+
+@k("pad")
+def pad(x, low, high, interior=(), value=0.0):
+    interior = interior or (0,) * x.ndim
+    shape = tuple(lo + hi + d + max(d - 1, 0) * it for lo, hi, it, d in zip(low, high, interior, x.shape))
+    out = np.full(shape, value, dtype=np.float32 if x.dtype in _LOWP else x.dtype)
+    if x.size:
+        idx = tuple(slice(lo, lo + (d - 1) * (it + 1) + 1, it + 1) for lo, it, d in zip(low, interior, x.shape))
+        out[idx] = x
+    return _fresh(out, x.dtype)
+
+
+@k("concat")
+def concat(*xs, axis):
+    return _fresh(np.concatenate(xs, axis=axis))
+
+
+@k("gather")
+def gather(table, idx, axis=0):
+    """numpy.take; indices must lie in [0, n) (negative or out-of-range indices are errors)."""
+    n = table.shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"'gather': index out of range [0, {n}) along axis {axis}: min {idx.min()}, max {idx.max()}")
+    return _fresh(np.take(table, idx, axis=axis))
+
+
+@k("scatter_add")
+def scatter_add(idx, upd, shape, axis=0):
+    n = shape[axis]
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"'scatter_add': index out of range [0, {n}) along axis {axis}: min {idx.min()}, max {idx.max()}")
+    acc = np.float32 if upd.dtype in _LOWP else upd.dtype
+    out = np.zeros(tuple(shape), dtype=acc)
+    om = np.moveaxis(out, axis, 0)
+    um = np.moveaxis(upd.astype(acc, copy=False), tuple(range(axis, axis + idx.ndim)), tuple(range(idx.ndim)))
+    np.add.at(om, idx, um)
+    return _fresh(out, upd.dtype)
+
+
+@k("constant")
+def constant(value, shape=(), dtype=DType.f32):
+    return np.full(tuple(shape), value, dtype=dtype.numpy)
+
+
+@k("iota")
+def iota(shape, axis=0, dtype=DType.i64):
+    shape = tuple(shape)
+    r = np.arange(shape[axis], dtype=np.int64).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return _fresh(np.broadcast_to(r, shape), dtype.numpy)
+
+
+# ---------------------------------------------------------------- optimizer updates (in place)
+def _write(dst: np.ndarray, value: np.ndarray) -> None:
+    """Store ``value`` into ``dst`` in place, rounding to dst's dtype."""
+    dst[...] = value.astype(dst.dtype, copy=False)
+
+
+@k("sgd_step")
+def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+             maximize=False):
+    """torch.optim.SGD's single-tensor update; param and buf are updated in place and returned.
+
+    ``step`` is 1-based; at step 1 the momentum buffer is initialised to the first update direction.
+    """
+    p, g = _up(param), _up(grad)
+    d = -g if maximize else g
+    if weight_decay != 0:
+        d = d + weight_decay * p
+    if momentum != 0:
+        b = d.copy() if int(step) <= 1 else _up(buf) * momentum + (1 - dampening) * d
+        _write(buf, b)
+        b = _up(buf)
+        d = d + momentum * b if nesterov else b
+    _write(param, p - lr * d)
+    return param, buf
+
+
+@k("adam_step")
+def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.0, decoupled=False,
+              maximize=False):
+    """torch.optim.Adam (AdamW when ``decoupled``), single-tensor form; updates param, m, v in place."""
+    p, g = _up(param), _up(grad)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    mm = _up(m) + (g - _up(m)) * (1 - beta1)
+    vv = _up(v) * beta2 + (1 - beta2) * g * g
+    _write(m, mm)
+    _write(v, vv)
+    t = int(step)
+    step_size = lr / (1 - beta1 ** t)
+    denom = np.sqrt(_up(v)) / np.sqrt(1 - beta2 ** t) + eps
+    _write(param, p - step_size * _up(m) / denom)
+    return param, m, v

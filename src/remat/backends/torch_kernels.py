@@ -1,0 +1,342 @@
+"""The ``torch`` dialect: PyTorch kernels (CPU; CUDA when ``torch.cuda.is_available()``).
+
+Operands arrive as torch tensors on :data:`DEVICE` (the VM converts NumPy arrays zero-copy on
+CPU). Random ops draw from the same NumPy Philox stream as the numpy dialect and convert the
+result, so both dialects give bit-identical samples. Checkers refuse what torch cannot do here
+(e.g. integer or bool matmul), so those instructions fall back to the numpy dialect.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..ir.types import DType
+from . import kernel, numpy_kernels as npk
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+TORCH_DTYPE = {DType.bool: torch.bool, DType.i32: torch.int32, DType.i64: torch.int64, DType.f16: torch.float16,
+               DType.bf16: torch.bfloat16, DType.f32: torch.float32, DType.f64: torch.float64}
+FROM_TORCH = {v: k for k, v in TORCH_DTYPE.items()}
+_LOWP = (torch.float16, torch.bfloat16)
+
+
+def to_torch(a) -> torch.Tensor:
+    """A tensor on :data:`DEVICE` for a NumPy array (zero-copy on CPU; bf16 through an int16 view)."""
+    if isinstance(a, torch.Tensor):
+        return a if a.device == DEVICE else a.to(DEVICE)
+    a = np.asarray(a)
+    if not a.flags.writeable:  # torch.from_numpy warns on read-only arrays; copying keeps the contract simple
+        a = a.copy()
+    if a.dtype == DType.bf16.numpy:
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(a)
+    return t if DEVICE.type == "cpu" else t.to(DEVICE)
+
+
+def to_numpy(t) -> np.ndarray:
+    """A NumPy array for a tensor (zero-copy for CPU tensors)."""
+    if isinstance(t, np.ndarray):
+        return t
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(DType.bf16.numpy)
+    return t.numpy()
+
+
+def _operand_dtypes(instr):
+    return {v.type.dtype for v in instr.operands} | {r.type.dtype for r in instr.results}
+
+
+def no_bool(instr) -> bool:
+    return DType.bool not in {v.type.dtype for v in instr.operands}
+
+
+def floats_only(instr) -> bool:
+    return all(v.type.dtype.is_float for v in instr.operands)
+
+
+def k(op: str, checker=None):
+    return kernel(op, "torch", checker)
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it already owns exactly its contiguous bytes, else a contiguous copy."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+# ---------------------------------------------------------------- unary
+for _n, _f in {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh,
+               "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "erf": torch.erf,
+               "neg": torch.neg, "abs": torch.abs, "sign": torch.sign}.items():
+    k(_n)(_f)
+
+
+@k("relu")
+def relu(x):
+    return torch.clamp_min(x, 0)
+
+
+@k("gelu")
+def gelu(x, approximate="none"):
+    return F.gelu(x, approximate=approximate)
+
+
+@k("not")
+def not_(x):
+    return torch.logical_not(x)
+
+
+# ---------------------------------------------------------------- binary
+for _n, _f in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum,
+               "minimum": torch.minimum, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+               "gt": torch.gt, "ge": torch.ge, "and": torch.logical_and, "or": torch.logical_or}.items():
+    k(_n)(_f)
+
+
+@k("div")
+def div(a, b):
+    if a.dtype.is_floating_point:
+        return torch.div(a, b)
+    return torch.div(a, b, rounding_mode="floor")
+
+
+@k("pow", checker=floats_only)  # integer pow with negative exponents errors in torch
+def pow_(a, b):
+    return torch.pow(a, b)
+
+
+@k("select")
+def select(c, a, b):
+    return torch.where(c, a, b)
+
+
+@k("cast")
+def cast(x, dtype):
+    return x.to(TORCH_DTYPE[dtype], copy=True)
+
+
+@k("copy")
+def copy(x):
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------- reductions, softmax, matmul
+@k("reduce_sum")
+def reduce_sum(x, axes, keepdims=False):
+    if not axes:
+        return x.clone(memory_format=torch.contiguous_format)
+    if x.dtype == torch.bool:
+        return _fresh(torch.any(x, dim=tuple(axes), keepdim=keepdims) if len(axes) == 1 else
+                      x.sum(dim=tuple(axes), keepdim=keepdims) > 0)
+    return _fresh(torch.sum(x, dim=tuple(axes), keepdim=keepdims, dtype=x.dtype))
+
+
+@k("reduce_mean")
+def reduce_mean(x, axes, keepdims=False):
+    if not axes:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _fresh(torch.mean(x, dim=tuple(axes), keepdim=keepdims))
+
+
+@k("reduce_max")
+def reduce_max(x, axes, keepdims=False):
+    if not axes:
+        return x.clone(memory_format=torch.contiguous_format)
+    return _fresh(torch.amax(x, dim=tuple(axes), keepdim=keepdims))
+
+
+@k("softmax")
+def softmax(x, axis):
+    return torch.softmax(x, dim=axis)
+
+
+@k("log_softmax")
+def log_softmax(x, axis):
+    return torch.log_softmax(x, dim=axis)
+
+
+@k("matmul", checker=lambda ins: all(v.type.dtype.is_float for v in ins.operands))
+def matmul(a, b):
+    return _fresh(torch.matmul(a, b))
+
+
+# ---------------------------------------------------------------- convolution and pooling
+@k("conv2d")
+def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    return _fresh(F.conv2d(x, w, None, stride, padding, dilation, groups))
+
+
+@k("conv2d_input_grad")
+def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    return _fresh(torch.nn.grad.conv2d_input(list(input_shape), w, gy, stride, padding, dilation, groups))
+
+
+@k("conv2d_weight_grad")
+def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    return _fresh(torch.nn.grad.conv2d_weight(x, list(weight_shape), gy, stride, padding, dilation, groups))
+
+
+@k("max_pool2d")
+def max_pool2d(x, kernel, stride, padding=(0, 0)):
+    return _fresh(F.max_pool2d(x, kernel, stride, padding))
+
+
+@k("avg_pool2d")
+def avg_pool2d(x, kernel, stride, padding=(0, 0)):
+    return _fresh(F.avg_pool2d(x, kernel, stride, padding, ceil_mode=False, count_include_pad=True))
+
+
+@k("max_pool2d_grad")
+def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
+    """Routes each window's gradient to the index torch's forward picks (first maximum on ties)."""
+    _, idx = F.max_pool2d(x, kernel, stride, padding, return_indices=True)
+    return _fresh(torch.ops.aten.max_pool2d_with_indices_backward(gy, x, list(kernel), list(stride), list(padding),
+                                                                  [1, 1], False, idx))
+
+
+@k("avg_pool2d_grad")
+def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
+    like = torch.empty(tuple(input_shape), dtype=gy.dtype, device=gy.device)  # only its shape is read
+    return _fresh(torch.ops.aten.avg_pool2d_backward(gy, like, list(kernel), list(stride), list(padding),
+                                                     False, True, None))
+
+
+# ---------------------------------------------------------------- random: the numpy Philox stream, converted
+def _from_np(a: np.ndarray) -> torch.Tensor:
+    return to_torch(a)
+
+
+@k("uniform")
+def uniform(seed, shape, dtype=DType.f32, low=0.0, high=1.0):
+    return _from_np(npk.sample_uniform(int(seed.item()), shape, dtype, low, high))
+
+
+@k("normal")
+def normal(seed, shape, dtype=DType.f32, mean=0.0, std=1.0):
+    return _from_np(npk.sample_normal(int(seed.item()), shape, dtype, mean, std))
+
+
+@k("bernoulli")
+def bernoulli(seed, shape, p):
+    return _from_np(npk.sample_bernoulli(int(seed.item()), shape, p))
+
+
+@k("fold_seed")
+def fold_seed(seed, salt):
+    return torch.tensor(npk.fold_seed_int(int(seed.item()), salt), dtype=torch.int64, device=seed.device)
+
+
+# ---------------------------------------------------------------- data movement
+@k("transpose")
+def transpose(x, perm):
+    return x.permute(perm).clone(memory_format=torch.contiguous_format)
+
+
+@k("reshape")
+def reshape(x, shape):
+    """A view of the operand (operands are contiguous)."""
+    return x.view(tuple(shape))
+
+
+@k("broadcast")
+def broadcast(x, shape):
+    return x.expand(tuple(shape)).clone(memory_format=torch.contiguous_format)
+
+
+@k("slice")
+def slice_(x, start, stop, step=()):
+    step = step or (1,) * x.dim()
+    return x[tuple(slice(a, b, s) for a, b, s in zip(start, stop, step))].clone(memory_format=torch.contiguous_format)
+
+
+@k("pad")
+def pad(x, low, high, interior=(), value=0.0):
+    interior = interior or (0,) * x.dim()
+    shape = tuple(lo + hi + d + max(d - 1, 0) * it for lo, hi, it, d in zip(low, high, interior, x.shape))
+    out = torch.full(shape, value, dtype=x.dtype, device=x.device)
+    if x.numel():
+        idx = tuple(slice(lo, lo + (d - 1) * (it + 1) + 1, it + 1) for lo, it, d in zip(low, interior, x.shape))
+        out[idx] = x
+    return out
+
+
+@k("concat")
+def concat(*xs, axis):
+    return torch.cat(xs, dim=axis)
+
+
+@k("gather")
+def gather(table, idx, axis=0):
+    n = table.shape[axis]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(f"'gather': index out of range [0, {n}) along axis {axis}")
+    out_shape = tuple(table.shape[:axis]) + tuple(idx.shape) + tuple(table.shape[axis + 1:])
+    return _fresh(torch.index_select(table, axis, idx.reshape(-1).to(torch.int64)).reshape(out_shape))
+
+
+@k("scatter_add")
+def scatter_add(idx, upd, shape, axis=0):
+    n = shape[axis]
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(f"'scatter_add': index out of range [0, {n}) along axis {axis}")
+    out = torch.zeros(tuple(shape), dtype=upd.dtype, device=upd.device)
+    src = upd.reshape(tuple(shape[:axis]) + (-1,) + tuple(shape[axis + 1:]))
+    return out.index_add_(axis, idx.reshape(-1).to(torch.int64), src)
+
+
+@k("constant")
+def constant(value, shape=(), dtype=DType.f32):
+    return torch.full(tuple(shape), value, dtype=TORCH_DTYPE[dtype], device=DEVICE)
+
+
+@k("iota")
+def iota(shape, axis=0, dtype=DType.i64):
+    shape = tuple(shape)
+    r = torch.arange(shape[axis], dtype=torch.int64, device=DEVICE)
+    r = r.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return r.expand(shape).to(TORCH_DTYPE[dtype]).clone(memory_format=torch.contiguous_format)
+
+
+
+# ---------------------------------------------------------------- optimizer updates (in place)
+@k("sgd_step")
+def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+             maximize=False):
+    """torch.optim.SGD's single-tensor update, in place on param and buf (step is 1-based)."""
+    d = -grad if maximize else grad
+    if weight_decay != 0:
+        d = d.add(param, alpha=weight_decay)
+    if momentum != 0:
+        if int(step.item()) <= 1:
+            buf.copy_(d)
+        else:
+            buf.mul_(momentum).add_(d, alpha=1 - dampening)
+        d = d.add(buf, alpha=momentum) if nesterov else buf
+    param.add_(d, alpha=-lr)
+    return param, buf
+
+
+@k("adam_step")
+def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.0, decoupled=False,
+              maximize=False):
+    """torch.optim.Adam / AdamW single-tensor update, in place on param, m, v."""
+    g = -grad if maximize else grad
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            g = g.add(param, alpha=weight_decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = int(step.item())
+    step_size = lr / (1 - beta1 ** t)
+    denom = (v.sqrt() / ((1 - beta2 ** t) ** 0.5)).add_(eps)
+    param.addcdiv_(m, denom, value=-step_size)
+    return param, m, v

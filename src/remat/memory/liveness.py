@@ -1,0 +1,340 @@
+"""Liveness of SSA values, the release points the VM uses, explicit frees, and static peak prediction.
+
+``liveness(fn)`` computes per-block live-in/live-out sets by backward data-flow over the CFG and,
+from them, where each value dies: after its last use in a block (when it is not live-out), right
+after its definition when never used, at block entry for unused block arguments, or on a CFG edge
+when it is live out of the predecessor but not live into the successor. Returned values are
+outputs and never die inside the function.
+
+The VM (``remat.runtime.vm``) releases values exactly at these points, and ``predict_peak``
+replays the VM's accounting from IR types alone, so the two agree byte for byte:
+
+* a value's storage is a fresh buffer of ``type.nbytes`` bytes, except results that the op
+  ``aliases`` to an operand (``reshape`` views, in-place optimizer updates), which share it;
+* a storage counts while any live value references it;
+* per instruction, outputs are allocated while the operands are still live (the peak is measured
+  there), then the values dying at that instruction are released;
+* function parameters belong to the caller and stay live for the whole run unless donated; a
+  callee's parameters are references that die at their last use inside the callee.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..ir import Block, BlockArg, Builder, Function, Instruction, Module, Successor, Value
+from ..passes.pipeline import register_pass
+
+
+@dataclass
+class Liveness:
+    """Where every value of a function dies. Value lists follow definition order.
+
+    ``dies_at[ins]``: values whose last use is ``ins`` (not the operands of ``return``, which are
+    outputs), followed by ``ins``'s own results that are never used.
+    ``dead_args[block]``: block arguments never used (released on entry).
+    ``edge_kills[(block, i)]``: values live out of ``block`` but not into its ``i``-th successor.
+    """
+
+    fn: Function
+    live_in: dict[Block, frozenset[Value]]
+    live_out: dict[Block, frozenset[Value]]
+    dies_at: dict[Instruction, tuple[Value, ...]]
+    dead_args: dict[Block, tuple[BlockArg, ...]]
+    edge_kills: dict[tuple[Block, int], tuple[Value, ...]]
+    order: dict[Value, int] = field(repr=False, default_factory=dict)
+
+    def last_use(self) -> dict[Value, Instruction | Block | tuple[Block, int] | None]:
+        """For each value, where it dies: an instruction, a block (unused argument), an edge, or
+        None (returned, or never dies)."""
+        out: dict[Value, object] = {v: None for v in self.order}
+        for ins, vs in self.dies_at.items():
+            for v in vs:
+                out[v] = ins
+        for b, vs in self.dead_args.items():
+            for v in vs:
+                out[v] = b
+        for e, vs in self.edge_kills.items():
+            for v in vs:
+                if out[v] is None:
+                    out[v] = e
+        return out
+
+
+def _uses(ins: Instruction) -> list[Value]:
+    vs = list(ins.operands)
+    for s in ins.successors:
+        vs.extend(s.args)
+    return vs
+
+
+def liveness(fn: Function) -> Liveness:
+    """Backward data-flow liveness over the CFG of ``fn`` and the death point of every value."""
+    if fn.is_declaration:
+        raise ValueError(f"@{fn.name} is a gradient declaration without a body; run the 'grad' pass first")
+    order: dict[Value, int] = {}
+    for b in fn.blocks:
+        for a in b.args:
+            order[a] = len(order)
+        for ins in b.instrs:
+            for r in ins.results:
+                order[r] = len(order)
+    gen: dict[Block, set[Value]] = {}
+    kill: dict[Block, set[Value]] = {}
+    succs: dict[Block, list[Block]] = {}
+    for b in fn.blocks:
+        defined = set(b.args)
+        g: set[Value] = set()
+        for ins in b.instrs:
+            for v in _uses(ins):
+                if v not in defined:
+                    g.add(v)
+            defined.update(ins.results)
+        gen[b], kill[b] = g, defined
+        t = b.terminator
+        succs[b] = [s.block for s in t.successors] if t is not None else []
+    live_in: dict[Block, set[Value]] = {b: set(gen[b]) for b in fn.blocks}
+    live_out: dict[Block, set[Value]] = {b: set() for b in fn.blocks}
+    changed = True
+    while changed:
+        changed = False
+        for b in reversed(fn.blocks):
+            out = set().union(*(live_in[s] for s in succs[b])) if succs[b] else set()
+            inn = gen[b] | (out - kill[b])
+            if out != live_out[b] or inn != live_in[b]:
+                live_out[b], live_in[b], changed = out, inn, True
+
+    key = order.__getitem__
+    dies_at: dict[Instruction, tuple[Value, ...]] = {}
+    dead_args: dict[Block, tuple[BlockArg, ...]] = {}
+    edge_kills: dict[tuple[Block, int], tuple[Value, ...]] = {}
+    for b in fn.blocks:
+        live = set(live_out[b])
+        for ins in reversed(b.instrs):
+            dead = [r for r in ins.results if r not in live]
+            live.difference_update(ins.results)
+            last: list[Value] = []
+            for v in _uses(ins):
+                if v not in live:
+                    live.add(v)
+                    if ins.op.name != "return":
+                        last.append(v)
+            # Several results can share the slot; sort for a deterministic order.
+            vs = sorted(set(last), key=key) + dead
+            if vs:
+                dies_at[ins] = tuple(vs)
+        dead_args[b] = tuple(a for a in b.args if a not in live)
+        t = b.terminator
+        for i, s in enumerate(t.successors if t is not None else ()):
+            ks = live_out[b] - live_in[s.block]
+            if ks:
+                edge_kills[(b, i)] = tuple(sorted(ks, key=key))
+    return Liveness(fn, {b: frozenset(v) for b, v in live_in.items()}, {b: frozenset(v) for b, v in live_out.items()},
+                    dies_at, {b: a for b, a in dead_args.items() if a}, edge_kills, order)
+
+
+# ---------------------------------------------------------------- explicit frees
+def insert_frees(fn: Function, donate: bool = False) -> Function:
+    """A copy of ``fn`` with an explicit ``free`` wherever the VM would release a value.
+
+    Frees go right after the dying instruction (after its block's leading arguments for unused
+    arguments); values dying at a branch go to the start of the successor, on a new edge block
+    when the successor has several predecessors. Parameters are freed only when ``donate``.
+    Values already freed by an explicit ``free`` are left alone. The VM's accounting of the result
+    equals that of ``fn`` (same release points).
+    """
+    g = fn.clone()
+    lv = liveness(g)
+    params = set(g.params) if not donate else set()
+    preds: dict[Block, int] = {b: 0 for b in g.blocks}
+    for b in g.blocks:
+        t = b.terminator
+        for s in (t.successors if t is not None else ()):
+            preds[s.block] += 1
+
+    def keep(vs):
+        return [v for v in vs if v not in params]
+
+    entry_frees: dict[Block, list[Value]] = {b: keep(lv.dead_args.get(b, ())) for b in g.blocks}
+    new_blocks: list[tuple[Block, Block]] = []  # (edge block, insert before this block)
+    for b in list(g.blocks):
+        pos = 0  # position just after ``ins`` in the growing list
+        for ins in list(b.instrs):
+            pos += 1
+            vs = keep(lv.dies_at.get(ins, ()))
+            if ins.op.name == "free":
+                vs = [v for v in vs if v not in ins.operands]
+            if not ins.op.has("terminator"):
+                if vs:
+                    Builder(b, pos).free(*vs)
+                    pos += 1
+                continue
+            for i, s in enumerate(ins.successors):
+                kills = vs + keep(lv.edge_kills.get((b, i), ()))
+                kills = sorted(set(kills), key=lv.order.__getitem__)
+                if not kills:
+                    continue
+                if preds[s.block] == 1:
+                    entry_frees[s.block] = kills + entry_frees[s.block]
+                else:  # split the edge: a block that frees, then jumps on with the same arguments
+                    e = Block([a.type for a in s.block.args])
+                    e.function = g
+                    eb = Builder(e)
+                    eb.free(*kills)
+                    eb.br(s.block, *e.args)
+                    ins.successors[i] = Successor(e, list(s.args))
+                    new_blocks.append((e, s.block))
+    for b, vs in entry_frees.items():
+        if vs:
+            Builder(b, 0).free(*sorted(set(vs), key=lv.order.__getitem__))
+    for e, before in new_blocks:
+        g.blocks.insert(g.blocks.index(before), e)
+    return g
+
+
+@register_pass("insert-frees")
+def insert_frees_pass(module: Module) -> Module:
+    """Pass: make every release explicit with ``free`` in every function (parameters are kept)."""
+    return Module([insert_frees(f) if not f.is_declaration else f.clone() for f in module])
+
+
+# ---------------------------------------------------------------- static prediction
+class TimelineEntry(NamedTuple):
+    """After executing the instruction at ``index`` (its position in ``fn.instructions()``):
+    live bytes, and the high-water mark during it (outputs allocated, operands still live)."""
+
+    index: int
+    live_bytes: int
+    high_water: int
+
+
+@dataclass
+class MemoryPrediction:
+    """What ``predict_peak`` simulates: the same quantities the VM measures (bytes)."""
+
+    peak_bytes: int
+    timeline: list[TimelineEntry]
+    live_bytes_at_end: int
+    peak_index: int | None  # instruction index where the peak is first reached (None: at entry)
+
+
+class _Sim:
+    """Reference-counted storages, as ``remat.runtime.memory.MemoryTracker`` but from types."""
+
+    def __init__(self) -> None:
+        self.refs: dict[int, list[int]] = {}
+        self.live = 0
+        self.peak = 0
+        self.next = 0
+
+    def new(self, nbytes: int) -> int:
+        sid = self.next
+        self.next += 1
+        self.refs[sid] = [1, nbytes]
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        return sid
+
+    def ref(self, sid: int) -> None:
+        self.refs[sid][0] += 1
+
+    def release(self, sid: int) -> None:
+        e = self.refs[sid]
+        e[0] -= 1
+        if e[0] == 0:
+            del self.refs[sid]
+            self.live -= e[1]
+
+
+def _straight_line(fn: Function) -> None:
+    if fn.is_declaration:
+        raise ValueError(f"@{fn.name} is a gradient declaration without a body; run the 'grad' pass first")
+    if len(fn.blocks) != 1:
+        raise NotImplementedError(
+            f"predict_peak: @{fn.name} has {len(fn.blocks)} blocks; its peak depends on the branches taken at run "
+            f"time. Static prediction covers straight-line functions (calls are inlined); measure branching code "
+            f"with remat.run")
+
+
+def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
+              timeline: list[TimelineEntry] | None) -> list[int]:
+    """Run ``fn``'s accounting on ``sim``; returns the storages of the returned values (one reference
+    each, owned by the caller). ``arg_sids`` None: top level, parameters are fresh storages."""
+    _straight_line(fn)
+    lv = liveness(fn)
+    env: dict[Value, int] = {}
+    top = arg_sids is None
+    for i, p in enumerate(fn.params):
+        if top:
+            env[p] = sim.new(p.type.nbytes)
+        else:
+            sim.ref(arg_sids[i])
+            env[p] = arg_sids[i]
+    keep = set(fn.params) if top and not donate else set()
+    for a in lv.dead_args.get(fn.entry, ()):
+        if a not in keep:
+            sim.release(env.pop(a))
+    for idx, ins in enumerate(fn.entry.instrs):
+        if timeline is not None:
+            saved, sim.peak = sim.peak, sim.live
+        name = ins.op.name
+        if name == "return":
+            out = [env[v] for v in ins.operands]
+            for s in out:
+                sim.ref(s)  # the caller's reference
+            if not top:
+                for s in env.values():
+                    sim.release(s)
+                env.clear()
+            if timeline is not None:
+                timeline.append(TimelineEntry(idx, sim.live, sim.peak))
+                sim.peak = max(saved, sim.peak)
+            return out
+        if name == "call":
+            callee = fn.module[ins.attrs["callee"]] if fn.module is not None else None
+            if callee is None:
+                raise ValueError(f"call to @{ins.attrs['callee']} in @{fn.name}, which belongs to no module")
+            outs = _simulate(callee, sim, [env[v] for v in ins.operands], True, None)
+            for r, s in zip(ins.results, outs):
+                env[r] = s
+        elif name != "free":
+            aliases = ins.op.aliases
+            for k, r in enumerate(ins.results):
+                if k in aliases:
+                    s = env[ins.operands[aliases[k]]]
+                    sim.ref(s)
+                    env[r] = s
+                else:
+                    env[r] = sim.new(r.type.nbytes)
+        for v in lv.dies_at.get(ins, ()):
+            if v not in keep and v in env:
+                sim.release(env.pop(v))
+        if timeline is not None:
+            timeline.append(TimelineEntry(idx, sim.live, sim.peak))
+            sim.peak = max(saved, sim.peak)
+    raise ValueError(f"@{fn.name} does not end with return")
+
+
+def simulate(fn: Function, donate: bool = False) -> MemoryPrediction:
+    """Simulate the VM's memory accounting of ``fn`` from IR types (straight-line code, calls inlined).
+
+    Assumes each argument is a dense buffer of its parameter type, distinct from the others.
+    """
+    sim = _Sim()
+    timeline: list[TimelineEntry] = []
+    _simulate(fn, sim, None, donate, timeline)
+    peak = max([sim.live] + [t.high_water for t in timeline]) if timeline else sim.live
+    args = sum(p.type.nbytes for p in fn.params)
+    peak = max(peak, args)
+    at = next((t.index for t in timeline if t.high_water == peak), None)
+    if at is not None and args == peak:
+        at = None
+    return MemoryPrediction(peak, timeline, sim.live, at)
+
+
+def predict_peak(fn: Function, donate: bool = False) -> int:
+    """The peak live bytes the VM will measure when running ``fn`` (see :func:`simulate`)."""
+    return simulate(fn, donate).peak_bytes
+
+
+__all__ = ["Liveness", "MemoryPrediction", "TimelineEntry", "insert_frees", "liveness", "predict_peak", "simulate"]

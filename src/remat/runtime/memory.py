@@ -1,0 +1,96 @@
+"""Exact accounting of live tensor bytes, by storage.
+
+A value's bytes are those of its root buffer: for a NumPy array, the array at the end of its
+``.base`` chain (or, for an array made from a tensor, that tensor's storage); for a torch tensor,
+its ``untyped_storage()``. Each storage is counted once while any live reference holds it, so
+views, aliases and zero-copy NumPy↔torch conversions count once. Storages are keyed by device and
+start address; the tracker keeps the owning object alive while counted, so addresses cannot be
+reused under it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+try:  # torch is optional for the numpy dialect
+    import torch as _torch
+except ImportError:  # pragma: no cover
+    _torch = None
+
+StorageKey = Any  # an int (CPU address) or a (device type, device index, address) tuple
+
+
+def storage_of(x: Any) -> tuple[StorageKey, int, Any]:
+    """(key, bytes, owner) of the root buffer backing ``x`` (a NumPy array or torch tensor)."""
+    if isinstance(x, np.ndarray):
+        r = x
+        while isinstance(r.base, np.ndarray):
+            r = r.base
+        b = r.base
+        if b is not None and _torch is not None and isinstance(b, _torch.Tensor):
+            return storage_of(b)
+        return r.__array_interface__["data"][0], r.nbytes, r
+    if _torch is not None and isinstance(x, _torch.Tensor):
+        s = x.untyped_storage()
+        ptr = s.data_ptr()
+        key = ptr if x.device.type == "cpu" else (x.device.type, x.device.index, ptr)
+        return key, s.nbytes(), s
+    raise TypeError(f"cannot account memory of {type(x).__name__}; expected a numpy array or torch tensor")
+
+
+class MemoryTracker:
+    """Reference counts per storage; ``live_bytes`` is the sum of the bytes of storages in use (bytes).
+
+    ``acquire`` adds one reference (a VM slot now holds the value) and returns the storage key,
+    ``release`` drops one. ``peak_bytes`` is the high-water mark of ``live_bytes`` since the last
+    ``reset_peak``.
+    """
+
+    __slots__ = ("_refs", "live_bytes", "peak_bytes")
+
+    def __init__(self) -> None:
+        # key -> [references, bytes, owner object kept alive while counted]
+        self._refs: dict[StorageKey, list] = {}
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def acquire(self, x: Any) -> StorageKey:
+        key, nbytes, owner = storage_of(x)
+        e = self._refs.get(key)
+        if e is None:
+            self._refs[key] = [1, nbytes, owner]
+            self.live_bytes += nbytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+        else:
+            e[0] += 1
+        return key
+
+    def acquire_key(self, key: StorageKey) -> None:
+        """One more reference to a storage already live (a value passed on unchanged)."""
+        self._refs[key][0] += 1
+
+    def release(self, key: StorageKey) -> None:
+        e = self._refs[key]
+        e[0] -= 1
+        if e[0] == 0:
+            del self._refs[key]
+            self.live_bytes -= e[1]
+
+    def is_live(self, key: StorageKey) -> bool:
+        return key in self._refs
+
+    def refs(self, key: StorageKey) -> int:
+        e = self._refs.get(key)
+        return 0 if e is None else e[0]
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    @property
+    def num_storages(self) -> int:
+        return len(self._refs)
+
+    def __repr__(self) -> str:
+        return f"<MemoryTracker live={self.live_bytes} B in {len(self._refs)} storages, peak={self.peak_bytes} B>"
