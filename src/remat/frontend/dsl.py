@@ -54,7 +54,7 @@ class _Spec:
         self._sites = sites
         self.single = single
         self._module = module
-        self._module_specs: dict[str, _Spec] | None = None
+        self._vms: dict[Any, Any] = {}
 
     @property
     def param_types(self) -> tuple[TensorType, ...]:
@@ -87,6 +87,15 @@ class _Spec:
     @property
     def entry(self) -> Function:
         return self.module[self.name]
+
+    def vm(self, dialects: Sequence[str] | str | None) -> Any:
+        """The VM prepared for this module and ``dialects`` (built once, then reused)."""
+        key = tuple(dialects) if isinstance(dialects, (list, tuple)) else dialects
+        if key not in self._vms:
+            from ..runtime.vm import VM
+
+            self._vms[key] = VM(self.module, dialects=dialects)
+        return self._vms[key]
 
 
 def _module_sites(module: Module, spec: _Spec, memo: dict[str, _Spec]) -> list[tuple[Instruction, _Spec]]:
@@ -379,8 +388,11 @@ class Staged:
             self._tracing.discard(types)
 
     def _bind(self, args: tuple, kwargs: dict) -> list[Any]:
-        """Arguments in parameter order; a wrong count raises TypeError naming the parameters."""
+        """Arguments in parameter order; a wrong count raises TypeError naming the parameters.
+        A derived function (e.g. a vector-Jacobian product) may take extra trailing arguments."""
         n = len(self.param_names)
+        if self._base is not None:
+            return self._base._bind(args[:n], kwargs) + list(args[n:])
         if self._pysig is None:
             if kwargs or len(args) != n:
                 raise TypeError(f"@{self._name} takes {n} positional argument(s) ({', '.join(self.param_names)}), "
@@ -389,30 +401,59 @@ class Staged:
         try:
             bound = self._pysig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"@{self._name} takes {n} argument(s) ({', '.join(self.param_names)}), got {len(args) + len(kwargs)}: {e}") from None
+            raise TypeError(f"@{self._name} takes {n} argument(s) ({', '.join(self.param_names)}), "
+                            f"got {len(args) + len(kwargs)}: {e}") from None
         bound.apply_defaults()
         return [bound.arguments[p] for p in self.param_names]
 
-    def _signature(self, args: tuple, kwargs: dict, for_types: bool = False) -> tuple[TensorType, ...]:
-        values = self._bind(args, kwargs)
+    def _names_and_annotations(self, k: int) -> tuple[list[str], list[TensorType | None]]:
+        """Names and annotations of ``k`` arguments; extra ones (derived functions) are named %i."""
+        n = len(self.param_names)
+        return (list(self.param_names) + [f"%{i}" for i in range(n, k)],
+                list(self._annotations) + [None] * (k - n))
+
+    def _arg_types(self, values: list[Any], for_types: bool = False) -> tuple[TensorType, ...]:
+        """The type of each argument (TensorTypes themselves when ``for_types``; traced tensors and
+        scalars while staging; arrays otherwise), checked against the annotations."""
+        names, anns = self._names_and_annotations(len(values))
         types = []
-        for pname, v, want in zip(self.param_names, values, self._annotations):
+        for pname, v, want in zip(names, values, anns):
             if for_types and isinstance(v, TensorType):
-                if want is not None and v != want:
-                    raise _signature_error(self._name, pname, want, str(v))
-                types.append(v)
+                t = v
             elif isinstance(v, Tensor):
-                if want is not None and v.type != want:
-                    raise _signature_error(self._name, pname, want, str(v.type))
-                types.append(v.type)
+                t = v.type
             elif is_scalar(v) and in_trace():
-                types.append(want if want is not None else TensorType(scalar_default_dtype(v), ()))
                 if want is not None:
-                    _convert(self._name, pname, v, want)  # checks the scalar fits
+                    _convert(self._name, pname, v, want)  # checks that the scalar fits
+                t = want if want is not None else TensorType(scalar_default_dtype(v), ())
+            elif in_trace():
+                as_tensor(v, None, f"argument '{pname}' of the staged call to @{self._name}")  # raises
+                raise AssertionError("unreachable")
             else:
                 a = _convert(self._name, pname, v, want)
-                types.append(TensorType(DType.from_numpy(a.dtype), a.shape))
+                t = TensorType(DType.from_numpy(a.dtype), a.shape)
+            if want is not None and t != want:
+                raise _signature_error(self._name, pname, want, str(t))
+            types.append(t)
         return tuple(types)
+
+    def _resolve(self, types: tuple[TensorType, ...]) -> _Spec:
+        """The specialization for argument ``types`` (compiled on first use), checked against them."""
+        n = len(self.param_names)
+        spec = self._spec_for(types[:n])
+        names, _ = self._names_and_annotations(len(types))
+        if len(spec.param_types) != len(types):
+            want = [f"%{i}: {t}" for i, t in enumerate(spec.param_types)]
+            raise TypeError(f"@{spec.name} takes {len(spec.param_types)} argument(s) ({', '.join(want)}), "
+                            f"got {len(types)}")
+        for p, want, got in zip(names, spec.param_types, types):
+            if want != got:
+                raise _signature_error(self._name, p, want, str(got))
+        return spec
+
+    def _signature(self, args: tuple, kwargs: dict, for_types: bool = False) -> tuple[TensorType, ...]:
+        types = self._arg_types(self._bind(args, kwargs), for_types)
+        return types[:len(self.param_names)]
 
     # -- calling
     def __call__(self, *args: Any, **kwargs: Any):
@@ -424,18 +465,13 @@ class Staged:
         return outputs
 
     def run(self, *args: Any, dialects: Sequence[str] | None = None, **kwargs: Any):
-        """Run on the VM: returns ``(outputs, stats)``, outputs shaped as ``__call__`` returns them."""
+        """Run on the VM: returns ``(outputs, stats)``, outputs shaped as ``__call__`` returns them.
+        ``dialects`` is the ordered list of backends to prefer (None: the VM's default)."""
         values = self._bind(args, kwargs)
-        arrays = [_convert(self._name, p, v, w) for p, v, w in zip(self.param_names, values, self._annotations)]
-        types = tuple(TensorType(DType.from_numpy(a.dtype), a.shape) for a in arrays)
-        spec = self._spec_for(types)
-        if spec.param_types != types:  # a fixed signature (from_module / specialize)
-            for p, want, got in zip(self.param_names, spec.param_types, types):
-                if want != got:
-                    raise _signature_error(self._name, p, want, str(got))
-        from ..runtime.vm import run as vm_run
-
-        outs, stats = vm_run(spec.entry, *arrays, dialects=dialects)
+        names, anns = self._names_and_annotations(len(values))
+        arrays = [_convert(self._name, p, v, w) for p, v, w in zip(names, values, anns)]
+        spec = self._resolve(tuple(TensorType(DType.from_numpy(a.dtype), a.shape) for a in arrays))
+        outs, stats = spec.vm(dialects).run(spec.name, *arrays)
         self.last_stats = stats
         outs = tuple(outs)
         return (outs[0] if spec.single else outs), stats
@@ -443,15 +479,11 @@ class Staged:
     def _stage_call(self, args: tuple, kwargs: dict):
         tr = current_trace(f"calling @{self._name}")
         values = self._bind(args, kwargs)
-        for pname, v in zip(self.param_names, values):
-            if not isinstance(v, Tensor) and not is_scalar(v):
-                as_tensor(v, None, f"argument '{pname}' of the staged call to @{self._name}")  # raises
-        spec = self._spec_for(self._signature(args, kwargs))
+        spec = self._resolve(self._arg_types(values))
+        names, _ = self._names_and_annotations(len(values))
         vals = []
-        for pname, v, t in zip(self.param_names, values, spec.param_types):
+        for pname, v, t in zip(names, values, spec.param_types):
             if isinstance(v, Tensor):
-                if v.type != t:
-                    raise _signature_error(self._name, pname, t, str(v.type))
                 vals.append(check_live(tr, v, f"argument '{pname}' of the call to @{self._name}"))
             else:
                 vals.append(ops.constant(v, t.shape, t.dtype).value)
