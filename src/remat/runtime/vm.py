@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -270,12 +270,15 @@ class VM:
         return self.module[name.name if isinstance(name, Function) else name]
 
     def run(self, fn: str | Function, *args: Any, donate: bool = False,
-            outputs: str = "numpy") -> tuple[tuple[Any, ...], RunStats]:
+            outputs: str = "numpy", on_step: Callable[[TimelineEntry], None] | None = None
+            ) -> tuple[tuple[Any, ...], RunStats]:
         """Run ``fn`` on NumPy arrays / torch tensors; returns (results, :class:`RunStats`).
 
         ``donate``: the arguments become the VM's and are released at their last use (by
         default they belong to the caller and stay counted for the whole run).
         ``outputs``: "numpy" (default) or "torch".
+        ``on_step``: called after each top-level instruction with its timeline entry (for
+        cross-checks such as tracemalloc; adds a call per instruction).
         """
         if outputs not in ("numpy", "torch"):
             raise ValueError(f"outputs must be 'numpy' or 'torch', got {outputs!r}")
@@ -298,7 +301,7 @@ class VM:
             xs.append(conv(a) if conv is not None else a)
 
         tracker = MemoryTracker()
-        rec = _Recorder()
+        rec = _Recorder(on_step)
         t0 = time.perf_counter()
         if plan.uses_torch or any(p.uses_torch for p in self._plans.values()):
             with _torch().no_grad():
@@ -353,9 +356,11 @@ class VM:
                         raise RuntimeError(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
                                            f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
                     if st.single:
-                        out = (out,)
-                    for r, o in enumerate(out):
-                        self._store(plan, st, r, o, frame, keys, tracker)
+                        self._store(plan, st, 0, out, frame, keys, tracker)
+                    else:
+                        for r in range(len(out)):
+                            self._store(plan, st, r, out[r], frame, keys, tracker)
+                    out = None  # hold no reference to a released (dead) result
                 elif kind == _K_CALL:
                     callee = self._plans[st.callee]
                     outs, okeys = self._exec(callee, [frame[s] for s in st.ins_slots],
@@ -462,9 +467,10 @@ def plan_instr(plan: _FnPlan, index: int) -> Instruction:
 class _Recorder:
     """Per-instruction live bytes, high-water marks and times of the top-level frame."""
 
-    __slots__ = ("timeline", "times", "peak", "peak_index", "arg_bytes")
+    __slots__ = ("timeline", "times", "peak", "peak_index", "arg_bytes", "on_step")
 
-    def __init__(self) -> None:
+    def __init__(self, on_step: Callable[[TimelineEntry], None] | None = None) -> None:
+        self.on_step = on_step
         self.timeline: list[TimelineEntry] = []
         self.times: list[tuple[int, str, float]] = []
         self.peak = 0
@@ -476,11 +482,14 @@ class _Recorder:
 
     def step(self, st: _Step, tracker: MemoryTracker, t0: float, saved_peak: int) -> None:
         hw = tracker.peak_bytes
-        self.timeline.append(TimelineEntry(st.index, tracker.live_bytes, hw))
+        e = TimelineEntry(st.index, tracker.live_bytes, hw)
+        self.timeline.append(e)
         if hw > self.peak:
             self.peak, self.peak_index = hw, st.index
         tracker.peak_bytes = max(saved_peak, hw)
         self.times.append((st.index, st.name, time.perf_counter() - t0))
+        if self.on_step is not None:
+            self.on_step(e)
 
 
 def run(target: Any, *args: Any, dialects: Sequence[str] | str | None = None, donate: bool = False,

@@ -1,0 +1,265 @@
+"""Generated per-op kernel tests: every op's ``sample`` generator (from the registry, so a new op
+gets its test for free) drives the numpy and torch kernels, which must agree, produce exactly the
+IR result type, and honour the buffer contract (fresh contiguous storage, or the aliased operand's)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from remat import backends
+from remat.backends import CONTROL_OPS, torch_kernels as tk
+from remat.ir import OPS, Builder, DType, Function, TensorType
+from remat.runtime.memory import storage_of
+
+KERNEL_OPS = sorted(n for n in OPS if n not in CONTROL_OPS)
+SAMPLED = [n for n in KERNEL_OPS if OPS[n].sample is not None]
+
+
+def build(name: str, args: list[np.ndarray], attrs: dict):
+    """A one-instruction function for a sample; returns (instruction, normalised attrs)."""
+    types = [TensorType(DType.from_numpy(a.dtype), a.shape) for a in args]
+    op = OPS[name]
+    attrs = op.check_attrs(types, attrs)
+    f = Function("f", types, list(op.result_types(types, attrs)))
+    ins = Builder(f.entry).create(name, f.params, attrs)
+    Builder(f.entry).ret(*ins.results)
+    return ins, attrs
+
+
+def cast_sample(args, dt: DType):
+    return [a.astype(dt.numpy) if a.dtype.kind == "f" else a.copy() for a in args]
+
+
+def run_kernel(ins, attrs, args, dialect):
+    impl = backends.kernel_for(ins, dialect)
+    ops = [a.copy() for a in args] if dialect == "numpy" else [tk.to_torch(a.copy()) for a in args]
+    out = impl.fn(*ops, **attrs)
+    outs = out if isinstance(out, tuple) else (out,)
+    return ops, outs
+
+
+def check_contract(ins, ops, outs, dialect):
+    """Exact IR type; aliased results share the operand's storage, others own fresh contiguous bytes."""
+    assert len(outs) == len(ins.results)
+    in_keys = {storage_of(o)[0] for o in ops}
+    for k, (o, r) in enumerate(zip(outs, ins.results)):
+        t = r.type
+        if dialect == "numpy":
+            assert type(o) is np.ndarray, f"{ins.op.name}: result {k} is {type(o).__name__}, not an ndarray"
+            assert o.dtype == t.dtype.numpy and o.shape == t.shape, f"{ins.op.name}: {o.dtype}{o.shape} != {t}"
+            contiguous = o.flags.c_contiguous
+        else:
+            assert isinstance(o, torch.Tensor)
+            assert o.dtype == tk.TORCH_DTYPE[t.dtype] and tuple(o.shape) == t.shape, f"{ins.op.name}: {o.dtype}{tuple(o.shape)} != {t}"
+            contiguous = o.is_contiguous()
+        key, nbytes, _ = storage_of(o)
+        if k in ins.op.aliases:
+            assert key == storage_of(ops[ins.op.aliases[k]])[0], f"{ins.op.name}: result {k} must alias its operand"
+        else:
+            assert contiguous, f"{ins.op.name} ({dialect}): result {k} is not contiguous"
+            assert nbytes == t.nbytes, f"{ins.op.name} ({dialect}): result {k} owns {nbytes} bytes, type needs {t.nbytes}"
+            assert key not in in_keys or t.nbytes == 0, f"{ins.op.name} ({dialect}): result {k} shares an operand's storage"
+
+
+def as_f64(x):
+    x = tk.to_numpy(x) if isinstance(x, torch.Tensor) else x
+    return x.astype(np.float64) if x.dtype != np.bool_ else x
+
+
+TOL = {DType.f64: 1e-10, DType.f32: 2e-5}
+
+
+def test_every_kernel_op_has_a_sample():
+    missing = [n for n in KERNEL_OPS if OPS[n].sample is None]
+    assert not missing, f"ops without a sample generator (no generated kernel test): {missing}"
+
+
+def test_every_op_has_a_numpy_kernel():
+    numpy = backends.dialects()["numpy"]
+    missing = [n for n in KERNEL_OPS if n not in numpy.kernels]
+    assert not missing, f"ops without a reference (numpy) kernel: {missing}"
+
+
+def test_control_ops_have_no_kernels():
+    for d in backends.dialects().values():
+        assert not set(d.kernels) & CONTROL_OPS
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("dt", [DType.f64, DType.f32], ids=str)
+def test_numpy_and_torch_agree(name, dt):
+    rng = np.random.default_rng(sum(map(ord, name)))
+    for si, s in enumerate(OPS[name].sample(rng)):
+        args = cast_sample(s.args, dt)
+        ins, attrs = build(name, args, s.attrs)
+        ops_np, out_np = run_kernel(ins, attrs, args, "numpy")
+        check_contract(ins, ops_np, out_np, "numpy")
+        try:
+            impl = backends.kernel_for(ins, "torch")
+        except backends.NoKernelError:
+            continue
+        assert impl.dialect == "torch"
+        ops_t, out_t = run_kernel(ins, attrs, args, "torch")
+        check_contract(ins, ops_t, out_t, "torch")
+        for k, (a, b) in enumerate(zip(out_np, out_t)):
+            a, b = as_f64(a), as_f64(b)
+            if ins.op.has("random"):
+                assert np.array_equal(a, b), f"{name}: random samples differ between dialects"
+            elif a.dtype == np.bool_ or a.dtype.kind in "iu":
+                assert np.array_equal(a, b), f"{name} sample {si} result {k}"
+            else:
+                tol = TOL[dt] * 10 if name in ("adam_step",) else TOL[dt]
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol, equal_nan=True,
+                                           err_msg=f"{name} sample {si} result {k} ({dt})")
+
+
+@pytest.mark.parametrize("name", [n for n in SAMPLED if not OPS[n].has("random") and n != "fold_seed"])
+@pytest.mark.parametrize("dt", [DType.bf16, DType.f16], ids=str)
+def test_low_precision_matches_f32_reference(name, dt):
+    """f16/bf16 kernels compute in f32 and round once: they match the f32 result rounded, loosely."""
+    rng = np.random.default_rng(1 + sum(map(ord, name)))
+    tol = {DType.bf16: 4e-2, DType.f16: 4e-3}[dt]
+    for s in OPS[name].sample(rng):
+        if not any(a.dtype.kind == "f" for a in s.args):
+            continue
+        lo = cast_sample(s.args, dt)
+        ins, attrs = build(name, lo, s.attrs)
+        ops, outs = run_kernel(ins, attrs, lo, "numpy")
+        check_contract(ins, ops, outs, "numpy")
+        ref_args = [a.astype(np.float32) if a.dtype == dt.numpy else a for a in lo]
+        ins32, attrs32 = build(name, ref_args, s.attrs)
+        _, ref = run_kernel(ins32, attrs32, ref_args, "numpy")
+        for a, b in zip(outs, ref):
+            a, b = as_f64(a), as_f64(b)
+            if a.dtype == np.bool_:
+                continue  # comparisons of rounded inputs may legitimately flip
+            scale = max(1.0, float(np.nanmax(np.abs(b))) if b.size else 1.0)
+            np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale, equal_nan=True, err_msg=name)
+
+
+def test_random_ops_are_deterministic_functions_of_the_seed():
+    seed = np.array(1234, dtype=np.int64)
+    for name, attrs in [("uniform", {"shape": (64,)}), ("normal", {"shape": (64,)}), ("bernoulli", {"shape": (64,), "p": 0.5})]:
+        ins, a = build(name, [seed], attrs)
+        _, (x1,) = run_kernel(ins, a, [seed], "numpy")
+        _, (x2,) = run_kernel(ins, a, [seed], "numpy")
+        _, (y,) = run_kernel(ins, a, [np.array(1235, dtype=np.int64)], "numpy")
+        assert np.array_equal(x1, x2)
+        assert not np.array_equal(x1, y)
+
+
+def test_random_distribution_parameters():
+    seed = np.array(7, dtype=np.int64)
+    ins, a = build("uniform", [seed], {"shape": (20000,), "low": -2.0, "high": 3.0, "dtype": DType.f64})
+    _, (u,) = run_kernel(ins, a, [seed], "numpy")
+    assert u.min() >= -2.0 and u.max() < 3.0 and abs(u.mean() - 0.5) < 0.05
+    ins, a = build("normal", [seed], {"shape": (20000,), "mean": 1.0, "std": 3.0, "dtype": DType.f64})
+    _, (z,) = run_kernel(ins, a, [seed], "numpy")
+    assert abs(z.mean() - 1.0) < 0.1 and abs(z.std() - 3.0) < 0.1
+    ins, a = build("bernoulli", [seed], {"shape": (20000,), "p": 0.3})
+    _, (m,) = run_kernel(ins, a, [seed], "numpy")
+    assert m.dtype == np.bool_ and abs(m.mean() - 0.3) < 0.02
+
+
+def test_fold_seed_is_a_stable_hash():
+    from remat.backends.numpy_kernels import fold_seed_int
+
+    seeds = {fold_seed_int(s, salt) for s in range(20) for salt in range(20)}
+    assert len(seeds) == 400  # no collisions on a small grid
+    assert all(-(2 ** 63) <= s < 2 ** 63 for s in seeds)
+    assert fold_seed_int(5, 3) == fold_seed_int(5, 3) != fold_seed_int(3, 5)
+
+
+@pytest.mark.parametrize("nesterov,maximize", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("step", [1, 4])
+def test_sgd_step_matches_torch_optim(nesterov, maximize, step):
+    rng = np.random.default_rng(step)
+    p, g, buf = rng.standard_normal((3, 5)), rng.standard_normal((3, 5)), rng.standard_normal((3, 5))
+    hp = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "nesterov": nesterov, "maximize": maximize}
+    tp = torch.tensor(p, requires_grad=True)
+    opt = torch.optim.SGD([tp], **hp)
+    if step > 1:
+        opt.state[tp]["momentum_buffer"] = torch.tensor(buf)
+    tp.grad = torch.tensor(g)
+    opt.step()
+    args = [p, g, buf, np.array(step, dtype=np.int64)]
+    ins, attrs = build("sgd_step", args, hp)
+    for d in ("numpy", "torch"):
+        _, (np_, nbuf) = run_kernel(ins, attrs, args, d)
+        np.testing.assert_allclose(as_f64(np_), tp.detach().numpy(), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(as_f64(nbuf), opt.state[tp]["momentum_buffer"].numpy(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+@pytest.mark.parametrize("step", [1, 3])
+def test_adam_step_matches_torch_optim(decoupled, step):
+    rng = np.random.default_rng(10 + step)
+    p, g = rng.standard_normal((4, 3)), rng.standard_normal((4, 3))
+    m, v = rng.standard_normal((4, 3)) * 0.1, rng.uniform(0, 0.1, (4, 3))
+    hp = {"lr": 0.01, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+    tp = torch.tensor(p, requires_grad=True)
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([tp], **hp)
+    if step > 1:
+        opt.state[tp].update(step=torch.tensor(float(step - 1)), exp_avg=torch.tensor(m), exp_avg_sq=torch.tensor(v))
+        m0, v0 = m, v
+    else:
+        m0, v0 = np.zeros_like(m), np.zeros_like(v)
+    tp.grad = torch.tensor(g)
+    opt.step()
+    args = [p, g, m0, v0, np.array(step, dtype=np.int64)]
+    attrs = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1, "decoupled": decoupled}
+    ins, attrs = build("adam_step", args, attrs)
+    for d in ("numpy", "torch"):
+        _, (np_, nm, nv) = run_kernel(ins, attrs, args, d)
+        np.testing.assert_allclose(as_f64(np_), tp.detach().numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(as_f64(nm), opt.state[tp]["exp_avg"].numpy(), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(as_f64(nv), opt.state[tp]["exp_avg_sq"].numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_max_pool_grad_ties_go_to_first_maximum_in_both_dialects():
+    x = np.zeros((1, 1, 4, 4))  # every window is a tie
+    gy = np.arange(4.0).reshape(1, 1, 2, 2) + 1
+    ins, attrs = build("max_pool2d_grad", [x, gy], {"kernel": (2, 2)})
+    want = np.zeros((1, 1, 4, 4))
+    want[0, 0, ::2, ::2] = gy[0, 0]
+    for d in ("numpy", "torch"):
+        _, (gx,) = run_kernel(ins, attrs, [x, gy], d)
+        np.testing.assert_array_equal(as_f64(gx), want)
+
+
+def test_avg_pool_counts_padding_as_zeros():
+    x = np.ones((1, 1, 2, 2))
+    ins, attrs = build("avg_pool2d", [x], {"kernel": (2, 2), "stride": (1, 1), "padding": (1, 1)})
+    for d in ("numpy", "torch"):
+        _, (y,) = run_kernel(ins, attrs, [x], d)
+        np.testing.assert_allclose(as_f64(y)[0, 0], [[0.25, 0.5, 0.25], [0.5, 1.0, 0.5], [0.25, 0.5, 0.25]])
+
+
+def test_rank0_results_are_arrays_not_scalars():
+    x = np.array(0.5)
+    for name in ("exp", "neg", "sigmoid"):
+        ins, attrs = build(name, [x], {})
+        _, (y,) = run_kernel(ins, attrs, [x], "numpy")
+        assert type(y) is np.ndarray and y.shape == ()
+    ins, attrs = build("reduce_sum", [np.ones((3,))], {"axes": (0,)})
+    _, (y,) = run_kernel(ins, attrs, [np.ones((3,))], "numpy")
+    assert type(y) is np.ndarray and y.shape == () and y == 3.0
+
+
+def test_reductions_with_empty_axes_copy():
+    x = np.arange(6.0).reshape(2, 3)
+    for name in ("reduce_sum", "reduce_max", "reduce_mean"):
+        ins, attrs = build(name, [x], {"axes": ()})
+        for d in ("numpy", "torch"):
+            ops, outs = run_kernel(ins, attrs, [x], d)
+            check_contract(ins, ops, outs, d)
+            np.testing.assert_array_equal(as_f64(outs[0]), x)
+
+
+def test_integer_division_floors_in_both_dialects():
+    a, b = np.array([7, -7, 7, -7], dtype=np.int64), np.array([2, 2, -2, -2], dtype=np.int64)
+    ins, attrs = build("div", [a, b], {})
+    for d in ("numpy", "torch"):
+        _, (y,) = run_kernel(ins, attrs, [a, b], d)
+        np.testing.assert_array_equal(as_f64(y), [3, -4, -4, 3])
