@@ -232,3 +232,18 @@ def test_grad_of_a_staged_function():
     t = torch.from_numpy(w).requires_grad_()
     (torch.tanh(torch.from_numpy(x) @ t) ** 2).sum().backward()
     np.testing.assert_allclose(g, t.grad.numpy(), rtol=1e-8)
+
+
+def test_vjp_of_a_non_scalar_output_takes_the_cotangent():
+    @remat.function
+    def f(x):
+        return x.tanh() * 2
+
+    x, ct = arr(3, dtype=np.float64), arr(3, dtype=np.float64)
+    vjp = remat.grad(f, wrt=0)
+    np.testing.assert_allclose(vjp(x, ct), ct * 2 * (1 - np.tanh(x) ** 2), rtol=1e-10)
+    fixed = vjp.specialize(remat.f64[3])
+    assert fixed.param_names == ("x", "%1")
+    np.testing.assert_allclose(fixed(x, ct), vjp(x, ct))
+    with pytest.raises(TypeError, match="parameter '%1' expects f64\\[3\\], got f64\\[2\\]"):
+        fixed(x, ct[:2].copy())

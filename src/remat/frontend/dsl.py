@@ -269,7 +269,9 @@ class Staged:
         elif _spec is not None:
             self._name = _spec.name
             self._pysig = None
-            self.param_names = tuple(_param_names or (f"%{i}" for i in range(len(_spec.param_types))))
+            names = list(_param_names or ())[:len(_spec.param_types)]
+            # Extra parameters (a derived function's cotangent, say) are named as the printer names them.
+            self.param_names = tuple(names + [f"%{i}" for i in range(len(names), len(_spec.param_types))])
             self._annotations = _spec.param_types
         elif _base is not None:
             self._name = name or _base._name
