@@ -605,3 +605,27 @@ def test_proxy_hashes_by_identity():
 def test_public_names():
     assert remat.function is not None and remat.cond is ops.cond and remat.ops is ops
     assert remat.Staged is Staged
+
+
+def test_keyword_arguments_and_keyword_only_parameters():
+    @remat.function
+    def f(x, *, scale: remat.f32[()]):
+        return x * scale
+
+    s = f.specialize(F3, scale=remat.f32[()])
+    assert s.module["f"].param_types == [F3, remat.f32[()]]
+    assert f.param_names == ("x", "scale")
+    with pytest.raises(TypeError, match="@f takes 2 argument\\(s\\) \\(x, scale\\)"):
+        f.specialize(F3, remat.f32[()])
+
+
+def test_unresolvable_annotation():
+    ns: dict = {}
+    exec("from __future__ import annotations\ndef f(x: Missing[2]):\n    return x\n", ns)
+    with pytest.raises(TypeError, match="annotation cannot be evaluated"):
+        remat.function(ns["f"])
+
+
+def test_ops_namespace_is_complete():
+    for name in ops.__all__:
+        assert callable(getattr(ops, name)), name

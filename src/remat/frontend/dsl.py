@@ -248,7 +248,11 @@ class Staged:
         if fn is not None:
             functools.update_wrapper(self, fn, updated=())
             self._name = _ir_name(name or getattr(fn, "__name__", "f"))
-            self._pysig = inspect.signature(fn, eval_str=True)
+            try:
+                self._pysig = inspect.signature(fn, eval_str=True)
+            except NameError as e:
+                raise TypeError(f"@remat.function {getattr(fn, '__name__', fn)}: an annotation cannot be evaluated "
+                                f"({e}); annotate tensors with types such as remat.f32[1, 784]") from None
             names, ann = [], []
             for p in self._pysig.parameters.values():
                 if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
