@@ -1,0 +1,722 @@
+"""Abstract computation graph, the exact memory model, and the common plan type.
+
+Every rematerialization solver in this package (MILP, greedy, scheduler) works on
+a :class:`Graph` and emits a *schedule*: a list of steps ``("compute", i)`` /
+``("free", i)``.  :func:`simulate` is the single source of truth for the memory
+model; every solver measures its result with it, so a predicted peak is exactly
+what a VM with exact byte accounting will measure.
+
+Memory model (all sizes in bytes, costs in seconds):
+
+* Nodes are stored in a topological order; ``inputs`` are indices of earlier nodes.
+* Nodes with ``is_input`` (parameters, data) are live from the start and count
+  toward memory from the start.  They can never be (re)computed.  An input that is
+  not also an output may be freed (after its last use); mark it ``is_output`` to pin
+  it for the whole run (e.g. parameters that the caller keeps alive).
+* ``("compute", i)`` requires every input of ``i`` to be live and ``i`` itself not
+  live.  *During* the compute, memory = live bytes + ``bytes[i]`` + ``workspace[i]``;
+  afterwards ``i`` is live (``live += bytes[i]``; workspace is released).
+* ``("free", i)`` requires ``i`` live and removes it (``live -= bytes[i]``).
+* Every non-input node must be computed at least once (nothing is dead-code
+  eliminated here); a node with ``recomputable=False`` exactly once.  A node can be
+  computed again only after it has been freed.
+* At the end every ``is_output`` node must be live.
+* peak = max over all moments (the start, during every compute, after every step).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+Step = tuple[str, int]  # ("compute" | "free", node index)
+Schedule = list[Step]
+
+COMPUTE = "compute"
+FREE = "free"
+
+
+class BudgetTooSmall(ValueError):
+    """The memory budget is below what the solver can achieve.
+
+    ``budget``: the requested budget (bytes).  ``minimum``: the smallest budget the
+    raising solver can guarantee or prove; each solver documents what it means
+    (exact minimum within its schedule space, or a valid lower bound).
+    """
+
+    def __init__(self, budget: int, minimum: int, message: str = "") -> None:
+        self.budget = int(budget)
+        self.minimum = int(minimum)
+        msg = message or f"memory budget {self.budget} B is below the minimum {self.minimum} B"
+        super().__init__(msg)
+
+
+class InvalidSchedule(ValueError):
+    """A schedule violates the memory model (missing input, double compute, ...)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """One value-producing operation (or an input value) of a :class:`Graph`."""
+
+    name: str
+    cost: float  # compute time in seconds, >= 0 (0 for inputs)
+    bytes: int  # size of the output value in bytes, >= 0
+    inputs: tuple[int, ...] = ()  # indices of earlier nodes (deduplicated, ordered)
+    is_input: bool = False  # live from the start, never computed
+    is_output: bool = False  # must be live at the end
+    recomputable: bool = True  # False: computed exactly once (random/effectful/pinned)
+    workspace: int = 0  # transient bytes live only while this node computes
+
+
+class Graph:
+    """A DAG of :class:`Node` in topological order (node ``i`` only reads ``j < i``)."""
+
+    def __init__(self, nodes: Iterable[Node] = ()) -> None:
+        self._nodes: list[Node] = []
+        self._names: dict[str, int] = {}
+        self._consumers: list[list[int]] | None = None
+        for nd in nodes:
+            self._append(nd)
+
+    # ------------------------------------------------------------------ building
+    def add_input(self, name: str, bytes: int, *, is_output: bool = False) -> int:
+        """Add an input value (parameter/data) live from the start; returns its index."""
+        return self._append(Node(name, 0.0, bytes, (), True, is_output, False, 0))
+
+    def add_node(
+        self,
+        name: str,
+        cost: float,
+        bytes: int,
+        inputs: Sequence[int] = (),
+        *,
+        is_output: bool = False,
+        recomputable: bool = True,
+        workspace: int = 0,
+    ) -> int:
+        """Add a computed node reading ``inputs`` (earlier indices); returns its index."""
+        return self._append(
+            Node(name, cost, bytes, tuple(inputs), False, is_output, recomputable, workspace)
+        )
+
+    def _append(self, nd: Node) -> int:
+        idx = len(self._nodes)
+        nd = self._validated(nd, idx)
+        self._nodes.append(nd)
+        self._names[nd.name] = idx
+        self._consumers = None
+        return idx
+
+    def _validated(self, nd: Node, idx: int) -> Node:
+        label = f"node {idx} ({nd.name!r})"
+        if not isinstance(nd.name, str) or not nd.name:
+            raise ValueError(f"node {idx}: name must be a non-empty string, got {nd.name!r}")
+        if nd.name in self._names:
+            raise ValueError(f"{label}: duplicate name (already node {self._names[nd.name]})")
+        try:
+            cost = float(nd.cost)
+        except (TypeError, ValueError):
+            raise ValueError(f"{label}: cost must be a number, got {nd.cost!r}") from None
+        if not math.isfinite(cost) or cost < 0:
+            raise ValueError(f"{label}: cost must be finite and >= 0, got {nd.cost!r}")
+        size = _as_nonneg_int(nd.bytes, f"{label}: bytes")
+        work = _as_nonneg_int(nd.workspace, f"{label}: workspace")
+        ins: list[int] = []
+        for j in nd.inputs:
+            jj = _as_nonneg_int(j, f"{label}: input index")
+            if jj >= idx:
+                raise ValueError(
+                    f"{label}: input {jj} is not an earlier node (graph must be in topological order)"
+                )
+            if jj not in ins:
+                ins.append(jj)
+        if nd.is_input:
+            if ins:
+                raise ValueError(f"{label}: an input node cannot have inputs")
+            if cost != 0:
+                raise ValueError(f"{label}: an input node must have cost 0, got {cost}")
+            if work:
+                raise ValueError(f"{label}: an input node cannot have a workspace")
+        return Node(
+            nd.name,
+            cost,
+            size,
+            tuple(ins),
+            bool(nd.is_input),
+            bool(nd.is_output),
+            bool(nd.recomputable) and not nd.is_input,
+            work,
+        )
+
+    # ------------------------------------------------------------------ queries
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __getitem__(self, i: int) -> Node:
+        return self._nodes[i]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self._nodes)
+
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self._nodes)
+
+    def index(self, name: str) -> int:
+        return self._names[name]
+
+    @property
+    def consumers(self) -> list[list[int]]:
+        """``consumers[i]``: indices of the nodes that read node ``i`` (ascending)."""
+        if self._consumers is None:
+            cons: list[list[int]] = [[] for _ in self._nodes]
+            for k, nd in enumerate(self._nodes):
+                for j in nd.inputs:
+                    cons[j].append(k)
+            self._consumers = cons
+        return self._consumers
+
+    @property
+    def compute_nodes(self) -> list[int]:
+        """Indices of the non-input nodes, in topological order."""
+        return [i for i, nd in enumerate(self._nodes) if not nd.is_input]
+
+    @property
+    def base_cost(self) -> float:
+        """Total cost of computing every node exactly once (no rematerialization)."""
+        return float(sum(nd.cost for nd in self._nodes))
+
+    def num_edges(self) -> int:
+        return sum(len(nd.inputs) for nd in self._nodes)
+
+    def __repr__(self) -> str:
+        n_in = sum(nd.is_input for nd in self._nodes)
+        n_out = sum(nd.is_output for nd in self._nodes)
+        return (
+            f"Graph({len(self)} nodes: {n_in} inputs, {len(self) - n_in} computed, "
+            f"{n_out} outputs, {self.num_edges()} edges)"
+        )
+
+    def permuted(self, order: Sequence[int]) -> tuple["Graph", list[int]]:
+        """Relabel so that the compute nodes appear in ``order`` (a topological order).
+
+        Inputs keep their relative order and come first.  Returns the new graph and
+        ``old_of_new`` (new index -> old index), used to map schedules back.
+        """
+        check_order(self, order)
+        old_of_new = [i for i, nd in enumerate(self._nodes) if nd.is_input] + list(order)
+        new_of_old = {o: k for k, o in enumerate(old_of_new)}
+        g = Graph()
+        for o in old_of_new:
+            nd = self._nodes[o]
+            g._append(
+                Node(
+                    nd.name,
+                    nd.cost,
+                    nd.bytes,
+                    tuple(new_of_old[j] for j in nd.inputs),
+                    nd.is_input,
+                    nd.is_output,
+                    nd.recomputable,
+                    nd.workspace,
+                )
+            )
+        return g, old_of_new
+
+    # ------------------------------------------------------------------ generators
+    @staticmethod
+    def training_chain(
+        n_layers: int,
+        act_bytes: int = 1 << 20,
+        param_bytes: int = 1 << 12,
+        cost: float = 1e-3,
+        seed: int | None = None,
+    ) -> "Graph":
+        """A plain n-layer chain and its backward pass (see :func:`synthetic_training_graph`)."""
+        return synthetic_training_graph(
+            "chain", n_layers, seed, act_bytes=act_bytes, param_bytes=param_bytes, cost=cost
+        )
+
+
+def _as_nonneg_int(v: object, what: str) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"{what} must be an integer, got {v!r}")
+    try:
+        iv = int(v)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be an integer, got {v!r}") from None
+    if iv != v:
+        raise ValueError(f"{what} must be an integer, got {v!r}")
+    if iv < 0:
+        raise ValueError(f"{what} must be >= 0, got {v!r}")
+    return iv
+
+
+def check_order(graph: Graph, order: Sequence[int]) -> None:
+    """Raise ``ValueError`` unless ``order`` lists every compute node once, topologically."""
+    order = list(order)
+    comp = graph.compute_nodes
+    if sorted(order) != comp:
+        missing = set(comp) - set(order)
+        extra = [o for o in order if o not in set(comp)]
+        raise ValueError(
+            f"order must list every non-input node exactly once "
+            f"(missing {sorted(missing)[:5]}, unexpected/duplicate {extra[:5] or 'duplicates'})"
+        )
+    pos = {v: k for k, v in enumerate(order)}
+    for v in order:
+        for u in graph[v].inputs:
+            if not graph[u].is_input and pos[u] > pos[v]:
+                raise ValueError(
+                    f"order is not topological: {graph[v].name!r} comes before its input {graph[u].name!r}"
+                )
+
+
+# ---------------------------------------------------------------------- simulation
+def simulate(graph: Graph, schedule: Sequence[Step]) -> tuple[float, int]:
+    """Validate ``schedule`` and return ``(total_cost_seconds, peak_bytes)``.
+
+    Raises :class:`InvalidSchedule` naming the offending step and node.
+    """
+    cost, peak, _ = _run(graph, schedule, want_profile=False)
+    return cost, peak
+
+
+def memory_profile(graph: Graph, schedule: Sequence[Step]) -> list[int]:
+    """Bytes in use at every moment: start, then per step (the *during* value for computes)."""
+    return _run(graph, schedule, want_profile=True)[2]
+
+
+def _run(
+    graph: Graph, schedule: Sequence[Step], want_profile: bool
+) -> tuple[float, int, list[int]]:
+    nodes = graph._nodes
+    n = len(nodes)
+    live = [nd.is_input for nd in nodes]
+    times = [0] * n  # number of computes of each node
+    mem = sum(nd.bytes for nd in nodes if nd.is_input)  # bytes live now
+    peak = mem
+    cost = 0.0
+    prof = [mem] if want_profile else []
+    for t, step in enumerate(schedule):
+        try:
+            kind, i = step
+        except (TypeError, ValueError):
+            raise InvalidSchedule(f"step {t}: expected (kind, index), got {step!r}") from None
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
+            raise InvalidSchedule(f"step {t}: node index {i!r} out of range [0, {n})")
+        nd = nodes[i]
+        if kind == COMPUTE:
+            if nd.is_input:
+                raise InvalidSchedule(f"step {t}: cannot compute input node {i} ({nd.name!r})")
+            if live[i]:
+                raise InvalidSchedule(f"step {t}: node {i} ({nd.name!r}) computed while already live")
+            if times[i] and not nd.recomputable:
+                raise InvalidSchedule(
+                    f"step {t}: node {i} ({nd.name!r}) is not recomputable but is computed again"
+                )
+            for j in nd.inputs:
+                if not live[j]:
+                    raise InvalidSchedule(
+                        f"step {t}: computing node {i} ({nd.name!r}) needs input {j} "
+                        f"({nodes[j].name!r}) which is not live"
+                    )
+            during = mem + nd.bytes + nd.workspace
+            peak = max(peak, during)
+            mem += nd.bytes
+            live[i] = True
+            times[i] += 1
+            cost += nd.cost
+            if want_profile:
+                prof.append(during)
+        elif kind == FREE:
+            if not live[i]:
+                raise InvalidSchedule(f"step {t}: freeing node {i} ({nd.name!r}) which is not live")
+            live[i] = False
+            mem -= nd.bytes
+            if want_profile:
+                prof.append(mem)
+        else:
+            raise InvalidSchedule(f"step {t}: unknown step kind {kind!r}")
+    for i, nd in enumerate(nodes):
+        if not nd.is_input and times[i] == 0:
+            raise InvalidSchedule(f"node {i} ({nd.name!r}) is never computed")
+        if nd.is_output and not live[i]:
+            raise InvalidSchedule(f"output node {i} ({nd.name!r}) is not live at the end")
+    return cost, peak, prof
+
+
+def insert_frees(graph: Graph, compute_order: Sequence[int]) -> Schedule:
+    """Turn a sequence of computes (repeats = rematerialization) into a schedule with
+    eager frees: every value is freed right after its last use before it is computed
+    again (or, for the final instance, after its last use overall) unless it is an
+    output.  Inputs that are not outputs are freed after their last use (at the very
+    start if unused).  A value with no use in an interval is freed right after it is
+    computed.  The result is the lowest-memory schedule for that compute sequence.
+    """
+    nodes = graph._nodes
+    seq = list(compute_order)
+    for i in seq:
+        if not 0 <= i < len(nodes):
+            raise ValueError(f"compute_order: node index {i} out of range")
+    # free_after[p]: values to free right after step p (p = -1: before the first compute)
+    free_after: dict[int, list[int]] = {}
+    last_use: dict[int, int] = {}  # value -> position of last use in its current instance
+    # current instance of each value starts at: -1 for inputs, else position of its compute
+    start: dict[int, int] = {i: -1 for i, nd in enumerate(nodes) if nd.is_input}
+
+    def close(v: int) -> None:
+        """End the current live instance of ``v``: free it after its last use."""
+        p = last_use.pop(v, start[v])
+        free_after.setdefault(p, []).append(v)
+
+    for p, i in enumerate(seq):
+        for j in nodes[i].inputs:
+            if j in start:
+                last_use[j] = p
+        if i in start and not nodes[i].is_input:
+            # recomputed: the previous instance must have been freed before here;
+            # its last use is strictly before p (uses at p refer to inputs, not i).
+            close(i)
+        start[i] = p
+    for v in list(start):
+        if not nodes[v].is_output:
+            close(v)
+    out: Schedule = []
+    for v in free_after.get(-1, []):
+        out.append((FREE, v))
+    for p, i in enumerate(seq):
+        out.append((COMPUTE, i))
+        for v in free_after.get(p, []):
+            out.append((FREE, v))
+    return out
+
+
+def prune_compute_sequence(graph: Graph, compute_order: Sequence[int]) -> list[int]:
+    """Drop computes whose result is never used before the value is computed again
+    (or, for the last instance of a non-output, never used afterwards).  Keeps at
+    least one compute of every node; never increases cost or peak."""
+    nodes = graph._nodes
+    seq = list(compute_order)
+    changed = True
+    while changed:
+        changed = False
+        count: dict[int, int] = {}
+        for i in seq:
+            count[i] = count.get(i, 0) + 1
+        # scan backwards: used[v] = v is read before its next compute (or needed at end)
+        needed = {i for i, nd in enumerate(nodes) if nd.is_output}
+        keep = [True] * len(seq)
+        for p in range(len(seq) - 1, -1, -1):
+            i = seq[p]
+            if i not in needed and count[i] > 1:
+                keep[p] = False
+                count[i] -= 1
+                changed = True
+                continue
+            needed.discard(i)  # earlier instances are not needed by uses after here
+            for j in nodes[i].inputs:
+                needed.add(j)
+        seq = [i for p, i in enumerate(seq) if keep[p]]
+    return seq
+
+
+def schedule_computes(schedule: Sequence[Step]) -> list[int]:
+    """The compute steps of a schedule, in order."""
+    return [i for k, i in schedule if k == COMPUTE]
+
+
+def min_memory_lower_bound(graph: Graph) -> int:
+    """A valid lower bound (bytes) on the peak of *any* schedule of ``graph``.
+
+    max of: all inputs at the start; all outputs at the end; for every node, its
+    inputs + itself + workspace + pinned inputs (inputs that are outputs) at its
+    compute moment.
+    """
+    nodes = graph._nodes
+    pinned = {i for i, nd in enumerate(nodes) if nd.is_input and nd.is_output}
+    pinned_bytes = sum(nodes[i].bytes for i in pinned)
+    lb = sum(nd.bytes for nd in nodes if nd.is_input)
+    lb = max(lb, sum(nd.bytes for nd in nodes if nd.is_output))
+    for i, nd in enumerate(nodes):
+        if nd.is_input:
+            continue
+        need = pinned_bytes + nd.bytes + nd.workspace
+        need += sum(nodes[j].bytes for j in nd.inputs if j not in pinned)
+        lb = max(lb, need)
+    return lb
+
+
+def no_remat_schedule(graph: Graph, order: Sequence[int] | None = None) -> Schedule:
+    """Every compute node once, in ``order`` (default: index order), eager frees."""
+    if order is None:
+        order = graph.compute_nodes
+    else:
+        check_order(graph, order)
+    return insert_frees(graph, order)
+
+
+# ---------------------------------------------------------------------- plan type
+@dataclass
+class GraphPlan:
+    """The result of any solver: a schedule and what it costs.
+
+    ``cost``: total compute seconds of the schedule (base cost + recomputation);
+    ``peak``: exact peak bytes per :func:`simulate`; ``solver``: which solver ran;
+    ``status``: e.g. ``optimal``, ``time_limit_feasible``, ``heuristic``;
+    ``solve_time``: wall seconds spent in the solver (incl. model building).
+    """
+
+    schedule: Schedule
+    cost: float
+    peak: int
+    solver: str
+    status: str
+    solve_time: float
+    notes: list[str] = field(default_factory=list)
+    budget: int | None = None
+    base_cost: float | None = None  # cost without rematerialization
+    # the solver's own objective (e.g. MILP model cost before pruning useless
+    # computes); ``cost`` (re-measured by simulate) is never above it
+    objective: float | None = None
+
+    @property
+    def compute_order(self) -> list[int]:
+        return schedule_computes(self.schedule)
+
+    @property
+    def overhead(self) -> float | None:
+        """Recomputation overhead as a fraction of the base cost (0.1 = +10%)."""
+        if self.base_cost is None or self.base_cost <= 0:
+            return None
+        return self.cost / self.base_cost - 1.0
+
+    def __str__(self) -> str:
+        ov = self.overhead
+        ov_s = f" (+{100 * ov:.1f}% recompute)" if ov is not None else ""
+        bud = f" / budget {_fmt_bytes(self.budget)}" if self.budget is not None else ""
+        n_comp = sum(1 for k, _ in self.schedule if k == COMPUTE)
+        return (
+            f"GraphPlan[{self.solver}, {self.status}] cost={self.cost:.6g}s{ov_s} "
+            f"peak={_fmt_bytes(self.peak)}{bud} computes={n_comp} solve={self.solve_time:.3f}s"
+        )
+
+    def describe(self) -> str:
+        """Multi-line explanation: solver, why it ran, status, and the numbers."""
+        lines = [str(self)]
+        lines += [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _fmt_bytes(b: int | None) -> str:
+    if b is None:
+        return "-"
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(b) >= f:
+            return f"{b / f:.2f}{unit}"
+    return f"{b}B"
+
+
+def make_plan(
+    graph: Graph,
+    compute_order: Sequence[int],
+    *,
+    solver: str,
+    status: str,
+    solve_time: float,
+    notes: Sequence[str] = (),
+    budget: int | None = None,
+    prune: bool = True,
+) -> GraphPlan:
+    """Build a :class:`GraphPlan` from a compute sequence: prune, insert eager frees,
+    validate and measure with :func:`simulate`."""
+    seq = prune_compute_sequence(graph, compute_order) if prune else list(compute_order)
+    sched = insert_frees(graph, seq)
+    cost, peak = simulate(graph, sched)
+    return GraphPlan(
+        sched, cost, peak, solver, status, solve_time, list(notes), budget, graph.base_cost
+    )
+
+
+# ---------------------------------------------------------------------- synthetic graphs
+@dataclass
+class _FwdOp:
+    """A forward op for the synthetic autodiff below."""
+
+    name: str
+    inputs: list[int]  # forward value ids (indices into the forward op list)
+    bytes: int
+    cost: float
+    params: int = 0  # bytes of this op's parameter (0: none)
+    saves_inputs: bool = True  # backward reads the forward inputs
+    saves_output: bool = False  # backward reads the forward output (e.g. relu)
+    passthrough: bool = False  # add/concat-like: grad flows without saved tensors
+    workspace: int = 0
+
+
+def _build_training_graph(data_bytes: int, ops: list[_FwdOp], rng: random.Random) -> Graph:
+    """Emit forward ops + their autodiff backward as a :class:`Graph`.
+
+    Forward value 0 is the data input (is_input, not output: freed after last use);
+    parameters are pinned inputs (is_input + is_output); parameter gradients are
+    outputs.  Backward: for each forward op in reverse, one node per forward input
+    computing that input's gradient contribution (reads the op's output grad and
+    the saved activations), contributions of multi-consumer values are accumulated.
+    """
+    g = Graph()
+    fwd_idx: list[int] = [g.add_input("x", data_bytes)]  # forward value id -> node index
+    params: dict[int, int] = {}
+    for k, op in enumerate(ops, start=1):
+        ins = [fwd_idx[u] for u in op.inputs]
+        if op.params:
+            params[k] = g.add_input(f"W_{op.name}", op.params, is_output=True)
+            ins.append(params[k])
+        fwd_idx.append(
+            g.add_node(op.name, op.cost, op.bytes, ins, workspace=op.workspace)
+        )
+    last = fwd_idx[-1]
+    loss = g.add_node("loss", 1e-6, 4, [last])
+    # grad contributions per forward value id
+    contrib: dict[int, list[int]] = {len(ops): [g.add_node("d_loss", 1e-6, ops[-1].bytes, [loss])]}
+    value_bytes = [data_bytes] + [op.bytes for op in ops]
+    for k in range(len(ops), 0, -1):
+        op = ops[k - 1]
+        parts = contrib.pop(k, [])
+        if not parts:
+            continue  # value does not influence the loss
+        if len(parts) == 1:
+            gk = parts[0]
+        else:
+            gk = g.add_node(f"d_{op.name}_acc", 1e-6 * len(parts), op.bytes, parts)
+        saved = [fwd_idx[u] for u in op.inputs] if op.saves_inputs else []
+        if op.saves_output:
+            saved.append(fwd_idx[k])
+        if op.params:
+            saved_p = [params[k]]
+            g.add_node(
+                f"dW_{op.name}", op.cost * rng.uniform(0.9, 1.1), op.params,
+                [gk] + [fwd_idx[u] for u in op.inputs], is_output=True,
+            )
+        else:
+            saved_p = []
+        for u in op.inputs:
+            if u == 0:
+                continue  # no gradient w.r.t. the data
+            if op.passthrough:
+                contrib.setdefault(u, []).append(gk)
+                continue
+            d = g.add_node(
+                f"d_{op.name}->{ops[u - 1].name}",
+                op.cost * rng.uniform(0.9, 1.1),
+                value_bytes[u],
+                [gk] + saved + saved_p,
+            )
+            contrib.setdefault(u, []).append(d)
+    return g
+
+
+def synthetic_training_graph(
+    kind: str,
+    n: int,
+    seed: int | None = 0,
+    *,
+    act_bytes: int = 1 << 20,
+    param_bytes: int = 1 << 12,
+    cost: float = 1e-3,
+) -> Graph:
+    """A synthetic training graph (forward + autodiff-style backward).
+
+    kind:
+      * ``"chain"``: n conv-like layers in a chain (relu fused).
+      * ``"residual"``: n residual blocks ``a_k = a_{k-1} + relu(conv(a_{k-1}))``.
+      * ``"unet"``: a U-Net with ``n`` levels (2 convs per level, downsampling
+        halves the bytes, decoder levels add the encoder skip).
+    Sizes/costs are jittered by +-30% with ``seed`` (None: no jitter).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    rng = random.Random(seed)
+
+    def jit(x: float) -> float:
+        return x if seed is None else x * rng.uniform(0.7, 1.3)
+
+    ops: list[_FwdOp] = []
+
+    def add(name: str, inputs: list[int], b: float, c: float, **kw: object) -> int:
+        ops.append(_FwdOp(name, inputs, max(1, int(jit(b))), jit(c), **kw))  # type: ignore[arg-type]
+        return len(ops)
+
+    if kind == "chain":
+        v = 0
+        for i in range(n):
+            v = add(f"conv{i}", [v], act_bytes, cost, params=param_bytes, saves_output=True)
+    elif kind == "residual":
+        v = add("stem", [0], act_bytes, cost, params=param_bytes)
+        for i in range(n):
+            h = add(f"b{i}.conv", [v], act_bytes, cost, params=param_bytes)
+            r = add(f"b{i}.relu", [h], act_bytes, cost * 0.1, saves_inputs=False, saves_output=True)
+            v = add(f"b{i}.add", [r, v], act_bytes, cost * 0.05, passthrough=True)
+    elif kind == "unet":
+        v = 0
+        skips: list[tuple[int, float]] = []
+        b = float(act_bytes)
+        for lvl in range(n):
+            v = add(f"enc{lvl}.conv1", [v], b, cost, params=param_bytes)
+            v = add(f"enc{lvl}.conv2", [v], b, cost, params=param_bytes)
+            skips.append((v, b))
+            if lvl < n - 1:
+                v = add(f"enc{lvl}.down", [v], b / 2, cost * 0.1, saves_inputs=True)
+                b /= 2
+        for lvl in range(n - 2, -1, -1):
+            sv, sb = skips[lvl]
+            v = add(f"dec{lvl}.up", [v], sb, cost * 0.2)
+            v = add(f"dec{lvl}.skip", [v, sv], sb, cost * 0.05, passthrough=True)
+            v = add(f"dec{lvl}.conv", [v], sb, cost, params=param_bytes)
+    else:
+        raise ValueError(f"unknown kind {kind!r} (expected 'chain', 'residual' or 'unet')")
+    return _build_training_graph(max(1, int(jit(act_bytes))), ops, rng)
+
+
+def random_graph(
+    n: int,
+    seed: int,
+    *,
+    n_inputs: int = 1,
+    max_fanin: int = 2,
+    max_bytes: int = 10,
+    max_cost: int = 5,
+    p_nonrecomputable: float = 0.0,
+    p_workspace: float = 0.0,
+) -> Graph:
+    """A small random DAG for tests: ``n_inputs`` inputs, ``n`` computed nodes with
+    integer bytes/costs; every sink is an output; some inputs pinned at random."""
+    rng = random.Random(seed)
+    g = Graph()
+    for i in range(n_inputs):
+        g.add_input(f"in{i}", rng.randint(1, max_bytes), is_output=rng.random() < 0.3)
+    for i in range(n):
+        total = len(g)
+        k = rng.randint(1, min(max_fanin, total))
+        # bias towards recent nodes so the DAG is deep rather than flat
+        cands = sorted(rng.sample(range(total), min(total, k + 2)), reverse=True)
+        ins = sorted(set(cands[:k]))
+        g.add_node(
+            f"n{i}",
+            float(rng.randint(1, max_cost)),
+            rng.randint(1, max_bytes),
+            ins,
+            recomputable=rng.random() >= p_nonrecomputable,
+            workspace=rng.randint(1, max_bytes) if rng.random() < p_workspace else 0,
+        )
+    # sinks are outputs; plus an occasional extra output
+    cons = g.consumers
+    out = Graph()
+    for i, nd in enumerate(g):
+        is_out = nd.is_output or (not nd.is_input and (not cons[i] or rng.random() < 0.1))
+        out._append(
+            Node(nd.name, nd.cost, nd.bytes, nd.inputs, nd.is_input, is_out, nd.recomputable, nd.workspace)
+        )
+    return out

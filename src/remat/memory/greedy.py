@@ -1,0 +1,273 @@
+"""Compile-time greedy rematerialization (RAF paper, §3.1.5).
+
+Walk a fixed execution order with a complete liveness analysis.  Before running a
+node, make sure its inputs are live (recomputing evicted ones, recursively) and that
+memory during the node (live + output + workspace) fits the budget; while it does
+not, evict the live tensor with the lowest score
+
+    score = recompute_cost * remaining_uses / (bytes * distance_to_next_use)
+
+(RAF's cost function: recomputation latency, remaining use count and size; the
+next-use distance — known at compile time — breaks ties the Belady way;
+``score="raf"`` drops it).  ``recompute_cost`` includes the evicted ancestors that
+would have to be recomputed too (DTR's e*).  Only recomputable, non-input tensors
+not needed by the node(s) being computed are candidates.  Evicting splits a
+tensor's liveness in two intervals, the second starting with a replay.
+
+The result is a compute sequence; frees are inserted eagerly (:func:`.graph.insert_frees`),
+which frees every value no later than the greedy did, so the simulated peak is
+<= the greedy's own accounting <= budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+import sys
+import time
+from typing import Sequence
+
+from .graph import (
+    BudgetTooSmall,
+    Graph,
+    GraphPlan,
+    check_order,
+    insert_frees,
+    make_plan,
+    min_memory_lower_bound,
+    simulate,
+)
+
+__all__ = ["solve_greedy", "greedy_min_budget", "greedy_compute_sequence"]
+
+
+class _Stuck(Exception):
+    """Internal: nothing left to evict (or the recomputation blew up)."""
+
+
+class _Greedy:
+    """One greedy run at a fixed budget (bytes)."""
+
+    def __init__(self, graph: Graph, order: Sequence[int], budget: int, score: str, max_steps: int):
+        self.g = graph
+        self.nodes = graph.nodes
+        self.order = list(order)
+        self.budget = budget
+        self.score = score
+        self.max_steps = max_steps
+        n = len(self.nodes)
+        cons = graph.consumers
+        self.pos = {v: p for p, v in enumerate(self.order)}
+        # use positions (in the original order) of every value, ascending
+        self.use_pos: list[list[int]] = [sorted(self.pos[w] for w in cons[u]) for u in range(n)]
+        self.fut = [len(cons[u]) for u in range(n)]  # first-computations still to read u
+        self.live = [nd.is_input for nd in self.nodes]
+        self.mem = sum(nd.bytes for nd in self.nodes if nd.is_input)  # bytes, >= internal truth
+        self.pins = [0] * n
+        self.seq: list[int] = []
+        self.p = 0  # current position in the original order
+        self.evictions = 0
+
+    # -------------------------------------------------------------- helpers
+    def _dead(self, u: int) -> bool:
+        nd = self.nodes[u]
+        return self.live[u] and not self.pins[u] and self.fut[u] == 0 and not nd.is_output
+
+    def _free(self, u: int) -> None:
+        self.live[u] = False
+        self.mem -= self.nodes[u].bytes
+
+    def _rec_cost(self, u: int, memo: dict[int, float]) -> float:
+        """Cost of recomputing u now, incl. evicted ancestors (each counted once)."""
+        if u in memo:
+            return memo[u]
+        c = self.nodes[u].cost
+        for j in self.nodes[u].inputs:
+            if not self.live[j]:
+                c += self._rec_cost(j, memo)
+        memo[u] = c
+        return c
+
+    def _evict_one(self) -> None:
+        best, best_h = -1, float("inf")
+        memo: dict[int, float] = {}
+        n_order = len(self.order)
+        for u, nd in enumerate(self.nodes):
+            if not self.live[u] or self.pins[u] or nd.is_input or not nd.recomputable or nd.bytes == 0:
+                continue
+            uses = self.fut[u] + (1 if nd.is_output else 0)
+            if uses == 0:
+                h = -1.0  # dead: free for nothing
+            else:
+                h = self._rec_cost(u, memo) * uses / nd.bytes
+                if self.score != "raf":
+                    ups = self.use_pos[u]
+                    k = bisect.bisect_left(ups, self.p)
+                    nxt = ups[k] if k < len(ups) else n_order + 1  # outputs: needed at the end
+                    h /= max(1, nxt - self.p + 1)
+            if h < best_h:
+                best, best_h = u, h
+        if best < 0:
+            raise _Stuck
+        self._free(best)
+        self.evictions += 1
+
+    def _make_room(self, extra: int) -> None:
+        while self.mem + extra > self.budget:
+            self._evict_one()
+
+    def _compute(self, v: int) -> None:
+        nd = self.nodes[v]
+        self._make_room(nd.bytes + nd.workspace)
+        self.seq.append(v)
+        if len(self.seq) > self.max_steps:
+            raise _Stuck
+        self.live[v] = True
+        self.mem += nd.bytes
+
+    def _materialize(self, u: int) -> None:
+        """Make u live (recompute it, and its evicted inputs first)."""
+        nd = self.nodes[u]
+        if nd.is_input or not nd.recomputable:
+            raise _Stuck  # never evicted while needed; defensive
+        pinned: list[int] = []
+        for j in nd.inputs:  # protect inputs that are already live
+            if self.live[j]:
+                self.pins[j] += 1
+                pinned.append(j)
+        for j in nd.inputs:
+            if not self.live[j]:
+                self._materialize(j)
+                self.pins[j] += 1
+                pinned.append(j)
+        self._compute(u)
+        for j in pinned:
+            self.pins[j] -= 1
+        for j in nd.inputs:
+            if self._dead(j):
+                self._free(j)
+
+    # -------------------------------------------------------------- driver
+    def run(self) -> list[int]:
+        for u, nd in enumerate(self.nodes):  # unused inputs are freed at the start
+            if nd.is_input and self._dead(u):
+                self._free(u)
+        for p, v in enumerate(self.order):
+            self.p = p
+            nd = self.nodes[v]
+            pinned: list[int] = []
+            for j in nd.inputs:
+                if self.live[j]:
+                    self.pins[j] += 1
+                    pinned.append(j)
+            for j in nd.inputs:
+                if not self.live[j]:
+                    self._materialize(j)
+                    self.pins[j] += 1
+                    pinned.append(j)
+            self._compute(v)
+            for j in pinned:
+                self.pins[j] -= 1
+            for j in nd.inputs:
+                self.fut[j] -= 1
+                if self._dead(j):
+                    self._free(j)
+            if self._dead(v):
+                self._free(v)
+        # all outputs must be live at the end: pin them one by one
+        self.p = len(self.order)
+        outs = [u for u, nd in enumerate(self.nodes) if nd.is_output]
+        for u in outs:
+            if self.live[u]:
+                self.pins[u] += 1
+        for u in outs:
+            if not self.live[u]:
+                self._materialize(u)
+                self.pins[u] += 1
+        return self.seq
+
+
+def greedy_compute_sequence(
+    graph: Graph,
+    budget: int,
+    order: Sequence[int] | None = None,
+    *,
+    score: str = "raf_belady",
+    max_steps: int | None = None,
+) -> list[int] | None:
+    """One greedy pass; the compute sequence, or None if it got stuck (nothing
+    evictable, or more than ``max_steps`` computes)."""
+    if score not in ("raf", "raf_belady"):
+        raise ValueError(f"unknown score {score!r} (expected 'raf' or 'raf_belady')")
+    order = list(order) if order is not None else graph.compute_nodes
+    n = len(graph)
+    max_steps = max_steps if max_steps is not None else 200 * n + 10_000
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 4 * n + 1000))
+    try:
+        return _Greedy(graph, order, int(budget), score, max_steps).run()
+    except _Stuck:
+        return None
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def greedy_min_budget(
+    graph: Graph, order: Sequence[int] | None = None, *, score: str = "raf_belady", rel_tol: float = 1e-4
+) -> int:
+    """The smallest budget (to ``rel_tol``) at which the greedy finds a schedule,
+    by bisection between :func:`.graph.min_memory_lower_bound` and the no-remat
+    peak (where the greedy never evicts).  The greedy is a heuristic, so this is
+    not the true minimum; :func:`solve_greedy` guarantees success at or above it."""
+    order = list(order) if order is not None else graph.compute_nodes
+    lo = min_memory_lower_bound(graph) - 1  # fails (strictly below a lower bound)
+    hi = simulate(graph, insert_frees(graph, order))[1]  # succeeds
+    if lo >= hi:
+        return hi
+    while hi - lo > max(1, int(hi * rel_tol)):
+        mid = (lo + hi) // 2
+        if greedy_compute_sequence(graph, mid, order, score=score) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def solve_greedy(
+    graph: Graph,
+    budget: int,
+    *,
+    order: Sequence[int] | None = None,
+    score: str = "raf_belady",
+) -> GraphPlan:
+    """RAF-style greedy rematerialization with peak <= ``budget`` bytes.
+
+    ``order``: the execution order to walk (default: index order).  If the greedy
+    gets stuck at ``budget`` but ``budget >= greedy_min_budget``, the plan found at
+    that tighter budget is returned (it fits too), so any budget at or above the
+    reported minimum succeeds.  Otherwise raises :class:`BudgetTooSmall` with
+    ``minimum = greedy_min_budget(...)``.
+    """
+    t0 = time.perf_counter()
+    budget = int(budget)
+    order = list(order) if order is not None else graph.compute_nodes
+    check_order(graph, order)
+    notes = [f"RAF-style greedy rematerialization (score={score}) over a {len(order)}-node order"]
+    seq = greedy_compute_sequence(graph, budget, order, score=score)
+    if seq is None:
+        m = greedy_min_budget(graph, order, score=score)
+        if budget < m:
+            raise BudgetTooSmall(
+                budget, m,
+                f"greedy cannot meet budget {budget} B; smallest budget at which it succeeds: {m} B "
+                f"(lower bound for any schedule: {min_memory_lower_bound(graph)} B)",
+            )
+        seq = greedy_compute_sequence(graph, m, order, score=score)
+        assert seq is not None
+        notes.append(f"greedy got stuck at {budget} B; used its plan for the tighter budget {m} B")
+    plan = make_plan(
+        graph, seq, solver="greedy", status="heuristic",
+        solve_time=time.perf_counter() - t0, notes=notes, budget=budget,
+    )
+    if plan.peak > budget:  # the eager-free schedule never exceeds the greedy's accounting
+        raise AssertionError(f"greedy plan peak {plan.peak} B exceeds budget {budget} B")
+    return plan

@@ -1,0 +1,469 @@
+"""Optimal rematerialization for general DAGs as a MILP (Checkmate, Jain et al. 2020).
+
+Formulation (stage-based, for a fixed topological order of first computations).
+Let ``C = [c_0, ..., c_{T-1}]`` be the compute (non-input) nodes in order; stage
+``s`` is where ``c_s`` is computed for the first time, preceded by any
+recomputations of earlier nodes, in index order, each at most once per stage.
+
+Variables (``s`` stage, ``v``/``k`` nodes):
+
+* ``R[s,v]`` binary: compute ``v`` in stage ``s`` (``v <= c_s``); ``R[s,c_s] = 1``;
+  a non-recomputable ``v`` only has ``R[pos(v),v]``.
+* ``S[s,v]`` binary: ``v`` is live at the start of stage ``s`` (``s = T``: at the
+  end of the run).  Inputs that are not outputs get ``S`` variables too
+  (``S[0,v] = 1``, non-increasing: they can be freed but never recomputed).
+* ``FREE[s,v,k]`` continuous in [0,1]: free ``v`` right after computing ``k``
+  (``k`` reads ``v`` or ``k = v``) in stage ``s``.  Upper bounds make it 0 unless
+  ``R[s,k] = 1``, ``S[s+1,v] = 0`` and no later reader of ``v`` runs in stage
+  ``s``; since those bounds are disaggregated and binaries are integral, FREE is
+  effectively 0/1 and may be continuous.
+* ``U[s,j]`` continuous: bytes live just before the ``j``-th candidate of stage ``s``.
+
+Constraints: dependencies ``R[s,k] <= R[s,v] + S[s,v]`` for ``v`` in inputs(k);
+storage ``S[s+1,v] <= S[s,v] + R[s,v]``; outputs ``S[T,v] = 1``; memory
+``U[s,0] = pinned + sum_v S[s,v] b_v``,
+``U[s,j+1] = U[s,j] + R[s,k_j] b_{k_j} - sum_v FREE[s,v,k_j] b_v`` and
+``U[s,j] + R[s,k_j] (b_{k_j} + w_{k_j}) <= budget`` (the *during* moment of the
+memory model in :mod:`.graph`).  Objective: ``min sum R[s,v] cost_v``.
+
+The model's memory is an upper bound on the memory of the extracted schedule
+(the compute sequence with eager frees, :func:`.graph.insert_frees`), and is exact
+for an optimal choice of FREE/S, so the optimum equals the best schedule in this
+space (verified against exhaustive search in the tests).  The reported peak/cost
+are always re-measured with :func:`.graph.simulate`.
+
+Size: O(T^2) binaries (T = compute nodes); practical up to ~100-150 nodes under a
+time limit.  :func:`solve_with_fallback` uses the greedy above that.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from .graph import (
+    BudgetTooSmall,
+    Graph,
+    GraphPlan,
+    check_order,
+    insert_frees,
+    make_plan,
+    min_memory_lower_bound,
+    simulate,
+)
+
+__all__ = [
+    "NoSolutionFound",
+    "solve_milp",
+    "milp_min_peak",
+    "MinPeak",
+    "solve_with_fallback",
+]
+
+
+class NoSolutionFound(RuntimeError):
+    """The MILP found no feasible schedule within its time limit (not proven
+    infeasible).  The caller should fall back to the greedy solver."""
+
+    def __init__(self, budget: int, time_limit: float, solve_time: float, detail: str) -> None:
+        self.budget = budget
+        self.time_limit = time_limit
+        self.solve_time = solve_time
+        super().__init__(
+            f"MILP found no feasible schedule for budget {budget} B within "
+            f"{time_limit:g}s (ran {solve_time:.2f}s): {detail}"
+        )
+
+
+@dataclass
+class _Model:
+    """The assembled MILP plus the bookkeeping to read a solution back."""
+
+    c: np.ndarray
+    integrality: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    A: coo_matrix
+    row_lb: np.ndarray
+    row_ub: np.ndarray
+    R: dict[tuple[int, int], int]  # (stage, node) -> column
+    T: int
+    comp: list[int]  # compute nodes in order
+    peak_col: int | None  # column of the peak variable (min-peak mode)
+    unit: float  # bytes per model memory unit
+    n_vars: int
+    n_rows: int
+    cost_scale: float  # seconds per objective unit
+
+
+def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) -> _Model:
+    """Assemble the Checkmate MILP.  ``budget=None``: minimise the peak instead
+    (a continuous peak variable replaces the budget, objective = peak)."""
+    nodes = graph.nodes
+    cons = graph.consumers
+    comp = graph.compute_nodes
+    T = len(comp)
+    pos = {v: s for s, v in enumerate(comp)}
+    size = [nd.bytes / unit for nd in nodes]  # memory in model units
+    pinned = [i for i, nd in enumerate(nodes) if nd.is_input and nd.is_output]
+    pinned_mem = sum(size[i] for i in pinned)
+    # inputs that may be freed: used, not outputs (unused ones are freed at the start)
+    free_in = [i for i, nd in enumerate(nodes) if nd.is_input and not nd.is_output and cons[i]]
+    const_live = set(pinned)  # always live: no variables, constant memory
+
+    col_lb: list[float] = []
+    col_ub: list[float] = []
+    col_c: list[float] = []
+    col_int: list[int] = []
+
+    def new(lo: float, hi: float, cost: float, integer: bool) -> int:
+        col_lb.append(lo)
+        col_ub.append(hi)
+        col_c.append(cost)
+        col_int.append(1 if integer else 0)
+        return len(col_lb) - 1
+
+    R: dict[tuple[int, int], int] = {}
+    S: dict[tuple[int, int], int] = {}
+    for s, cs in enumerate(comp):
+        for v in comp[: s + 1]:
+            if v == cs:
+                R[s, v] = new(1.0, 1.0, nodes[v].cost, True)
+            elif nodes[v].recomputable:
+                R[s, v] = new(0.0, 1.0, nodes[v].cost, True)
+    for s in range(T + 1):
+        for v in comp[:s]:
+            if s == T:  # the end: exactly the outputs are kept
+                S[s, v] = new(1.0, 1.0, 0.0, True) if nodes[v].is_output else new(0.0, 0.0, 0.0, True)
+            else:
+                S[s, v] = new(0.0, 1.0, 0.0, True)
+        for v in free_in:
+            S[s, v] = new(1.0 if s == 0 else 0.0, 0.0 if s == T else 1.0, 0.0, True)
+    peak_col = None
+    if budget is None:
+        peak_col = new(peak_lb, np.inf, 1.0, False)
+
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    r_lb: list[float] = []
+    r_ub: list[float] = []
+
+    def row(entries: list[tuple[int, float]], lo: float, hi: float) -> None:
+        r = len(r_lb)
+        for c_, v_ in entries:
+            rows.append(r)
+            cols.append(c_)
+            vals.append(v_)
+        r_lb.append(lo)
+        r_ub.append(hi)
+
+    cap = np.inf if budget is None else budget / unit
+    for s in range(T):
+        cand = [v for v in comp[: s + 1] if (s, v) in R]
+        # dependencies: R[s,k] <= R[s,v] + S[s,v]
+        for k in cand:
+            for v in nodes[k].inputs:
+                if v in const_live:
+                    continue
+                ent = [(R[s, k], 1.0)]
+                if (s, v) in R:
+                    ent.append((R[s, v], -1.0))
+                if (s, v) in S:
+                    ent.append((S[s, v], -1.0))
+                row(ent, -np.inf, 0.0)
+        # storage: S[s+1,v] <= S[s,v] + R[s,v]
+        for v in comp[: s + 1]:
+            ent = [(S[s + 1, v], 1.0)]
+            if (s, v) in S:
+                ent.append((S[s, v], -1.0))
+            if (s, v) in R:
+                ent.append((R[s, v], -1.0))
+            row(ent, -np.inf, 0.0)
+        for v in free_in:  # inputs are only ever dropped
+            row([(S[s + 1, v], 1.0), (S[s, v], -1.0)], -np.inf, 0.0)
+        # no waste (tightens the LP, removes symmetric solutions): recompute v only
+        # if a reader runs in this stage or v is kept; keep v into stage s+1 only if
+        # it is read there or kept further
+        for v in comp[:s]:
+            if (s, v) not in R:
+                continue
+            ent = [(R[s, v], 1.0), (S[s + 1, v], -1.0)]
+            ent += [(R[s, w], -1.0) for w in cons[v] if (s, w) in R]
+            row(ent, -np.inf, 0.0)
+        if s + 1 < T:
+            for v in comp[: s + 1] + free_in:
+                ent = [(S[s + 1, v], 1.0), (S[s + 2, v], -1.0)]
+                ent += [(R[s + 1, w], -1.0) for w in cons[v] if (s + 1, w) in R]
+                row(ent, -np.inf, 0.0)
+        # memory recurrence through the stage
+        live_vars = [v for v in comp[:s] if (s, v) in S] + free_in
+        u_prev = new(-np.inf, np.inf, 0.0, False)
+        row([(u_prev, 1.0)] + [(S[s, v], -size[v]) for v in live_vars], pinned_mem, pinned_mem)
+        for j, k in enumerate(cand):
+            during = size[k] + nodes[k].workspace / unit
+            ent = [(u_prev, 1.0), (R[s, k], during)]
+            if peak_col is not None:
+                ent.append((peak_col, -1.0))
+                row(ent, -np.inf, 0.0)
+            else:
+                row(ent, -np.inf, cap)
+            if j == len(cand) - 1:
+                break  # memory after the stage is S[s+1]-accounted
+            # frees after k: v in inputs(k) (not pinned) or v = k
+            frees: list[tuple[int, int]] = []
+            for v in list(nodes[k].inputs) + [k]:
+                if v in const_live:
+                    continue
+                f = new(0.0, 1.0, 0.0, False)
+                frees.append((v, f))
+                row([(f, 1.0), (R[s, k], -1.0)], -np.inf, 0.0)
+                row([(f, 1.0), (S[s + 1, v], 1.0)], -np.inf, 1.0)
+                for w in cons[v]:
+                    if w > k and (s, w) in R:
+                        row([(f, 1.0), (R[s, w], 1.0)], -np.inf, 1.0)
+            u_next = new(-np.inf, np.inf, 0.0, False)
+            ent = [(u_next, 1.0), (u_prev, -1.0), (R[s, k], -size[k])]
+            ent += [(f, size[v]) for v, f in frees]
+            row(ent, 0.0, 0.0)
+            u_prev = u_next
+
+    n = len(col_lb)
+    if peak_col is None:  # objective in units of the mean positive cost (HiGHS dislikes 1e-6)
+        pos_costs = [c_ for c_ in col_c if c_ > 0]
+        scale = (sum(pos_costs) / len(pos_costs)) if pos_costs else 1.0
+        col_c = [c_ / scale for c_ in col_c]
+    else:
+        scale = 1.0
+    A = coo_matrix((vals, (rows, cols)), shape=(len(r_lb), n))
+    return _Model(
+        np.array(col_c), np.array(col_int), np.array(col_lb), np.array(col_ub), A,
+        np.array(r_lb), np.array(r_ub), R, T, comp, peak_col, unit, n, len(r_lb), scale,
+    )
+
+
+def _solve(model: _Model, time_limit: float, mip_rel_gap: float):  # -> OptimizeResult
+    return milp(
+        model.c,
+        constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
+        integrality=model.integrality,
+        bounds=Bounds(model.lb, model.ub),
+        options={"time_limit": max(0.05, time_limit), "mip_rel_gap": mip_rel_gap, "disp": False},
+    )
+
+
+def _extract(model: _Model, x: np.ndarray) -> list[int]:
+    """The compute sequence: per stage, the nodes with R = 1, in index order."""
+    seq: list[int] = []
+    for s in range(model.T):
+        for v in model.comp[: s + 1]:
+            col = model.R.get((s, v))
+            if col is not None and x[col] > 0.5:
+                seq.append(v)
+    return seq
+
+
+@dataclass
+class MinPeak:
+    """Result of :func:`milp_min_peak`.  ``minimum``: the minimum peak (bytes) over
+    schedules in the Checkmate space of the given order when ``exact``; otherwise a
+    valid lower bound on it.  ``plan``: the best schedule found (its peak may be
+    above ``minimum`` when not exact), or None."""
+
+    minimum: int
+    exact: bool
+    plan: GraphPlan | None
+    solve_time: float
+
+
+def milp_min_peak(
+    graph: Graph, *, time_limit: float = 10.0, order: Sequence[int] | None = None
+) -> MinPeak:
+    """Minimise the peak memory (ignoring cost) with the same MILP.
+
+    The minimum is over schedules whose first computations follow ``order``
+    (default: index order), like :func:`solve_milp`.
+    """
+    t0 = time.perf_counter()
+    g, back = _maybe_permute(graph, order)
+    lb = min_memory_lower_bound(g)
+    if not g.compute_nodes:
+        return MinPeak(lb, True, None, 0.0)
+    unit = max(lb, 1) / 1000.0
+    model = _build(g, None, unit, peak_lb=lb / unit)
+    res = _solve(model, time_limit - (time.perf_counter() - t0), 0.0)
+    plan = None
+    if res.x is not None:
+        seq = [back[v] for v in _extract(model, res.x)]
+        plan = make_plan(
+            graph, seq, solver="milp", status="optimal" if res.status == 0 else "time_limit_feasible",
+            solve_time=time.perf_counter() - t0, notes=["MILP minimising the peak"],
+        )
+    if res.status == 0 and plan is not None:
+        # the model value is conservative; the simulated peak is exact
+        return MinPeak(plan.peak, True, plan, time.perf_counter() - t0)
+    bound = getattr(res, "mip_dual_bound", None)
+    minimum = lb
+    if bound is not None and np.isfinite(bound):
+        # floor: the model counts memory conservatively only above the optimum;
+        # allow for solver tolerances (1e-6 relative)
+        minimum = max(lb, int(np.floor(bound * unit * (1 - 1e-6))))
+    return MinPeak(minimum, False, plan, time.perf_counter() - t0)
+
+
+def _maybe_permute(graph: Graph, order: Sequence[int] | None) -> tuple[Graph, list[int]]:
+    if order is None:
+        return graph, list(range(len(graph)))
+    check_order(graph, order)
+    return graph.permuted(order)
+
+
+def solve_milp(
+    graph: Graph,
+    budget: int,
+    *,
+    time_limit: float = 30.0,
+    order: Sequence[int] | None = None,
+    mip_rel_gap: float = 1e-4,
+    min_peak_time_limit: float | None = None,
+) -> GraphPlan:
+    """Minimum-recomputation schedule with peak <= ``budget`` bytes (Checkmate MILP).
+
+    ``order``: topological order of first computations (default: index order; pass
+    :func:`.scheduling.memory_aware_order` for a lower-memory one).  ``time_limit``
+    (seconds) bounds model building + HiGHS.  Status in the plan: ``optimal`` (to
+    ``mip_rel_gap``) or ``time_limit_feasible`` (best incumbent when time ran out).
+
+    Raises :class:`BudgetTooSmall` when the budget is infeasible: if it is below
+    :func:`.graph.min_memory_lower_bound`, ``minimum`` is that bound; if HiGHS
+    proves infeasibility, ``minimum`` comes from :func:`milp_min_peak` (the exact
+    minimum in this schedule space when solved within ``min_peak_time_limit``,
+    default ``time_limit``, else a valid lower bound).  Raises
+    :class:`NoSolutionFound` when no feasible schedule was found in time.
+    """
+    t0 = time.perf_counter()
+    budget = int(budget)
+    g, back = _maybe_permute(graph, order)
+    lb = min_memory_lower_bound(g)
+    if budget < lb:
+        raise BudgetTooSmall(
+            budget, lb,
+            f"memory budget {budget} B is below the lower bound {lb} B "
+            "(inputs at the start / outputs at the end / some node's inputs+output+workspace)",
+        )
+    base_order = g.compute_nodes
+    base_peak = simulate(g, insert_frees(g, base_order))[1]
+    if budget >= base_peak:
+        # every node must be computed once, so no-remat is optimal
+        return make_plan(
+            graph, [back[v] for v in base_order], solver="milp", status="optimal",
+            solve_time=time.perf_counter() - t0, budget=budget,
+            notes=[f"budget >= no-remat peak {base_peak} B: no recomputation needed (MILP skipped)"],
+        )
+    notes: list[str] = []
+    cap = budget
+    for attempt in range(3):
+        model = _build(g, cap, max(cap, 1) / 1000.0)
+        t_build = time.perf_counter() - t0
+        left = time_limit - t_build
+        res = _solve(model, left, mip_rel_gap)
+        elapsed = time.perf_counter() - t0
+        if res.status == 2:
+            mp = milp_min_peak(
+                graph, order=order,
+                time_limit=min_peak_time_limit if min_peak_time_limit is not None else time_limit,
+            )
+            if mp.plan is not None and mp.plan.peak <= budget:
+                # only reachable through solver tolerances: the peak-optimal plan fits
+                mp.plan.budget = budget
+                mp.plan.notes = notes + ["budget MILP reported infeasible but the peak-minimising plan fits"]
+                return mp.plan
+            what = "exact minimum" if mp.exact else "lower bound on the minimum"
+            raise BudgetTooSmall(
+                budget, mp.minimum,
+                f"memory budget {budget} B is infeasible (proven by the MILP); "
+                f"{what} peak for schedules in this order: {mp.minimum} B",
+            )
+        if res.x is None:
+            raise NoSolutionFound(budget, time_limit, elapsed, str(res.message))
+        seq = [back[v] for v in _extract(model, res.x)]
+        status = "optimal" if res.status == 0 else "time_limit_feasible"
+        plan = make_plan(graph, seq, solver="milp", status=status, solve_time=elapsed, budget=budget)
+        plan.objective = float(res.fun) * model.cost_scale
+        gap = getattr(res, "mip_gap", None)
+        notes.append(
+            f"Checkmate MILP ({model.n_vars} vars, {model.n_rows} rows, T={model.T} stages): "
+            f"build {t_build:.2f}s, HiGHS {elapsed - t_build:.2f}s, status {status}"
+            + (f", gap {gap:.2e}" if gap is not None and np.isfinite(gap) else "")
+            + f", model objective {res.fun * model.cost_scale:.6g}s"
+        )
+        if plan.peak <= budget:
+            plan.notes = notes
+            return plan
+        # solver tolerance let the model exceed the budget by a few bytes: tighten
+        notes.append(f"simulated peak {plan.peak} B > budget; re-solving with a tighter cap")
+        cap -= plan.peak - budget
+        if time.perf_counter() - t0 > time_limit:
+            break
+    raise NoSolutionFound(budget, time_limit, time.perf_counter() - t0, "tolerance retries exhausted")
+
+
+def solve_with_fallback(
+    graph: Graph,
+    budget: int,
+    *,
+    time_limit: float = 30.0,
+    milp_max_nodes: int = 150,
+    order: Sequence[int] | None = None,
+) -> GraphPlan:
+    """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
+    graph has at most ``milp_max_nodes`` compute nodes, the MILP under
+    ``time_limit``; returns the cheaper valid plan.  Falls back to the greedy when
+    the MILP is too large or finds nothing in time.  The plan's notes say which
+    solver ran and why.  Raises :class:`BudgetTooSmall` when neither meets the
+    budget (``minimum``: the smaller of the two solvers' minimums)."""
+    from .greedy import solve_greedy
+    from .scheduling import memory_aware_order
+
+    T = len(graph.compute_nodes)
+    if order is None:
+        order = memory_aware_order(graph)
+    greedy_plan: GraphPlan | None = None
+    errors: list[BudgetTooSmall] = []
+    try:
+        greedy_plan = solve_greedy(graph, budget, order=order)
+    except BudgetTooSmall as e:
+        errors.append(e)
+    if T > milp_max_nodes:
+        if greedy_plan is None:
+            raise errors[0]
+        greedy_plan.notes.insert(
+            0, f"greedy chosen: {T} compute nodes > milp_max_nodes={milp_max_nodes} (MILP too large)"
+        )
+        return greedy_plan
+    try:
+        plan = solve_milp(graph, budget, time_limit=time_limit, order=order)
+    except NoSolutionFound as e:
+        if greedy_plan is None:
+            raise errors[0] from e
+        greedy_plan.notes.insert(0, f"fell back to greedy: {e}")
+        return greedy_plan
+    except BudgetTooSmall as e:
+        if greedy_plan is not None:  # cannot happen for an exact MILP answer; be safe
+            greedy_plan.notes.insert(0, f"MILP reported the budget infeasible ({e}); greedy plan fits")
+            return greedy_plan
+        raise BudgetTooSmall(budget, min(e.minimum, errors[0].minimum) if errors else e.minimum, str(e)) from e
+    if greedy_plan is not None and greedy_plan.cost < plan.cost - 1e-12:
+        greedy_plan.notes.insert(
+            0, f"greedy chosen: cheaper ({greedy_plan.cost:.6g}s) than the MILP's "
+            f"{plan.status} solution ({plan.cost:.6g}s)"
+        )
+        return greedy_plan
+    plan.notes.insert(0, f"MILP chosen: {T} compute nodes <= milp_max_nodes={milp_max_nodes}"
+                      + (f"; greedy cost {greedy_plan.cost:.6g}s" if greedy_plan else "; greedy failed"))
+    return plan

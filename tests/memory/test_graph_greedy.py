@@ -1,0 +1,132 @@
+"""RAF-style greedy rematerialization and memory-aware scheduling."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from remat.memory._exhaustive import exhaustive_min_peak, exhaustive_optimum
+from remat.memory.graph import (
+    BudgetTooSmall,
+    Graph,
+    min_memory_lower_bound,
+    no_remat_schedule,
+    random_graph,
+    simulate,
+    synthetic_training_graph,
+)
+from remat.memory.greedy import greedy_min_budget, solve_greedy
+from remat.memory.scheduling import memory_aware_order, order_peak, schedule_plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(3, 14), frac=st.floats(0.0, 1.0))
+def test_greedy_valid_at_or_above_its_minimum(seed, n, frac):
+    g = random_graph(n, seed, n_inputs=2, max_fanin=3, p_nonrecomputable=0.15, p_workspace=0.2)
+    m = greedy_min_budget(g)
+    hi = simulate(g, no_remat_schedule(g))[1]
+    assert min_memory_lower_bound(g) <= m <= hi
+    budget = int(m + frac * (hi - m))
+    plan = solve_greedy(g, budget)
+    assert simulate(g, plan.schedule) == (plan.cost, plan.peak)
+    assert plan.peak <= budget
+    assert plan.cost >= g.base_cost - 1e-9
+    if m > min_memory_lower_bound(g):
+        with pytest.raises(BudgetTooSmall) as info:
+            solve_greedy(g, m - max(1, m // 10_000) - 1)
+        assert info.value.minimum == m
+
+
+def test_greedy_every_budget_on_small_graphs():
+    for seed in range(15):
+        g = random_graph(9, seed, n_inputs=2, max_fanin=3, p_nonrecomputable=0.1)
+        m = greedy_min_budget(g)
+        hi = simulate(g, no_remat_schedule(g))[1]
+        for budget in range(m, hi + 1):
+            plan = solve_greedy(g, budget)
+            assert plan.peak <= budget
+            # never better than the true optimum over all schedules
+            if len(g) <= 8:
+                opt = exhaustive_optimum(g, budget, "any")
+                assert opt is not None and plan.cost >= opt[0] - 1e-9
+
+
+def test_greedy_no_eviction_when_budget_is_generous():
+    g = synthetic_training_graph("unet", 3, seed=0)
+    peak = simulate(g, no_remat_schedule(g))[1]
+    plan = solve_greedy(g, peak)
+    assert plan.cost == pytest.approx(g.base_cost) and plan.peak == peak
+
+
+@pytest.mark.parametrize("kind", ["chain", "residual", "unet"])
+def test_greedy_fits_training_graphs(kind):
+    g = synthetic_training_graph(kind, 10, seed=3)
+    peak = simulate(g, no_remat_schedule(g))[1]
+    m = greedy_min_budget(g)
+    assert m < peak  # rematerialization actually reduces memory on these graphs
+    for budget in (m, (m + peak) // 2):
+        plan = solve_greedy(g, budget)
+        assert plan.peak <= budget and plan.cost > g.base_cost * (1 - 1e-12)
+
+
+def test_greedy_evicts_the_cheap_tensor():
+    # two activations held across a memory spike: recomputing 'cheap' is cheaper
+    g = Graph()
+    x = g.add_input("x", 1, is_output=True)
+    cheap = g.add_node("cheap", 1.0, 10, [x])
+    dear = g.add_node("dear", 100.0, 10, [x])
+    u = g.add_node("u", 1.0, 1, [cheap, dear])  # both are used before the spike
+    spike = g.add_node("spike", 1.0, 15, [x])
+    s2 = g.add_node("s2", 1.0, 1, [spike])
+    g.add_node("out", 1.0, 1, [cheap, dear, s2, u], is_output=True)
+    assert simulate(g, no_remat_schedule(g))[1] == 38  # during s2: 1+10+10+1+15+1
+    plan = solve_greedy(g, 30)
+    assert plan.peak <= 30
+    assert plan.compute_order.count(1) == 2 and plan.compute_order.count(2) == 1
+    assert plan.cost == pytest.approx(g.base_cost + 1.0)
+
+
+def test_greedy_raises_below_lower_bound():
+    g = synthetic_training_graph("chain", 3, seed=0)
+    with pytest.raises(BudgetTooSmall):
+        solve_greedy(g, min_memory_lower_bound(g) - 1)
+
+
+# ------------------------------------------------------------------ scheduling
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 40))
+def test_scheduler_never_worse_than_original(seed, n):
+    g = random_graph(n, seed, n_inputs=3, max_fanin=3, p_workspace=0.2)
+    order = memory_aware_order(g)
+    assert sorted(order) == g.compute_nodes
+    assert order_peak(g, order) <= order_peak(g, g.compute_nodes)
+
+
+def test_scheduler_improves_a_bad_order():
+    # two independent branches each producing a big value that is reduced right away;
+    # the index order produces both big values first.
+    g = Graph()
+    x = g.add_input("x", 1)
+    big1 = g.add_node("big1", 1.0, 100, [x])
+    big2 = g.add_node("big2", 1.0, 100, [x])
+    r1 = g.add_node("r1", 1.0, 1, [big1])
+    r2 = g.add_node("r2", 1.0, 1, [big2])
+    g.add_node("out", 1.0, 1, [r1, r2], is_output=True)
+    assert order_peak(g, g.compute_nodes) == 201
+    plan = schedule_plan(g)
+    assert plan.peak == 102  # big1, r1, big2 (+ r1 + big2 = 1+100+1), r2, out
+    assert plan.cost == pytest.approx(g.base_cost)
+
+
+def test_scheduler_keeps_given_order_when_it_is_best():
+    g = synthetic_training_graph("chain", 6, seed=0)
+    order = memory_aware_order(g)
+    assert order_peak(g, order) <= order_peak(g, g.compute_nodes)
+
+
+def test_min_peak_consistency_with_exhaustive():
+    # the exhaustive minimum over all schedules is a lower bound for every solver
+    for seed in range(8):
+        g = random_graph(6, 300 + seed, n_inputs=2)
+        lo_any = exhaustive_min_peak(g, "any")
+        assert min_memory_lower_bound(g) <= lo_any <= exhaustive_min_peak(g, "checkmate")
+        assert lo_any <= greedy_min_budget(g)

@@ -1,0 +1,114 @@
+"""Checkmate-style MILP: optimality vs exhaustive search, time limit, infeasibility."""
+
+import time
+
+import pytest
+
+from remat.memory._exhaustive import exhaustive_min_peak, exhaustive_optimum
+from remat.memory.graph import (
+    BudgetTooSmall,
+    Graph,
+    min_memory_lower_bound,
+    no_remat_schedule,
+    random_graph,
+    simulate,
+    synthetic_training_graph,
+)
+from remat.memory.milp import NoSolutionFound, milp_min_peak, solve_milp, solve_with_fallback
+
+
+def _budgets(g):
+    lo = exhaustive_min_peak(g, "checkmate")
+    hi = simulate(g, no_remat_schedule(g))[1]
+    return lo, hi, sorted({lo, (lo + hi) // 2, max(lo, hi - 1)})
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_milp_matches_exhaustive_optimum(seed):
+    g = random_graph(6, seed, n_inputs=2, max_fanin=2, p_nonrecomputable=0.1, p_workspace=0.2)
+    lo, hi, budgets = _budgets(g)
+    for budget in budgets:
+        ex = exhaustive_optimum(g, budget, "checkmate")
+        assert ex is not None
+        plan = solve_milp(g, budget, time_limit=20, mip_rel_gap=0)
+        assert plan.status == "optimal"
+        # the simulated schedule is valid, within budget, and as cheap as the optimum
+        cost, peak = simulate(g, plan.schedule)
+        assert (cost, peak) == (plan.cost, plan.peak)
+        assert peak <= budget
+        model_cost = plan.objective if plan.objective is not None else plan.cost
+        assert model_cost == pytest.approx(ex[0], abs=1e-9)
+        # pruning useless computes may only help; nothing beats the unrestricted optimum
+        assert plan.cost <= ex[0] + 1e-9
+        any_opt = exhaustive_optimum(g, budget, "any")
+        assert any_opt is not None and any_opt[0] <= plan.cost + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_milp_budget_below_minimum_raises_with_exact_minimum(seed):
+    g = random_graph(6, 100 + seed, n_inputs=2, max_fanin=2, p_workspace=0.2)
+    lo = exhaustive_min_peak(g, "checkmate")
+    with pytest.raises(BudgetTooSmall) as info:
+        solve_milp(g, lo - 1, time_limit=20)
+    assert info.value.budget == lo - 1
+    assert info.value.minimum == lo
+    mp = milp_min_peak(g, time_limit=20)
+    assert mp.exact and mp.minimum == lo and mp.plan is not None and mp.plan.peak == lo
+
+
+def test_budget_below_lower_bound_raises_immediately():
+    g = synthetic_training_graph("chain", 4, seed=0)
+    lb = min_memory_lower_bound(g)
+    with pytest.raises(BudgetTooSmall) as info:
+        solve_milp(g, lb - 1)
+    assert info.value.minimum == lb
+
+
+def test_generous_budget_needs_no_recompute():
+    g = synthetic_training_graph("residual", 3, seed=0)
+    peak = simulate(g, no_remat_schedule(g))[1]
+    plan = solve_milp(g, peak)
+    assert plan.cost == pytest.approx(g.base_cost) and plan.peak == peak and plan.status == "optimal"
+
+
+def test_milp_recomputes_to_fit_a_chain():
+    g = synthetic_training_graph("chain", 8, seed=None)
+    peak = simulate(g, no_remat_schedule(g))[1]
+    budget = int(0.75 * peak)
+    plan = solve_milp(g, budget, time_limit=30, mip_rel_gap=0)
+    assert plan.peak <= budget
+    assert plan.cost > g.base_cost  # had to recompute something
+    assert plan.status in ("optimal", "time_limit_feasible")
+
+
+def test_milp_respects_time_limit_on_a_large_graph():
+    g = synthetic_training_graph("residual", 24, seed=0)  # ~200 nodes, 172 computed
+    assert len(g) >= 190
+    budget = int(0.5 * simulate(g, no_remat_schedule(g))[1])
+    t0 = time.perf_counter()
+    try:
+        plan = solve_milp(g, budget, time_limit=2.0)
+    except NoSolutionFound as e:
+        assert "no feasible schedule" in str(e) and e.time_limit == 2.0
+    else:
+        assert plan.status in ("time_limit_feasible", "optimal") and plan.peak <= budget
+    assert time.perf_counter() - t0 < 2.0 + 20.0  # generous margin for model building
+
+
+def test_solve_with_fallback_returns_a_valid_plan_and_explains():
+    g = synthetic_training_graph("unet", 3, seed=0)
+    budget = int(0.7 * simulate(g, no_remat_schedule(g))[1])
+    plan = solve_with_fallback(g, budget, time_limit=3)
+    assert plan.peak <= budget and simulate(g, plan.schedule) == (plan.cost, plan.peak)
+    assert plan.solver in ("milp", "greedy")
+    assert "chosen" in plan.describe() or "fell back" in plan.describe()
+
+
+def test_milp_with_explicit_order_maps_back():
+    g = Graph()
+    x = g.add_input("x", 4)
+    a = g.add_node("a", 1.0, 8, [x])
+    b = g.add_node("b", 1.0, 1, [x])
+    g.add_node("c", 1.0, 1, [a, b], is_output=True)
+    plan = solve_milp(g, 100, order=[2, 1, 3])
+    assert plan.compute_order == [2, 1, 3]
