@@ -15,7 +15,7 @@ from remat.ir import OPS, Builder, DType, Function, Module, TensorType, parse, v
 from remat.ir.core import BlockArg
 from remat.ir.parser import Tok, tokenize
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SEEDS = st.integers(min_value=0, max_value=2**32 - 1)
 
 

@@ -243,3 +243,28 @@ def test_unreachable_block_may_use_anything_defined() -> None:
     """Dominance is only checked in reachable blocks (unreachable code is dead, not wrong)."""
     m = parse("func @f(%0: f32[2]) -> f32[2] {\n  return %0\n^bb1:\n  %1 = neg %0 : f32[2]\n  return %1\n}\n")
     verify(m)
+
+
+def test_names_the_text_format_cannot_write() -> None:
+    """A valid module must print to text that parses: function names and dialects are identifiers."""
+    f = _fn("<lambda>")
+    Builder(f.entry).ret(f.params[0])
+    errs = errors_of(Module([f]))
+    assert errs == ["function name '<lambda>' cannot be written in the text format; "
+                    "valid names match [A-Za-z_][A-Za-z0-9_.$]*"]
+    g = _fn("g")
+    b = Builder(g.entry)
+    b.ret(b.create("neg", g.params, dialect="my.backend").results[0])
+    assert_one_error(Module([g]), "in @g, entry block, instruction 'neg'",
+                     ["dialect 'my.backend' cannot be written in the text format"], "%1 = my.backend.neg %0 : f32[2]")
+
+
+def test_attribute_of_the_wrong_python_type_is_not_normal_form() -> None:
+    """An int stored in a float attribute (bypassing the Builder) would print as `1` and parse back as 1.0."""
+    f = Function("f", [F2], [TensorType(DType.f32, (3,))])
+    b = Builder(f.entry)
+    r = b.op("pad", f.params[0], low=[1], high=[0], value=1.0)
+    r.instr.attrs["value"] = 1
+    b.ret(r)
+    assert_one_error(Module([f]), "in @f, entry block, instruction 'pad'", ["are not in normal form", "'value': 1.0"],
+                     "%1 = pad %0 {low=[1], high=[0], interior=[0], value=1} : f32[3]")

@@ -5,6 +5,8 @@ Errors name the function, block and instruction and show it in context.
 """
 from __future__ import annotations
 
+import re
+
 from .core import Block, Function, Instruction, Module, Value, BlockArg, OpResult
 
 
@@ -75,8 +77,23 @@ def reachable(f: Function) -> set[Block]:
     return seen
 
 
+# Names the text format can write back (the parser's FUNC and dialect tokens): a module whose
+# names break these would print to text that does not parse.
+_FUNC_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.$]*")
+_DIALECT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _same_attrs(a: dict, b: dict) -> bool:
+    """Equal as the text format sees them: same kinds of values too (``1`` is not ``1.0``, ``-0.0``
+    is not ``0.0``), since either difference changes the printed text."""
+    return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and repr(a[k]) == repr(b[k]) for k in a)
+
+
 def verify_function(f: Function, module: Module | None = None) -> list[str]:
     """Every problem of one function as a message naming the function, block and instruction."""
+    if not _FUNC_NAME.fullmatch(f.name):
+        return [f"function name {f.name!r} cannot be written in the text format; "
+                f"valid names match [A-Za-z_][A-Za-z0-9_.$]*"]
     if f.is_declaration:
         return [f"{e}\n--> {str(f).strip()}" for e in _verify_declaration(f, module)]
     if not f.blocks:
@@ -164,6 +181,9 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
         freed: dict[Value, Instruction] = {}
         for i, ins in enumerate(b.instrs):
             op = ins.op
+            if ins.dialect is not None and not _DIALECT.fullmatch(str(ins.dialect)):
+                err(b, ins, f"dialect {ins.dialect!r} cannot be written in the text format; "
+                            f"valid dialect names match [A-Za-z_][A-Za-z0-9_]*")
             if op.has("terminator") and i != len(b.instrs) - 1:
                 err(b, ins, "terminator in the middle of a block")
             for k, v in enumerate(ins.operands):
@@ -215,7 +235,7 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
                 continue
             try:
                 attrs = op.check_attrs(types, ins.attrs)
-                if attrs != ins.attrs:
+                if not _same_attrs(attrs, ins.attrs):
                     err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
                 expected = op.result_types(types, attrs)
             except (TypeError, IndexError) as e:
