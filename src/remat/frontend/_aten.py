@@ -333,6 +333,12 @@ def _identity(L: Lowerer, x, **kwargs):
     return x
 
 
+@lower("_assert_tensor_metadata.default", "_assert_scalar.default", "_assert_async.msg")
+def _assertion(L: Lowerer, *args, **kwargs):
+    """Trace-time checks of dtypes and shapes: shapes are static in remat, so they hold already."""
+    return None
+
+
 # ---------------------------------------------------------------- creation
 @lower("scalar_tensor.default", "full.default", "full_like.default", "zeros_like.default", "ones_like.default",
        "zeros.default", "ones.default")
@@ -541,6 +547,19 @@ def _any(L: Lowerer, x, dim=None, keepdim=False):
     v = L.op("cast", _as_bool(L, x), dtype=DType.i32)
     m = L.op("reduce_max", v, axes=_axes(dim, x.type.rank), keepdims=keepdim)
     return L.op("ne", m, L.const(0, DType.i32))
+
+
+@lower("linalg_vector_norm.default")
+def _vector_norm(L: Lowerer, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    x = L.cast(x, L.out_type().dtype)
+    axes = _axes(dim, x.type.rank)
+    if ord == 2:
+        return L.op("sqrt", L.op("reduce_sum", L.op("mul", x, x), axes=axes, keepdims=keepdim))
+    if ord == 1:
+        return L.op("reduce_sum", L.op("abs", x), axes=axes, keepdims=keepdim)
+    if ord == math.inf:
+        return L.op("reduce_max", L.op("abs", x), axes=axes, keepdims=keepdim)
+    raise LoweringError(f"vector norm of order {ord} is not supported (orders 1, 2 and inf are)")
 
 
 def _var(L: Lowerer, x: Value, axes: tuple[int, ...], correction: float, keepdim: bool) -> tuple[Value, Value]:

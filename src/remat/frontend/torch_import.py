@@ -79,6 +79,10 @@ class ImportedModel:
         """Number of leading function parameters holding the model's own tensors."""
         return len(self.param_names) + len(self.buffer_names) + len(self.constant_names)
 
+    def __remat_function__(self) -> Function:
+        """The entry function, so that ``remat.run(imported, *imported.arguments(...))`` works."""
+        return self.function
+
     def param_tensors(self) -> list[torch.Tensor]:
         """The model's parameters, buffers and lifted constants, in function-parameter order
         (the live tensors of the model, detached)."""

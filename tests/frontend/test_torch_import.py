@@ -1,0 +1,225 @@
+"""The PyTorch importer: every zoo model (tiny) imported and evaluated against PyTorch eager, in
+float32 and float64, training and eval mode; batch-norm running statistics; dropout masks; tied
+weights; the unsupported-op error."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import remat
+from remat import zoo
+from remat.frontend.torch_import import ImportedModel, UnsupportedOpError, import_module, supported_ops
+from remat.ir import DType, TensorType, parse, verify
+
+RTOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+
+
+def evaluate(im: ImportedModel, *inputs, seed: int = 0, dialects=("numpy",)) -> list[np.ndarray]:
+    """Run the imported function on the VM (by default with the numpy reference kernels)."""
+    outs, _ = remat.run(im, *im.arguments(*inputs, seed=seed), dialects=dialects)
+    return [np.asarray(o) for o in outs]
+
+
+def assert_close(got, want, dtype, what):
+    want = want.detach().numpy() if isinstance(want, torch.Tensor) else np.asarray(want)
+    got = np.asarray(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    if want.dtype.kind in "iub":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    tol = RTOL[dtype]
+    scale = max(float(np.max(np.abs(want))), 1e-30)
+    err = float(np.max(np.abs(got - want))) / scale if want.size else 0.0
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+
+def _imported_roundtrips(im: ImportedModel) -> None:
+    verify(im.module)
+    text = str(im.module)
+    assert str(parse(text)) == text
+
+
+MODELS = ["mlp", "resnet", "gpt", "unet"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_loss_and_buffers_match_eager(name, train, dtype):
+    kwargs = {"dropout": 0.0} if name == "gpt" else {}
+    model, inputs, loss_fn = zoo.make(name, "tiny", dtype, **kwargs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    im = import_module(model, inputs, loss_fn, train=train)
+    # Importing neither runs nor changes the model.
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training  # factories return models in training mode; the import restores it
+    _imported_roundtrips(im)
+    assert im.input_count == len(inputs) and not im.has_seed
+    assert im.function.param_types[:im.state_count] == [
+        TensorType(DType.f32 if t.dtype == torch.float32 else (DType.f64 if t.dtype == torch.float64 else DType.i64
+                   if t.dtype == torch.int64 else DType.bool), tuple(t.shape)) for t in im.param_tensors()]
+
+    ref_model = copy.deepcopy(model).train(train)
+    want = loss_fn(ref_model(*inputs[:-1]), inputs[-1])
+    outs = evaluate(im, *inputs)
+    assert len(outs) == len(im.output_names)
+    assert im.output_names[0] == "loss"
+    assert_close(outs[0], want, dtype, f"{name} loss")
+    # Training mode: the new batch-norm running statistics (and counters) equal PyTorch's.
+    buffers = dict(ref_model.named_buffers())
+    updated = im.output_names[1:]
+    has_bn = any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert bool(updated) == (train and has_bn)
+    for n, o in zip(updated, outs[1:]):
+        assert n in buffers and n in im.buffer_names
+        assert_close(o, buffers[n], dtype, f"{name} buffer {n}")
+    assert {n.rsplit(".", 1)[1] for n in updated} <= {"running_mean", "running_var", "num_batches_tracked"}
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_zoo_forward_outputs_match_eager(name):
+    kwargs = {"dropout": 0.0} if name == "gpt" else {}
+    model, inputs, _ = zoo.make(name, "tiny", torch.float64, **kwargs)
+    x = inputs[:-1]
+    im = import_module(model, x, train=False)
+    assert im.output_names == ["output"]
+    (out,) = evaluate(im, *x)
+    assert_close(out, copy.deepcopy(model).eval()(*x), torch.float64, f"{name} forward")
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet"])
+def test_zoo_on_default_dialects(name):
+    """The same imported training step on the preferred dialects (torch kernels where they exist)."""
+    model, inputs, loss_fn = zoo.make(name, "tiny", torch.float32)
+    im = import_module(model, inputs, loss_fn, train=True)
+    outs = evaluate(im, *inputs, dialects=None)
+    ref = copy.deepcopy(model)
+    assert_close(outs[0], loss_fn(ref(inputs[0]), inputs[1]), torch.float32, f"{name} loss")
+    buffers = dict(ref.named_buffers())
+    for n, o in zip(im.output_names[1:], outs[1:]):
+        assert_close(o, buffers[n], torch.float32, n)
+
+
+def test_parameter_order_and_tied_weights():
+    model, inputs, loss_fn = zoo.make_gpt("tiny", dropout=0.0)
+    im = import_module(model, inputs, loss_fn)
+    names = [n for n, _ in model.named_parameters()]  # tied lm_head.weight is listed once, as wte.weight
+    assert im.param_names == names and "lm_head.weight" not in names
+    assert im.buffer_names == [n for n, _ in model.named_buffers()]
+    tensors = im.param_tensors()
+    assert tensors[0] is not model.wte.weight and torch.equal(tensors[0], model.wte.weight)
+    params = im.function.params
+    assert len(params) == len(names) + len(im.buffer_names) + im.input_count
+    assert params[-2].type == TensorType(DType.i64, tuple(inputs[0].shape))
+
+
+def _dropout_net(p: float) -> nn.Module:
+    return nn.Sequential(nn.Dropout(p), nn.Dropout(p))
+
+
+def test_dropout_rate_scaling_and_determinism():
+    p = 0.3
+    x = torch.ones(64, 64, dtype=torch.float64)
+    im = import_module(_dropout_net(p), (x,), train=True)
+    assert im.has_seed and im.function.params[-1].type == TensorType(DType.i64, ())
+    ops = [i.op.name for i in im.function.instructions()]
+    assert ops.count("bernoulli") == 2 and ops.count("fold_seed") == 2
+    salts = {i.attrs["salt"] for i in im.function.instructions() if i.op.name == "fold_seed"}
+    assert len(salts) == 2  # each dropout draws from its own seed
+    (y,) = evaluate(im, x, seed=7)
+    kept = y != 0
+    keep_rate = kept.mean()
+    assert abs(keep_rate - (1 - p) ** 2) < 0.03  # two independent masks; 4096 draws, std ≈ 0.008
+    np.testing.assert_allclose(y[kept], 1.0 / (1 - p) ** 2, rtol=1e-12)
+    (y2,) = evaluate(im, x, seed=7)
+    np.testing.assert_array_equal(y, y2)
+    (y3,) = evaluate(im, x, seed=8)
+    assert not np.array_equal(y, y3)
+
+
+def test_dropout_off_in_eval_mode_and_with_p0():
+    x = torch.randn(3, 4)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))
+    assert import_module(net, (x,), train=True).has_seed
+    im = import_module(net, (x,), train=False)
+    assert not im.has_seed
+    assert_close(evaluate(im, x)[0], net.eval()(x), torch.float32, "eval-mode dropout")
+    im = import_module(nn.Dropout(0.0), (x,), train=True)
+    assert not im.has_seed
+    assert_close(evaluate(im, x)[0], x, torch.float32, "dropout p=0")
+
+
+def test_gpt_train_mode_dropout_loss_is_finite_and_seeded():
+    model, inputs, loss_fn = zoo.make_gpt("tiny", torch.float64, dropout=0.1)
+    im = import_module(model, inputs, loss_fn, train=True)
+    a, b = evaluate(im, *inputs, seed=1)[0], evaluate(im, *inputs, seed=2)[0]
+    ref = loss_fn(copy.deepcopy(model).eval()(inputs[0]), inputs[1]).item()
+    assert np.isfinite(a) and a != b
+    assert abs(a - ref) / ref < 0.2  # dropout perturbs, does not wreck, the loss
+
+
+class _Cumsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cumsum(self.proj(x), dim=1)  # the unsupported line
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _Cumsum()
+
+    def forward(self, x):
+        return self.inner(x).relu()
+
+
+def test_unsupported_op_names_op_module_and_source():
+    with pytest.raises(UnsupportedOpError) as ei:
+        import_module(_Outer(), (torch.randn(2, 4),))
+    e = ei.value
+    msg = str(e)
+    assert e.op == "aten.cumsum.default" and "aten.cumsum.default" in msg
+    assert e.module_path == "inner" and "'inner'" in msg
+    assert "test_torch_import.py" in e.source and "torch.cumsum(self.proj(x), dim=1)" in e.source
+    assert "Supported ATen ops" in msg and "convolution.default" in msg and "native_layer_norm.default" in msg
+
+
+def test_unsupported_variant_explains_why():
+    class Sorted(nn.Module):
+        def forward(self, x):
+            return torch.sort(x).values
+
+    with pytest.raises(UnsupportedOpError, match="aten.sort"):
+        import_module(Sorted(), (torch.randn(3, 5),))
+
+    class BoolIndex(nn.Module):
+        def forward(self, x):
+            return torch.div(x, 2, rounding_mode="floor")
+
+    with pytest.raises(UnsupportedOpError, match="rounding_mode"):
+        import_module(BoolIndex(), (torch.randn(3, 5),))
+
+
+def test_supported_ops_listed():
+    ops = supported_ops()
+    assert "aten.addmm.default" in ops and "aten.native_dropout.default" in ops
+    assert list(ops) == sorted(ops)
+
+
+def test_loss_target_count_and_errors():
+    model, (x, y), loss_fn = zoo.make_mlp("tiny")
+    im = import_module(model, (x, y), lambda out, target: nn.functional.cross_entropy(out, target))
+    assert im.input_count == 2 and im.output_names == ["loss"]
+    with pytest.raises(TypeError, match="num_targets"):
+        import_module(model, (x, y), lambda *a: a[0].sum())
+    im = import_module(model, (x, y), lambda *a: nn.functional.cross_entropy(*a), num_targets=1)
+    assert im.function.result_types == [TensorType(DType.f32, ())]
+    with pytest.raises(TypeError, match="takes 2 input"):
+        im.arguments(x)

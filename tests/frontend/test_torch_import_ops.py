@@ -1,0 +1,120 @@
+"""Translation rules beyond the zoo models: one module using many ATen ops at once (one export,
+to keep the test fast), each output compared with PyTorch eager in float64."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from remat.frontend.torch_import import UnsupportedOpError, import_module
+from remat.ir import parse, verify
+
+from test_torch_import import assert_close, evaluate
+
+
+class ManyOps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1d = nn.Conv1d(4, 3, 3, padding=1, stride=2)
+        self.gconv = nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=2)
+        self.deconv = nn.ConvTranspose2d(4, 2, 3, stride=2, padding=1, output_padding=1)
+        self.gn = nn.GroupNorm(2, 4)
+        self.ln = nn.LayerNorm([6, 6], elementwise_affine=False)
+        self.emb = nn.Embedding(10, 6)
+
+    def forward(self, x, q, idx):
+        n, c, h, w = x.shape
+        outs = [
+            F.scaled_dot_product_attention(q, q * 0.5, q + 1.0, is_causal=True),
+            F.interpolate(x, scale_factor=2, mode="nearest"),
+            F.adaptive_avg_pool2d(x, 2), F.adaptive_avg_pool2d(x, 1),
+            F.avg_pool2d(x, 3, stride=2, padding=1, count_include_pad=False),
+            F.avg_pool2d(x, 2, divisor_override=3),
+            F.max_pool2d(x, 2),
+            torch.max(x, dim=1).values, torch.max(x, dim=1).indices, x.amin(dim=(2, 3)),
+            x.var(dim=1), x.var(dim=(2, 3), unbiased=False, keepdim=True), torch.var_mean(x, dim=0)[1],
+            F.silu(x), F.leaky_relu(x, 0.2), F.hardtanh(x), torch.clamp(x, min=-0.5), x.clamp(max=0.3),
+            torch.sigmoid(x) * torch.tanh(x),
+            F.pixel_shuffle(x, 2), x[:, 1], x[:, :, 1:5:2, -3:], x[-1],
+            torch.cat([x, x * 2], dim=1), torch.stack([x.sum(), x.mean()]),
+            *torch.split(x, [1, 3], dim=1), *x.unbind(0),
+            F.pad(x, (1, 2, 0, 1), value=0.5), F.pad(x, (-1, 1)),
+            torch.where(x > 0, x, torch.zeros_like(x)), x.masked_fill(x < -0.5, float("-inf")).exp(),
+            torch.arange(5, dtype=x.dtype) * 0.5 + 1, torch.arange(2, 11, 3),
+            x.transpose(1, 3).reshape(n, -1), x.permute(0, 2, 3, 1).contiguous().view(-1, c).t(),
+            (x ** 2).sqrt() - x.abs(), x.pow(3), torch.rsqrt(x * x + 1), 2.0 ** x, 1.0 - x, 1 / (x.abs() + 1),
+            torch.log1p(x.abs()), torch.expm1(x), torch.erf(x), torch.sin(x) + torch.cos(x), torch.sign(x),
+            F.gelu(x), F.gelu(x, approximate="tanh"), F.softmax(x, dim=2), F.log_softmax(x, dim=-1),
+            (x > 0) & (x < 0.5), (x > 0) | (x < -0.5), ~(x > 0), torch.logical_xor(x > 0, x > 0.3),
+            (x > 0).sum(dim=1), (x > 1).any(dim=1), x.int() + 1, x.to(torch.float32).double(),
+            torch.maximum(x, x.mean(dim=0)), torch.minimum(x, torch.full_like(x, 0.1)),
+            self.conv1d(x.reshape(n, c, h * w)), self.gconv(x), self.deconv(x), self.gn(x), self.ln(x),
+            self.emb(idx), torch.index_select(x, 2, idx[0, :3]), x[:, :, idx[0, :2]],
+            torch.gather(x, 1, idx[:, :4].clamp(max=c - 1).reshape(n, 4, 1, 1).expand(n, 4, h, w)),
+            torch.baddbmm(x[:, 0], x[:, 1], x[:, 2], beta=0.5, alpha=2.0), torch.bmm(x[:, 0], x[:, 1]),
+            torch.addmm(x[0, 0], x[0, 1], x[0, 2], beta=0.0),
+            x.mean(), x.sum(), x.sum(dim=[1, 2], keepdim=True), F.normalize(x, dim=1),
+        ]
+        return tuple(outs)
+
+
+def test_many_ops_match_eager():
+    torch.manual_seed(0)
+    model = ManyOps().double().eval()
+    x = torch.randn(2, 4, 6, 6, dtype=torch.float64)
+    q = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    idx = torch.randint(0, 6, (2, 6))  # valid rows of x's height (6) and the embedding (10)
+    im = import_module(model, (x, q, idx), train=False)
+    verify(im.module)
+    assert str(parse(str(im.module))) == str(im.module)
+    want = model(x, q, idx)
+    got = evaluate(im, x, q, idx)
+    assert len(got) == len(want) == len(im.output_names)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, torch.float64, f"output {i}")
+
+
+def test_training_batch_norm_1d_and_dropout_mask_output():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(5, momentum=0.3)
+            self.bn_nostats = nn.BatchNorm1d(5, track_running_stats=False, affine=False)
+
+        def forward(self, x):
+            return self.bn_nostats(self.bn(x))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    x = torch.randn(16, 5, 3, dtype=torch.float64)
+    im = import_module(net, (x,), train=True)
+    assert im.output_names == ["output", "bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
+    got = evaluate(im, x)
+    want = net(x)  # updates net's running statistics
+    assert_close(got[0], want, torch.float64, "output")
+    for name, g in zip(im.output_names[1:], got[1:]):
+        assert_close(g, dict(net.named_buffers())[name], torch.float64, name)
+
+
+def test_max_pool_indices_are_rejected_with_context():
+    class Unpool(nn.Module):
+        def forward(self, x):
+            y, i = F.max_pool2d(x, 2, return_indices=True)
+            return y + i.to(x.dtype)
+
+    with pytest.raises(UnsupportedOpError, match="max_pool2d_with_indices") as ei:
+        import_module(Unpool(), (torch.randn(1, 2, 4, 4),))
+    assert "output 1" in str(ei.value) and "test_torch_import_ops.py" in ei.value.source
+
+
+def test_float32_numerics_of_normalisations():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(),
+                        nn.LayerNorm(4 * 6 * 6)).train()
+    x = torch.randn(3, 3, 8, 8) * 3 + 1
+    im = import_module(net, (x,))
+    got = evaluate(im, x)
+    assert_close(got[0], net(x), torch.float32, "output")
+    assert np.all(np.isfinite(got[0]))
