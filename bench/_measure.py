@@ -1,0 +1,123 @@
+"""Peak CPU memory of one call, measured the same way for every method in the benchmarks.
+
+PyTorch keeps no allocator statistics on CPU, so the peak is read from the profiler's memory
+events: with ``torch.profiler.profile(profile_memory=True)`` every allocation and free made by
+PyTorch's CPU allocator during the call is recorded with its size in bytes and a timestamp.
+
+Definition (bytes): ``peak = resident + max_t net(t)`` where
+
+* ``resident`` is the total size of the distinct storages of the tensors the caller names as
+  alive when the call starts (parameters, buffers, existing ``.grad``\\ s, optimizer state,
+  inputs, targets), see :func:`resident_bytes`;
+* ``net(t)`` is the bytes allocated minus the bytes freed by the call up to time ``t``, counting
+  only memory allocated *during* the call (the profiler cannot see the size of a block allocated
+  before it started, so frees of pre-existing memory are invisible and such memory stays counted
+  in ``resident``: the measurement is an upper bound when the call frees resident tensors).
+
+Sizes are the requested ``nbytes`` (PyTorch's CPU allocator does not round up or cache), so
+the peak of a program is exactly the sum of its live tensor sizes at its worst moment. Memory
+not obtained from PyTorch's allocator (oneDNN scratch space, NumPy arrays, Python objects) is
+not seen, for any method alike.
+"""
+from __future__ import annotations
+
+import gc
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """One measured call. All sizes in bytes."""
+
+    peak_bytes: int        # resident_bytes + peak_net_bytes
+    resident_bytes: int    # distinct storages alive at the start (as named by the caller)
+    peak_net_bytes: int    # max over the call of (allocated - freed), memory allocated during the call
+    end_net_bytes: int     # net bytes still allocated when the call returned (kept by its results or state)
+    allocated_bytes: int   # total bytes allocated during the call (with repeats)
+    num_allocations: int   # allocation events seen
+    result: Any            # what the call returned
+
+
+def _storages(tensors: Iterable[Any]) -> dict[int, int]:
+    """Distinct storages ``{data_ptr: nbytes}`` of the tensors found in ``tensors`` (nested in
+    lists, tuples, dicts; non-tensors are skipped). Views share their base's storage."""
+    seen: dict[int, int] = {}
+    stack = [tensors]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu" or x.is_meta:
+                continue
+            st = x.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr != 0 or st.nbytes() > 0:
+                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple, set)):
+            stack.extend(x)
+    return seen
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Total bytes of the distinct storages of ``tensors`` (nested containers allowed); a tensor
+    and its views, or tied parameters, are counted once."""
+    return sum(_storages(tensors).values())
+
+
+def resident_bytes(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                   extra: Iterable[Any] = ()) -> int:
+    """Bytes alive before a training step: the model's parameters, buffers and existing ``.grad``\\ s,
+    the optimizer's state tensors, and ``extra`` (inputs, targets, anything else the step keeps),
+    each distinct storage once."""
+    items: list[Any] = [list(extra)]
+    if model is not None:
+        params = list(model.parameters())
+        items += [params, list(model.buffers()), [p.grad for p in params if p.grad is not None]]
+    if optimizer is not None:
+        items.append([dict(s) for s in optimizer.state.values()])
+    return tensor_bytes(items)
+
+
+def allocation_trace(fn: Callable[[], Any]) -> tuple[Any, list[tuple[int, int]]]:
+    """Run ``fn()`` under the profiler; return its result and the allocator events
+    ``[(time_ns, delta_bytes), ...]`` in time order (positive: allocation, negative: free)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
+            result = fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [(e.start_ns(), int(e.nbytes())) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == cpu]
+    events.sort(key=lambda t: t[0])  # stable: ties keep the recording order
+    return result, events
+
+
+def peak_of_trace(events: list[tuple[int, int]]) -> tuple[int, int, int]:
+    """``(peak_net, end_net, allocated)`` in bytes of a time-ordered event list. ``peak_net`` is at
+    least 0 (the moment before the first event)."""
+    net = peak = allocated = 0
+    for _, delta in events:
+        net += delta
+        if delta > 0:
+            allocated += delta
+        peak = max(peak, net)
+    return peak, net, allocated
+
+
+def measure_peak(fn: Callable[[], Any], resident: int = 0) -> MemoryMeasurement:
+    """Peak memory of one call ``fn()``: ``resident`` bytes (see :func:`resident_bytes`) plus the
+    peak of the net bytes the call allocates. Collects garbage first so that frees of stale objects
+    do not land inside the measured window."""
+    if resident < 0:
+        raise ValueError(f"resident bytes must be >= 0, got {resident}")
+    gc.collect()
+    result, events = allocation_trace(fn)
+    peak_net, end_net, allocated = peak_of_trace(events)
+    n_alloc = sum(1 for _, d in events if d > 0)
+    return MemoryMeasurement(resident + peak_net, resident, peak_net, end_net, allocated, n_alloc, result)
