@@ -97,8 +97,13 @@ def grad_pass(module: Module) -> Module:
 
 
 # ---------------------------------------------------------------- one gradient function
-def gradient_function(module: Module, name: str, spec: GradientSpec, adjoints: str = "outputs") -> Function:
-    """Build the function ``name`` computing the gradient of ``module[spec.of]`` described by ``spec``."""
+def gradient_function(module: Module, name: str, spec: GradientSpec, adjoints: str = "outputs",
+                      explicit_cotangents: bool = False) -> Function:
+    """Build the function ``name`` computing the gradient of ``module[spec.of]`` described by ``spec``.
+
+    ``explicit_cotangents``: take every float output's cotangent as a trailing parameter, even for
+    a scalar loss (a VJP; checkpointing executors split forward from backward at these parameters).
+    """
     f = module[spec.of]
     where = f"@{name} = gradient @{spec.of}"
     n = len(f.params)
@@ -114,7 +119,7 @@ def gradient_function(module: Module, name: str, spec: GradientSpec, adjoints: s
         raise DifferentiationError(f"{where}: {e}") from None
     _drop_frees(src)
     _single_exit(src)
-    return _Transform(src, spec, name, adjoints, where).run()
+    return _Transform(src, spec, name, adjoints, where, explicit_cotangents).run()
 
 
 def _drop_frees(f: Function) -> None:
@@ -175,8 +180,10 @@ def _succ_blocks(b: Block) -> list[Block]:
 
 
 class _Transform:
-    def __init__(self, src: Function, spec: GradientSpec, name: str, adjoints: str, where: str):
+    def __init__(self, src: Function, spec: GradientSpec, name: str, adjoints: str, where: str,
+                 explicit_cotangents: bool = False):
         self.src, self.spec, self.name, self.adjoints, self.where = src, spec, name, adjoints, where
+        self.explicit_cotangents = explicit_cotangents
 
     # ---------------------------------------------------------------- analysis
     def rule(self, ins: Instruction):
@@ -200,7 +207,8 @@ class _Transform:
                     self.defblock[r] = b
         outs = self.exit.terminator.operands
         # Output cotangents: the constant 1 for a single one-element float output, else parameters.
-        self.scalar_loss = len(outs) == 1 and outs[0].type.numel == 1 and outs[0].type.dtype.is_float
+        self.scalar_loss = (not self.explicit_cotangents and len(outs) == 1 and outs[0].type.numel == 1
+                            and outs[0].type.dtype.is_float)
         # Varied: depends (differentiably) on a wrt parameter.
         varied: set[Value] = {src.params[i] for i in self.spec.wrt}
         for b in self.order:

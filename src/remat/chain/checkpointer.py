@@ -1,0 +1,237 @@
+"""The thesis's PyTorch API (Listing 3.2/3.3), executed for real on remat's IR and VM.
+
+    chk = remat.chain.SequentialCheckpointer(sequence)           # nn.Sequential or list of modules
+    chk.profile_sequence(dummy_input, dummy_upstream_grad)
+    policy = chk.solve_optimal_policy(memory_budget)              # bytes
+    downstream_grad = chk.backprop_sequence(policy, x, upstream_grad)
+
+The budget bounds the whole backprop run as the VM measures it: parameters, the input, the
+upstream gradient, every activation, recomputation and gradient. ``policy.peak`` is the exact
+predicted peak of the compiled program; ``chk.last_run`` holds the measured peak and time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Module
+from .costs import ChainCosts
+from .executor import ChainStage, compile_schedule, make_stage
+from .profile import StageProfile, chain_costs, profile_stages
+from .schedule import Plan
+from ..budget import parse_budget
+
+
+@dataclass
+class Policy:
+    """A solved plan compiled into a program. ``peak`` is the program's exact predicted peak."""
+
+    plan: Plan
+    program: Module
+    peak: int
+    budget: int
+    baseline: int  # bytes outside the chain model: parameters, input, upstream grad, param grads
+
+    @property
+    def cost(self) -> float:
+        return self.plan.cost
+
+    @property
+    def schedule(self):
+        return self.plan.schedule
+
+    def __str__(self) -> str:
+        return (f"Policy[{self.plan.method}] budget {format_bytes(self.budget)}, predicted peak "
+                f"{format_bytes(self.peak)} ({self.peak} B), compute cost {self.plan.cost:.4g}\n{self.plan}")
+
+
+@dataclass
+class RunRecord:
+    """What the last ``backprop_sequence`` measured."""
+
+    peak_bytes: int
+    seconds: float
+    predicted_peak: int
+    stats: object = field(repr=False, default=None)
+
+
+class SequentialCheckpointer:
+    """Profile a sequence of modules, solve for the optimal checkpointing policy under a byte
+    budget, and run the backward pass according to it."""
+
+    def __init__(self, sequence, dialects: Sequence[str] | None = None):
+        import torch
+
+        mods = list(sequence.children()) if isinstance(sequence, torch.nn.Sequential) else list(sequence)
+        if not mods:
+            raise ValueError("SequentialCheckpointer needs at least one module")
+        for k, m in enumerate(mods):
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"element {k} of the sequence is {type(m).__name__}, not a torch.nn.Module")
+        self.modules = mods
+        self.dialects = tuple(dialects) if dialects else None
+        self.stages: list[ChainStage] | None = None
+        self.profiles: list[StageProfile] | None = None
+        self.last_run: RunRecord | None = None
+        self._params: list[list] = []
+        self._compiled: dict = {}
+
+    # ------------------------------------------------------------------ capture + profile
+    def _capture(self, dummy_input) -> None:
+        """Import every module (identical layers share one import: the IR does not depend on
+        parameter values) and derive its forward/backward stage."""
+        import torch
+
+        from ..frontend.torch_import import import_module
+
+        stages, params, live = [], [], []
+        cache: dict = {}
+        x = dummy_input
+        for k, m in enumerate(self.modules):
+            named = dict(m.named_parameters())
+            key = (type(m), repr(m), m.training, tuple(x.shape), x.dtype,
+                   tuple((n, tuple(p.shape), p.dtype) for n, p in named.items()))
+            if key in cache:
+                imp, stage = cache[key]
+            else:
+                imp = import_module(m, (x,), train=m.training)
+                if imp.buffer_names or imp.has_seed:
+                    raise ValueError(f"module {k} ({type(m).__name__}) has buffers or randomness "
+                                     f"({', '.join(imp.buffer_names) or 'dropout'}); SequentialCheckpointer supports "
+                                     "stateless layers — use remat.compile for models with batch norm or dropout")
+                stage = make_stage(f"stage_{type(m).__name__}", imp.function, imp.state_count,
+                                   tuple(range(len(imp.param_names))))
+                if not imp.constant_names:
+                    cache[key] = (imp, stage)
+            stages.append(stage)
+            # Constants are only lifted from the imported module itself (never shared via the cache).
+            params.append(list(imp.param_tensors()) if imp.constant_names
+                          else [named[n].detach() for n in imp.param_names])
+            live.append([named[n] for n in imp.param_names])
+            with torch.no_grad():
+                x = m(x)
+        self.stages, self._params, self._params_live = stages, params, live
+
+    def profile_sequence(self, dummy_input, dummy_upstream_grad, repeats: int = 5) -> list[StageProfile]:
+        """Import every module, derive its forward/backward, and measure per-stage costs."""
+        self._capture(dummy_input)
+        self._shapes = (tuple(dummy_input.shape), tuple(dummy_upstream_grad.shape))
+        self.profiles = profile_stages(self.stages, self._detached_params(), dummy_input.detach(),
+                                       dummy_upstream_grad.detach(), repeats=repeats, dialects=self.dialects)
+        self._compiled.clear()
+        return self.profiles
+
+    def _detached_params(self) -> list[list]:
+        return [[p.detach() for p in ps] for ps in self._params]
+
+    def baseline_bytes(self) -> int:
+        """Bytes outside the chain model: parameters, their gradients, input and upstream gradient."""
+        st = self.stages
+        params = sum(t.nbytes for s in st for t in s.param_types)
+        grads = sum(t.nbytes for s in st for t in s.grad_types)
+        return params + grads + st[0].input_type.nbytes + st[-1].output_type.nbytes
+
+    # ------------------------------------------------------------------ solve
+    def costs(self, profile_comp: bool = True, profile_mem: bool = True, compute_costs: dict | None = None,
+              memory_costs: dict | None = None) -> ChainCosts:
+        if self.profiles is None:
+            raise RuntimeError("call profile_sequence(dummy_input, dummy_upstream_grad) first")
+        comp = "given" if compute_costs else ("profiled" if profile_comp else "uniform")
+        mem = "given" if memory_costs else ("profiled" if profile_mem else "uniform")
+        return chain_costs(self.profiles, comp, mem, compute_costs, memory_costs)
+
+    def solve_optimal_policy(self, memory_budget, method: str = "extended", profile_comp: bool = True,
+                             profile_mem: bool = True, compute_costs: dict | None = None,
+                             memory_costs: dict | None = None, bucket=None) -> Policy:
+        """Solve for the least-compute policy whose compiled program peaks within ``memory_budget``
+        bytes (profiles are reused across budgets). ``method``: "extended" (default), "precise"
+        (the thesis DP), or the baselines "uniform", "sqrt", "none". ``bucket``: bytes per memory
+        unit (default: about 4,000 units over the no-recompute peak; "exact" removes bucketing).
+
+        The chain model leaves out parameters, their gradients and the caller's tensors, so the
+        model budget handed to the solver is searched (bisection) for the largest one whose compiled
+        program's exact predicted peak fits ``memory_budget``. Raises ``BudgetTooSmall`` carrying
+        the minimum feasible budget (the exact peak of the most frugal plan).
+        """
+        from .solvers import no_recompute_peak, solve
+
+        budget = parse_budget(memory_budget)
+        costs = self.costs(profile_comp, profile_mem, compute_costs, memory_costs)
+        hi_model = int(no_recompute_peak(costs, "extended"))
+        if bucket is None:
+            bucket = max(1, hi_model // 4000)
+        what = f"this {len(self.stages)}-stage sequence ({method})"
+        if method not in ("precise", "extended"):
+            policy = self._compile(solve(costs, max(budget - self.baseline_bytes(), 0), method=method, bucket=bucket), budget)
+            if policy.peak > budget:
+                raise BudgetTooSmall(budget, policy.peak, f"{what}, whose plan ignores the budget")
+            return policy
+        lo = self._model_minimum(costs, method, bucket)
+
+        def attempt(m: int) -> Policy:
+            return self._compile(solve(costs, m, method=method, bucket=bucket), budget)
+
+        best = attempt(lo)
+        if best.peak > budget:
+            raise BudgetTooSmall(budget, best.peak, what)
+        top = attempt(max(hi_model, lo))
+        if top.peak <= budget:
+            return top
+        hi = max(hi_model, lo)
+        while hi - lo > max(bucket, 1):  # invariant: solve(lo) fits, solve(hi) does not
+            mid = (lo + hi) // 2
+            p = attempt(mid)
+            if p.peak <= budget:
+                lo, best = mid, (p if p.plan.cost <= best.plan.cost else best)
+            else:
+                hi = mid
+        return best
+
+    def _model_minimum(self, costs, method, bucket) -> int:
+        from .solvers import minimum_budget
+
+        return minimum_budget(costs, bucket=bucket, method=method)
+
+    def _compile(self, plan: Plan, budget: int) -> Policy:
+        from ..memory.liveness import predict_peak
+
+        key = tuple(plan.schedule)
+        if key not in self._compiled:
+            prog = compile_schedule(self.stages, list(plan.schedule), name="backprop_sequence")
+            self._compiled[key] = (prog, predict_peak(prog["backprop_sequence"]))
+        prog, peak = self._compiled[key]
+        return Policy(plan, prog, peak, budget, self.baseline_bytes())
+
+    # ------------------------------------------------------------------ execute
+    def backprop_sequence(self, policy: Policy, x, upstream_grad):
+        """Run forward and backward by the policy; accumulate parameter ``.grad``s like autograd
+        and return the gradient wrt ``x``."""
+        import torch
+
+        from ..runtime.vm import run
+
+        if self.stages is None:
+            raise RuntimeError("call profile_sequence(dummy_input, dummy_upstream_grad) first")
+        if tuple(x.shape) != self._shapes[0] or tuple(upstream_grad.shape) != self._shapes[1]:
+            raise ValueError(f"backprop_sequence was profiled for input {list(self._shapes[0])} and upstream "
+                             f"gradient {list(self._shapes[1])}, got {list(x.shape)} and {list(upstream_grad.shape)}")
+        fn = policy.program["backprop_sequence"]
+        flat = [p for ps in self._detached_params() for p in ps]
+        t0 = time.perf_counter()
+        outs, stats = run(fn, *flat, x.detach(), upstream_grad.detach(), dialects=self.dialects)
+        dt = time.perf_counter() - t0
+        self.last_run = RunRecord(stats.peak_bytes, dt, policy.peak, stats)
+        gx, grads = outs[0], outs[1:]
+        trainable = [ps[j] for ps, st in zip(self._params_live, self.stages) for j in st.grad_params]
+        with torch.no_grad():
+            for p, g in zip(trainable, grads):
+                g = torch.as_tensor(np.asarray(g)).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad += g
+        return torch.as_tensor(np.asarray(gx))

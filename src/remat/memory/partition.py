@@ -1,0 +1,144 @@
+"""Split a joint forward+backward function into a forward part and a backward part.
+
+A *joint* function maps (primal params..., cotangent params...) to (primal outputs...,
+gradients...), as the differentiation pass produces for ``value_and_gradient`` with an explicit
+output cotangent. Instructions that depend on a cotangent form the backward; the rest form the
+forward. The *tape* is the set of forward values the backward reads (RAF's saved values): what a
+checkpointing executor must keep — or recompute — between a stage's forward and its backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Block, Builder, Function, Instruction, Value
+from ..ir.core import BlockArg
+
+
+@dataclass
+class Split:
+    """The parts of a joint function.
+
+    ``forward(primals) -> (outputs..., tape...)``; ``forward_light(primals) -> outputs``
+    (no tape kept); ``backward(kept primals..., tape..., cotangents) -> gradients``.
+    ``backward_primals`` are the indices of the primal params the backward reads directly
+    (weights: always live); other primals it reads (a stage's input activation) go on the tape.
+    """
+
+    forward: Function
+    forward_light: Function
+    backward: Function
+    n_outputs: int
+    backward_primals: list[int]
+    n_tape: int
+
+
+def _single_block(f: Function) -> Block:
+    if len(f.blocks) != 1:
+        raise ValueError(f"@{f.name} has {len(f.blocks)} blocks; stage splitting needs straight-line code "
+                         "(inline calls and avoid data-dependent branches inside a stage)")
+    return f.entry
+
+
+def slice_function(name: str, params: list[Value], instrs: list[Instruction], results: list[Value]) -> Function:
+    """A new function computing ``results`` from ``params`` with the needed subset of ``instrs``.
+
+    ``params`` are values of the source function that become the new parameters; only the
+    instructions that ``results`` transitively need (stopping at ``params``) are copied, in order.
+    """
+    pset = set(params)
+    needed: set[Instruction] = set()
+    stack = [v for v in results if v not in pset]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, BlockArg):
+            raise ValueError(f"slice '{name}' needs a parameter of the source function that is not among its inputs")
+        ins = v.instr
+        if ins in needed:
+            continue
+        needed.add(ins)
+        stack.extend(o for o in ins.operands if o not in pset)
+    f = Function(name, [p.type for p in params], [r.type for r in results])
+    vmap: dict[Value, Value] = dict(zip(params, f.params))
+    b = Builder(f.entry)
+    for ins in instrs:
+        if ins not in needed:
+            continue
+        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
+                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
+        for r, nr in zip(ins.results, new.results):
+            vmap[r] = nr
+    b.ret(*[vmap[r] for r in results])
+    return f
+
+
+def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int] | None = None) -> Split:
+    """Partition ``joint`` (params: ``n_primals`` primals then cotangents; results: ``n_outputs``
+    primal outputs then gradients) into forward and backward functions.
+
+    ``direct``: indices of primals the backward may read as its own inputs (default: all);
+    other primals it needs are handed over through the tape.
+    """
+    block = _single_block(joint)
+    ret = block.terminator
+    if ret is None or ret.op.name != "return":
+        raise ValueError(f"@{joint.name} does not end with return")
+    primals, cots = joint.params[:n_primals], joint.params[n_primals:]
+    body = block.instrs[:-1]
+    outputs = ret.operands[:n_outputs]
+    grads = ret.operands[n_outputs:]
+    # Forward = what the primal outputs need; everything else (cotangent-dependent code, and
+    # forward-only code whose results only the backward reads, such as a weight transpose or
+    # tanh's 1 - y*y) runs in the backward, so the tape holds exactly what the VJP rules save.
+    needed: set[Instruction] = set()
+    stack = [o for o in outputs]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, BlockArg) or v.instr in needed:
+            continue
+        needed.add(v.instr)
+        stack.extend(v.instr.operands)
+    is_bwd: set[Value] = set()
+    bwd_instrs: list[Instruction] = []
+    for ins in body:
+        if ins not in needed:
+            bwd_instrs.append(ins)
+            is_bwd.update(ins.results)
+    is_bwd.update(cots)
+    # Tape: forward values read by the backward (or returned as gradients directly).
+    tape: list[Value] = []
+    seen: set[Value] = set()
+
+    def want(v: Value) -> None:
+        if v not in is_bwd and v not in seen:
+            seen.add(v)
+            tape.append(v)
+
+    for ins in bwd_instrs:
+        for o in ins.operands:
+            want(o)
+    for g in grads:
+        want(g)
+    # Primal params read by the backward are passed to it directly when allowed.
+    primal_index = {p: i for i, p in enumerate(primals) if direct is None or i in direct}
+    backward_primals = [primal_index[v] for v in tape if v in primal_index]
+    tape_vals = [v for v in tape if v not in primal_index]
+    fwd_instrs = [i for i in body if i in needed]
+    forward = slice_function(f"{joint.name}_fwd", list(primals), fwd_instrs, list(outputs) + tape_vals)
+    light = slice_function(f"{joint.name}_fwd_light", list(primals), fwd_instrs, list(outputs))
+    bparams = [primals[i] for i in backward_primals] + tape_vals + list(cots)
+    backward = slice_function(f"{joint.name}_bwd", bparams, bwd_instrs, list(grads))
+    return Split(forward, light, backward, n_outputs, backward_primals, len(tape_vals))
+
+
+def inline(b: Builder, f: Function, args: list[Value]) -> list[Value]:
+    """Copy the straight-line body of ``f`` at ``b`` with its params bound to ``args``; return its results."""
+    block = _single_block(f)
+    if len(args) != len(f.params):
+        raise ValueError(f"inlining @{f.name}: {len(args)} arguments for {len(f.params)} parameters")
+    vmap: dict[Value, Value] = dict(zip(f.params, args))
+    for ins in block.instrs[:-1]:
+        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
+                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
+        for r, nr in zip(ins.results, new.results):
+            vmap[r] = nr
+    return [vmap[v] for v in block.instrs[-1].operands]

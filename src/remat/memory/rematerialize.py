@@ -1,0 +1,150 @@
+"""Instruction-level rematerialisation of a straight-line IR function on general graphs.
+
+``to_graph`` lowers a function to the abstract :class:`~remat.memory.graph.Graph` the solvers
+work on (one node per storage-producing instruction; views such as ``reshape`` are folded into
+the storage they alias, so the graph's memory model matches the VM's storage accounting);
+``from_schedule`` turns a solver's schedule back into IR: recomputations are clones of the
+original instructions, frees are explicit ``free`` instructions, views are re-emitted next to
+their uses. The result's peak is then predicted exactly by ``liveness.predict_peak``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir import Builder, Function, Instruction, Module, Value, verify
+from ..ir.core import BlockArg
+from .graph import COMPUTE, FREE, Graph
+
+
+@dataclass
+class Lowered:
+    """A function's graph and the correspondence between nodes and IR."""
+
+    fn: Function
+    graph: Graph
+    node_of: dict[Value, int]                  # storage root value -> node
+    instr_of: dict[int, Instruction] = field(default_factory=dict)
+    arg_of: dict[int, BlockArg] = field(default_factory=dict)
+    root: dict[Value, Value] = field(default_factory=dict)  # view value -> its storage root value
+
+
+def _is_view(ins: Instruction) -> bool:
+    return 0 in ins.op.aliases and ins.op.has("view")
+
+
+def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_args: bool = True) -> Lowered:
+    """Lower ``fn`` (one block, no calls) to a Graph. ``costs``: seconds per instruction
+    (default: 1 per element produced, a stand-in proportional to memory traffic)."""
+    if len(fn.blocks) != 1:
+        raise ValueError(f"@{fn.name} has {len(fn.blocks)} blocks; rematerialisation works on straight-line code")
+    g = Graph()
+    low = Lowered(fn, g, {})
+    ret = fn.entry.instrs[-1]
+    outputs = set(ret.operands)
+    for a in fn.params:
+        low.root[a] = a
+    out_roots: set[Value] = set()
+    # Resolve roots first (views alias their operand's root).
+    for ins in fn.entry.instrs[:-1]:
+        if ins.op.name in ("free", "call") or len(fn.blocks) != 1:
+            raise ValueError(f"@{fn.name}: '{ins.op.name}' is not supported by rematerialisation (run inline first; "
+                             "frees are inserted by the planner)")
+        for k, r in enumerate(ins.results):
+            src = ins.op.aliases.get(k)
+            low.root[r] = low.root[ins.operands[src]] if src is not None else r
+    out_roots = {low.root[v] for v in outputs}
+    for a in fn.params:
+        idx = g.add_input(f"arg{a.index}", a.type.nbytes, is_output=pin_args or a in out_roots)
+        low.node_of[a] = idx
+        low.arg_of[idx] = a
+    for n, ins in enumerate(fn.entry.instrs[:-1]):
+        if _is_view(ins):
+            continue
+        if len(ins.results) != 1:
+            raise ValueError(f"@{fn.name}: instruction {n} ('{ins.op.name}') has {len(ins.results)} results; "
+                             "plan the function before adding in-place updates")
+        r = ins.results[0]
+        inputs = sorted({low.node_of[low.root[o]] for o in ins.operands})
+        cost = costs.get(ins, 0.0) if costs is not None else float(r.type.numel)
+        recomputable = not ins.op.has("effect") and not ins.op.has("inplace")
+        idx = g.add_node(f"%{n}:{ins.op.name}", cost, r.type.nbytes, inputs,
+                         is_output=r in out_roots, recomputable=recomputable)
+        low.node_of[r] = idx
+        low.instr_of[idx] = ins
+    return low
+
+
+def from_schedule(low: Lowered, schedule, name: str | None = None) -> Function:
+    """Build the rematerialised function that executes ``schedule`` on ``low``'s graph."""
+    fn = low.fn
+    out = Function(name or fn.name, fn.param_types, fn.result_types)
+    b = Builder(out.entry)
+    current: dict[int, Value] = {}
+    for idx, a in low.arg_of.items():
+        current[idx] = out.params[a.index]
+    # views of a root, in program order, to re-emit next to uses
+    view_chain: dict[Value, Instruction] = {}
+    for ins in fn.entry.instrs[:-1]:
+        if _is_view(ins):
+            view_chain[ins.results[0]] = ins
+
+    def value_of(v: Value, cache: dict[Value, Value]) -> Value:
+        """The current IR value for original value ``v`` (re-emitting views of live roots)."""
+        if v in cache:
+            return cache[v]
+        if v in view_chain:
+            ins = view_chain[v]
+            src = value_of(ins.operands[0], cache)
+            nv = b.create(ins.op.name, [src], ins.attrs, result_types=[v.type], dialect=ins.dialect).results[0]
+        else:
+            node = low.node_of[v]
+            if node not in current:
+                raise ValueError(f"schedule uses node {low.graph[node].name} while it is not live")
+            nv = current[node]
+        cache[v] = nv
+        return nv
+
+    for step, i in schedule:
+        if step == COMPUTE:
+            ins = low.instr_of[i]
+            cache: dict[Value, Value] = {}
+            ops = [value_of(o, cache) for o in ins.operands]
+            new = b.create(ins.op.name, ops, ins.attrs, result_types=[r.type for r in ins.results], dialect=ins.dialect)
+            current[i] = new.results[0]
+        elif step == FREE:
+            if i in low.arg_of:
+                continue
+            v = current.pop(i)
+            b.free(v)
+        else:
+            raise ValueError(f"unknown schedule step {step!r}")
+    ret = fn.entry.instrs[-1]
+    cache = {}
+    b.ret(*[value_of(v, cache) for v in ret.operands])
+    return out
+
+
+def rematerialize(fn: Function, budget: int, costs: dict[Instruction, float] | None = None,
+                  solver: str = "auto", time_limit: float = 10.0, milp_max_nodes: int = 120):
+    """Plan and apply rematerialisation of ``fn`` under ``budget`` bytes.
+
+    ``solver``: "milp" (optimal, Checkmate-style, HiGHS), "greedy" (RAF's compile-time
+    heuristic), or "auto" (MILP when the graph has at most ``milp_max_nodes`` nodes, with the
+    greedy as fallback when the MILP finds nothing in ``time_limit``). Returns
+    ``(function, plan)``; ``plan.notes`` says which solver ran and why.
+    """
+    from .greedy import solve_greedy
+    from .milp import solve_milp, solve_with_fallback
+
+    low = to_graph(fn, costs)
+    if solver == "auto":
+        plan = solve_with_fallback(low.graph, budget, time_limit=time_limit, milp_max_nodes=milp_max_nodes)
+    elif solver == "milp":
+        plan = solve_milp(low.graph, budget, time_limit=time_limit)
+    elif solver == "greedy":
+        plan = solve_greedy(low.graph, budget)
+    else:
+        raise ValueError(f"unknown solver {solver!r}; valid: auto, milp, greedy")
+    out = from_schedule(low, plan.schedule)
+    verify(Module([out]))
+    return out, plan
