@@ -54,9 +54,9 @@ def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
 
 
 def make_mlp(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
-    """An MLP classifier on random features. tiny: 8×32 → 64×2 → 10; small: 512×784 → 2048×4 → 10."""
+    """An MLP classifier on random features. tiny: 8×32 → 64×2 → 10; small: 512×784 → 1024×4 → 10."""
     _check_size(size)
-    batch, fin, hidden, depth, classes = (8, 32, 64, 2, 10) if size == "tiny" else (512, 784, 2048, 4, 10)
+    batch, fin, hidden, depth, classes = (8, 32, 64, 2, 10) if size == "tiny" else (512, 784, 1024, 4, 10)
     torch.manual_seed(seed)
     model = MLP(fin, hidden, depth, classes).to(dtype)
     g = _generator(seed + 1)
@@ -109,12 +109,12 @@ class ResNet(nn.Module):
 
 
 def make_resnet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
-    """A ResNet classifier on random images. tiny: 4×3×16×16, widths 8,16; small: 32×3×64×64, widths 32,64,128."""
+    """A ResNet classifier on random images. tiny: 4×3×16×16, widths 8,16; small: 16×3×32×32, widths 32,64,128 (2 blocks each)."""
     _check_size(size)
     if size == "tiny":
         batch, hw, widths, nblocks, classes = 4, 16, (8, 16), 1, 10
     else:
-        batch, hw, widths, nblocks, classes = 32, 64, (32, 64, 128), 2, 10
+        batch, hw, widths, nblocks, classes = 16, 32, (32, 64, 128), 2, 10
     torch.manual_seed(seed)
     model = ResNet(widths, nblocks, classes).to(dtype)
     g = _generator(seed + 1)
@@ -199,12 +199,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def make_gpt(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.1) -> Example:
     """A GPT on random tokens. tiny: 2×16 tokens, 2 layers, 2 heads, width 32, vocab 64;
-    small: 8×128 tokens, 4 layers, 4 heads, width 128, vocab 512."""
+    small: 8×64 tokens, 4 layers, 4 heads, width 128, vocab 512."""
     _check_size(size)
     if size == "tiny":
         batch, T, vocab, n_layer, n_head, n_embd = 2, 16, 64, 2, 2, 32
     else:
-        batch, T, vocab, n_layer, n_head, n_embd = 8, 128, 512, 4, 4, 128
+        batch, T, vocab, n_layer, n_head, n_embd = 8, 64, 512, 4, 4, 128
     torch.manual_seed(seed)
     model = GPT(vocab, T, n_layer, n_head, n_embd, dropout).to(dtype)
     g = _generator(seed + 1)
@@ -253,9 +253,9 @@ class UNet(nn.Module):
 
 def make_unet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
     """A U-Net segmenter on random images with per-pixel class targets. tiny: 2×3×16×16, base 4,
-    depth 2; small: 8×3×64×64, base 16, depth 3."""
+    depth 2; small: 4×3×64×64, base 16, depth 3."""
     _check_size(size)
-    batch, hw, base, depth, classes = (2, 16, 4, 2, 3) if size == "tiny" else (8, 64, 16, 3, 4)
+    batch, hw, base, depth, classes = (2, 16, 4, 2, 3) if size == "tiny" else (4, 64, 16, 3, 4)
     torch.manual_seed(seed)
     model = UNet(3, classes, base, depth).to(dtype)
     g = _generator(seed + 1)

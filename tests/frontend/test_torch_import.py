@@ -223,3 +223,21 @@ def test_loss_target_count_and_errors():
     assert im.function.result_types == [TensorType(DType.f32, ())]
     with pytest.raises(TypeError, match="takes 2 input"):
         im.arguments(x)
+
+
+def test_lifted_constants_and_unused_parameters():
+    class WithConstant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.unused = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(x) + torch.tensor([1.0, 2.0])
+
+    torch.manual_seed(0)
+    net, x = WithConstant(), torch.randn(4, 2)
+    im = import_module(net, (x,))
+    assert im.param_names == ["lin.weight", "lin.bias", "unused.weight", "unused.bias"]
+    assert len(im.constant_names) == 1 and im.state_count == 5
+    assert_close(evaluate(im, x)[0], net(x), torch.float32, "output")
