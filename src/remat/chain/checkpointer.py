@@ -17,36 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BudgetTooSmall, format_bytes
-from ..ir import Module
 from .costs import ChainCosts
-from .executor import ChainStage, compile_schedule, make_stage
+from .executor import ChainStage, make_stage
+from .planner import ChainPlanner, Policy
 from .profile import StageProfile, chain_costs, profile_stages
-from .schedule import Plan
 from ..budget import parse_budget
-
-
-@dataclass
-class Policy:
-    """A solved plan compiled into a program. ``peak`` is the program's exact predicted peak."""
-
-    plan: Plan
-    program: Module
-    peak: int
-    budget: int
-    baseline: int  # bytes outside the chain model: parameters, input, upstream grad, param grads
-
-    @property
-    def cost(self) -> float:
-        return self.plan.cost
-
-    @property
-    def schedule(self):
-        return self.plan.schedule
-
-    def __str__(self) -> str:
-        return (f"Policy[{self.plan.method}] budget {format_bytes(self.budget)}, predicted peak "
-                f"{format_bytes(self.peak)} ({self.peak} B), compute cost {self.plan.cost:.4g}\n{self.plan}")
 
 
 @dataclass
@@ -78,7 +53,7 @@ class SequentialCheckpointer:
         self.profiles: list[StageProfile] | None = None
         self.last_run: RunRecord | None = None
         self._params: list[list] = []
-        self._compiled: dict = {}
+        self._planners: dict = {}
 
     # ------------------------------------------------------------------ capture + profile
     def _capture(self, dummy_input) -> None:
@@ -122,7 +97,7 @@ class SequentialCheckpointer:
         self._shapes = (tuple(dummy_input.shape), tuple(dummy_upstream_grad.shape))
         self.profiles = profile_stages(self.stages, self._detached_params(), dummy_input.detach(),
                                        dummy_upstream_grad.detach(), repeats=repeats, dialects=self.dialects)
-        self._compiled.clear()
+        self._planners.clear()
         return self.profiles
 
     def _detached_params(self) -> list[list]:
@@ -151,60 +126,15 @@ class SequentialCheckpointer:
         bytes (profiles are reused across budgets). ``method``: "extended" (default), "precise"
         (the thesis DP), or the baselines "uniform", "sqrt", "none". ``bucket``: bytes per memory
         unit (default: about 4,000 units over the no-recompute peak; "exact" removes bucketing).
-
-        The chain model leaves out parameters, their gradients and the caller's tensors, so the
-        model budget handed to the solver is searched (bisection) for the largest one whose compiled
-        program's exact predicted peak fits ``memory_budget``. Raises ``BudgetTooSmall`` carrying
-        the minimum feasible budget (the exact peak of the most frugal plan).
-        """
-        from .solvers import no_recompute_peak, solve
-
+        Listing 3.3's switches pick uniform or given costs. Raises ``BudgetTooSmall`` carrying
+        the minimum feasible budget (the exact peak of the most frugal plan)."""
         budget = parse_budget(memory_budget)
         costs = self.costs(profile_comp, profile_mem, compute_costs, memory_costs)
-        hi_model = int(no_recompute_peak(costs, "extended"))
-        if bucket is None:
-            bucket = max(1, hi_model // 4000)
-        what = f"this {len(self.stages)}-stage sequence ({method})"
-        if method not in ("precise", "extended"):
-            policy = self._compile(solve(costs, max(budget - self.baseline_bytes(), 0), method=method, bucket=bucket), budget)
-            if policy.peak > budget:
-                raise BudgetTooSmall(budget, policy.peak, f"{what}, whose plan ignores the budget")
-            return policy
-        lo = self._model_minimum(costs, method, bucket)
-
-        def attempt(m: int) -> Policy:
-            return self._compile(solve(costs, m, method=method, bucket=bucket), budget)
-
-        best = attempt(lo)
-        if best.peak > budget:
-            raise BudgetTooSmall(budget, best.peak, what)
-        top = attempt(max(hi_model, lo))
-        if top.peak <= budget:
-            return top
-        hi = max(hi_model, lo)
-        while hi - lo > max(bucket, 1):  # invariant: solve(lo) fits, solve(hi) does not
-            mid = (lo + hi) // 2
-            p = attempt(mid)
-            if p.peak <= budget:
-                lo, best = mid, (p if p.plan.cost <= best.plan.cost else best)
-            else:
-                hi = mid
-        return best
-
-    def _model_minimum(self, costs, method, bucket) -> int:
-        from .solvers import minimum_budget
-
-        return minimum_budget(costs, bucket=bucket, method=method)
-
-    def _compile(self, plan: Plan, budget: int) -> Policy:
-        from ..memory.liveness import predict_peak
-
-        key = tuple(plan.schedule)
-        if key not in self._compiled:
-            prog = compile_schedule(self.stages, list(plan.schedule), name="backprop_sequence")
-            self._compiled[key] = (prog, predict_peak(prog["backprop_sequence"]))
-        prog, peak = self._compiled[key]
-        return Policy(plan, prog, peak, budget, self.baseline_bytes())
+        key = (profile_comp, profile_mem, repr(compute_costs), repr(memory_costs))
+        if key not in self._planners:
+            self._planners[key] = ChainPlanner(self.stages, costs, name="backprop_sequence",
+                                               what=f"this {len(self.stages)}-stage sequence")
+        return self._planners[key].solve(budget, method, bucket, baseline=self.baseline_bytes())
 
     # ------------------------------------------------------------------ execute
     def backprop_sequence(self, policy: Policy, x, upstream_grad):
@@ -219,7 +149,7 @@ class SequentialCheckpointer:
         if tuple(x.shape) != self._shapes[0] or tuple(upstream_grad.shape) != self._shapes[1]:
             raise ValueError(f"backprop_sequence was profiled for input {list(self._shapes[0])} and upstream "
                              f"gradient {list(self._shapes[1])}, got {list(x.shape)} and {list(upstream_grad.shape)}")
-        fn = policy.program["backprop_sequence"]
+        fn = policy.function
         flat = [p for ps in self._detached_params() for p in ps]
         t0 = time.perf_counter()
         outs, stats = run(fn, *flat, x.detach(), upstream_grad.detach(), dialects=self.dialects)

@@ -1,0 +1,113 @@
+"""Fit a chain plan to a byte budget, measured on the compiled program.
+
+The chain cost model leaves out what the executor adds around it (parameters, their gradients,
+the caller's tensors), so the model budget handed to the solver is searched by bisection for the
+largest one whose compiled program's exact predicted peak fits the budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Module
+from .costs import ChainCosts
+from .executor import ChainStage, compile_schedule
+from .schedule import Plan
+
+EXACT_METHODS = ("precise", "extended")
+
+
+@dataclass
+class Policy:
+    """A solved plan compiled into a program. ``peak`` is the program's exact predicted peak (bytes)."""
+
+    plan: Plan
+    program: Module
+    peak: int
+    budget: int
+
+    @property
+    def cost(self) -> float:
+        return self.plan.cost
+
+    @property
+    def schedule(self):
+        return self.plan.schedule
+
+    @property
+    def function(self):
+        return next(iter(self.program))
+
+    def __str__(self) -> str:
+        return (f"Policy[{self.plan.method}] budget {format_bytes(self.budget)}, predicted peak "
+                f"{format_bytes(self.peak)} ({self.peak} B), compute cost {self.plan.cost:.4g}\n{self.plan}")
+
+
+class ChainPlanner:
+    """Solve, compile and budget-fit plans for one chain of stages with fixed costs."""
+
+    def __init__(self, stages: list[ChainStage], costs: ChainCosts, name: str = "chain_step",
+                 upstream_is_param: bool = True, return_output: bool = False, what: str = ""):
+        self.stages, self.costs, self.name = stages, costs, name
+        self.upstream_is_param, self.return_output = upstream_is_param, return_output
+        self.what = what or f"this {len(stages)}-stage chain"
+        self._compiled: dict = {}
+
+    def compile(self, plan: Plan, budget: int) -> Policy:
+        from ..memory.liveness import predict_peak
+
+        key = tuple(plan.schedule)
+        if key not in self._compiled:
+            prog = compile_schedule(self.stages, list(plan.schedule), name=self.name,
+                                    upstream_is_param=self.upstream_is_param, return_output=self.return_output)
+            self._compiled[key] = (prog, predict_peak(prog[self.name]))
+        prog, peak = self._compiled[key]
+        return Policy(plan, prog, peak, budget)
+
+    def default_bucket(self) -> int:
+        from .solvers import no_recompute_peak
+
+        return max(1, int(no_recompute_peak(self.costs, "extended")) // 4000)
+
+    def solve(self, budget: int, method: str = "extended", bucket=None, baseline: int = 0) -> Policy:
+        """The least-compute policy whose program peaks within ``budget`` bytes, or BudgetTooSmall
+        with the minimum. Baselines ("uniform", "sqrt", "none") get ``budget - baseline`` once."""
+        from .solvers import minimum_budget, no_recompute_peak, solve
+
+        bucket = self.default_bucket() if bucket is None else bucket
+        what = f"{self.what} ({method})"
+        if method not in EXACT_METHODS:
+            policy = self.compile(solve(self.costs, max(budget - baseline, 0), method=method, bucket=bucket), budget)
+            if policy.peak > budget:
+                raise BudgetTooSmall(budget, policy.peak, f"{what}, whose plan ignores the budget")
+            return policy
+
+        def attempt(m: int) -> Policy:
+            return self.compile(solve(self.costs, m, method=method, bucket=bucket), budget)
+
+        lo = minimum_budget(self.costs, bucket=bucket, method=method)
+        best = attempt(lo)
+        if best.peak > budget:
+            raise BudgetTooSmall(budget, best.peak, what)
+        hi = max(int(no_recompute_peak(self.costs, "extended")), lo)
+        top = attempt(hi)
+        if top.peak <= budget:
+            return top
+        step = bucket if isinstance(bucket, int) else 1
+        while hi - lo > step:  # invariant: the plan at lo fits, the plan at hi does not
+            mid = (lo + hi) // 2
+            p = attempt(mid)
+            if p.peak <= budget:
+                lo, best = mid, (p if p.plan.cost <= best.plan.cost else best)
+            else:
+                hi = mid
+        return best
+
+    def minimum(self, method: str = "extended", bucket=None) -> int:
+        """The exact minimum feasible budget: the compiled peak of the most frugal plan."""
+        from .solvers import minimum_budget, solve
+
+        bucket = self.default_bucket() if bucket is None else bucket
+        m = "extended" if method not in EXACT_METHODS else method
+        return self.compile(solve(self.costs, minimum_budget(self.costs, bucket=bucket, method=m), method=m,
+                                  bucket=bucket), 0).peak
