@@ -1,1 +1,2 @@
-"""remat.runtime"""
+"""remat.runtime: the VM (``vm``: ``VM``, ``run``, ``RunStats``) and its storage-based memory
+tracker (``memory``: ``MemoryTracker``, ``storage_of``)."""

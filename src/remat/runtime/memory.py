@@ -57,6 +57,11 @@ class MemoryTracker:
 
     def acquire(self, x: Any) -> StorageKey:
         key, nbytes, owner = storage_of(x)
+        self.add(key, nbytes, owner)
+        return key
+
+    def add(self, key: StorageKey, nbytes: int, owner: Any) -> None:
+        """``acquire`` for a storage already looked up with :func:`storage_of`."""
         e = self._refs.get(key)
         if e is None:
             self._refs[key] = [1, nbytes, owner]
@@ -65,7 +70,6 @@ class MemoryTracker:
                 self.peak_bytes = self.live_bytes
         else:
             e[0] += 1
-        return key
 
     def acquire_key(self, key: StorageKey) -> None:
         """One more reference to a storage already live (a value passed on unchanged)."""

@@ -181,6 +181,7 @@ class VM:
         for f in m:
             if not f.is_declaration:
                 self._plans[f.name] = self._plan(f)
+        self._uses_torch = any(p.uses_torch for p in self._plans.values())
 
     # -------------------------------------------------------------- planning
     def _plan(self, fn: Function) -> _FnPlan:
@@ -303,11 +304,13 @@ class VM:
         tracker = MemoryTracker()
         rec = _Recorder(on_step)
         t0 = time.perf_counter()
-        if plan.uses_torch or any(p.uses_torch for p in self._plans.values()):
-            with _torch().no_grad():
+        # IEEE semantics: NaN and inf are values, not errors (NumPy would warn; torch does not).
+        with np.errstate(all="ignore"):
+            if self._uses_torch:
+                with _torch().no_grad():
+                    res = self._exec(plan, xs, None, tracker, donate, rec)
+            else:
                 res = self._exec(plan, xs, None, tracker, donate, rec)
-        else:
-            res = self._exec(plan, xs, None, tracker, donate, rec)
         total = time.perf_counter() - t0
         outs, _ = res
         cv = _to_numpy if outputs == "numpy" else _to_torch
@@ -446,7 +449,7 @@ class VM:
                 o = _dense_copy(o)
                 key = tracker.acquire(o)
             else:
-                tracker.acquire(o)
+                tracker.add(key, size, owner)
         s = st.out_slots[r]
         frame[s] = o
         keys[s] = key
