@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
-from . import _aten
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, to_dtype
 
 __all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
