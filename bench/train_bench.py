@@ -30,8 +30,10 @@ import inspect
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -375,6 +377,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "min-cut partitioner and memory budget without Inductor's fusion and C++ codegen")
     p.add_argument("--compile-budgets", default=None, help="comma-separated activation_memory_budget values "
                    "(default 1.0,0.5,0.25; 0.5 with --quick)")
+    p.add_argument("--warm-compile-cache", action="store_true",
+                   help="reuse Inductor's on-disk cache (default: a fresh one per run, so compile times are cold)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1: on a shared 2-core machine, 2 OpenMP threads stall for "
                         "~1 s at barriers whenever another process holds a core, which swamps the step times)")
@@ -402,6 +406,12 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     global COMPILE_BUDGETS
     COMPILE_BUDGETS = args.compile_budgets
+    cache_dir = None
+    if not args.no_compile and not args.warm_compile_cache:
+        # Inductor keeps compiled graphs and kernels on disk across runs; a fresh cache folder makes
+        # the recorded compile (plan) time a cold compile every run, not a cache hit.
+        cache_dir = tempfile.mkdtemp(prefix="train_bench_inductor_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     t_start = time.perf_counter()
     rows: list[Row] = []
     methods = ["eager", "checkpoint_sqrt"]
@@ -420,8 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(bench_remat(name, args.size, budget, args))
                 print(f"[{time.perf_counter() - t_start:6.1f}s] {name} remat@{budget}: {rows[-1].status} "
                       f"({time.perf_counter() - t:.1f}s)", flush=True)
+    if cache_dir is not None:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     comps = compare(rows)
-    config = {"quick": args.quick, "size": args.size, "models": args.models, "warmup": args.warmup,
+    config = {"cold_compile_cache": cache_dir is not None, "quick": args.quick, "size": args.size, "models": args.models, "warmup": args.warmup,
               "steps": args.steps, "compile": not args.no_compile, "compile_backend": args.compile_backend,
               "compile_budgets": list(args.compile_budgets), "remat": not args.no_remat,
               "remat_budgets": list(REMAT_BUDGETS), "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM})",
