@@ -30,6 +30,15 @@ def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _batch(batch: int | None, default: int) -> int:
+    """The batch size: the size's default, or a positive override (activations grow with it, parameters do not)."""
+    if batch is None:
+        return default
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    return batch
+
+
 # ---------------------------------------------------------------- MLP
 class MLP(nn.Module):
     """Fully connected classifier: Linear → ReLU repeated, then a linear head."""
@@ -53,10 +62,12 @@ def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits, target)
 
 
-def make_mlp(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
-    """An MLP classifier on random features. tiny: 8×32 → 64×2 → 10; small: 512×784 → 1024×4 → 10."""
+def make_mlp(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, batch: int | None = None) -> Example:
+    """An MLP classifier on random features. tiny: 8×32 → 64×2 → 10; small: 512×784 → 1024×4 → 10.
+    ``batch`` overrides the size's batch (more activation memory per parameter byte)."""
     _check_size(size)
-    batch, fin, hidden, depth, classes = (8, 32, 64, 2, 10) if size == "tiny" else (512, 784, 1024, 4, 10)
+    default_batch, fin, hidden, depth, classes = (8, 32, 64, 2, 10) if size == "tiny" else (512, 784, 1024, 4, 10)
+    batch = _batch(batch, default_batch)
     torch.manual_seed(seed)
     model = MLP(fin, hidden, depth, classes).to(dtype)
     g = _generator(seed + 1)
@@ -108,13 +119,15 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-def make_resnet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
-    """A ResNet classifier on random images. tiny: 4×3×16×16, widths 8,16; small: 16×3×32×32, widths 32,64,128 (2 blocks each)."""
+def make_resnet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, batch: int | None = None) -> Example:
+    """A ResNet classifier on random images. tiny: 4×3×16×16, widths 8,16; small: 16×3×32×32, widths 32,64,128 (2 blocks each).
+    ``batch`` overrides the size's batch."""
     _check_size(size)
     if size == "tiny":
-        batch, hw, widths, nblocks, classes = 4, 16, (8, 16), 1, 10
+        default_batch, hw, widths, nblocks, classes = 4, 16, (8, 16), 1, 10
     else:
-        batch, hw, widths, nblocks, classes = 16, 32, (32, 64, 128), 2, 10
+        default_batch, hw, widths, nblocks, classes = 16, 32, (32, 64, 128), 2, 10
+    batch = _batch(batch, default_batch)
     torch.manual_seed(seed)
     model = ResNet(widths, nblocks, classes).to(dtype)
     g = _generator(seed + 1)
@@ -197,14 +210,16 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def make_gpt(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.1) -> Example:
+def make_gpt(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.1,
+             batch: int | None = None) -> Example:
     """A GPT on random tokens. tiny: 2×16 tokens, 2 layers, 2 heads, width 32, vocab 64;
-    small: 8×64 tokens, 4 layers, 4 heads, width 128, vocab 512."""
+    small: 8×64 tokens, 4 layers, 4 heads, width 128, vocab 512. ``batch`` overrides the size's batch."""
     _check_size(size)
     if size == "tiny":
-        batch, T, vocab, n_layer, n_head, n_embd = 2, 16, 64, 2, 2, 32
+        default_batch, T, vocab, n_layer, n_head, n_embd = 2, 16, 64, 2, 2, 32
     else:
-        batch, T, vocab, n_layer, n_head, n_embd = 8, 64, 512, 4, 4, 128
+        default_batch, T, vocab, n_layer, n_head, n_embd = 8, 64, 512, 4, 4, 128
+    batch = _batch(batch, default_batch)
     torch.manual_seed(seed)
     model = GPT(vocab, T, n_layer, n_head, n_embd, dropout).to(dtype)
     g = _generator(seed + 1)
@@ -251,11 +266,12 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def make_unet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0) -> Example:
+def make_unet(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, batch: int | None = None) -> Example:
     """A U-Net segmenter on random images with per-pixel class targets. tiny: 2×3×16×16, base 4,
-    depth 2; small: 4×3×64×64, base 16, depth 3."""
+    depth 2; small: 4×3×64×64, base 16, depth 3. ``batch`` overrides the size's batch."""
     _check_size(size)
-    batch, hw, base, depth, classes = (2, 16, 4, 2, 3) if size == "tiny" else (4, 64, 16, 3, 4)
+    default_batch, hw, base, depth, classes = (2, 16, 4, 2, 3) if size == "tiny" else (4, 64, 16, 3, 4)
+    batch = _batch(batch, default_batch)
     torch.manual_seed(seed)
     model = UNet(3, classes, base, depth).to(dtype)
     g = _generator(seed + 1)

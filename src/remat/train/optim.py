@@ -68,19 +68,74 @@ def updates_from_torch(optimizer, params: list) -> list[ParamUpdate]:
 
 
 def init_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
-    """The optimizer's state tensors per parameter, created (zeros, like torch) if absent."""
+    """The state tensors per parameter as the first compiled step will see them: the optimizer's
+    own where it has them, fresh zeros otherwise. The optimizer is not modified (a compile that
+    fails must leave it as it was; torch too creates its state at the first step)."""
     import torch
 
     states = []
     for p, u in zip(params, updates):
+        st = optimizer.state.get(p, {})  # .get: indexing the defaultdict would add an entry
+        states.append([st[k] if st.get(k) is not None else torch.zeros_like(p, memory_format=torch.preserve_format)
+                       for k in u.state_keys])
+    return states
+
+
+def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
+    """How many steps the optimizer has already applied to ``params`` (eagerly or compiled).
+
+    Adam/AdamW keep a per-parameter ``step``; SGD keeps none, and its update only depends on
+    whether a momentum buffer exists yet (1 stands for "at least one"). Raises ValueError when
+    parameters disagree: the compiled step passes one step count to every update.
+    """
+    import torch
+
+    counts = {}
+    for k, (p, u) in enumerate(zip(params, updates)):
+        st = optimizer.state.get(p, {})
+        if u.op == "adam_step":
+            s = st.get("step", 0)
+            counts[k] = int(s.item() if torch.is_tensor(s) else s)
+        else:
+            counts[k] = int(bool(u.state_keys) and st.get(u.state_keys[0]) is not None)
+    if len(set(counts.values())) > 1:
+        lo, hi = min(counts, key=counts.get), max(counts, key=counts.get)
+        raise ValueError(f"the optimizer has taken {counts[lo]} step(s) for parameter {lo} (shape {list(params[lo].shape)}) "
+                         f"but {counts[hi]} for parameter {hi} (shape {list(params[hi].shape)}); remat applies one step "
+                         "count to every parameter, so all must have been stepped equally often")
+    return next(iter(counts.values()), 0)
+
+
+def bind_state(optimizer, params: list, updates: list[ParamUpdate], fallback: list[list]) -> list[list]:
+    """The live state tensors for the next step, registering ``fallback`` tensors (from
+    :func:`init_state`) for any the optimizer does not have yet, so that ``optimizer.state`` and
+    ``state_dict()`` hold exactly the tensors remat updates in place."""
+    import torch
+
+    states = []
+    for p, u, fb in zip(params, updates, fallback):
         st = optimizer.state[p]
-        for key in u.state_keys:
+        for key, t in zip(u.state_keys, fb):
             if st.get(key) is None:
-                st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if "step" not in st:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                st[key] = t
+        if u.op == "adam_step" and "step" not in st:
+            dt = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # as torch.optim
+            st["step"] = torch.tensor(0.0, dtype=dt)
         states.append([st[k] for k in u.state_keys])
     return states
+
+
+def advance_steps(optimizer, params: list, updates: list[ParamUpdate]) -> None:
+    """Count one more step in the optimizer's state (Adam/AdamW's ``step``, in place like torch)."""
+    import torch
+
+    for p, u in zip(params, updates):
+        st = optimizer.state[p]
+        if "step" in st:
+            if torch.is_tensor(st["step"]):
+                st["step"].add_(1)
+            else:
+                st["step"] += 1
 
 
 def emit_update(b: Builder, u: ParamUpdate, param: Value, grad: Value, state: list[Value], step: Value) -> list[Value]:
