@@ -33,6 +33,7 @@ class ChainStage:
     n_params: int
     split: Split
     grad_params: tuple[int, ...]
+    n_aux: int = 0  # side outputs after y (e.g. updated batch-norm statistics), kept from the first run
 
     @property
     def param_types(self) -> list[TensorType]:
@@ -51,58 +52,120 @@ class ChainStage:
         return self.forward.result_types[0]
 
     @property
+    def aux_types(self) -> list[TensorType]:
+        return self.forward.result_types[1:1 + self.n_aux]
+
+    @property
     def tape_types(self) -> list[TensorType]:
-        return self.split.forward.result_types[1:]
+        return self.split.forward.result_types[1 + self.n_aux:]
 
 
 def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None) -> Function:
-    """The joint ``(params..., x, gy) -> (y, grads wrt ``wrt``...)`` of a stage, by autodiff
-    (default ``wrt``: every parameter, then the input), cleaned up by simplify/fold/cse/dce."""
+    """The joint ``(params..., x, gy) -> (y, side outputs..., grads wrt ``wrt``...)`` of a stage
+    ``(params..., x) -> (y, side outputs...)``, by autodiff of ``y`` alone (default ``wrt``: every
+    parameter, then the input), cleaned up by inline/simplify/fold/cse/dce (which also merges the
+    forward code the gradient and the side outputs share)."""
     from ..autodiff import gradient_function
     from ..ir import GradientSpec
     from ..passes import run_pipeline
 
-    m = Module([forward.clone("stage")])
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
-    g = gradient_function(m, "joint", GradientSpec("stage", wrt, with_value=True), explicit_cotangents=True)
-    return run_pipeline(Module([g]), ["simplify", "fold", "cse", "dce"]).module["joint"]
+    m = Module([forward.clone("stage")])
+    fwd = m["stage"]
+    if len(fwd.result_types) == 1:
+        g = gradient_function(m, "joint", GradientSpec("stage", wrt, with_value=True), explicit_cotangents=True)
+        return run_pipeline(Module([g]), ["simplify", "fold", "cse", "dce"]).module["joint"]
+    only = Function("y_only", fwd.param_types, fwd.result_types[:1])
+    b = Builder(only.entry)
+    b.ret(b.call(fwd, *only.params)[0])
+    m.add(only)
+    g = gradient_function(m, "vjp", GradientSpec("y_only", wrt, with_value=True), explicit_cotangents=True)
+    m.add(g)
+    joint = Function("joint", g.param_types, [fwd.result_types[0], *fwd.result_types[1:], *g.result_types[1:]])
+    b = Builder(joint.entry)
+    vg = b.call(g, *joint.params)
+    fo = b.call(fwd, *joint.params[:len(fwd.params)])
+    b.ret(vg[0], *fo[1:], *vg[1:])
+    m.add(joint)
+    return run_pipeline(m, ["inline", "simplify", "fold", "cse", "dce"]).module["joint"].clone()
 
 
-def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None) -> ChainStage:
-    """Differentiate a stage's forward and split the result into forward/backward parts."""
-    if len(forward.params) != n_params + 1 or len(forward.result_types) != 1:
-        raise ValueError(f"stage {name}: expected (params[{n_params}], x) -> y, got "
+def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
+               diff_input: bool = True) -> ChainStage:
+    """Differentiate a stage ``(params..., x) -> (y, side outputs...)`` and split its joint into
+    forward/backward parts. ``diff_input=False`` for an input without gradient (integer data)."""
+    if len(forward.params) != n_params + 1 or not forward.result_types:
+        raise ValueError(f"stage {name}: expected (params[{n_params}], x) -> (y, ...), got "
                          f"{len(forward.params)} parameters and {len(forward.result_types)} results")
     grad_params = tuple(range(n_params)) if grad_params is None else tuple(grad_params)
-    joint = joint_function(forward, n_params, grad_params + (n_params,))
-    split = split_joint(joint, n_primals=n_params + 1, n_outputs=1, direct=set(range(n_params)))
-    return ChainStage(name, forward, n_params, split, grad_params)
+    n_aux = len(forward.result_types) - 1
+    joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()))
+    split = split_joint(joint, n_primals=n_params + 1, n_outputs=1 + n_aux, direct=set(range(n_params)))
+    return ChainStage(name, forward, n_params, split, grad_params, n_aux)
+
+
+@dataclass
+class Binding:
+    """How stages attach to the program's parameters and results (general, non-sequential layout).
+
+    ``param_types``: the program's parameters; ``lead[s]``: for stage ``s`` (0-based), the program
+    parameter bound to each of its leading parameters; ``x``: the program parameter holding the
+    chain input; ``grad_of``: the program parameters whose gradients the program returns, in
+    order (a parameter used by several stages, e.g. a tied weight, gets the sum of their
+    gradients); ``aux_types``: the types of the stages' side outputs, returned after the output
+    in stage order.
+    """
+
+    param_types: list[TensorType]
+    lead: list[list[int]]
+    x: int
+    grad_of: list[int]
+
+
+def sequential_binding(stages: list[ChainStage], upstream_is_param: bool) -> Binding:
+    ptypes = [t for s in stages for t in s.param_types] + [stages[0].input_type]
+    if upstream_is_param:
+        ptypes.append(stages[-1].output_type)
+    lead, grad_of, k = [], [], 0
+    for s in stages:
+        lead.append(list(range(k, k + s.n_params)))
+        grad_of += [k + j for j in s.grad_params]
+        k += s.n_params
+    return Binding(ptypes, lead, k, grad_of)
 
 
 def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str = "chain_step",
-                     upstream_is_param: bool = True, return_output: bool = False) -> Module:
-    """Build the program ``(params of every stage..., x[, gy]) -> ([y,] grad x, grad params...)``.
+                     upstream_is_param: bool = True, return_output: bool = False,
+                     binding: Binding | None = None) -> Module:
+    """Build the program executing ``schedule``.
 
+    Sequential layout (default): ``(params of every stage..., x[, gy]) -> ([y,] grad x, grad params...)``.
+    With a ``binding``: ``(binding.param_types...) -> (y, side outputs..., grads of binding.grad_of...)``
+    (then the last stage must return a scalar loss, whose upstream gradient is the constant 1, and
+    no gradient wrt the chain input is returned).
     With ``upstream_is_param=False`` the last stage must produce a scalar (a loss) and its
     upstream gradient is the constant 1. Gradients of parameters come in stage order.
     """
     n = len(stages)
-    ptypes = [t for s in stages for t in s.param_types] + [stages[0].input_type]
-    if upstream_is_param:
-        ptypes.append(stages[-1].output_type)
+    general = binding is not None
+    if general:
+        upstream_is_param, return_output = False, True
+    else:
+        binding = sequential_binding(stages, upstream_is_param)
+    ptypes = binding.param_types
     out_t = stages[-1].output_type
-    grad_types = [t for s in stages for t in s.grad_types]
-    rtypes = ([out_t] if return_output else []) + [stages[0].input_type] + grad_types
+    aux_types = [t for s in stages for t in s.aux_types]
+    grad_types = [ptypes[i] for i in binding.grad_of]
+    if general:
+        rtypes = [out_t] + aux_types + grad_types
+    else:
+        rtypes = ([out_t] if return_output else []) + [stages[0].input_type] + grad_types
     fn = Function(name, ptypes, rtypes)
     b = Builder(fn.entry)
-    params: list[list[Value]] = []
-    k = 0
-    for s in stages:
-        params.append(fn.params[k:k + s.n_params])
-        k += s.n_params
-    x = fn.params[k]
+    params: list[list[Value]] = [[fn.params[i] for i in lead] for lead in binding.lead]
+    x = fn.params[binding.x]
     if upstream_is_param:
-        gy = fn.params[k + 1]
+        gy = fn.params[len(ptypes) - 1]
     else:
         if out_t.rank != 0:
             raise ValueError(f"the last stage returns {out_t}; without an upstream gradient it must return a scalar loss")
@@ -114,6 +177,7 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
     b_slot: dict[int, list[Value]] = {n + 1: [gy]}
     tape_of: dict[int, list[Value]] = {}
     grads: dict[int, list[Value]] = {}
+    aux: dict[int, list[Value]] = {}
     output: Value | None = None
     gx: Value | None = None
     keep: set[Value] = set()  # program outputs: never freed
@@ -146,16 +210,19 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
             if i - 1 not in f_slot:
                 raise ValueError(f"step {pos} {step}: f_{i - 1} is not live")
             xin = f_slot[i - 1][0]
+            na = len(st.aux_types)
             if isinstance(step, FT):
                 res = inline(b, st.split.forward, list(params[i - 1]) + [xin])
-                f_slot[i] = [res[0]] + res[1:]
-                tape_of[i] = res[1:]
+                tape_of[i] = res[1 + na:]
             else:
-                (y,) = inline(b, st.split.forward_light, list(params[i - 1]) + [xin])
-                f_slot[i] = [y]
+                res = inline(b, st.split.forward_light, list(params[i - 1]) + [xin])
                 tape_of.pop(i, None)
+            f_slot[i] = [res[0]] + tape_of.get(i, [])
+            if na and i not in aux:  # side outputs: the first computation is kept
+                aux[i] = res[1:1 + na]
+                keep.update(aux[i])
             if i == n and return_output and output is None:
-                output = f_slot[i][0]
+                output = res[0]
                 keep.add(output)
         elif isinstance(step, B):
             i = step.i
@@ -171,16 +238,16 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
             res = inline(b, sp.backward, bargs)
             ng = len(st.grad_params)
             grads[i] = res[:ng]
-            b_slot[i] = [res[ng]]
             keep.update(grads[i])
-            if i == 1:
+            b_slot[i] = res[ng:ng + 1]  # empty when the stage input has no gradient (integer data)
+            if i == 1 and b_slot[1]:
                 gx = b_slot[1][0]
                 keep.add(gx)
         elif isinstance(step, Free):
             if step.kind == "f":
                 release("f", step.i)
                 tape_of.pop(step.i, None)
-            else:
+            elif step.i in b_slot:
                 release("b", step.i)
         else:
             raise TypeError(f"unknown step {step!r}")
@@ -189,7 +256,25 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
         raise ValueError(f"the plan never runs the backward of stage(s) {missing}")
     if return_output and output is None:
         raise ValueError("the plan never computes the chain's output")
-    outs = ([output] if return_output else []) + [gx] + [g for i in range(1, n + 1) for g in grads[i]]
+    # Gradient of each returned parameter: the sum over the stages reading it.
+    contrib: dict[int, list[Value]] = {}
+    for i in range(1, n + 1):
+        for j, g in zip(stages[i - 1].grad_params, grads[i]):
+            contrib.setdefault(binding.lead[i - 1][j], []).append(g)
+    gouts = []
+    for p in binding.grad_of:
+        if p not in contrib:
+            raise ValueError(f"no stage produces the gradient of program parameter {p}")
+        acc = contrib[p][0]
+        for g in contrib[p][1:]:
+            acc = b.op("add", acc, g)
+        gouts.append(acc)
+    if general:
+        outs = [output] + [v for i in range(1, n + 1) for v in aux.get(i, [])] + gouts
+    else:
+        if gx is None:
+            raise ValueError("the chain input has no gradient")
+        outs = ([output] if return_output else []) + [gx] + gouts
     b.ret(*outs)
     m = Module([fn])
     verify(m)

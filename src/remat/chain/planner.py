@@ -47,9 +47,13 @@ class ChainPlanner:
     """Solve, compile and budget-fit plans for one chain of stages with fixed costs."""
 
     def __init__(self, stages: list[ChainStage], costs: ChainCosts, name: str = "chain_step",
-                 upstream_is_param: bool = True, return_output: bool = False, what: str = ""):
+                 upstream_is_param: bool = True, return_output: bool = False, what: str = "",
+                 binding=None, finish=None):
+        """``binding``: a general layout (see ``executor.Binding``); ``finish``: maps the compiled
+        chain function to the function whose peak must fit (e.g. a training step around it)."""
         self.stages, self.costs, self.name = stages, costs, name
         self.upstream_is_param, self.return_output = upstream_is_param, return_output
+        self.binding, self.finish = binding, finish
         self.what = what or f"this {len(stages)}-stage chain"
         self._compiled: dict = {}
 
@@ -59,8 +63,12 @@ class ChainPlanner:
         key = tuple(plan.schedule)
         if key not in self._compiled:
             prog = compile_schedule(self.stages, list(plan.schedule), name=self.name,
-                                    upstream_is_param=self.upstream_is_param, return_output=self.return_output)
-            self._compiled[key] = (prog, predict_peak(prog[self.name]))
+                                    upstream_is_param=self.upstream_is_param, return_output=self.return_output,
+                                    binding=self.binding)
+            if self.finish is not None:
+                prog = Module([self.finish(prog[self.name])])
+            fn = next(iter(prog))
+            self._compiled[key] = (prog, predict_peak(fn))
         prog, peak = self._compiled[key]
         return Policy(plan, prog, peak, budget)
 

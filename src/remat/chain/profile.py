@@ -49,9 +49,9 @@ def _tape_bytes(stage: ChainStage) -> int:
     fwd = stage.split.forward
     ret = fwd.entry.instrs[-1]
     out = ret.operands[0]
-    seen = {out}
+    seen = set(ret.operands[:1 + stage.n_aux])
     total = 0
-    for v in ret.operands[1:]:
+    for v in ret.operands[1 + stage.n_aux:]:
         if v not in seen:
             seen.add(v)
             total += v.type.nbytes
@@ -81,7 +81,7 @@ def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_gra
         t, outs = _median_time(s.split.forward, list(ps) + [cur], repeats, dialects)
         fwd_times.append(t)
         xs.append(cur)
-        tapes.append(list(outs[1:]))
+        tapes.append(list(outs[1 + s.n_aux:]))
         cur = outs[0]
     g = upstream_grad
     bwd_times = [0.0] * len(stages)
@@ -91,11 +91,12 @@ def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_gra
         bargs = [ps[j] for j in sp.backward_primals] + tapes[k] + [g]
         t, outs = _median_time(sp.backward, bargs, repeats, dialects)
         bwd_times[k] = t
-        g = outs[len(s.grad_params)]
+        if len(outs) > len(s.grad_params):
+            g = outs[len(s.grad_params)]
     for k, s in enumerate(stages):
-        out_b = s.output_type.nbytes
+        out_b = s.output_type.nbytes + sum(t.nbytes for t in s.aux_types)
         tape_b = _tape_bytes(s)
-        grad_b = s.input_type.nbytes
+        grad_b = s.input_type.nbytes if len(s.split.backward.result_types) > len(s.grad_params) else 0
         pgrad_b = sum(t.nbytes for t in s.grad_types)
         fo = max(0, _internal_peak(s.split.forward) - out_b - tape_b)
         bo = max(0, _internal_peak(s.split.backward) - grad_b)

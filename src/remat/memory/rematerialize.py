@@ -74,7 +74,7 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
     return low
 
 
-def from_schedule(low: Lowered, schedule, name: str | None = None) -> Function:
+def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool = True) -> Function:
     """Build the rematerialised function that executes ``schedule`` on ``low``'s graph."""
     fn = low.fn
     out = Function(name or fn.name, fn.param_types, fn.result_types)
@@ -121,6 +121,8 @@ def from_schedule(low: Lowered, schedule, name: str | None = None) -> Function:
     ret = fn.entry.instrs[-1]
     cache = {}
     b.ret(*[value_of(v, cache) for v in ret.operands])
+    if check:
+        verify(Module([out]))
     return out
 
 

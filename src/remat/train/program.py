@@ -1,0 +1,120 @@
+"""Training-graph generation (RAF §3.1): forward + loss + backward + optimizer update, as IR.
+
+``training_joint`` differentiates an imported model's loss wrt its parameters with remat's own
+autodiff, keeping the other forward outputs (updated batch-norm statistics); ``step_program``
+adds the in-place optimizer updates, each placed right after its gradient is complete and its
+parameter's last read, so a gradient is consumed as soon as it exists.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Builder, Function, GradientSpec, Module, TensorType, Value, verify
+from .optim import STEP_TYPE, ParamUpdate, emit_update
+
+
+@dataclass
+class Layout:
+    """Where things are among the joint function's parameters and results."""
+
+    n_params: int      # trainable parameters (first)
+    n_state: int       # parameters + buffers + lifted constants
+    n_inputs: int      # user inputs and targets
+    has_seed: bool
+    n_buffers_out: int  # updated buffers returned after the loss
+
+    @property
+    def n_args(self) -> int:
+        return self.n_state + self.n_inputs + int(self.has_seed)
+
+
+def training_joint(forward: Function, n_params: int) -> Function:
+    """``(args...) -> (loss, other outputs..., grad params...)`` from ``forward: (args...) -> (loss, others...)``."""
+    from ..autodiff import gradient_function
+    from ..passes import run_pipeline
+
+    m = Module([forward.clone("forward")])
+    fwd = m["forward"]
+    loss_t = fwd.result_types[0]
+    if loss_t.rank != 0 or not loss_t.dtype.is_float:
+        raise ValueError(f"the loss must be a floating-point scalar, got {loss_t}")
+    only = Function("loss_only", fwd.param_types, [loss_t])
+    b = Builder(only.entry)
+    b.ret(b.call(fwd, *only.params)[0])
+    m.add(only)
+    g = gradient_function(m, "value_and_grad", GradientSpec("loss_only", tuple(range(n_params)), with_value=True))
+    m.add(g)
+    others = fwd.result_types[1:]
+    joint = Function("train_joint", fwd.param_types, [loss_t, *others, *(p.type for p in fwd.params[:n_params])])
+    b = Builder(joint.entry)
+    vg = b.call(g, *joint.params)
+    fo = b.call(fwd, *joint.params)
+    b.ret(vg[0], *fo[1:], *vg[1:])
+    m.add(joint)
+    m = run_pipeline(m, ["inline", "simplify", "fold", "cse", "dce"]).module
+    out = m["train_joint"].clone()
+    verify(Module([out]))
+    return out
+
+
+def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
+                 state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
+                 check: bool = True) -> Function:
+    """The whole training step: ``(joint args..., optimizer state..., step) -> (loss, buffers...[, grads...])``.
+
+    ``joint`` is a straight-line joint (possibly rematerialised, with frees). Updates are in place
+    (the results alias the parameter and state buffers).
+    """
+    ptypes = list(joint.param_types)
+    flat_state = [t for ts in state_types for t in ts] if updates else []
+    ptypes += flat_state + ([STEP_TYPE] if updates else [])
+    n_out = 1 + layout.n_buffers_out
+    grad_types = list(joint.result_types[n_out:])
+    rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else [])
+    fn = Function(name, ptypes, rtypes)
+    b = Builder(fn.entry)
+    vmap: dict[Value, Value] = dict(zip(joint.params, fn.params))
+    body = joint.entry.instrs[:-1]
+    ret = joint.entry.instrs[-1]
+    grads = ret.operands[n_out:]
+    # Where each update can go: after its gradient is defined and after the parameter's last read.
+    pos_of: dict[object, int] = {}
+    for i, ins in enumerate(body):
+        for r in ins.results:
+            pos_of[r] = i
+    last_read = {p: -1 for p in joint.params[: layout.n_params]}
+    for i, ins in enumerate(body):
+        for o in ins.operands:
+            if o in last_read:
+                last_read[o] = i
+    at: dict[int, list[int]] = {}
+    if updates:
+        if keep_grads:
+            where = [len(body) - 1] * layout.n_params
+        else:
+            where = [max(pos_of.get(grads[k], -1), last_read[joint.params[k]]) for k in range(layout.n_params)]
+        for k, w in enumerate(where):
+            at.setdefault(w, []).append(k)
+        state_vals, off = [], len(joint.params)
+        for ts in state_types:
+            state_vals.append(fn.params[off:off + len(ts)])
+            off += len(ts)
+        step = fn.params[-1]
+
+    def emit(k: int) -> None:
+        emit_update(b, updates[k], vmap[joint.params[k]], vmap[grads[k]], list(state_vals[k]), step)
+
+    for k in at.get(-1, []):
+        emit(k)
+    for i, ins in enumerate(body):
+        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
+                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
+        for r, nr in zip(ins.results, new.results):
+            vmap[r] = nr
+        for k in at.get(i, []):
+            emit(k)
+    outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
+    b.ret(*outs)
+    if check:
+        verify(Module([fn]))
+    return fn
