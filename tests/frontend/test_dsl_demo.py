@@ -1,11 +1,11 @@
-"""The foundation demo (``make demo``) runs, and both dialects and the static prediction agree."""
+"""The foundation demo (``python -m remat.examples_dsl``) runs, and both dialects and the static prediction agree."""
 from __future__ import annotations
 
-from remat import demo
+from remat import examples_dsl
 
 
 def test_demo_runs_and_agrees(capsys):
-    assert demo.main() == 0
+    assert examples_dsl.main() == 0
     out = capsys.readouterr().out
     assert "func @mlp(" in out and "cond_br" in out and "call @conv_block(" in out
     assert out.count("-> agree") >= 3 and "DISAGREE" not in out
