@@ -1,0 +1,297 @@
+"""The ``remat`` command line.
+
+    remat train --model gpt --size tiny --budget 40% --steps 50     # train a zoo model under a budget
+    remat curve --model mlp --depth 16 --out curve/                  # thesis Fig. 4.1 trade-off (PNG + CSV)
+    remat curve --random 20                                          # ... for a random heterogeneous chain
+    remat opt FILE --passes canonicalize,cse                         # the IR driver (remat.opt)
+
+Exit codes: 0 success; 1 a run failed its own checks (loss did not decrease, a measured peak
+exceeded the budget) or ``opt`` rejected its input; 2 bad arguments, including a budget below
+the minimum feasible one (the message gives that minimum).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from typing import Sequence
+
+from .budget import parse_budget
+from .errors import BudgetTooSmall, format_bytes
+
+MODELS = ("gpt", "mlp", "resnet", "unet")
+SIZES = ("tiny", "small")
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Arguments that parse but make no sense together; reported with exit code 2."""
+
+
+def _budget_arg(text: str) -> str | None:
+    """argparse type of ``--budget``: validated now (so a typo fails before any work), parsed
+    against the unconstrained peak later. 'none' means no budget (no recomputation)."""
+    if text.strip().lower() in ("none", "off", "inf"):
+        return None
+    try:
+        parse_budget(text, reference=1 << 40)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="remat", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="remat: fit deep-learning training into a memory budget with the least recomputation.",
+        epilog="Run 'remat <command> --help' for a command's options. Exit codes: 0 ok, 1 a run failed its "
+               "checks, 2 bad arguments or a budget below the feasible minimum.")
+    sub = ap.add_subparsers(dest="command", metavar="<command>")
+    sub.required = True
+
+    tr = sub.add_parser(
+        "train", help="train a zoo model within a memory budget",
+        description="Compile a training step of a zoo model (vanilla PyTorch) with remat.compile under a "
+                    "memory budget and train it. gpt learns the shipped text corpus (character level); mlp, "
+                    "resnet and unet fit one fixed synthetic batch (random inputs and labels), which "
+                    "exercises the same machinery. The run checks itself: exit 1 if the loss did not "
+                    "decrease or a step's measured peak exceeded the budget.")
+    tr.add_argument("--model", choices=MODELS, default="gpt", help="zoo model (default: gpt)")
+    tr.add_argument("--size", choices=SIZES, default="tiny", help="model size (default: tiny)")
+    tr.add_argument("--budget", type=_budget_arg, default="40%",
+                    help="memory budget: a percentage of the unconstrained peak ('40%%', the default), "
+                         "bytes ('800000'), a size ('12MiB'), or 'none' for no recomputation")
+    tr.add_argument("--fit-minimum", action="store_true",
+                    help="if the budget is below the minimum feasible one, train at that minimum instead of failing")
+    tr.add_argument("--steps", type=_positive_int, default=20, help="training steps (default: 20)")
+    tr.add_argument("--batch-size", type=_positive_int, default=None,
+                    help="examples per step (default: the zoo model's example batch)")
+    tr.add_argument("--lr", type=_positive_float, default=None,
+                    help="learning rate (default: 3e-3 for adamw, 0.05 for sgd)")
+    tr.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer (default: adamw)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data (default: 0)")
+    tr.add_argument("--log-every", type=_positive_int, default=None, help="print the loss every N steps")
+    tr.add_argument("--threads", type=_positive_int, default=1,
+                    help="PyTorch intra-op threads (default: 1; the VM runs many small kernels)")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    cu = sub.add_parser(
+        "curve", help="draw the compute-memory trade-off of a chain (thesis Fig. 4.1)",
+        description="Profile a chain of layers with remat.chain.SequentialCheckpointer (or draw random "
+                    "heterogeneous costs) and solve it at budgets from the minimum to the no-recompute "
+                    "peak with the uniform, precise (thesis DP), extended and sqrt(N) strategies; write "
+                    "curve.png and curve.csv (overhead = compute cost / no-recompute cost).")
+    cu.add_argument("--model", choices=MODELS, default="mlp",
+                    help="model whose layers form the chain: only mlp is a chain of stateless layers "
+                         "(default: mlp)")
+    cu.add_argument("--size", choices=SIZES, default="small", help="model size (default: small)")
+    cu.add_argument("--depth", type=_positive_int, default=None,
+                    help="hidden layers of the mlp (each Linear and ReLU is a stage; default: the size's)")
+    cu.add_argument("--batch-size", type=_positive_int, default=None, help="batch of the profiled input")
+    cu.add_argument("--random", type=_positive_int, default=None, metavar="N",
+                    help="use a random heterogeneous chain of N layers (ChainCosts.random) instead of a model")
+    cu.add_argument("--seed", type=int, default=0, help="seed of --random and of the model (default: 0)")
+    cu.add_argument("--out", default="remat-curve", metavar="DIR", help="output folder (default: remat-curve)")
+    cu.add_argument("--points", type=_positive_int, default=40, metavar="N", help="budgets per method (default: 40)")
+    cu.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser("opt", add_help=False, help="parse, verify and transform IR (see 'remat opt --help')",
+                   description="The IR driver; all arguments go to remat.opt.")
+    return ap
+
+
+# ---------------------------------------------------------------- train
+def _synthetic_batch(model, example, loss_fn, batch_size: int | None, seed: int):
+    """The zoo's example batch, or a random one of ``batch_size`` with the same trailing shapes:
+    inputs from N(0, 1), integer class targets drawn below the model's number of output classes."""
+    import torch
+
+    if batch_size is None or batch_size == example[0].shape[0]:
+        return example
+    x, y = example
+    g = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        classes = model(x[:1]).shape[1]  # logits are [N, C, ...]
+    x2 = torch.randn((batch_size, *x.shape[1:]), generator=g, dtype=x.dtype)
+    y2 = torch.randint(0, classes, (batch_size, *y.shape[1:]), generator=g)
+    return x2, y2
+
+
+def _train(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import demo, zoo
+
+    lr = args.lr if args.lr is not None else (3e-3 if args.optimizer == "adamw" else 0.05)
+    t0 = time.perf_counter()
+    if args.model == "gpt":
+        from .data import CharCorpus
+
+        cfg = demo.GPT_SIZES[args.size]
+        batch = args.batch_size or cfg.batch
+        corpus = CharCorpus()
+        model = demo.build_gpt(corpus.vocab_size, cfg, seed=args.seed)
+        loss_fn = zoo.lm_loss
+        gen = torch.Generator().manual_seed(args.seed + 1)
+        batches = [corpus.batch(batch, cfg.seq_len, gen) for _ in range(args.steps)]
+        what = (f"GPT ({cfg.layers} layers, width {cfg.width}) on the shipped corpus, {batch}x{cfg.seq_len} "
+                f"characters per step")
+    else:
+        model, example, loss_fn = zoo.make(args.model, args.size, seed=args.seed)
+        fixed = _synthetic_batch(model, example, loss_fn, args.batch_size, args.seed)
+        batches = [fixed] * args.steps
+        what = f"{args.model} ({args.size}) on one fixed synthetic batch of {fixed[0].shape[0]}"
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"remat train: {what}; {n_params:,} parameters; {args.optimizer}, lr {lr:g}; {args.steps} steps")
+    opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+    optimizer = opt_cls(model.parameters(), lr=lr)
+    try:
+        step, note = demo.compile_step(model, batches[0], loss_fn, optimizer, args.budget,
+                                       fallback=args.fit_minimum, seed=args.seed)
+    except BudgetTooSmall as e:
+        print(f"error: {e}\nhint: pass --budget {int(e.minimum)} (or --fit-minimum) to train at the minimum",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if note:
+        print(f"note: {note}")
+    res = demo.train_loop(step, lambda i: batches[i - 1], args.steps, args.log_every or max(1, args.steps // 10),
+                          progress=not args.no_progress)
+    print(step.report())
+    max_peak = max(res.peaks)
+    ok_loss = res.loss_decreased()
+    ok_peak = step.budget is None or max_peak <= step.budget
+    budget = "no budget" if step.budget is None else f"budget {format_bytes(step.budget)}"
+    print(f"{'OK' if ok_loss and ok_peak else 'FAILED'}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}"
+          f"{'' if ok_loss else ' (did not decrease)'}; measured peak {format_bytes(max_peak)} "
+          f"({max_peak / step.unconstrained_peak:.1%} of unconstrained), {budget}"
+          f"{'' if ok_peak else ' (EXCEEDED)'}; {time.perf_counter() - t0:.1f} s")
+    return EXIT_OK if ok_loss and ok_peak else EXIT_FAILED
+
+
+# ---------------------------------------------------------------- curve
+def _chain_costs(args: argparse.Namespace):
+    """ChainCosts of the requested chain and a one-line description of it."""
+    from .chain import ChainCosts
+
+    if args.random is not None:
+        return ChainCosts.random(args.random, seed=args.seed), f"random heterogeneous chain, N={args.random}, seed {args.seed}"
+    if args.model != "mlp":
+        why = {"gpt": "its blocks hold a causal-mask buffer and dropout",
+               "resnet": "it has batch norm (running statistics are state) and residual branches",
+               "unet": "it has batch norm and long skip connections"}[args.model]
+        raise UsageError(f"curve needs a chain of stateless layers; --model {args.model} is not one ({why}). "
+                         "Use --model mlp (with --depth for a longer chain) or --random N; "
+                         f"'remat train --model {args.model}' plans any model as a graph")
+    import torch
+
+    from .chain import SequentialCheckpointer
+    from .zoo import MLP
+
+    tiny = args.size == "tiny"
+    batch = args.batch_size or (8 if tiny else 256)
+    fin, hidden, classes = (32, 64, 10) if tiny else (784, 1024, 10)
+    depth = args.depth or (2 if tiny else 4)
+    torch.manual_seed(args.seed)
+    model = MLP(fin, hidden, depth, classes)
+    layers = [*model.body.children(), model.head]
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(batch, fin, generator=g)
+    upstream = torch.randn(batch, classes, generator=g)
+    print(f"profiling {len(layers)} stages of an MLP ({fin} -> {hidden} x {depth} -> {classes}, batch {batch}) "
+          "on the VM ...", flush=True)
+    chk = SequentialCheckpointer(layers)
+    chk.profile_sequence(x, upstream)
+    return chk.costs(), f"MLP, {len(layers)} stages, batch {batch}"
+
+
+def _curve(args: argparse.Namespace) -> int:
+    from .chain import curve_main
+    from .chain.solvers import minimum_budget, no_recompute_peak
+
+    if args.random is not None and args.model != "mlp":
+        raise UsageError("give either --random N or --model, not both")
+    if args.points < 2:
+        raise UsageError(f"--points must be at least 2, got {args.points}")
+    t0 = time.perf_counter()
+    costs, what = _chain_costs(args)
+    lo, hi = minimum_budget(costs, 1), no_recompute_peak(costs)
+    print(f"chain: {what}; no-recompute peak {format_bytes(hi)} ({hi:,} B), minimum budget "
+          f"{format_bytes(lo)} ({lo:,} B)")
+    png, csv_path = curve_main(costs, args.out, args.points, progress=not args.no_progress)
+    import csv
+
+    with open(csv_path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    budgets = sorted({int(r["budget"]) for r in rows})
+    for label, b in (("smallest", budgets[0]), ("middle", budgets[len(budgets) // 2])):
+        parts = []
+        for m in dict.fromkeys(r["method"] for r in rows):
+            r = next(r for r in rows if r["method"] == m and int(r["budget"]) == b)
+            if r["overhead"] == "nan":
+                parts.append(f"{m} infeasible")
+            else:
+                over = "" if r["feasible"] == "True" else " (over budget)"
+                parts.append(f"{m} {float(r['overhead']):.3f}{over}")
+        print(f"  at the {label} budget ({format_bytes(b)}): " + ", ".join(parts))
+    print(f"wrote {png} and {csv_path} ({len(rows)} rows) in {time.perf_counter() - t0:.1f} s")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- main
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``remat`` with ``argv`` (without the program name); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "opt":
+        from . import opt
+
+        try:
+            return opt.run(argv[1:])
+        except SystemExit as e:  # its argparse: --help (0) or bad arguments (2)
+            return int(e.code or 0)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        if args.command == "curve":
+            return _curve(args)
+        import torch
+
+        threads = torch.get_num_threads()
+        torch.set_num_threads(args.threads)
+        try:
+            return _train(args)
+        finally:
+            torch.set_num_threads(threads)
+    except UsageError as e:
+        print(f"remat {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The ``remat`` command line, run in-process: train, curve, opt, and its error paths (exit code 2)."""
+from __future__ import annotations
+
+import csv
+import re
+
+import pytest
+
+from remat.cli import main
+
+IR = """func @f(%x: f32[4, 8], %y: f32[4, 8]) -> (f32[4, 8]) {
+  %a = add %x, %y : f32[4, 8]
+  %b = add %x, %y : f32[4, 8]
+  %c = mul %a, %b : f32[4, 8]
+  return %c
+}
+"""
+
+
+def _bytes(text: str, label: str) -> int:
+    """The exact byte count printed in the report row ``label``: '... (1,234 B)'."""
+    m = re.search(rf"^{re.escape(label)}\s.*\(([\d,]+) B\)", text, re.M)
+    assert m, f"no {label!r} row in:\n{text}"
+    return int(m.group(1).replace(",", ""))
+
+
+def test_train_gpt_tiny_within_budget(capsys):
+    code = main(["train", "--model", "gpt", "--size", "tiny", "--steps", "3", "--batch-size", "8", "--budget", "75%",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "on the shipped corpus" in out and "remat training step" in out and out.rstrip().splitlines()[-1].startswith("OK:")
+    budget, measured, unconstrained = (_bytes(out, k) for k in ("budget", "measured peak (last step)", "unconstrained peak"))
+    assert measured <= budget == int(0.75 * unconstrained)
+    losses = [float(x) for x in re.findall(r"step \d+/3 +loss ([\d.]+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_train_budget_below_minimum_fails_with_the_minimum(capsys):
+    code = main(["train", "--model", "mlp", "--steps", "2", "--budget", "1000", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    m = re.search(r"give a budget >= (\d+) bytes", err)
+    assert m and int(m.group(1)) > 1000 and f"--budget {m.group(1)}" in err
+
+
+def test_train_fit_minimum_with_sgd_and_batch_size(capsys):
+    code = main(["train", "--model", "mlp", "--steps", "3", "--budget", "10%", "--fit-minimum", "--optimizer", "sgd",
+                 "--batch-size", "16", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "fixed synthetic batch of 16" in out and "note: the requested budget 10%" in out and "is infeasible" in out
+    assert _bytes(out, "measured peak (last step)") <= _bytes(out, "budget")
+
+
+def test_curve_random_chain_writes_png_and_csv(tmp_path, capsys):
+    code = main(["curve", "--random", "8", "--out", str(tmp_path), "--points", "6", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    png, csv_path = tmp_path / "curve.png", tmp_path / "curve.csv"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader(csv_path.open()))
+    assert {r["method"] for r in rows} == {"uniform", "precise", "extended", "sqrt"}
+    assert len(rows) == 4 * len({r["budget"] for r in rows}) and len(rows) >= 4 * 5
+    # The optimal DP never costs more than the uniform baseline where both fit the budget.
+    by = {(r["method"], r["budget"]): r for r in rows}
+    for (m, b), r in by.items():
+        u = by[("uniform", b)]
+        if m == "precise" and r["feasible"] == "True" and u["feasible"] == "True":
+            assert float(r["cost"]) <= float(u["cost"]) + 1e-9
+    assert "random heterogeneous chain, N=8" in out and str(png) in out
+
+
+def test_curve_profiles_the_mlp_chain(tmp_path, capsys):
+    code = main(["curve", "--model", "mlp", "--size", "tiny", "--out", str(tmp_path), "--points", "4", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "MLP, 5 stages" in out and (tmp_path / "curve.png").exists()
+
+
+def test_opt_delegates_to_the_ir_driver(tmp_path, capsys):
+    f = tmp_path / "m.ir"
+    f.write_text(IR)
+    assert main(["opt", str(f), "--passes", "cse"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("add ") == 1 and "mul " in out
+    assert main(["opt", str(f), "--passes", "no-such-pass"]) == 1
+    assert "no-such-pass" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "--model", "bert"], "invalid choice: 'bert'"),
+    (["train", "--budget", "40 apples"], "memory budget '40 apples' is not valid"),
+    (["train", "--budget", "140%"], "must be in (0, 1]"),
+    (["train", "--steps", "0"], "positive whole number"),
+    (["curve", "--model", "resnet"], "chain of stateless layers"),
+    (["curve", "--random", "5", "--model", "gpt"], "either --random N or --model"),
+    ([], "required: <command>"),
+    (["fly"], "invalid choice: 'fly'"),
+])
+def test_usage_errors_exit_2_with_a_message(argv, needle, capsys):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_help_lists_the_commands(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("train", "curve", "opt"))
