@@ -70,12 +70,13 @@ def test_wrong_arguments_raise_type_error_and_change_nothing(mlp_step, case):
 def test_wrong_argument_after_steps_leaves_the_optimizer_alone(mlp_step):
     model, (x, y), opt, step = mlp_step
     step(x, y)
+    taken = int(opt.state[model.head.weight]["step"])
     before = snapshot(model, opt)
     with pytest.raises(TypeError, match="argument 0"):
         step(x.T.contiguous(), y)
     assert_snapshot_equal(snapshot(model, opt), before)
     step(x, y)  # and it keeps working
-    assert int(opt.state[model.head.weight]["step"]) == 2
+    assert int(opt.state[model.head.weight]["step"]) == taken + 1
 
 
 # ---------------------------------------------------------------- dropout
@@ -119,3 +120,19 @@ def test_dropout_is_replayed_when_recomputed_under_a_budget():
     # The seed is really used: the next step (seed 7 + 1) draws other masks on the same,
     # unchanged parameters (no optimizer), so its loss differs.
     assert not torch.equal(base(*inputs), l0)
+
+
+def test_changed_learning_rate_is_refused_without_side_effects(mlp_step):
+    """The learning rate is compiled into the update ops: a schedule that changes it must be
+    reported, not silently ignored, and the refused step must not touch the model."""
+    model, (x, y), opt, step = mlp_step
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = lr / 10
+    try:
+        before = snapshot(model, opt)
+        with pytest.raises(RuntimeError, match="learning rate"):
+            step(x, y)
+        assert_snapshot_equal(snapshot(model, opt), before)
+    finally:
+        opt.param_groups[0]["lr"] = lr
+    step(x, y)
