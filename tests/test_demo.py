@@ -60,3 +60,19 @@ def test_bad_arguments_exit_2(capsys):
     assert "--budget" in capsys.readouterr().err
     assert demo.main(["--steps", "1"]) == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+def test_corpus_batches_are_next_character_pairs():
+    from remat.data import CharCorpus, load_corpus
+
+    text = load_corpus()
+    assert len(text) > 30_000 and text.isascii()
+    corpus = CharCorpus(text)
+    assert corpus.decode(corpus.encode(text[:500])) == text[:500]
+    g = torch.Generator().manual_seed(0)
+    x, y = corpus.batch(4, 32, g, "val")
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one character
+    val_text = corpus.decode(corpus.splits["val"])
+    assert all(corpus.decode(row) in val_text for row in x)  # held-out batches come from the held-out text
+    assert len(corpus.splits["train"]) + len(corpus.splits["val"]) == len(text)
