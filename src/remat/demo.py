@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m remat.demo", description=(
         "Train a character-level GPT on the shipped corpus within a memory budget (default: 40%% of the "
         "unconstrained peak), then check that the loss went down and no step exceeded the budget."))
-    ap.add_argument("--steps", type=int, default=None, help="training steps (default: 200; quick: 6)")
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default: 150; quick: 6)")
     ap.add_argument("--budget", default="40%",
                     help="memory budget: a percentage of the unconstrained peak ('40%%'), bytes, or a size "
                          "('12MiB'); below the minimum feasible one, the demo trains at the minimum and says why")
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    steps = args.steps if args.steps is not None else (6 if args.quick else 200)
+    steps = args.steps if args.steps is not None else (6 if args.quick else 150)
     if steps < 2:
         print(f"error: --steps must be at least 2 to see the loss change, got {steps}", file=sys.stderr)
         return 2
