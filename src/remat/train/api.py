@@ -20,6 +20,7 @@ from ..budget import parse_budget
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Module
 from .optim import advance_steps, bind_state, init_state, steps_taken, updates_from_torch
+from ..memory.costmodel import function_cost, static_costs
 from .program import Layout, step_program, training_joint
 
 
@@ -88,6 +89,7 @@ class TrainStep:
     def __init__(self, model, example_inputs: Sequence, loss_fn: Callable | None, optimizer=None, budget=None, *,
                  num_targets: int | None = None, solver: str = "auto", dialects: Sequence[str] | None = None,
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
+                 cost_model: str = "static",
                  milp_time_limit: float = 10.0, progress: Callable[[str], None] | None = None):
         import torch
 
@@ -126,8 +128,12 @@ class TrainStep:
         # Profile the unconstrained joint on copies (the model is not touched).
         say("profiling")
         args = self._joint_args(example_inputs, copy=True)
+        if cost_model not in ("static", "profiled"):
+            raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
+        self.cost_model = cost_model
         vm = VM(Module([joint]), dialects=self.dialects)
-        self.costs, self._profile_seconds = _median_instr_costs(vm, joint, args, profile_repeats)
+        measured, self._profile_seconds = _median_instr_costs(vm, joint, args, profile_repeats)
+        self.costs = measured if cost_model == "profiled" else static_costs(joint)
         unconstrained = step_program(joint, self.layout, self.updates, state_types, self.keep_grads)
         from ..memory.liveness import predict_peak
 
@@ -159,7 +165,7 @@ class TrainStep:
             self._predicted_overhead = 0.0
             return "none", [why + ": no recomputation"], unconstrained, None
         from ..memory.graph import BudgetTooSmall as GraphTooSmall
-        from ..memory.greedy import greedy_min_budget, solve_greedy
+        from ..memory.greedy import solve_greedy
         from ..memory.milp import solve_milp, solve_with_fallback
         from ..memory.scheduling import memory_aware_order
 
@@ -210,7 +216,6 @@ class TrainStep:
     def _plan_graph(self, low, order, n_nodes, solve_graph, lower, joint, need_minimum: bool = True,
                     max_overhead: float = 2.0):
         """Instruction-level rematerialisation (MILP / RAF greedy) of the joint."""
-        from ..memory.greedy import greedy_min_budget
         from ..memory.graph import BudgetTooSmall as GraphTooSmall
         from ..memory.liveness import predict_peak
 
@@ -243,7 +248,7 @@ class TrainStep:
         if best is None:
             if not need_minimum:  # the chain DP found a plan; its minimum is not needed
                 raise _NoPlan()
-            m = greedy_min_budget(low.graph, order, rel_tol=1e-2)
+            m = _greedy_minimum(low.graph, order)
             cand = lower(solve_graph(m))
             if cand[2] > self.budget:
                 raise BudgetTooSmall(self.budget, cand[2], "this training step")
@@ -268,6 +273,10 @@ class TrainStep:
         x = args[blocks.binding.x]
         one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
         profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=self.dialects)
+        if self.cost_model == "static":
+            for prof, st in zip(profiles, blocks.stages):
+                prof.fwd_time = function_cost(st.split.forward)
+                prof.bwd_time = function_cost(st.split.backward)
         costs = chain_costs(profiles)
 
         def finish(fn):
@@ -366,6 +375,24 @@ class TrainStep:
                       self.unconstrained_step_seconds, self.instructions, self.recomputed)
 
 
+def _greedy_minimum(graph, order, rel_tol: float = 0.02) -> int:
+    """A budget at which the greedy succeeds, near the smallest one: bisection with each greedy
+    pass capped (a pass that recomputes without end counts as failing). Always feasible."""
+    from ..memory.graph import insert_frees, min_memory_lower_bound, simulate
+    from ..memory.greedy import greedy_compute_sequence
+
+    lo = min_memory_lower_bound(graph) - 1
+    hi = simulate(graph, insert_frees(graph, order))[1]
+    cap = 20 * len(graph) + 1000
+    while hi - lo > max(1, int(hi * rel_tol)):
+        mid = (lo + hi) // 2
+        if greedy_compute_sequence(graph, mid, order, max_steps=cap) is not None:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
 class _NoPlan(Exception):
     """The instruction-level planner found no plan within the budget (and no minimum was asked for)."""
 
@@ -395,7 +422,8 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     ``budget``: bytes, a size such as "1.5GiB", a percentage "40%" or a fraction in (0, 1] of
     the unconstrained peak; None plans no recomputation. Raises ``BudgetTooSmall`` with the
     minimum feasible budget; nothing of the model is modified by compiling.
-    Options: ``solver`` ("auto", "greedy", "milp"), ``dialects``, ``seed``, ``keep_grads``,
+    Options: ``cost_model`` ("static": deterministic estimates, the default; "profiled": measured
+    per-instruction times), ``solver`` ("auto", "greedy", "milp"), ``dialects``, ``seed``, ``keep_grads``,
     ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names).
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

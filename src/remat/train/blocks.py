@@ -39,7 +39,7 @@ def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
 
 
 def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 48,
-        min_stages: int = 3) -> Blocks | None:
+        min_stages: int = 3, min_blocks: int = 12) -> Blocks | None:
     """Stages of ``forward: (params..., other args...) -> (loss, side outputs...)`` along the data
     input ``forward.params[data_index]``, or None when the graph has too few separators."""
     if len(forward.blocks) != 1:
@@ -76,7 +76,14 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     for ins in body:
         for o in ins.operands:
             consumers.setdefault(o, []).append(ins)
-    seps = [s for s in seps if _kept_by_backward(s.results[0], consumers)]
+    kept = [s for s in seps if _kept_by_backward(s.results[0], consumers)]
+    if len(kept) < min_blocks:
+        # Too coarse: add evenly spaced other separators (each costs holding one activation longer).
+        rest = [s for s in seps if s not in set(kept)]
+        want = min(len(rest), min_blocks - len(kept))
+        extra = [rest[round(i * (len(rest) - 1) / max(want - 1, 1))] for i in range(want)] if want else []
+        kept = sorted(set(kept) | set(extra), key={ins: i for i, ins in enumerate(body)}.__getitem__)
+    seps = kept
     if not seps or seps[-1].results[0] is not loss:
         seps.append(loss.instr)
     pos = {ins: i for i, ins in enumerate(body)}
