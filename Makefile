@@ -21,7 +21,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 tests
 
 bench: $(STAMP)
-	$(BIN)/python bench/run_all.py
+	$(BIN)/python bench/chain_solver.py
+	$(BIN)/python bench/graph_solvers.py
+	$(BIN)/python bench/train_bench.py --no-compile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -69,11 +69,15 @@ def _median_time(fn: Function, args: Sequence, repeats: int, dialects) -> tuple[
 
 
 def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_grad, repeats: int = 5,
-                   dialects=None) -> list[StageProfile]:
-    """Run every stage's forward (with tape) and backward on the VM and record its costs."""
+                   dialects=None, measure: bool = True) -> list[StageProfile]:
+    """Run every stage's forward (with tape) and backward on the VM and record its costs.
+    With ``measure=False`` nothing runs: times are 0 (for a caller supplying its own estimates)
+    and bytes come from the IR as always."""
     from ..ir.verifier import verify  # noqa: F401  (functions are verified when built)
 
     profiles: list[StageProfile] = []
+    if not measure:
+        return [_profile(s, 0.0, 0.0) for s in stages]
     tapes, xs = [], []
     cur = x
     fwd_times = []
@@ -94,15 +98,19 @@ def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_gra
         if len(outs) > len(s.grad_params):
             g = outs[len(s.grad_params)]
     for k, s in enumerate(stages):
-        out_b = s.output_type.nbytes + sum(t.nbytes for t in s.aux_types)
-        tape_b = _tape_bytes(s)
-        grad_b = s.input_type.nbytes if len(s.split.backward.result_types) > len(s.grad_params) else 0
-        pgrad_b = sum(t.nbytes for t in s.grad_types)
-        fo = max(0, _internal_peak(s.split.forward) - out_b - tape_b)
-        bo = max(0, _internal_peak(s.split.backward) - grad_b)
-        profiles.append(StageProfile(s.name, fwd_times[k], bwd_times[k], out_b, grad_b, tape_b, fo, bo,
-                                     sum(t.nbytes for t in s.param_types), pgrad_b))
+        profiles.append(_profile(s, fwd_times[k], bwd_times[k]))
     return profiles
+
+
+def _profile(s: ChainStage, fwd_time: float, bwd_time: float) -> StageProfile:
+    """A stage's profile: the given times, and bytes from the IR (exact)."""
+    out_b = s.output_type.nbytes + sum(t.nbytes for t in s.aux_types)
+    tape_b = _tape_bytes(s)
+    grad_b = s.input_type.nbytes if len(s.split.backward.result_types) > len(s.grad_params) else 0
+    fo = max(0, _internal_peak(s.split.forward) - out_b - tape_b)
+    bo = max(0, _internal_peak(s.split.backward) - grad_b)
+    return StageProfile(s.name, fwd_time, bwd_time, out_b, grad_b, tape_b, fo, bo,
+                        sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types))
 
 
 def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory: str = "profiled",

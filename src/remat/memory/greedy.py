@@ -129,6 +129,15 @@ class _Greedy:
         nd = self.nodes[u]
         if nd.is_input or not nd.recomputable:
             raise _Stuck  # never evicted while needed; defensive
+        self._compute_with_inputs(u)
+        for j in nd.inputs:
+            if self._dead(j):
+                self._free(j)
+
+    def _compute_with_inputs(self, u: int) -> None:
+        """Compute ``u`` after making its inputs live (rematerialising the missing ones), with
+        its inputs pinned so that making room never evicts them."""
+        nd = self.nodes[u]
         pinned: list[int] = []
         for j in nd.inputs:  # protect inputs that are already live
             if self.live[j]:
@@ -142,9 +151,6 @@ class _Greedy:
         self._compute(u)
         for j in pinned:
             self.pins[j] -= 1
-        for j in nd.inputs:
-            if self._dead(j):
-                self._free(j)
 
     # -------------------------------------------------------------- driver
     def run(self) -> list[int]:
@@ -154,19 +160,7 @@ class _Greedy:
         for p, v in enumerate(self.order):
             self.p = p
             nd = self.nodes[v]
-            pinned: list[int] = []
-            for j in nd.inputs:
-                if self.live[j]:
-                    self.pins[j] += 1
-                    pinned.append(j)
-            for j in nd.inputs:
-                if not self.live[j]:
-                    self._materialize(j)
-                    self.pins[j] += 1
-                    pinned.append(j)
-            self._compute(v)
-            for j in pinned:
-                self.pins[j] -= 1
+            self._compute_with_inputs(v)
             for j in nd.inputs:
                 self.fut[j] -= 1
                 if self._dead(j):
@@ -212,12 +206,14 @@ def greedy_compute_sequence(
 
 
 def greedy_min_budget(
-    graph: Graph, order: Sequence[int] | None = None, *, score: str = "raf_belady", rel_tol: float = 1e-4
+    graph: Graph, order: Sequence[int] | None = None, *, score: str = "raf_belady", rel_tol: float = 1e-4,
+    max_steps: int | None = None,
 ) -> int:
     """The smallest budget (to ``rel_tol``) at which the greedy finds a schedule,
     by bisection between :func:`.graph.min_memory_lower_bound` and the no-remat
     peak (where the greedy never evicts).  The greedy is a heuristic, so this is
-    not the true minimum; :func:`solve_greedy` guarantees success at or above it."""
+    not the true minimum; :func:`solve_greedy` guarantees success at or above it.
+    ``max_steps`` caps each pass (a pass that recomputes without end counts as failing)."""
     order = list(order) if order is not None else graph.compute_nodes
     lo = min_memory_lower_bound(graph) - 1  # fails (strictly below a lower bound)
     hi = simulate(graph, insert_frees(graph, order))[1]  # succeeds
@@ -225,7 +221,7 @@ def greedy_min_budget(
         return hi
     while hi - lo > max(1, int(hi * rel_tol)):
         mid = (lo + hi) // 2
-        if greedy_compute_sequence(graph, mid, order, score=score) is not None:
+        if greedy_compute_sequence(graph, mid, order, score=score, max_steps=max_steps) is not None:
             hi = mid
         else:
             lo = mid

@@ -170,17 +170,23 @@ class TrainStep:
         from ..memory.scheduling import memory_aware_order
 
         low = to_graph(joint, self.costs)
+        extra_bytes = sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
         order = memory_aware_order(low.graph)
         n_nodes = len(low.graph.compute_nodes)
 
-        def solve_graph(m: int):
-            if solver == "greedy" or (solver == "auto" and n_nodes > 150):
-                return solve_greedy(low.graph, m, order=order)
-            if solver == "milp":
-                return solve_milp(low.graph, m, time_limit=time_limit, order=order)
-            if solver == "auto":
-                return solve_with_fallback(low.graph, m, time_limit=time_limit, order=order)
+        if solver not in ("auto", "greedy", "milp"):
             raise ValueError(f"unknown solver {solver!r}; valid: auto, greedy, milp")
+        milp_runs = [0]
+
+        def solve_graph(m: int):
+            # The MILP (optimal, seconds) runs once, at the main probe; the other probes are greedy.
+            use_milp = solver == "milp" or (solver == "auto" and n_nodes <= 150)
+            if use_milp and milp_runs[0] == 0 and m == max(self.budget - extra_bytes, 1):
+                milp_runs[0] += 1
+                if solver == "milp":
+                    return solve_milp(low.graph, m, time_limit=time_limit, order=order)
+                return solve_with_fallback(low.graph, m, time_limit=time_limit, order=order)
+            return solve_greedy(low.graph, m, order=order)
 
         def lower(plan):
             j2 = from_schedule(low, plan.schedule, check=False)
@@ -216,6 +222,7 @@ class TrainStep:
     def _plan_graph(self, low, order, n_nodes, solve_graph, lower, joint, need_minimum: bool = True,
                     max_overhead: float = 2.0):
         """Instruction-level rematerialisation (MILP / RAF greedy) of the joint."""
+        from ..memory.greedy import greedy_min_budget
         from ..memory.graph import BudgetTooSmall as GraphTooSmall
         from ..memory.liveness import predict_peak
 
@@ -248,7 +255,7 @@ class TrainStep:
         if best is None:
             if not need_minimum:  # the chain DP found a plan; its minimum is not needed
                 raise _NoPlan()
-            m = _greedy_minimum(low.graph, order)
+            m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
             cand = lower(solve_graph(m))
             if cand[2] > self.budget:
                 raise BudgetTooSmall(self.budget, cand[2], "this training step")
@@ -258,21 +265,35 @@ class TrainStep:
         return f"{plan.solver} ({plan.status})", notes, prog, plan, plan.overhead or 0.0
 
     def _plan_blocks(self, joint):
-        """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model)."""
+        """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
+
+        Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
+        (every separator); the cheaper feasible plan wins. Returns None without a useful cut,
+        ("min", bytes) when no plan fits, else ("ok", candidate)."""
+        results = [r for r in (self._plan_cut(True), self._plan_cut(False)) if r is not None]
+        if not results:
+            return None
+        ok = [r[1] for r in results if r[0] == "ok"]
+        if ok:
+            return ("ok", min(ok, key=lambda c: c[4]))
+        return ("min", min(r[1] for r in results))
+
+    def _plan_cut(self, coarse: bool):
         from ..chain.planner import ChainPlanner
         from ..chain.profile import chain_costs, profile_stages
         from .blocks import cut
 
         imp = self.imported
         t0 = time.perf_counter()
-        blocks = cut(imp.function, imp.state_count, len(imp.param_names))
+        blocks = cut(imp.function, imp.state_count, len(imp.param_names), backward_kept_only=coarse)
         if blocks is None:
             return None
         args = self._joint_args(self._example, copy=True)
         lead_args = [[args[i] for i in lead] for lead in blocks.binding.lead]
         x = args[blocks.binding.x]
         one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
-        profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=self.dialects)
+        profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=self.dialects,
+                                  measure=self.cost_model == "profiled")
         if self.cost_model == "static":
             for prof, st in zip(profiles, blocks.stages):
                 prof.fwd_time = function_cost(st.split.forward)
@@ -290,7 +311,7 @@ class TrainStep:
         except BudgetTooSmall as e:
             return ("min", e.minimum)
         overhead = pol.plan.cost / costs.no_recompute_cost() - 1.0
-        notes = [f"cut at separators into a chain of {len(blocks.stages)} blocks in "
+        notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks in "
                  f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
                  f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
         pol.plan.base_cost = costs.no_recompute_cost()
@@ -373,24 +394,6 @@ class TrainStep:
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       None if self.last_stats is None else self.last_stats.total_seconds,
                       self.unconstrained_step_seconds, self.instructions, self.recomputed)
-
-
-def _greedy_minimum(graph, order, rel_tol: float = 0.02) -> int:
-    """A budget at which the greedy succeeds, near the smallest one: bisection with each greedy
-    pass capped (a pass that recomputes without end counts as failing). Always feasible."""
-    from ..memory.graph import insert_frees, min_memory_lower_bound, simulate
-    from ..memory.greedy import greedy_compute_sequence
-
-    lo = min_memory_lower_bound(graph) - 1
-    hi = simulate(graph, insert_frees(graph, order))[1]
-    cap = 20 * len(graph) + 1000
-    while hi - lo > max(1, int(hi * rel_tol)):
-        mid = (lo + hi) // 2
-        if greedy_compute_sequence(graph, mid, order, max_steps=cap) is not None:
-            hi = mid
-        else:
-            lo = mid
-    return hi
 
 
 class _NoPlan(Exception):

@@ -39,9 +39,12 @@ def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
 
 
 def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 48,
-        min_stages: int = 3, min_blocks: int = 12) -> Blocks | None:
+        min_stages: int = 3, min_blocks: int = 12, backward_kept_only: bool = True) -> Blocks | None:
     """Stages of ``forward: (params..., other args...) -> (loss, side outputs...)`` along the data
-    input ``forward.params[data_index]``, or None when the graph has too few separators."""
+    input ``forward.params[data_index]``, or None when the graph has too few separators.
+
+    ``backward_kept_only``: cut only at separators the backward keeps anyway (topped up to
+    ``min_blocks`` with others); otherwise at every separator (finer blocks, more to hold)."""
     if len(forward.blocks) != 1:
         return None
     body = forward.entry.instrs[:-1]
@@ -76,7 +79,7 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     for ins in body:
         for o in ins.operands:
             consumers.setdefault(o, []).append(ins)
-    kept = [s for s in seps if _kept_by_backward(s.results[0], consumers)]
+    kept = [s for s in seps if _kept_by_backward(s.results[0], consumers)] if backward_kept_only else list(seps)
     if len(kept) < min_blocks:
         # Too coarse: add evenly spaced other separators (each costs holding one activation longer).
         rest = [s for s in seps if s not in set(kept)]
