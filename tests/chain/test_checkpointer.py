@@ -102,5 +102,31 @@ def test_input_shape_mismatch_is_a_clear_error(setup):
 def test_modules_with_state_are_rejected():
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     chk = SequentialCheckpointer(seq)
-    with pytest.raises(ValueError, match="buffers or randomness"):
+    with pytest.raises(ValueError, match="updates buffers or draws random numbers"):
         chk.profile_sequence(torch.randn(8, 4), torch.randn(8, 4))
+
+
+class _Masked(torch.nn.Module):
+    """A layer reading a non-trainable buffer (like a causal mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("mask", (torch.arange(8) % 2 == 0).double(), persistent=False)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.mask
+
+
+def test_buffers_that_are_only_read_are_supported():
+    torch.manual_seed(3)
+    seq = torch.nn.Sequential(_Masked(), _Masked(), _Masked()).double()
+    x, gy = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    ref_x, ref_p = _autograd(seq, x, gy)
+    chk = SequentialCheckpointer(seq)
+    chk.profile_sequence(x, gy, repeats=1)
+    seq.zero_grad(set_to_none=True)
+    gx = chk.backprop_sequence(chk.solve_optimal_policy(10**12), x, gy)
+    torch.testing.assert_close(gx, ref_x, rtol=1e-10, atol=1e-12)
+    for p, r in zip(seq.parameters(), ref_p):
+        torch.testing.assert_close(p.grad, r, rtol=1e-10, atol=1e-12)

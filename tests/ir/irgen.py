@@ -126,6 +126,8 @@ class Generator:
         if OPS[name].aliases:
             st.no_free.update(ins.operands)
             st.no_free.update(ins.results)
+        if OPS[name].has("inplace"):  # overwritten operands may not be read again: they leave the pool
+            st.freed.update(ins.operands[src] for src in OPS[name].aliases.values())
         return ins
 
     def value_of(self, st: _FnState, bi: int, b: Builder, t: TensorType) -> Value:

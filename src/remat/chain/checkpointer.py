@@ -69,23 +69,28 @@ class SequentialCheckpointer:
         for k, m in enumerate(self.modules):
             named = dict(m.named_parameters())
             key = (type(m), repr(m), m.training, tuple(x.shape), x.dtype,
-                   tuple((n, tuple(p.shape), p.dtype) for n, p in named.items()))
+                   tuple((n, tuple(p.shape), p.dtype) for n, p in named.items()),
+                   tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
             if key in cache:
                 imp, stage = cache[key]
             else:
                 imp = import_module(m, (x,), train=m.training)
-                if imp.buffer_names or imp.has_seed:
-                    raise ValueError(f"module {k} ({type(m).__name__}) has buffers or randomness "
-                                     f"({', '.join(imp.buffer_names) or 'dropout'}); SequentialCheckpointer supports "
-                                     "stateless layers — use remat.compile for models with batch norm or dropout")
+                if len(imp.output_names) > 1 or imp.has_seed:
+                    what = ", ".join(imp.output_names[1:]) or "dropout"
+                    raise ValueError(f"module {k} ({type(m).__name__}) updates buffers or draws random numbers "
+                                     f"({what}); SequentialCheckpointer supports layers whose forward is a pure "
+                                     "function of parameters and input (buffers that are only read are fine) — use "
+                                     "remat.compile for models with training-mode batch norm or dropout")
                 stage = make_stage(f"stage_{type(m).__name__}", imp.function, imp.state_count,
                                    tuple(range(len(imp.param_names))))
                 if not imp.constant_names:
                     cache[key] = (imp, stage)
             stages.append(stage)
             # Constants are only lifted from the imported module itself (never shared via the cache).
+            buffers = dict(m.named_buffers())
             params.append(list(imp.param_tensors()) if imp.constant_names
-                          else [named[n].detach() for n in imp.param_names])
+                          else [named[n].detach() for n in imp.param_names] +
+                          [buffers[n].detach() for n in imp.buffer_names])
             live.append([named[n] for n in imp.param_names])
             with torch.no_grad():
                 x = m(x)

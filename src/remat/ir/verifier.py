@@ -179,6 +179,7 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
         if not b.instrs or not b.instrs[-1].op.has("terminator"):
             err(b, b.instrs[-1] if b.instrs else None, "block does not end with a terminator (return, br or cond_br)")
         freed: dict[Value, Instruction] = {}
+        updated: dict[Value, Instruction] = {}  # operands an in-place op overwrote
         for i, ins in enumerate(b.instrs):
             op = ins.op
             if ins.dialect is not None and not _DIALECT.fullmatch(str(ins.dialect)):
@@ -190,12 +191,19 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
                 check_use(b, i, ins, v, f"operand {k}")
                 if v in freed:
                     err(b, ins, f"operand {k} is used after it was freed")
+                if v in updated and op.name != "free":  # releasing the old name is fine; reading it is not
+                    err(b, ins, f"operand {k} is used after '{updated[v].op.name}' overwrote it in place; "
+                                "use that instruction's result instead")
             for s in ins.successors:
                 for k, v in enumerate(s.args):
                     check_use(b, i, ins, v, f"branch argument {k}")
             if op.name == "free":
                 for v in ins.operands:
                     freed[v] = ins
+            if op.has("inplace"):
+                for src in op.aliases.values():
+                    if src < len(ins.operands):
+                        updated[ins.operands[src]] = ins
             # Successor structure.
             want = {"br": 1, "cond_br": 2}.get(op.name, 0)
             if len(ins.successors) != want:

@@ -141,7 +141,7 @@ def advance_steps(optimizer, params: list, updates: list[ParamUpdate]) -> None:
 def emit_update(b: Builder, u: ParamUpdate, param: Value, grad: Value, state: list[Value], step: Value) -> list[Value]:
     """Emit the in-place update; returns the new SSA values of (param, *state)."""
     if u.op == "sgd_step":
-        buf = state[0] if state else grad  # momentum 0: no buffer; the gradient slot is consumed instead
+        buf = state[0] if state else param  # momentum 0: no buffer; the kernel leaves this operand alone
         p2, buf2 = b.op("sgd_step", param, grad, buf, step, **u.attrs)
         return [p2] + ([buf2] if state else [])
     p2, m2, v2 = b.op("adam_step", param, grad, state[0], state[1], step, **u.attrs)
