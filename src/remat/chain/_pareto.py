@@ -20,16 +20,8 @@ import numpy as np
 
 
 @numba.njit(cache=True)
-def _grow_i(a, need):
-    if need <= a.shape[0]:
-        return a
-    b = np.empty(max(need, 2 * a.shape[0]), a.dtype)
-    b[: a.shape[0]] = a
-    return b
-
-
-@numba.njit(cache=True)
-def _grow_f(a, need):
+def _grow(a, need):
+    """``a`` with room for ``need`` entries (doubling); Numba compiles one version per dtype."""
     if need <= a.shape[0]:
         return a
     b = np.empty(max(need, 2 * a.shape[0]), a.dtype)
@@ -59,9 +51,9 @@ def pareto_dp(af, ab, bf, bb, Mcap, pid, npairs):
         leaf = bb[i] + bb[i + 1]
         start[p] = used
         if leaf <= Mcap:
-            G_p = _grow_i(G_p, used + 1)
-            G_c = _grow_f(G_c, used + 1)
-            G_k = _grow_i(G_k, used + 1)
+            G_p = _grow(G_p, used + 1)
+            G_c = _grow(G_c, used + 1)
+            G_k = _grow(G_k, used + 1)
             G_p[used] = leaf
             G_c[used] = ab[i]
             G_k[used] = -1
@@ -89,9 +81,9 @@ def pareto_dp(af, ab, bf, bb, Mcap, pid, npairs):
                 ln = length[pl]
                 if rn == 0 or ln == 0:
                     continue
-                cp = _grow_i(cp, nc + rn + ln)
-                cc = _grow_f(cc, nc + rn + ln)
-                ck = _grow_i(ck, nc + rn + ln)
+                cp = _grow(cp, nc + rn + ln)
+                cc = _grow(cc, nc + rn + ln)
+                ck = _grow(ck, nc + rn + ln)
                 a = 0
                 b = 0
                 while True:
@@ -116,9 +108,9 @@ def pareto_dp(af, ab, bf, bb, Mcap, pid, npairs):
                 length[p] = 0
                 continue
             order = np.argsort(cp[:nc], kind="mergesort")
-            G_p = _grow_i(G_p, used + nc)
-            G_c = _grow_f(G_c, used + nc)
-            G_k = _grow_i(G_k, used + nc)
+            G_p = _grow(G_p, used + nc)
+            G_c = _grow(G_c, used + nc)
+            G_k = _grow(G_k, used + nc)
             cnt = 0
             best = np.inf
             q = 0

@@ -39,24 +39,35 @@ def _single_block(f: Function) -> Block:
     return f.entry
 
 
+def ancestors(values, stop=()) -> set[Instruction]:
+    """The instructions ``values`` transitively depend on, not looking past the values in ``stop``."""
+    stop = set(stop)
+    found: set[Instruction] = set()
+    stack = [v for v in values if v not in stop]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, BlockArg) or v.instr in found:
+            continue
+        found.add(v.instr)
+        stack.extend(o for o in v.instr.operands if o not in stop)
+    return found
+
+
 def slice_function(name: str, params: list[Value], instrs: list[Instruction], results: list[Value]) -> Function:
     """A new function computing ``results`` from ``params`` with the needed subset of ``instrs``.
 
     ``params`` are values of the source function that become the new parameters; only the
     instructions that ``results`` transitively need (stopping at ``params``) are copied, in order.
     """
+    needed = ancestors(results, stop=params)
     pset = set(params)
-    needed: set[Instruction] = set()
-    stack = [v for v in results if v not in pset]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, BlockArg):
+    for ins in needed:
+        for o in ins.operands:
+            if isinstance(o, BlockArg) and o not in pset:
+                raise ValueError(f"slice '{name}' needs a parameter of the source function that is not among its inputs")
+    for r in results:
+        if isinstance(r, BlockArg) and r not in pset:
             raise ValueError(f"slice '{name}' needs a parameter of the source function that is not among its inputs")
-        ins = v.instr
-        if ins in needed:
-            continue
-        needed.add(ins)
-        stack.extend(o for o in ins.operands if o not in pset)
     f = Function(name, [p.type for p in params], [r.type for r in results])
     vmap: dict[Value, Value] = dict(zip(params, f.params))
     b = Builder(f.entry)
@@ -89,14 +100,7 @@ def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int
     # Forward = what the primal outputs need; everything else (cotangent-dependent code, and
     # forward-only code whose results only the backward reads, such as a weight transpose or
     # tanh's 1 - y*y) runs in the backward, so the tape holds exactly what the VJP rules save.
-    needed: set[Instruction] = set()
-    stack = [o for o in outputs]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, BlockArg) or v.instr in needed:
-            continue
-        needed.add(v.instr)
-        stack.extend(v.instr.operands)
+    needed = ancestors(outputs)
     is_bwd: set[Value] = set()
     bwd_instrs: list[Instruction] = []
     for ins in body:

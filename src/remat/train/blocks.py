@@ -17,7 +17,7 @@ from ..chain.executor import Binding, ChainStage, make_stage
 from ..ir import Function, Instruction, Value
 from ..ir.core import BlockArg
 from ..memory.graph import Graph
-from ..memory.partition import slice_function
+from ..memory.partition import ancestors, slice_function
 from ..memory.separators import find_separators
 
 
@@ -55,14 +55,7 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     if loss not in dep_x:
         return None
     # Instructions on the way to the loss that depend on the data: the separation criterion.
-    anc: set[Instruction] = set()
-    stack = [loss]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, BlockArg) or v.instr in anc:
-            continue
-        anc.add(v.instr)
-        stack.extend(v.instr.operands)
+    anc = ancestors([loss])
     considered = [ins for ins in body if ins in anc and ins.results[0] in dep_x]
     g = Graph()
     pos_in = {ins: i for i, ins in enumerate(body)}
