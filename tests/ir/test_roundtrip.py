@@ -38,7 +38,7 @@ def test_random_programs_round_trip(seed: int) -> None:
     assert_round_trip(m)
 
 
-def _corpus(seeds=range(6)) -> list[Module]:
+def _corpus(seeds=range(40)) -> list[Module]:
     return [generate_module(np.random.default_rng(s)) for s in seeds]
 
 
