@@ -97,8 +97,13 @@ class TrainStep:
         from ..runtime.vm import VM
 
         t_setup = time.perf_counter()
+        # Reject bad options before the (seconds-long) capture.
         if budget is not None:
-            parse_budget(budget, reference=1)  # reject a malformed budget before the capture (fractions resolve later)
+            parse_budget(budget, reference=1)  # fractions resolve later, against the unconstrained peak
+        if cost_model not in ("static", "profiled"):
+            raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
+        if solver not in ("auto", "greedy", "milp"):
+            raise ValueError(f"unknown solver {solver!r}; valid: auto, greedy, milp")
         say = progress or (lambda msg: None)
         self.model, self.optimizer = model, optimizer
         self.dialects = tuple(dialects) if dialects else None
@@ -128,8 +133,6 @@ class TrainStep:
         # Profile the unconstrained joint on copies (the model is not touched).
         say("profiling")
         args = self._joint_args(example_inputs, copy=True)
-        if cost_model not in ("static", "profiled"):
-            raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
         self.cost_model = cost_model
         vm = VM(Module([joint]), dialects=self.dialects)
         measured, self._profile_seconds = _median_instr_costs(vm, joint, args, profile_repeats)
@@ -174,8 +177,6 @@ class TrainStep:
         order = memory_aware_order(low.graph)
         n_nodes = len(low.graph.compute_nodes)
 
-        if solver not in ("auto", "greedy", "milp"):
-            raise ValueError(f"unknown solver {solver!r}; valid: auto, greedy, milp")
         milp_runs = [0]
 
         def solve_graph(m: int):
