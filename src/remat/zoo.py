@@ -6,6 +6,7 @@ Each ``make_<name>(size, dtype)`` returns ``(model, example_inputs, loss_fn)`` w
 *targets)`` gives a scalar: ``loss_fn(model(*example_inputs[:-n]), *example_inputs[-n:])`` with
 ``n = len(signature(loss_fn).parameters) - 1``. Sizes: ``"tiny"`` runs a step in milliseconds
 (tests), ``"small"`` has tens of MB of activations (demo and benchmarks on a 2-core CPU).
+``make_gpt`` also has ``"medium"``: the speed benchmark's 8-layer GPT (about 1 GB of activations).
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ Example = tuple[nn.Module, tuple[torch.Tensor, ...], Callable[..., torch.Tensor]
 SIZES = ("tiny", "small")
 
 
-def _check_size(size: str) -> None:
-    if size not in SIZES:
-        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(SIZES)}")
+def _check_size(size: str, sizes: tuple[str, ...] = SIZES) -> None:
+    if size not in sizes:
+        raise ValueError(f"unknown model size {size!r}; valid sizes: {', '.join(sizes)}")
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -181,9 +182,10 @@ class GPTBlock(nn.Module):
 
 class GPT(nn.Module):
     """A GPT-style decoder: token + position embeddings, transformer blocks, final layer norm and a
-    language-model head whose weight is the token embedding (weight tying)."""
+    language-model head whose weight is the token embedding (weight tying, unless ``tie=False``)."""
 
-    def __init__(self, vocab: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.1):
+    def __init__(self, vocab: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float = 0.1,
+                 tie: bool = True):
         super().__init__()
         self.block_size = block_size
         self.wte = nn.Embedding(vocab, n_embd)
@@ -192,7 +194,8 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*[GPTBlock(n_embd, n_head, block_size, dropout) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
+        if tie:
+            self.lm_head.weight = self.wte.weight
         for name, p in self.named_parameters():
             if name.endswith("weight") and p.dim() == 2:
                 nn.init.normal_(p, 0.0, 0.02)
@@ -213,15 +216,21 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def make_gpt(size: str = "tiny", dtype: torch.dtype = torch.float32, seed: int = 0, dropout: float = 0.1,
              batch: int | None = None) -> Example:
     """A GPT on random tokens. tiny: 2×16 tokens, 2 layers, 2 heads, width 32, vocab 64;
-    small: 8×64 tokens, 4 layers, 4 heads, width 128, vocab 512. ``batch`` overrides the size's batch."""
-    _check_size(size)
+    small: 8×64 tokens, 4 layers, 4 heads, width 128, vocab 512; medium (the speed benchmark's
+    "GPT medium"): 8×256 tokens, 8 layers, 8 heads, width 512, vocab 8000, untied head, no
+    dropout. ``batch`` overrides the size's batch."""
+    _check_size(size, SIZES + ("medium",))
+    tie = True
     if size == "tiny":
         default_batch, T, vocab, n_layer, n_head, n_embd = 2, 16, 64, 2, 2, 32
-    else:
+    elif size == "small":
         default_batch, T, vocab, n_layer, n_head, n_embd = 8, 64, 512, 4, 4, 128
+    else:
+        default_batch, T, vocab, n_layer, n_head, n_embd = 8, 256, 8000, 8, 8, 512
+        dropout, tie = 0.0, False
     batch = _batch(batch, default_batch)
     torch.manual_seed(seed)
-    model = GPT(vocab, T, n_layer, n_head, n_embd, dropout).to(dtype)
+    model = GPT(vocab, T, n_layer, n_head, n_embd, dropout, tie=tie).to(dtype)
     g = _generator(seed + 1)
     idx = torch.randint(0, vocab, (batch, T), generator=g)
     targets = torch.randint(0, vocab, (batch, T), generator=g)

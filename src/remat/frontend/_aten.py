@@ -107,19 +107,38 @@ class Lowerer:
 
 Rule = Callable[..., Any]
 LOWERINGS: dict[str, Rule] = {}
+# ATen overloads kept whole by ``run_decompositions`` (composite ops remat lowers to one IR op with
+# a native kernel, instead of the primitives PyTorch's default table would decompose them into).
+KEEP: set[str] = set()
 
 
-def lower(*names: str):
-    """Register a rule for ATen overloads given as ``"add.Tensor"`` (the ``aten.`` prefix implied)."""
+def lower(*names: str, keep: bool = False):
+    """Register a rule for ATen overloads given as ``"add.Tensor"`` (the ``aten.`` prefix implied).
+
+    ``keep=True``: the overloads are removed from PyTorch's decomposition table, so the rule sees
+    the composite op itself (e.g. ``linear``) rather than its decomposition.
+    """
 
     def deco(fn: Rule) -> Rule:
         for n in names:
             if n in LOWERINGS:
                 raise ValueError(f"two lowering rules for aten.{n}")
             LOWERINGS[n] = fn
+            if keep:
+                KEEP.add(n)
         return fn
 
     return deco
+
+
+def decomposition_table() -> dict:
+    """PyTorch's default export decompositions, less the overloads in :data:`KEEP`."""
+    table = torch.export.default_decompositions()
+    for n in KEEP:
+        packet, _, overload = n.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        table.pop(op, None)
+    return table
 
 
 def _axis(d: int, rank: int) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
-from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, to_dtype
+from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_table, to_dtype
 
 __all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
 
@@ -188,7 +188,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            ep = torch.export.export(wrapper, example_inputs).run_decompositions()
+            ep = torch.export.export(wrapper, example_inputs).run_decompositions(decomposition_table())
     finally:
         for m, t in zip(model.modules(), was_training):
             m.training = t

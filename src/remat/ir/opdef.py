@@ -118,6 +118,8 @@ class OpDef:
     ``vjp`` is filled by the autodiff rules declared beside the op (see ``remat.autodiff``);
     ``vjp_saves`` says what the backward keeps from the forward: "inputs", "outputs", "none", or
     a tuple of operand indices. ``nondiff`` marks ops without a derivative (comparisons, …).
+    ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
+    attributes) to estimated floating-point operations (``remat.memory.costmodel``).
     """
 
     name: str
@@ -134,6 +136,7 @@ class OpDef:
     sample: Callable[[np.random.Generator], list[Sample]] | None = None
     vjp: Callable | None = None
     vjp_saves: Any = None
+    flops: Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], float] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tags) - TAGS

@@ -23,6 +23,8 @@ def flops(ins: Instruction) -> float:
     out = ins.results[0].type
     if op.has("view") or op.has("constant") or op.name in ("free", "return", "call"):
         return 0.0
+    if op.flops is not None:  # the op's own cost rule, declared with it
+        return float(op.flops([o.type for o in ins.operands], [r.type for r in ins.results], ins.attrs))
     if op.name == "matmul":
         return 2.0 * out.numel * ins.operands[0].type.shape[-1]
     if op.name == "conv2d":
