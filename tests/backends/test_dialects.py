@@ -35,7 +35,7 @@ def dialect_of(m: Module, op: str) -> str:
 
 def test_remat_dialects_is_the_backends_module():
     assert remat.dialects is backends
-    assert backends.enabled() == ("torch", "numpy")
+    assert backends.enabled() == ("numba", "torch", "numpy")
 
 
 def test_torch_has_priority_and_checkers_fall_back_to_numpy():
@@ -64,7 +64,7 @@ def test_only_context_manager_and_restoration():
         assert backends.enabled() == ("numpy",)
         m = backends.assign_dialects(module_add_matmul())
         assert dialect_of(m, "exp") == "numpy"
-    assert backends.enabled() == ("torch", "numpy")
+    assert backends.enabled() == ("numba", "torch", "numpy")
 
 
 def test_disable_and_enable():

@@ -1,6 +1,6 @@
 """Dialects: backends that claim ops by priority through per-implementation checkers (RAF §3.2.1).
 
-A *dialect* (``numpy``, ``torch``) is a named backend with a priority. Each op may have several
+A *dialect* (``numpy``, ``torch``, ``numba``) is a named backend with a priority. Each op may have several
 kernel *implementations*, each registered in one dialect with its own priority (default: the
 dialect's) and a ``checker(instr) -> bool`` saying whether it accepts that instruction (dtype,
 attributes, ...). :func:`assign_dialects` records on every instruction the highest-priority
@@ -64,7 +64,8 @@ class KernelImpl:
 
 
 _DIALECTS: dict[str, Dialect] = {}
-_KERNEL_MODULES = {"numpy": "remat.backends.numpy_kernels", "torch": "remat.backends.torch_kernels"}
+_KERNEL_MODULES = {"numpy": "remat.backends.numpy_kernels", "torch": "remat.backends.torch_kernels",
+                   "numba": "remat.backends.numba_kernels"}
 _loaded = False
 _enabled: set[str] | None = None  # None: every available dialect
 
@@ -234,6 +235,12 @@ try:
 except (ImportError, ValueError):  # pragma: no cover
     _has_torch = False
 register_dialect("torch", priority=10, available=_has_torch, why_unavailable="" if _has_torch else "torch is not installed")
+try:
+    _has_numba = _u.find_spec("numba") is not None
+except (ImportError, ValueError):  # pragma: no cover
+    _has_numba = False
+# Generated kernels for ``fused`` element-wise bodies (the only op it claims), above torch.
+register_dialect("numba", priority=20, available=_has_numba, why_unavailable="" if _has_numba else "numba is not installed")
 
 __all__ = ["CONTROL_OPS", "Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "dialects", "disable",
            "enable", "enabled", "kernel", "kernel_for", "only", "register_dialect", "reset", "resolve", "select"]

@@ -460,3 +460,15 @@ def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, we
     denom = np.sqrt(_up(v)) / np.sqrt(1 - beta2 ** t) + eps
     _write(param, p - step_size * _up(m) / denom)
     return param, m, v
+
+
+# ---------------------------------------------------------------- fused element-wise bodies
+@k("fused")
+def fused(*args, body):
+    """The reference: the body's nodes one by one with the numpy kernels (``remat.backends._fused``)."""
+    from ..ir.types import TensorType
+    from ._fused import interpret
+
+    types = tuple(TensorType(DType.from_numpy(a.dtype), a.shape) for a in args)
+    return interpret(body, args, types, ("numpy",), {"numpy": np.asarray},
+                     lambda x, shape: np.array(np.broadcast_to(x, shape), order="C", copy=True))

@@ -340,3 +340,16 @@ def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, we
     denom = (v.sqrt() / ((1 - beta2 ** t) ** 0.5)).add_(eps)
     param.addcdiv_(m, denom, value=-step_size)
     return param, m, v
+
+
+# ---------------------------------------------------------------- fused element-wise bodies
+@k("fused")
+def fused(*args, body):
+    """The body's nodes one by one with the kernels the VM would pick for each (torch, else numpy):
+    always available, and bit-identical to the unfused program by construction."""
+    from ..ir.types import TensorType
+    from ._fused import interpret
+
+    types = tuple(TensorType(FROM_TORCH[a.dtype], tuple(a.shape)) for a in args)
+    return interpret(body, args, types, ("torch", "numpy"), {"torch": to_torch, "numpy": to_numpy},
+                     lambda x, shape: to_torch(x).expand(shape).clone(memory_format=torch.contiguous_format))

@@ -58,7 +58,7 @@ def _to_torch(x: Any):
     return _tk().to_torch(x)
 
 
-_CONVERT = {"numpy": _to_numpy, "torch": _to_torch}
+_CONVERT = {"numpy": _to_numpy, "torch": _to_torch, "numba": _to_numpy}  # numba kernels take NumPy arrays
 
 
 def tensor_type_of(x: Any) -> TensorType:

@@ -1,0 +1,333 @@
+"""The ``numba`` dialect: generated loop kernels for ``fused`` element-wise bodies.
+
+One kernel per *pattern* (body, operand dtypes, how each operand broadcasts, serial or parallel):
+its Python source is written to the kernel cache directory (``$REMAT_CACHE_DIR``, default
+``~/.cache/remat/kernels``) and compiled by Numba with ``cache=True`` and an explicit signature,
+so a second process loads the machine code from disk and compiles nothing
+(:func:`compile_count` counts real compilations in this process).
+
+Bit-exactness with the torch kernels of the same nodes: each node is one IEEE operation in the
+node's dtype (no fast-math, so no FMA contraction or reassociation; ``error_model="numpy"`` so a
+division by zero gives inf/nan as torch does). :data:`NODE_CODE` lists what the generator supports;
+the checker refuses any other body, which then runs on the torch dialect's interpreter.
+Not in the table because torch's CPU kernels are not correctly rounded, so no generated code can
+match them bit for bit: ``sqrt``/``rsqrt`` (torch's f32 sqrt is off by one ulp against IEEE, measured
+on AVX-512) and every transcendental (exp, log, tanh, erf, …). ``maximum``/``minimum`` are left out
+because torch's signed-zero and NaN results differ between its vector and scalar paths.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..ir import Instruction, Module
+from ..ir.ops.fused import Body, parse_body
+from ..ir.types import DType
+from . import kernel
+
+FLOATS = (DType.f32, DType.f64)
+_NB_TYPE = {DType.f32: "float32", DType.f64: "float64", DType.bool: "boolean", DType.i32: "int32",
+            DType.i64: "int64"}
+
+# op -> (operand dtypes accepted, code template over the operands {0}, {1}, …; {z}/{o} zero/one of the dtype)
+NODE_CODE: dict[str, tuple[tuple[DType, ...], str]] = {
+    "add": (FLOATS, "({0} + {1})"),
+    "sub": (FLOATS, "({0} - {1})"),
+    "mul": (FLOATS, "({0} * {1})"),
+    "div": (FLOATS, "({0} / {1})"),
+    "neg": (FLOATS, "(-{0})"),
+    "abs": (FLOATS, "abs({0})"),
+    "relu": (FLOATS, "({z} if {0} < {z} else {0})"),  # torch's clamp_min(x, 0): keeps -0.0 and nan
+    "eq": (FLOATS + (DType.i32, DType.i64), "({0} == {1})"),
+    "ne": (FLOATS + (DType.i32, DType.i64), "({0} != {1})"),
+    "lt": (FLOATS + (DType.i32, DType.i64), "({0} < {1})"),
+    "le": (FLOATS + (DType.i32, DType.i64), "({0} <= {1})"),
+    "gt": (FLOATS + (DType.i32, DType.i64), "({0} > {1})"),
+    "ge": (FLOATS + (DType.i32, DType.i64), "({0} >= {1})"),
+    "select": ((DType.bool,) + FLOATS, "({1} if {0} else {2})"),
+    "not": ((DType.bool,), "(not {0})"),
+    "and": ((DType.bool,), "({0} and {1})"),
+    "or": ((DType.bool,), "({0} or {1})"),
+    "cast": ((DType.bool, DType.i32, DType.i64) + FLOATS, "np.{dt}({0})"),
+}
+_CAST_TO = FLOATS  # casts to f32/f64 are exactly rounded by the hardware, as in torch
+
+PARALLEL_MIN_ELEMENTS = 1 << 17  # below this, handing half the work to a thread costs more than it gives
+THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+def node_supported(op: str, in_dtypes: tuple[DType, ...], attrs: dict) -> bool:
+    """Whether the generator emits ``op`` on these operand dtypes bit-exactly (see :data:`NODE_CODE`)."""
+    if op == "constant":
+        return attrs["dtype"] in FLOATS + (DType.bool, DType.i32, DType.i64)
+    spec = NODE_CODE.get(op)
+    if spec is None:
+        return False
+    ok, _ = spec
+    if op == "select":
+        return in_dtypes[0] == DType.bool and in_dtypes[1] in FLOATS
+    if op == "cast":
+        return in_dtypes[0] in ok and attrs["dtype"] in _CAST_TO
+    return all(d in ok for d in in_dtypes)
+
+
+def body_supported(body: Body, types) -> bool:
+    vals = body.value_types(list(types))
+    return all(node_supported(n.op, tuple(vals[a].dtype for a in n.args), n.attr_dict) for n in body.nodes)
+
+
+def _check(ins: Instruction) -> bool:
+    try:
+        body = parse_body(ins.attrs["body"])
+        return body_supported(body, [v.type for v in ins.operands])
+    except (TypeError, KeyError):
+        return False
+
+
+# ---------------------------------------------------------------- patterns and code generation
+@dataclass(frozen=True)
+class Pattern:
+    """What one generated kernel is specialised on (a cache key)."""
+
+    body: str
+    in_dtypes: tuple[DType, ...]
+    full: tuple[tuple[bool, ...], ...]  # per operand, per collapsed dim: full extent (True) or broadcast
+
+    @property
+    def rank(self) -> int:
+        return len(self.full[0]) if self.full else 1
+
+    def key(self) -> str:
+        text = repr((self.body, [d.value for d in self.in_dtypes], self.full, _GEN_VERSION))
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+_GEN_VERSION = 1  # bump when the generated code changes
+
+
+def collapse(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
+             ) -> tuple[tuple[int, ...], list[tuple[int, ...]], tuple[tuple[bool, ...], ...]]:
+    """Merge adjacent dims where every operand broadcasts alike: (iteration shape, operand shapes, full flags).
+
+    Dims of extent 1 go; operands are reshaped (zero-copy, they are contiguous) to the collapsed rank
+    with 1 where they broadcast.
+    """
+    r = len(out_shape)
+    padded = [(1,) * (r - len(s)) + tuple(s) for s in in_shapes]
+    dims: list[int] = []
+    flags: list[tuple[bool, ...]] = []
+    for d in range(r):
+        n = out_shape[d]
+        if n == 1:
+            continue
+        f = tuple(p[d] == n for p in padded)
+        if flags and flags[-1] == f:
+            dims[-1] *= n
+        else:
+            dims.append(n)
+            flags.append(f)
+    if not dims:
+        dims, flags = [1], [tuple(True for _ in in_shapes)]
+    shapes = [tuple(n if fl[i] else 1 for n, fl in zip(dims, flags)) for i in range(len(in_shapes))]
+    full = tuple(tuple(fl[i] for fl in flags) for i in range(len(in_shapes)))
+    return tuple(dims), shapes, full
+
+
+def _const(value: Any, dt: DType) -> str:
+    if dt == DType.bool:
+        return "True" if value else "False"
+    if dt.is_int:
+        return f"np.{_NB_TYPE[dt]}({int(value)})"
+    v = float(value)
+    lit = "math.nan" if math.isnan(v) else ("math.inf" if v == math.inf else ("-math.inf" if v == -math.inf else repr(v)))
+    return f"np.{_NB_TYPE[dt]}({lit})"
+
+
+def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
+    """The Python source of the kernel for a pattern: ``kernel(lo, hi, out0, …, in0, …)`` on collapsed arrays,
+    computing rows ``lo:hi`` of the outermost dimension (threads split that range; ``nogil``)."""
+    from ..ir import TensorType
+
+    body = parse_body(p.body)
+    n_in = body.num_inputs
+    vals = body.value_types([TensorType(d, ()) for d in p.in_dtypes])
+    rank = p.rank
+    idx = [f"j{d}" for d in range(rank)]
+    outs = [f"o{k}" for k in range(len(body.outputs))]
+    ins = [f"i{k}" for k in range(n_in)]
+    lines = ["import math", "import numpy as np", "import numba", ""]
+    sig = ", ".join(f"{_NB_TYPE[t]}[{', '.join([':'] * (rank - 1) + ['::1'])}]"
+                    for t in list(out_dtypes) + list(p.in_dtypes))
+    lines += [f'@numba.njit("void(int64, int64, {sig})", cache=True, error_model="numpy", nogil=True)',
+              f"def kernel({', '.join(['lo', 'hi'] + outs + ins)}):"]
+    consts = {}
+    for k, n in enumerate(body.nodes):
+        if n.op == "constant":
+            a = n.attr_dict
+            consts[n_in + k] = f"c{n_in + k}"
+            lines.append(f"    c{n_in + k} = {_const(a['value'], a['dtype'])}")
+    zero = {DType.f32: "np.float32(0.0)", DType.f64: "np.float64(0.0)"}
+    lines.append(f"    {', '.join(f'n{d}' for d in range(rank))}, = {outs[0]}.shape")
+    ind = "    "
+    for d in range(rank):
+        lines.append(f"{ind}for j{d} in " + ("range(lo, hi):" if d == 0 else f"range(n{d}):"))
+        ind += "    "
+    names: dict[int, str] = dict(consts)
+    for k in range(n_in):
+        sub = ", ".join(idx[d] if p.full[k][d] else "0" for d in range(rank))
+        names[k] = f"v{k}"
+        lines.append(f"{ind}v{k} = {ins[k]}[{sub}]")
+    for k, n in enumerate(body.nodes):
+        v = n_in + k
+        if n.op == "constant":
+            continue
+        _, tmpl = NODE_CODE[n.op]
+        dt = vals[v].dtype
+        a0 = vals[n.args[0]].dtype if n.args else dt
+        expr = tmpl.format(*(names[a] for a in n.args), z=zero.get(a0, "0"),
+                           dt=_NB_TYPE.get(n.attr_dict.get("dtype"), ""))
+        names[v] = f"v{v}"
+        lines.append(f"{ind}v{v} = {expr}")
+    sub = ", ".join(idx)
+    for k, o in enumerate(body.outputs):
+        lines.append(f"{ind}{outs[k]}[{sub}] = {names[o]}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the on-disk cache
+def cache_dir() -> Path:
+    """Where generated kernel sources and Numba's compiled code live."""
+    root = os.environ.get("REMAT_CACHE_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "remat"
+    return base / "kernels"
+
+
+_kernels: dict[str, Callable] = {}
+_lock = threading.Lock()
+_compiled = 0  # kernels compiled (not loaded from the disk cache) in this process
+
+
+def compile_count() -> int:
+    """How many kernels this process compiled (a disk-cache hit compiles nothing)."""
+    return _compiled
+
+
+def load_kernel(p: Pattern, out_dtypes: tuple[DType, ...]) -> Callable:
+    """The compiled kernel of a pattern: from this process, else from the disk cache, else compiled."""
+    global _compiled
+    key = p.key()
+    fn = _kernels.get(key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _kernels.get(key)
+        if fn is not None:
+            return fn
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"k_{key}.py"
+        if not path.exists():  # write once: Numba's cache index is keyed on the file's timestamp
+            tmp = d / f".k_{key}.{os.getpid()}.tmp"
+            tmp.write_text(f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes))
+            os.replace(tmp, path)
+        name = f"remat_kernels.k_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)  # compiles eagerly (explicit signature) or loads from the cache
+        fn = mod.kernel
+        if sum(fn.stats.cache_misses.values()):
+            _compiled += 1
+        _kernels[key] = fn
+        return fn
+
+
+# ---------------------------------------------------------------- the kernel
+@dataclass
+class _Plan:
+    fn: Callable
+    in_shapes: list[tuple[int, ...]]
+    cshape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    out_dtypes: tuple[Any, ...]
+    bounds: tuple[tuple[int, int], ...]  # rows of the outermost dim per thread (one part: no threads)
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan(body_text: str, shapes: tuple, dtypes: tuple) -> _Plan:
+    from ..ir import OPS, TensorType
+
+    body = parse_body(body_text)
+    in_dt = tuple(DType.from_numpy(d) for d in dtypes)
+    rtypes = OPS["fused"].result_types([TensorType(d, s) for d, s in zip(in_dt, shapes)], {"body": body_text})
+    out_shape = rtypes[0].shape
+    cshape, in_shapes, full = collapse(out_shape, list(shapes))
+    numel = int(np.prod(out_shape, dtype=np.int64))
+    pat = Pattern(body.text(), in_dt, full)
+    out_dt = tuple(t.dtype for t in rtypes)
+    fn = load_kernel(pat, out_dt)
+    n0 = cshape[0]
+    parts = min(THREADS, n0) if numel >= PARALLEL_MIN_ELEMENTS else 1
+    bounds = tuple((n0 * k // parts, n0 * (k + 1) // parts) for k in range(parts))
+    return _Plan(fn, in_shapes, cshape, out_shape, tuple(d.numpy for d in out_dt), bounds)
+
+
+@kernel("fused", "numba", checker=_check)
+def fused(*args, body):
+    """Run the generated kernel of this body; results are fresh C-contiguous arrays."""
+    key = (body, tuple(a.shape for a in args), tuple(a.dtype for a in args))
+    p = _plans.get(key)
+    if p is None:
+        p = _plans[key] = _plan(body, key[1], key[2])
+    outs = [np.empty(p.out_shape, dt) for dt in p.out_dtypes]
+    ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
+           for a, s in zip(args, p.in_shapes)]
+    arrays = [o.reshape(p.cshape) for o in outs] + ins
+    if len(p.bounds) == 1:
+        p.fn(0, p.cshape[0], *arrays)
+    else:  # the kernel releases the GIL: the other parts run on pool threads meanwhile
+        futs = [_pool().submit(p.fn, lo, hi, *arrays) for lo, hi in p.bounds[1:]]
+        p.fn(*p.bounds[0], *arrays)
+        for f in futs:
+            f.result()
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+_executor = None
+
+
+def _pool():
+    global _executor
+    if _executor is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _executor = ThreadPoolExecutor(max_workers=THREADS - 1, thread_name_prefix="remat-fused")
+    return _executor
+
+
+def prepare(module: Module) -> float:
+    """Compile (or load from the disk cache) the kernel of every ``fused`` instruction the numba dialect
+    accepts in ``module``; returns the seconds spent. Run it before the first step so kernel
+    compilation is a setup stage, not part of the first step's time."""
+    t0 = time.perf_counter()
+    for f in module:
+        for ins in f.instructions():
+            if ins.op.name == "fused" and _check(ins):
+                shapes = tuple(v.type.shape for v in ins.operands)
+                dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)
+                key = (ins.attrs["body"], shapes, dts)
+                if key not in _plans:
+                    _plans[key] = _plan(*key)
+    return time.perf_counter() - t0
