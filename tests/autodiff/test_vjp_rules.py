@@ -57,6 +57,10 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="non-overlapping windows"):
             check_vjp(f, args, rng)
         return
+    if name in ("layer_norm_grad", "batch_norm_grad"):  # native backward kernels: first order only
+        with pytest.raises(DifferentiationError, match="second-order differentiation through"):
+            check_vjp(f, args, rng)
+        return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
 
 
