@@ -278,10 +278,12 @@ def _batch_norm_vjp(b, p, g):
             g_rv = b.op("mul", g_rvar, _c(b, 1.0 - m, g_rvar))
             k = b.op("mul", g_rvar, _c(b, 2.0 * m / max(n - 1, 1), g_rvar))
             gx_var = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), _channel(b, k, rank))
-        mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
-        gm = _channel(b, g_mean, rank) if g_mean is not None else None
-        gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
-        gx = _add(b, _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n)), gx_var)
+        if g_mean is not None or g_invstd is not None:
+            mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
+            gm = _channel(b, g_mean, rank) if g_mean is not None else None
+            gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
+            gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
+        gx = _add(b, gx, gx_var)
     elif gy is not None:  # eval: y = (x - rm) (rv + eps)^-½ w + b also depends on the running statistics
         axes = [0] + list(range(2, rank))
         invstd = b.op("rsqrt", b.op("add", s2, _c(b, p.attrs["eps"], s2)))
