@@ -24,6 +24,7 @@ SECTIONS = {
     "control": "Control flow, calls and memory",
     "elementwise": "Element-wise",
     "nn": "Reductions, matmul, softmax, convolution, pooling",
+    "norm": "Normalisation (composite ops with native kernels)",
     "shape": "Data movement and constants",
     "random": "Random (deterministic functions of an explicit seed)",
     "optim": "Optimizer updates (in place)",
@@ -41,8 +42,8 @@ def _operands(op: OpDef) -> str:
 
 
 def _results(op: OpDef) -> str:
-    if op.num_results < 0:
-        return "callee's"
+    if op.num_results < 0:  # decided by the type rule: the callee's, or by optional operands and attributes
+        return "callee's" if op.attr("callee") is not None else "see description"
     out = str(op.num_results)
     if op.aliases:
         out += " (" + ", ".join(f"#{r} aliases operand {o}" for r, o in sorted(op.aliases.items())) + ")"

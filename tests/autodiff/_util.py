@@ -14,11 +14,13 @@ def ttype(a: np.ndarray) -> TensorType:
 
 
 def op_function(name: str, op: str, args, attrs) -> Function:
+    """A function applying ``op`` once and returning all its results."""
     f = Function(name, [ttype(a) for a in args])
     b = Builder(f.entry)
     r = b.op(op, *f.params, **attrs)
-    f.result_types = [r.type]
-    b.ret(r)
+    rs = list(r) if isinstance(r, tuple) else [r]
+    f.result_types = [v.type for v in rs]
+    b.ret(*rs)
     return f
 
 
@@ -35,22 +37,26 @@ def float_indices(args) -> list[int]:
 
 
 def check_vjp(f: Function, args, rng, eps: float = 1e-6, rtol: float = 1e-6, module=None) -> None:
-    """<J u, v> (central differences along a random u) == <u, J^T v> (the generated backward)."""
+    """<J u, v> (central differences along a random u) == <u, J^T v> (the generated backward).
+
+    With several outputs, v has one random part per floating-point output and <J u, v> sums them.
+    """
     fl = float_indices(args)
     m = grad_module(f, fl, extra=[g for g in (module or ()) if g.name != f.name])
-    y = evaluate(f, args, m)[0]
-    scalar = y.size == 1 and y.dtype.kind == "f"
-    v = np.ones_like(y) if scalar else rng.standard_normal(y.shape).astype(y.dtype)
+    ys = evaluate(f, args, m)
+    fo = [k for k, y in enumerate(ys) if y.dtype.kind == "f"]
+    scalar = len(ys) == 1 and ys[0].size == 1 and ys[0].dtype.kind == "f"
+    vs = {k: np.ones_like(ys[k]) if scalar else rng.standard_normal(ys[k].shape).astype(ys[k].dtype) for k in fo}
     us = {i: rng.standard_normal(np.shape(args[i])) for i in fl}
-    gargs = list(args) + ([] if scalar else [v])
+    gargs = list(args) + ([] if scalar else [vs[k] for k in fo])
     grads = evaluate(m[f.name + "_grad"], gargs, m)
 
     def shifted(s):
         a = [np.asarray(x) + s * us[i] if i in us else x for i, x in enumerate(args)]
-        return evaluate(f, a, m)[0].astype(np.float64)
+        return [o.astype(np.float64) for o in evaluate(f, a, m)]
 
-    jvp = (shifted(eps) - shifted(-eps)) / (2 * eps)
-    lhs = float(np.sum(jvp * v))
+    hi, lo = shifted(eps), shifted(-eps)
+    lhs = float(sum(np.sum((hi[k] - lo[k]) / (2 * eps) * vs[k]) for k in fo))
     rhs = float(sum(np.sum(grads[k].astype(np.float64) * us[i]) for k, i in enumerate(fl)))
     scale = max(1.0, abs(lhs), abs(rhs))
     assert abs(lhs - rhs) <= rtol * scale * 100 + 1e-7, f"<Ju,v>={lhs} but <u,J^T v>={rhs}"

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from remat.autodiff import STRUCTURAL_OPS, DifferentiationError
-from remat.ir import OPS
+from remat.ir import OPS, Builder, DType, Function, TensorType
 from remat.ir.ops._vjp import VARIANTS
 
 from _util import check_vjp, float_indices, op_function
@@ -57,6 +57,10 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="non-overlapping windows"):
             check_vjp(f, args, rng)
         return
+    if name in ("layer_norm_grad", "batch_norm_grad"):  # native backward kernels: first order only
+        with pytest.raises(DifferentiationError, match="second-order differentiation through"):
+            check_vjp(f, args, rng)
+        return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
 
 
@@ -78,3 +82,30 @@ def test_input_keeping_variants_match_finite_differences(name, k):
     gb = evaluate(b["f_grad"], args + [v], b)[0]
     np.testing.assert_allclose(ga, gb, rtol=1e-10, atol=1e-12)
     check_vjp(f, args, rng)
+
+
+def test_normalisation_saves_statistics_not_the_output():
+    """layer_norm / batch_norm backward ops read input, weight and statistics, never the output."""
+    from remat.ir.ops._vjp import saved_indices
+
+    assert saved_indices(OPS["layer_norm"].vjp_saves, 3, 3) == ({0, 1}, {1, 2})
+    assert saved_indices(OPS["layer_norm"].vjp_saves, 1, 3) == ({0}, {1, 2})  # no weight: index 1 ignored
+    bn = OPS["batch_norm"].vjp_saves
+    assert saved_indices(bn, 5, 5, {"training": True, "affine": True}) == ({0, 1}, {1, 2})
+    assert saved_indices(bn, 5, 1, {"training": False, "affine": True}) == ({0, 1, 3, 4}, set())
+    assert saved_indices(bn, 3, 1, {"training": False, "affine": False}) == ({0, 1, 2}, set())
+    rng = np.random.default_rng(0)
+    for op, args, attrs in [("layer_norm", [rng.standard_normal((4, 6)), np.ones(6), np.zeros(6)], {"axis": 1}),
+                            ("batch_norm", [rng.standard_normal((4, 3, 2)), np.ones(3), np.zeros(3)], {})]:
+        f = Function("f", [TensorType(DType.f64, a.shape) for a in args])
+        b = Builder(f.entry)
+        y = b.op(op, *f.params, **attrs)[0]
+        f.result_types = [y.type]
+        b.ret(y)
+        from _util import grad_module
+
+        g = grad_module(f, [0, 1, 2])["f_grad"]
+        fwd = next(i for i in g.instructions() if i.op.name == op)
+        readers = [i for i in g.instructions() if any(o in fwd.results for o in i.operands)]
+        assert [i.op.name for i in readers] == [op + "_grad"], readers
+        assert fwd.results[0] not in readers[0].operands and set(fwd.results[1:3]) <= set(readers[0].operands)

@@ -118,3 +118,21 @@ def test_float32_numerics_of_normalisations():
     got = evaluate(im, x)
     assert_close(got[0], net(x), torch.float32, "output")
     assert np.all(np.isfinite(got[0]))
+
+
+def test_normalisations_import_as_one_composite_op_each():
+    """LayerNorm (with and without affine) and BatchNorm (train and eval) lower to one op each."""
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LayerNorm(4 * 6 * 6),
+                        nn.LayerNorm(4 * 6 * 6, elementwise_affine=False), nn.LayerNorm(4 * 6 * 6, bias=False))
+    x = torch.randn(3, 3, 8, 8)
+    for train in (True, False):
+        net.train(train)
+        im = import_module(net, (x,), train=train)
+        ops = [i.op.name for i in im.function.instructions()]
+        assert ops.count("layer_norm") == 3 and ops.count("batch_norm") == 1, ops
+        assert "reduce_mean" not in ops and "rsqrt" not in ops, ops
+        bn = next(i for i in im.function.instructions() if i.op.name == "batch_norm")
+        assert bn.attrs["training"] is train and len(bn.results) == (5 if train else 1)
+        got = evaluate(im, x)
+        assert_close(got[0], net(x), torch.float32, f"output (train={train})")

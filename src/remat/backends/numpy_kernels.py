@@ -413,6 +413,94 @@ def iota(shape, axis=0, dtype=DType.i64):
     return _fresh(np.broadcast_to(r, shape), dtype.numpy)
 
 
+# ---------------------------------------------------------------- normalisation (composite ops of remat.ir.ops.norm)
+def _norm_core(x: np.ndarray, axes: tuple[int, ...], eps: float):
+    """(x - mean) * rstd over ``axes`` with mean and rstd (dims kept), in the compute dtype."""
+    xu = _up(x)
+    mean = np.mean(xu, axis=axes, keepdims=True)
+    var = np.mean(np.square(xu - mean), axis=axes, keepdims=True)
+    rstd = 1.0 / np.sqrt(var + eps)
+    return (xu - mean) * rstd, mean, rstd, var
+
+
+def _norm_backward(gy, xhat, rstd, w, axes):
+    """grad_x of y = xhat * w (+ b) with xhat normalised over ``axes``: rstd (ĝ - mean ĝ - xhat mean(ĝ xhat))."""
+    gh = gy * w if w is not None else gy
+    return rstd * (gh - np.mean(gh, axis=axes, keepdims=True) - xhat * np.mean(gh * xhat, axis=axes, keepdims=True))
+
+
+@k("layer_norm")
+def layer_norm(x, *affine, axis, eps=1e-5):
+    axes = tuple(range(axis, x.ndim))
+    y, mean, rstd, _ = _norm_core(x, axes, eps)
+    if affine:
+        y = y * _up(affine[0])
+    if len(affine) > 1:
+        y = y + _up(affine[1])
+    return _fresh(y, x.dtype), _fresh(mean, x.dtype), _fresh(rstd, x.dtype)
+
+
+@k("layer_norm_grad")
+def layer_norm_grad(gy, x, mean, rstd, *w, axis):
+    axes = tuple(range(axis, x.ndim))
+    lead = tuple(range(axis))
+    gy, rstd = _up(gy), _up(rstd)
+    xhat = (_up(x) - _up(mean)) * rstd
+    gx = _fresh(_norm_backward(gy, xhat, rstd, _up(w[0]) if w else None, axes), x.dtype)
+    if not w:
+        return gx
+    return gx, _fresh(np.sum(gy * xhat, axis=lead), x.dtype), _fresh(np.sum(gy, axis=lead), x.dtype)
+
+
+def _channel_np(v: np.ndarray, rank: int) -> np.ndarray:
+    return _up(v).reshape((1, -1) + (1,) * (rank - 2))
+
+
+@k("batch_norm")
+def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
+    na = 2 if affine else 0
+    w, b = (rest[0], rest[1]) if affine else (None, None)
+    running = rest[na:]
+    r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))
+    if training:
+        xhat, mean, rstd, var = _norm_core(x, axes, eps)
+    else:
+        mean, var = _channel_np(running[0], r), _channel_np(running[1], r)
+        rstd = 1.0 / np.sqrt(var + eps)
+        xhat = (_up(x) - mean) * rstd
+    y = xhat * _channel_np(w, r) + _channel_np(b, r) if affine else xhat
+    y = _fresh(y, x.dtype)
+    if not training:
+        return y
+    c = x.shape[1]
+    out = (y, _fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
+    if running:
+        n = x.size // c
+        new_mean = (1 - momentum) * _up(running[0]) + momentum * mean.reshape(c)
+        new_var = (1 - momentum) * _up(running[1]) + momentum * var.reshape(c) * (n / max(n - 1, 1))
+        out += (_fresh(new_mean, running[0].dtype), _fresh(new_var, running[1].dtype))
+    return out
+
+
+@k("batch_norm_grad")
+def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
+    """s1, s2: (save_mean, save_invstd) in training, (running_mean, running_var) in eval."""
+    r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))
+    gy = _up(gy)
+    mean = _channel_np(s1, r)
+    rstd = _channel_np(s2, r) if training else 1.0 / np.sqrt(_channel_np(s2, r) + eps)
+    xhat = (_up(x) - mean) * rstd
+    wc = _channel_np(w[0], r) if w else None
+    if training:
+        gx = _norm_backward(gy, xhat, rstd, wc, axes)
+    else:
+        gx = gy * rstd * (wc if w else 1.0)
+    gx = _fresh(gx, x.dtype)
+    if not w:
+        return gx
+    return gx, _fresh(np.sum(gy * xhat, axis=axes), x.dtype), _fresh(np.sum(gy, axis=axes), x.dtype)
+
+
 # ---------------------------------------------------------------- optimizer updates (in place)
 def _write(dst: np.ndarray, value: np.ndarray) -> None:
     """Store ``value`` into ``dst`` in place, rounding to dst's dtype."""

@@ -304,6 +304,45 @@ def iota(shape, axis=0, dtype=DType.i64):
     return r.expand(shape).to(TORCH_DTYPE[dtype]).clone(memory_format=torch.contiguous_format)
 
 
+# ---------------------------------------------------------------- normalisation (composite ops of remat.ir.ops.norm)
+# ATen's native kernels, as eager PyTorch runs them. Their results are fresh contiguous tensors.
+@k("layer_norm")
+def layer_norm(x, *affine, axis, eps=1e-5):
+    w = affine[0] if affine else None
+    b = affine[1] if len(affine) > 1 else None
+    y, mean, rstd = torch.ops.aten.native_layer_norm(x, list(x.shape[axis:]), w, b, eps)
+    return _fresh(y), _fresh(mean), _fresh(rstd)
+
+
+@k("layer_norm_grad")
+def layer_norm_grad(gy, x, mean, rstd, *w, axis):
+    weight = w[0] if w else None
+    # The bias is only read for grad_bias's shape and dtype, which are the weight's.
+    gx, gw, gb = torch.ops.aten.native_layer_norm_backward(gy, x, list(x.shape[axis:]), mean, rstd, weight, weight,
+                                                            [True, bool(w), bool(w)])
+    return (_fresh(gx), _fresh(gw), _fresh(gb)) if w else _fresh(gx)
+
+
+@k("batch_norm")
+def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
+    na = 2 if affine else 0
+    w, b = (rest[0], rest[1]) if affine else (None, None)
+    running = [t.clone() for t in rest[na:]]  # fresh results: the kernel updates the running statistics in place
+    rm, rv = running if running else (None, None)
+    y, mean, invstd = torch.ops.aten.native_batch_norm(x, w, b, rm, rv, training, momentum, eps)
+    if not training:
+        return _fresh(y)
+    return (_fresh(y), _fresh(mean), _fresh(invstd), *running)
+
+
+@k("batch_norm_grad")
+def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
+    weight = w[0] if w else None
+    stats = (None, None, s1, s2) if training else (s1, s2, None, None)
+    gx, gw, gb = torch.ops.aten.native_batch_norm_backward(gy, x, weight, *stats, training, eps,
+                                                            [True, bool(w), bool(w)])
+    return (_fresh(gx), _fresh(gw), _fresh(gb)) if w else _fresh(gx)
+
 
 # ---------------------------------------------------------------- optimizer updates (in place)
 @k("sgd_step")

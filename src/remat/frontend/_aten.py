@@ -732,10 +732,13 @@ def _affine(L: Lowerer, y: Value, weight, bias, shape_fn) -> Value:
 
 @lower("native_layer_norm.default")
 def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
-    r = x.type.rank
-    axes = list(range(r - len(normalized_shape), r))
-    y, mean, rstd, _ = _normalize(L, x, axes, eps)
-    return _affine(L, y, weight, bias, lambda v: v), mean, rstd
+    """One ``layer_norm`` op (native kernel and backward); a bias without a weight is added after."""
+    axis = x.type.rank - len(normalized_shape)
+    affine = [] if weight is None else [weight] + ([bias] if bias is not None else [])
+    y, mean, rstd = L.op("layer_norm", x, *affine, axis=axis, eps=eps)
+    if weight is None and bias is not None:
+        y = L.op("add", y, bias)
+    return y, mean, rstd
 
 
 @lower("native_group_norm.default")
@@ -749,26 +752,22 @@ def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
 
 
 def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    r = x.type.rank
-    axes = [0] + list(range(2, r))
-    C = x.type.shape[1]
-    dt = x.type.dtype
-    if training:
-        y, mean, rstd, var = _normalize(L, x, axes, eps)
-        mean_c, rstd_c = L.reshape(mean, (C,)), L.reshape(rstd, (C,))
-        new_mean = new_var = None
-        if running_mean is not None:
-            n = x.type.numel // C
-            var_c = L.reshape(var, (C,))
-            keep = L.const(1 - momentum, dt)
-            new_mean = L.op("add", L.op("mul", running_mean, keep), L.op("mul", mean_c, L.const(momentum, dt)))
-            unbiased = L.op("mul", var_c, L.const(momentum * n / max(n - 1, 1), dt))
-            new_var = L.op("add", L.op("mul", running_var, keep), unbiased)
-        return _affine(L, y, weight, bias, lambda v: _channel(v, r, L)), mean_c, rstd_c, new_mean, new_var
-    rstd_c = L.op("rsqrt", L.op("add", running_var, L.const(eps, dt)))
-    y = L.op("mul", L.op("sub", x, _channel(running_mean, r, L)), _channel(rstd_c, r, L))
-    # The saved mean/rstd outputs are empty in PyTorch's eval mode and unused by forward graphs.
-    return _affine(L, y, weight, bias, lambda v: _channel(v, r, L)), None, None
+    """One ``batch_norm`` op (native kernel and backward). Training: (y, mean, invstd, new running
+    mean, new running var), the last two None without running statistics; eval: (y, None, None)."""
+    C, dt = x.type.shape[1], x.type.dtype
+    affine = weight is not None or bias is not None
+    aff = []
+    if affine:  # torch's modules give both or neither; a lone one is completed with the identity
+        aff = [weight if weight is not None else L.const(1, dt, (C,)), bias if bias is not None else L.const(0, dt, (C,))]
+    running = [running_mean, running_var] if running_mean is not None else []
+    if not training:
+        if not running:
+            raise LoweringError("batch norm in eval mode needs running statistics")
+        y = L.op("batch_norm", x, *aff, *running, training=False, momentum=momentum, eps=eps, affine=affine)
+        # The saved mean/invstd outputs are empty in PyTorch's eval mode and unused by forward graphs.
+        return y, None, None
+    outs = L.op("batch_norm", x, *aff, *running, training=True, momentum=momentum, eps=eps, affine=affine)
+    return tuple(outs) + ((None, None) if not running else ())
 
 
 @lower("_native_batch_norm_legit_functional.default")

@@ -6,6 +6,11 @@ the storage they alias, so the graph's memory model matches the VM's storage acc
 ``from_schedule`` turns a solver's schedule back into IR: recomputations are clones of the
 original instructions, frees are explicit ``free`` instructions, views are re-emitted next to
 their uses. The result's peak is then predicted exactly by ``liveness.predict_peak``.
+
+An instruction with several results (e.g. ``batch_norm``: output and statistics) gives one node
+per result, each reading the instruction's operands and costing the whole instruction, since
+recomputing any one result re-runs it. The first computation of each result comes from one
+execution; a result computed again re-runs the instruction, whose other results die unused.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class Lowered:
     graph: Graph
     node_of: dict[Value, int]                  # storage root value -> node
     instr_of: dict[int, Instruction] = field(default_factory=dict)
+    result_of: dict[int, int] = field(default_factory=dict)  # node -> index of its result in instr_of
     arg_of: dict[int, BlockArg] = field(default_factory=dict)
     root: dict[Value, Value] = field(default_factory=dict)  # view value -> its storage root value
 
@@ -60,17 +66,18 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
     for n, ins in enumerate(fn.entry.instrs[:-1]):
         if _is_view(ins):
             continue
-        if len(ins.results) != 1:
-            raise ValueError(f"@{fn.name}: instruction {n} ('{ins.op.name}') has {len(ins.results)} results; "
+        if len(ins.results) != 1 and ins.op.aliases:
+            raise ValueError(f"@{fn.name}: instruction {n} ('{ins.op.name}') updates operands in place; "
                              "plan the function before adding in-place updates")
-        r = ins.results[0]
         inputs = sorted({low.node_of[low.root[o]] for o in ins.operands})
-        cost = costs.get(ins, 0.0) if costs is not None else float(r.type.numel)
         recomputable = not ins.op.has("effect") and not ins.op.has("inplace")
-        idx = g.add_node(f"%{n}:{ins.op.name}", cost, r.type.nbytes, inputs,
-                         is_output=r in out_roots, recomputable=recomputable)
-        low.node_of[r] = idx
-        low.instr_of[idx] = ins
+        for k, r in enumerate(ins.results):
+            cost = costs.get(ins, 0.0) if costs is not None else float(ins.results[0].type.numel)
+            name = f"%{n}:{ins.op.name}" + (f"#{k}" if len(ins.results) > 1 else "")
+            idx = g.add_node(name, cost, r.type.nbytes, inputs, is_output=r in out_roots, recomputable=recomputable)
+            low.node_of[r] = idx
+            low.instr_of[idx] = ins
+            low.result_of[idx] = k
     return low
 
 
@@ -104,13 +111,20 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
         cache[v] = nv
         return nv
 
+    # Per original instruction: its latest execution and the results of it already handed out.
+    latest: dict[Instruction, tuple[Instruction, set[int]]] = {}
     for step, i in schedule:
         if step == COMPUTE:
-            ins = low.instr_of[i]
-            cache: dict[Value, Value] = {}
-            ops = [value_of(o, cache) for o in ins.operands]
-            new = b.create(ins.op.name, ops, ins.attrs, result_types=[r.type for r in ins.results], dialect=ins.dialect)
-            current[i] = new.results[0]
+            ins, k = low.instr_of[i], low.result_of[i]
+            run = latest.get(ins)
+            if run is None or k in run[1]:
+                cache: dict[Value, Value] = {}
+                ops = [value_of(o, cache) for o in ins.operands]
+                new = b.create(ins.op.name, ops, ins.attrs, result_types=[r.type for r in ins.results],
+                               dialect=ins.dialect)
+                run = latest[ins] = (new, set())
+            run[1].add(k)
+            current[i] = run[0].results[k]
         elif step == FREE:
             if i in low.arg_of:
                 continue

@@ -141,12 +141,13 @@ def _kept_by_backward(v: Value, consumers: dict[Value, list[Instruction]]) -> bo
     from ..ir.ops._vjp import saved_indices
 
     ins = v.instr
-    if ins.op.vjp is not None and saved_indices(ins.op.vjp_saves, len(ins.operands))[1]:
+    if ins.op.vjp is not None and v.index in saved_indices(ins.op.vjp_saves, len(ins.operands),
+                                                           len(ins.results), ins.attrs)[1]:
         return True
     for c in consumers.get(v, []):
         if c.op.vjp is None:
             continue
-        idx, _ = saved_indices(c.op.vjp_saves, len(c.operands))
+        idx, _ = saved_indices(c.op.vjp_saves, len(c.operands), len(c.results), c.attrs)
         if any(c.operands[i] is v for i in idx):
             return True
     return False

@@ -1,0 +1,307 @@
+"""Normalisation as composite ops with native kernels: layer norm and batch norm, with their
+backward ops (RAF §3.2.1–3.2.2).
+
+Each forward op returns its statistics as extra results (as ATen's ``native_layer_norm`` and
+``native_batch_norm`` do), and its VJP rule emits one backward op that reads exactly what the
+native backward kernel needs: the input, the weight and the statistics, never the normalised
+output. Optional trailing operands (weight, bias) make the no-affine forms.
+"""
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from ..opdef import Attr, OpDef, Sample, declare
+from ..types import TensorType
+from ._util import check_axis, expect_float, norm_axis, rand
+
+
+def _stats_shape(x: TensorType, axis: int) -> tuple[int, ...]:
+    """Shape of layer norm's mean/rstd: the leading dims, ones over the normalised ones (ATen's)."""
+    return x.shape[:axis] + (1,) * (x.rank - axis)
+
+
+def _axis_norm(types, attrs):
+    return {**attrs, "axis": norm_axis(attrs["axis"], types[0].rank)} if types else attrs
+
+
+def _check_affine(name: str, params: list[TensorType], shape: tuple[int, ...], x: TensorType, what: str) -> None:
+    for p, pname in zip(params, ("weight", "bias")):
+        if p.shape != shape or p.dtype != x.dtype:
+            raise TypeError(f"'{name}': {pname} {p} must be {x.dtype}{list(shape)} ({what} of input {x})")
+
+
+# ---------------------------------------------------------------- layer norm
+def _ln_check(name: str, x: TensorType, attrs) -> tuple[int, ...]:
+    expect_float(name, x)
+    check_axis(name, attrs["axis"], x.rank)
+    return x.shape[attrs["axis"]:]
+
+
+def _layer_norm_infer(types, attrs):
+    x, *affine = types
+    if len(affine) > 2:
+        raise TypeError(f"'layer_norm' takes the input, then optionally weight and bias; got {len(types)} operands")
+    norm_shape = _ln_check("layer_norm", x, attrs)
+    _check_affine("layer_norm", affine, norm_shape, x, "the normalised dims")
+    st = x.with_shape(_stats_shape(x, attrs["axis"]))
+    return x, st, st
+
+
+def _layer_norm_grad_infer(types, attrs):
+    if len(types) not in (4, 5):
+        raise TypeError(f"'layer_norm_grad' takes (grad_output, input, mean, rstd[, weight]), got {len(types)} operands")
+    gy, x, mean, rstd, *w = types
+    norm_shape = _ln_check("layer_norm_grad", x, attrs)
+    st = x.with_shape(_stats_shape(x, attrs["axis"]))
+    if gy != x or mean != st or rstd != st:
+        raise TypeError(f"'layer_norm_grad': grad_output {gy}, mean {mean} and rstd {rstd} must be {x} and {st} "
+                        f"for input {x} normalised from axis {attrs['axis']}")
+    _check_affine("layer_norm_grad", w, norm_shape, x, "the normalised dims")
+    return (x, *w, *w)
+
+
+def _norm_flops(factor: float):
+    def flops(ins, outs, attrs):
+        return factor * ins[0].numel if ins[0].dtype.is_float else 0.0
+
+    return flops
+
+
+def _ln_samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample([rand(r, 3, 4, 5), rand(r, 5, low=0.5, high=1.5), rand(r, 5)], {"axis": 2}),
+            Sample([rand(r, 2, 3, 4)], {"axis": 1, "eps": 1e-3}),
+            Sample([rand(r, 4, 6), rand(r, 6, low=0.5, high=1.5)], {"axis": -1})]
+
+
+def _ln_grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _ln_samples(r):
+        x = s.args[0]
+        axes = tuple(range(norm_axis(s.attrs["axis"], x.ndim), x.ndim))
+        mean = x.mean(axis=axes, keepdims=True)
+        rstd = 1.0 / np.sqrt(x.var(axis=axes, keepdims=True) + s.attrs.get("eps", 1e-5))
+        out.append(Sample([rand(r, *x.shape), x, mean, rstd, *s.args[1:2]], {"axis": s.attrs["axis"]}))
+    return out
+
+
+declare(OpDef("layer_norm", None, (Attr("axis", "int"), Attr("eps", "float", 1e-5)), _layer_norm_infer,
+              frozenset(), num_results=3, normalize=_axis_norm, flops=_norm_flops(8.0),
+              doc="layer normalisation of x over its dims from `axis` on, then `* weight + bias` when given "
+                  "(operands x[, weight[, bias]]); results (y, mean, rstd), statistics with the normalised dims "
+                  "kept as 1 (ATen native_layer_norm)",
+              sample=_ln_samples))
+declare(OpDef("layer_norm_grad", None, (Attr("axis", "int"),), _layer_norm_grad_infer, frozenset(), num_results=-1,
+              min_operands=4, normalize=lambda t, a: _axis_norm(t[1:], a), flops=_norm_flops(10.0),
+              doc="backward of layer_norm from (grad_output, x, mean, rstd[, weight]): grad_x, and grad_weight, "
+                  "grad_bias when a weight is given (ATen native_layer_norm_backward)",
+              sample=_ln_grad_samples))
+
+
+# ---------------------------------------------------------------- batch norm
+_BN_ATTRS = (Attr("training", "bool", True), Attr("momentum", "float", 0.1), Attr("eps", "float", 1e-5),
+             Attr("affine", "bool", True))
+
+
+def _bn_x(name: str, x: TensorType) -> int:
+    expect_float(name, x)
+    if x.rank < 2:
+        raise TypeError(f"'{name}' needs an input [N, C, ...] of rank >= 2, got {x}")
+    return x.shape[1]
+
+
+def _bn_split(types, attrs) -> tuple[TensorType, list[TensorType], list[TensorType]]:
+    """(input, [weight, bias], [running_mean, running_var]) from batch_norm's operands."""
+    na = 2 if attrs["affine"] else 0
+    x, rest = types[0], list(types[1:])
+    if len(rest) not in (na, na + 2):
+        raise TypeError(f"'batch_norm' takes x, {'weight, bias, ' if na else ''}then optionally running_mean, "
+                        f"running_var (affine={str(attrs['affine']).lower()}); got {len(types)} operands")
+    return x, rest[:na], rest[na:]
+
+
+def _batch_norm_infer(types, attrs):
+    x, affine, running = _bn_split(types, attrs)
+    c = _bn_x("batch_norm", x)
+    vec = x.with_shape((c,))
+    _check_affine("batch_norm", affine, (c,), x, "one per channel")
+    for r in running:
+        if r != vec:
+            raise TypeError(f"'batch_norm': running statistics must be {vec} (one per channel of {x}), got {r}")
+    if not attrs["training"]:
+        if not running:
+            raise TypeError("'batch_norm' in eval mode (training=false) needs running_mean and running_var operands")
+        return x
+    return (x, vec, vec) + ((vec, vec) if running else ())
+
+
+def _batch_norm_grad_infer(types, attrs):
+    if len(types) not in (4, 5):
+        raise TypeError(f"'batch_norm_grad' takes (grad_output, input, mean, invstd_or_var[, weight]), "
+                        f"got {len(types)} operands")
+    gy, x, s1, s2, *w = types
+    c = _bn_x("batch_norm_grad", x)
+    vec = x.with_shape((c,))
+    if gy != x or s1 != vec or s2 != vec:
+        raise TypeError(f"'batch_norm_grad': grad_output {gy} must be {x}, the statistics {s1} and {s2} must be {vec}")
+    _check_affine("batch_norm_grad", w, (c,), x, "one per channel")
+    return (x, *w, *w)
+
+
+def _bn_saves(attrs, n: int):
+    from ._vjp import Saves
+
+    affine = (1,) if attrs.get("affine", True) else ()
+    if attrs.get("training", True):  # the batch statistics (results 1, 2), not the output
+        return Saves(operands=(0,) + affine, results=(1, 2))
+    return Saves(operands=(0,) + affine + (n - 2, n - 1))  # eval: the running statistics
+
+
+def _bn_samples(r: np.random.Generator) -> list[Sample]:
+    def pos(*s):
+        return rand(r, *s, low=0.5, high=1.5)
+
+    return [Sample([rand(r, 4, 3, 3, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"momentum": 0.2}),
+            Sample([rand(r, 5, 2, 3)], {"affine": False, "eps": 1e-3}),
+            Sample([rand(r, 6, 4), pos(4), rand(r, 4)], {}),
+            Sample([rand(r, 2, 3, 2, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False})]
+
+
+def _bn_grad_samples(r: np.random.Generator) -> list[Sample]:
+    x = rand(r, 4, 3, 3, 2)
+    mean = x.mean(axis=(0, 2, 3))
+    invstd = 1.0 / np.sqrt(x.var(axis=(0, 2, 3)) + 1e-5)
+    x2 = rand(r, 6, 4)
+    return [Sample([rand(r, *x.shape), x, mean, invstd, rand(r, 3, low=0.5, high=1.5)], {}),
+            Sample([rand(r, *x2.shape), x2, x2.mean(axis=0), 1.0 / np.sqrt(x2.var(axis=0) + 1e-3)], {"eps": 1e-3}),
+            Sample([rand(r, *x.shape), x, rand(r, 3), rand(r, 3, low=0.5, high=1.5), rand(r, 3)], {"training": False})]
+
+
+declare(OpDef("batch_norm", None, _BN_ATTRS, _batch_norm_infer, frozenset(), num_results=-1,
+              flops=_norm_flops(8.0),
+              doc="batch normalisation over all dims but 1 (channels) of x[, weight, bias][, running_mean, running_var]. "
+                  "Training: batch statistics; results (y, mean, invstd[, new running_mean, new running_var]) with the "
+                  "unbiased variance in the running update. Eval (training=false): running statistics; result y "
+                  "(ATen native_batch_norm)",
+              sample=_bn_samples))
+declare(OpDef("batch_norm_grad", None, (Attr("training", "bool", True), Attr("eps", "float", 1e-5)),
+              _batch_norm_grad_infer, frozenset(), num_results=-1, min_operands=4, flops=_norm_flops(10.0),
+              doc="backward of batch_norm from (grad_output, x, mean, invstd[, weight]) in training, "
+                  "(grad_output, x, running_mean, running_var[, weight]) in eval: grad_x, and grad_weight, grad_bias "
+                  "when a weight is given (ATen native_batch_norm_backward)",
+              sample=_bn_grad_samples))
+
+
+# ================================================================ VJP rules (reverse mode)
+# rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. The forward ops have several
+# results, so ``g`` is the list of their cotangents (None: zero).
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import Saves, scalar_like as _c  # noqa: E402
+
+
+def _add(b, a, c):
+    if a is None:
+        return c
+    return a if c is None else b.op("add", a, c)
+
+
+def _stats_cotangent(b, x, mean, rstd, g_mean, g_rstd, n: int):
+    """Cotangent on x from cotangents on the statistics: mean = Σx/n, rstd = (Σ(x-mean)²/n + eps)^-½.
+
+    ``mean``/``rstd`` broadcast against ``x``; ``g_mean``/``g_rstd`` have their shapes (None: zero).
+    """
+    gx = None
+    if g_mean is not None:
+        gx = b.op("broadcast", b.op("mul", g_mean, _c(b, 1.0 / n, g_mean)), shape=x.type.shape)
+    if g_rstd is not None:  # d rstd / dx = -rstd³ (x - mean) / n
+        r3 = b.op("mul", b.op("mul", rstd, rstd), rstd)
+        k = b.op("mul", b.op("mul", g_rstd, r3), _c(b, -1.0 / n, r3))
+        gx = _add(b, gx, b.op("mul", b.op("sub", x, mean), k))
+    return gx
+
+
+@def_vjp("layer_norm", saves=Saves(operands=(0, 1), results=(1, 2)))
+def _layer_norm_vjp(b, p, g):
+    gy, g_mean, g_rstd = g
+    x, w = p.x[0], (p.x[1] if len(p.x) > 1 else None)
+    mean, rstd = p.y[1], p.y[2]
+    axis = p.attrs["axis"]
+    gx = gw = gbias = None
+    if gy is not None:
+        outs = b.op("layer_norm_grad", gy, x, mean, rstd, *([w] if w is not None else []), axis=axis)
+        if w is None:
+            gx = outs
+        else:
+            gx, gw, gbias = outs
+    n = prod(p.in_types[0].shape[axis:])
+    gx = _add(b, gx, _stats_cotangent(b, x, mean, rstd, g_mean, g_rstd, n))
+    return [gx, gw, gbias][: len(p.in_types)]
+
+
+def _channel(b, v, rank: int):
+    """A per-channel vector [C] shaped to broadcast over an [N, C, ...] tensor."""
+    return b.op("reshape", v, shape=(1, v.type.shape[0]) + (1,) * (rank - 2))
+
+
+@def_vjp("batch_norm", saves=_bn_saves)
+def _batch_norm_vjp(b, p, g):
+    g = ((list(g) if isinstance(g, list) else [g]) + [None] * 4)[:5]  # eval mode has the one result y
+    gy, g_mean, g_invstd, g_rmean, g_rvar = g
+    x, rank = p.x[0], p.in_types[0].rank
+    affine = p.attrs["affine"]
+    w = p.x[1] if affine else None
+    n_ops = len(p.in_types)
+    running = n_ops == 1 + 2 * affine + 2
+    training = p.attrs["training"]
+    if training:
+        s1, s2 = p.y[1], p.y[2]
+    else:
+        s1, s2 = p.x[n_ops - 2], p.x[n_ops - 1]
+    gx = gw = gbias = None
+    if gy is not None:
+        outs = b.op("batch_norm_grad", gy, x, s1, s2, *([w] if affine else []), training=training, eps=p.attrs["eps"])
+        if affine:
+            gx, gw, gbias = outs
+        else:
+            gx = outs
+    g_rm = g_rv = None
+    if training:
+        xt = p.in_types[0]
+        n = xt.numel // xt.shape[1]
+        m = p.attrs["momentum"]
+        if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
+            g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
+            g_mean = _add(b, g_mean, b.op("mul", g_rmean, _c(b, m, g_rmean)))
+        gx_var = None
+        if g_rvar is not None:  # new_rv = (1 - m) rv + m n/(n-1) var, d var / dx = 2 (x - mean) / n
+            g_rv = b.op("mul", g_rvar, _c(b, 1.0 - m, g_rvar))
+            k = b.op("mul", g_rvar, _c(b, 2.0 * m / max(n - 1, 1), g_rvar))
+            gx_var = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), _channel(b, k, rank))
+        if g_mean is not None or g_invstd is not None:
+            mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
+            gm = _channel(b, g_mean, rank) if g_mean is not None else None
+            gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
+            gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
+        gx = _add(b, gx, gx_var)
+    elif gy is not None:  # eval: y = (x - rm) (rv + eps)^-½ w + b also depends on the running statistics
+        axes = [0] + list(range(2, rank))
+        invstd = b.op("rsqrt", b.op("add", s2, _c(b, p.attrs["eps"], s2)))
+        gyw = b.op("mul", gy, _channel(b, w, rank)) if affine else gy
+        g_rm = b.op("neg", b.op("mul", b.op("reduce_sum", gyw, axes=axes), invstd))
+        dvar = b.op("mul", b.op("mul", invstd, b.op("mul", invstd, invstd)), _c(b, -0.5, invstd))
+        prod_ = b.op("mul", gyw, b.op("sub", x, _channel(b, s1, rank)))
+        g_rv = b.op("mul", b.op("reduce_sum", prod_, axes=axes), dvar)
+    return [gx] + ([gw, gbias] if affine else []) + ([g_rm, g_rv] if running else [])
+
+
+def _no_second_order(name: str):
+    def rule(b, p, g):
+        raise NotImplementedError(f"second-order differentiation through {name} is not supported "
+                                  f"(its backward op '{name}_grad' has no VJP rule)")
+
+    return rule
+
+
+def_vjp("layer_norm_grad", saves="none")(_no_second_order("layer_norm"))
+def_vjp("batch_norm_grad", saves="none")(_no_second_order("batch_norm"))
