@@ -14,9 +14,11 @@ def ttype(a: np.ndarray) -> TensorType:
 
 
 def op_function(name: str, op: str, args, attrs) -> Function:
+    """A function applying ``op`` to its parameters, returning the op's first result (the one the
+    op is differentiated through; e.g. attention's logsumexp is an auxiliary result)."""
     f = Function(name, [ttype(a) for a in args])
     b = Builder(f.entry)
-    r = b.op(op, *f.params, **attrs)
+    r = b.create(op, f.params, attrs).results[0]
     f.result_types = [r.type]
     b.ret(r)
     return f

@@ -9,7 +9,7 @@ from remat.autodiff import STRUCTURAL_OPS, DifferentiationError
 from remat.ir import OPS
 from remat.ir.ops._vjp import VARIANTS
 
-from _util import check_vjp, float_indices, op_function
+from _util import check_vjp, float_indices, grad_module, op_function, ttype
 
 DIFF_OPS = sorted(n for n, o in OPS.items() if o.vjp is not None)
 CASES = [(n, k) for n in DIFF_OPS for k in range(len(OPS[n].sample(np.random.default_rng(0))))]
@@ -57,7 +57,34 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="non-overlapping windows"):
             check_vjp(f, args, rng)
         return
+    if name == "attention_grad":
+        with pytest.raises(DifferentiationError, match="second-order differentiation through attention"):
+            check_vjp(f, args, rng)
+        return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
+
+
+def test_attention_saves_exactly_its_operands_and_results():
+    from remat.ir.ops._vjp import Saves, saved_indices
+
+    saves = OPS["attention"].vjp_saves
+    assert saves == Saves(operands=(0, 1, 2, 3), results=(0, 1))
+    assert saved_indices(saves, 3, 2) == ({0, 1, 2}, {0, 1})  # no mask: the optional operand is skipped
+    assert saved_indices(saves, 4, 2) == ({0, 1, 2, 3}, {0, 1})
+
+
+def test_attention_logsumexp_is_not_differentiable():
+    from remat.ir import Builder, Function
+
+    s, _ = _sample("attention", 0)
+    f = Function("f", [ttype(a) for a in s.args])
+    b = Builder(f.entry)
+    out, lse = b.op("attention", *f.params, **s.attrs)
+    tot = b.op("add", b.op("reduce_sum", out, axes=[0, 1, 2]), b.op("reduce_sum", lse, axes=[0, 1]))
+    f.result_types = [tot.type]
+    b.ret(tot)
+    with pytest.raises(DifferentiationError, match="logsumexp result of 'attention' is not differentiable"):
+        grad_module(f, [0])
 
 
 VARIANT_CASES = [(n, k) for (n, pol) in sorted(VARIANTS) for k in range(len(OPS[n].sample(np.random.default_rng(0))))]

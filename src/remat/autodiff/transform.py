@@ -20,7 +20,7 @@ Decisions, documented here because users see them:
   backward that are defined inside a branch are carried to the end of the forward as extra join
   block arguments (a zero placeholder on the other paths, never read there). Loops are rejected.
 * **Saves.** Each rule only sees the operands/results its ``saves`` declares (RAF's flexible
-  adjoints). ``adjoints="inputs"`` selects the input-keeping variants of ops whose default rule
+  adjoints; ``Saves(operands=..., results=...)`` names both exactly). ``adjoints="inputs"`` selects the input-keeping variants of ops whose default rule
   keeps the output, so the memory effect of that choice can be measured.
 * **Zero cotangents short-circuit**: only instructions that depend on a wrt parameter and reach
   an output get backward code; cotangents never materialise for values that do not reach the
@@ -238,8 +238,8 @@ class _Transform:
                 if not any(r in self.active for r in ins.results):
                     continue
                 _, saves = self.rule(ins)
-                xs, ys = saved_indices(saves, len(ins.operands))
-                for v in [ins.operands[i] for i in sorted(xs)] + (list(ins.results) if ys else []):
+                xs, ys = saved_indices(saves, len(ins.operands), len(ins.results))
+                for v in [ins.operands[i] for i in sorted(xs)] + [ins.results[j] for j in sorted(ys)]:
                     if v not in seen:
                         seen.add(v)
                         self.tape.append(v)
@@ -402,16 +402,13 @@ class _Transform:
         gs = [ct.get(r) for r in ins.results]
         if all(x is None for x in gs):
             return  # zero cotangent: nothing to do
-        if len(ins.results) != 1:
-            raise DifferentiationError(f"{self.where}: '{ins.op.name}' has {len(ins.results)} results; "
-                                       f"VJP rules handle single-result ops")
         rule, saves = self.rule(ins)
-        xs, ys = saved_indices(saves, len(ins.operands))
+        xs, ys = saved_indices(saves, len(ins.operands), len(ins.results))
         p = Primal(dict(ins.attrs), [v.type for v in ins.operands], [r.type for r in ins.results],
                    [self.avail[v] if i in xs else None for i, v in enumerate(ins.operands)],
-                   [self.avail[r] if ys else None for r in ins.results])
-        try:
-            cts = rule(b, p, gs[0])
+                   [self.avail[r] if j in ys else None for j, r in enumerate(ins.results)])
+        try:  # a multi-result op's rule receives every result's cotangent (None where zero)
+            cts = rule(b, p, gs[0] if len(gs) == 1 else gs)
         except NotImplementedError as e:
             raise DifferentiationError(f"{self.where}: cannot differentiate '{ins.op.name}': {e}") from None
         if len(cts) != len(ins.operands):

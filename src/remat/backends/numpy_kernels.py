@@ -460,3 +460,24 @@ def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, we
     denom = np.sqrt(_up(v)) / np.sqrt(1 - beta2 ** t) + eps
     _write(param, p - step_size * _up(m) / denom)
     return param, m, v
+
+
+# ---------------------------------------------------------------- attention (explicit softmax reference)
+from ..ir.ops.attention import reference_backward, reference_forward  # noqa: E402
+
+
+def _f32_mask(mask):
+    return None if mask is None else (mask if mask.dtype == np.bool_ else _up(mask))
+
+
+@k("attention")
+def attention(q, k, v, mask=None, *, scale, is_causal=False):
+    out, lse = reference_forward(_up(q), _up(k), _up(v), _f32_mask(mask), scale=scale, is_causal=is_causal)
+    return _fresh(out, q.dtype), _fresh(lse)
+
+
+@k("attention_grad")
+def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
+    grads = reference_backward(_up(g), _up(q), _up(k), _up(v), _up(out), _up(lse), _f32_mask(mask), scale=scale,
+                               is_causal=is_causal)
+    return tuple(_fresh(x, q.dtype) for x in grads)

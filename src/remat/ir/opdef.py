@@ -116,8 +116,8 @@ class OpDef:
     ``num_operands`` is None for variadic ops. ``aliases`` maps a result index to the operand
     whose storage it shares (views and in-place updates), which memory accounting counts once.
     ``vjp`` is filled by the autodiff rules declared beside the op (see ``remat.autodiff``);
-    ``vjp_saves`` says what the backward keeps from the forward: "inputs", "outputs", "none", or
-    a tuple of operand indices. ``nondiff`` marks ops without a derivative (comparisons, …).
+    ``vjp_saves`` says what the backward keeps from the forward: "inputs", "outputs", "none", a
+    tuple of operand indices, or a ``Saves`` record naming operands and results. ``nondiff`` marks ops without a derivative (comparisons, …).
     ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
     attributes) to estimated floating-point operations (``remat.memory.costmodel``).
     """
@@ -217,8 +217,9 @@ def get_op(name: str) -> OpDef:
 def def_vjp(name: str, saves: Any):
     """Attach a VJP rule to an op declaration (used beside the declaration).
 
-    ``saves``: "inputs", "outputs", "none", or a tuple of operand indices — what the
-    backward keeps alive from the forward (RAF's flexible adjoints).
+    ``saves``: "inputs", "outputs", "none", a tuple of operand indices, or a
+    ``remat.ir.ops._vjp.Saves`` naming operands and results — what the backward keeps alive from
+    the forward (RAF's flexible adjoints).
     """
 
     def deco(fn):

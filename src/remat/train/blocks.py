@@ -141,12 +141,14 @@ def _kept_by_backward(v: Value, consumers: dict[Value, list[Instruction]]) -> bo
     from ..ir.ops._vjp import saved_indices
 
     ins = v.instr
-    if ins.op.vjp is not None and saved_indices(ins.op.vjp_saves, len(ins.operands))[1]:
-        return True
+    if ins.op.vjp is not None:
+        _, kept = saved_indices(ins.op.vjp_saves, len(ins.operands), len(ins.results))
+        if any(ins.results[j] is v for j in kept):
+            return True
     for c in consumers.get(v, []):
         if c.op.vjp is None:
             continue
-        idx, _ = saved_indices(c.op.vjp_saves, len(c.operands))
+        idx, _ = saved_indices(c.op.vjp_saves, len(c.operands), len(c.results))
         if any(c.operands[i] is v for i in idx):
             return True
     return False

@@ -6,7 +6,8 @@ IR through ``b`` computing one cotangent per operand (None where there is none: 
 conditions, or a zero contribution). ``p`` holds only what the rule's ``saves`` declares, so a
 rule cannot silently keep more of the forward alive than it says (RAF's flexible adjoints):
 ``p.x[i]`` is operand ``i`` if saved else None, ``p.y[j]`` result ``j`` if saved else None.
-Types and attributes are always available (they are static, not memory).
+Types and attributes are always available (they are static, not memory). For an op with several
+results, ``g`` is the list of their cotangents (None for a result whose cotangent is zero).
 
 ``VARIANTS`` holds alternative rules keyed by (op, adjoint policy), e.g. input-keeping rules for
 ops whose default rule keeps the output; ``remat.autodiff.differentiate(..., adjoints="inputs")``
@@ -49,17 +50,31 @@ def def_vjp_variant(name: str, policy: str, saves: Any):
     return deco
 
 
-def saved_indices(saves: Any, n: int) -> tuple[set[int], bool]:
-    """(operand indices kept, whether results are kept) for a ``saves`` declaration."""
+@dataclass(frozen=True)
+class Saves:
+    """A ``saves`` declaration naming exactly which operands and which results the backward keeps
+    (e.g. attention keeps q, k, v, the mask, its output and its logsumexp). Indices past an
+    instruction's operand count are ignored, so an optional trailing operand can be listed."""
+
+    operands: tuple[int, ...] = ()
+    results: tuple[int, ...] = ()
+
+
+def saved_indices(saves: Any, n: int, n_results: int = 1) -> tuple[set[int], set[int]]:
+    """(operand indices kept, result indices kept) for a ``saves`` declaration of an instruction
+    with ``n`` operands and ``n_results`` results."""
+    every = set(range(n_results))
     if saves == "inputs":
-        return set(range(n)), False
+        return set(range(n)), set()
     if saves == "outputs":
-        return set(), True
+        return set(), every
     if saves == "none" or saves is None:
-        return set(), False
+        return set(), set()
     if saves == "both":
-        return set(range(n)), True
-    return {int(i) for i in saves}, False
+        return set(range(n)), every
+    if isinstance(saves, Saves):
+        return {i for i in saves.operands if i < n}, {j for j in saves.results if j < n_results}
+    return {int(i) for i in saves}, set()
 
 
 # ---------------------------------------------------------------- emission helpers
