@@ -60,16 +60,19 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
     for n, ins in enumerate(fn.entry.instrs[:-1]):
         if _is_view(ins):
             continue
-        if len(ins.results) != 1:
-            raise ValueError(f"@{fn.name}: instruction {n} ('{ins.op.name}') has {len(ins.results)} results; "
+        if ins.op.aliases:
+            raise ValueError(f"@{fn.name}: instruction {n} ('{ins.op.name}') updates an operand in place; "
                              "plan the function before adding in-place updates")
-        r = ins.results[0]
+        # One node per instruction: several results (attention's output and logsumexp) are
+        # computed, kept and freed together.
+        rs = ins.results
         inputs = sorted({low.node_of[low.root[o]] for o in ins.operands})
-        cost = costs.get(ins, 0.0) if costs is not None else float(r.type.numel)
+        cost = costs.get(ins, 0.0) if costs is not None else float(sum(r.type.numel for r in rs))
         recomputable = not ins.op.has("effect") and not ins.op.has("inplace")
-        idx = g.add_node(f"%{n}:{ins.op.name}", cost, r.type.nbytes, inputs,
-                         is_output=r in out_roots, recomputable=recomputable)
-        low.node_of[r] = idx
+        idx = g.add_node(f"%{n}:{ins.op.name}", cost, sum(r.type.nbytes for r in rs), inputs,
+                         is_output=any(r in out_roots for r in rs), recomputable=recomputable)
+        for r in rs:
+            low.node_of[r] = idx
         low.instr_of[idx] = ins
     return low
 
@@ -79,9 +82,10 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
     fn = low.fn
     out = Function(name or fn.name, fn.param_types, fn.result_types)
     b = Builder(out.entry)
-    current: dict[int, Value] = {}
+    current: dict[int, list[Value]] = {}  # node -> its live values (an instruction's results)
     for idx, a in low.arg_of.items():
-        current[idx] = out.params[a.index]
+        current[idx] = [out.params[a.index]]
+    result_index = {r: k for ins in fn.entry.instrs for k, r in enumerate(ins.results)}
     # views of a root, in program order, to re-emit next to uses
     view_chain: dict[Value, Instruction] = {}
     for ins in fn.entry.instrs[:-1]:
@@ -100,7 +104,7 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
             node = low.node_of[v]
             if node not in current:
                 raise ValueError(f"schedule uses node {low.graph[node].name} while it is not live")
-            nv = current[node]
+            nv = current[node][result_index.get(v, 0)]
         cache[v] = nv
         return nv
 
@@ -110,12 +114,11 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
             cache: dict[Value, Value] = {}
             ops = [value_of(o, cache) for o in ins.operands]
             new = b.create(ins.op.name, ops, ins.attrs, result_types=[r.type for r in ins.results], dialect=ins.dialect)
-            current[i] = new.results[0]
+            current[i] = list(new.results)
         elif step == FREE:
             if i in low.arg_of:
                 continue
-            v = current.pop(i)
-            b.free(v)
+            b.free(*current.pop(i))
         else:
             raise ValueError(f"unknown schedule step {step!r}")
     ret = fn.entry.instrs[-1]
