@@ -13,12 +13,15 @@ def ttype(a: np.ndarray) -> TensorType:
     return TensorType(DType.from_numpy(np.asarray(a).dtype), np.asarray(a).shape)
 
 
-def op_function(name: str, op: str, args, attrs) -> Function:
-    """A function applying ``op`` once and returning all its results."""
+def op_function(name: str, op: str, args, attrs, results: tuple[int, ...] | None = None) -> Function:
+    """A function applying ``op`` once and returning its results (all, or those in ``results``:
+    e.g. attention's logsumexp is an auxiliary result it is not differentiated through)."""
     f = Function(name, [ttype(a) for a in args])
     b = Builder(f.entry)
     r = b.op(op, *f.params, **attrs)
     rs = list(r) if isinstance(r, tuple) else [r]
+    if results is not None:
+        rs = [rs[i] for i in results]
     f.result_types = [v.type for v in rs]
     b.ret(*rs)
     return f

@@ -9,7 +9,7 @@ from remat.autodiff import STRUCTURAL_OPS, DifferentiationError
 from remat.ir import OPS, Builder, DType, Function, TensorType
 from remat.ir.ops._vjp import VARIANTS
 
-from _util import check_vjp, float_indices, op_function
+from _util import check_vjp, float_indices, grad_module, op_function, ttype
 
 DIFF_OPS = sorted(n for n, o in OPS.items() if o.vjp is not None)
 CASES = [(n, k) for n in DIFF_OPS for k in range(len(OPS[n].sample(np.random.default_rng(0))))]
@@ -48,7 +48,7 @@ def test_vjp_matches_finite_differences(name, k):
     args = [np.asarray(a) for a in s.args]
     if not float_indices(args):
         pytest.skip("no floating-point operand")
-    f = op_function("f", name, args, s.attrs)
+    f = op_function("f", name, args, s.attrs, results=(0,) if name == "attention" else None)
     out = f.result_types[0]
     rtol = 1e-6 if out.dtype.value == "f64" else 1e-3
     eps = 1e-6 if out.dtype.value == "f64" else 1e-3
@@ -57,11 +57,34 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="non-overlapping windows"):
             check_vjp(f, args, rng)
         return
-    if name in ("layer_norm_grad", "batch_norm_grad"):  # native backward kernels: first order only
+    if name in ("layer_norm_grad", "batch_norm_grad", "attention_grad"):  # native backward kernels: first order only
         with pytest.raises(DifferentiationError, match="second-order differentiation through"):
             check_vjp(f, args, rng)
         return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
+
+
+def test_attention_saves_exactly_its_operands_and_results():
+    from remat.ir.ops._vjp import Saves, saved_indices
+
+    saves = OPS["attention"].vjp_saves
+    assert saves == Saves(operands=(0, 1, 2, 3), results=(0, 1))
+    assert saved_indices(saves, 3, 2) == ({0, 1, 2}, {0, 1})  # no mask: the optional operand is skipped
+    assert saved_indices(saves, 4, 2) == ({0, 1, 2, 3}, {0, 1})
+
+
+def test_attention_logsumexp_is_not_differentiable():
+    from remat.ir import Builder, Function
+
+    s, _ = _sample("attention", 0)
+    f = Function("f", [ttype(a) for a in s.args])
+    b = Builder(f.entry)
+    out, lse = b.op("attention", *f.params, **s.attrs)
+    tot = b.op("add", b.op("reduce_sum", out, axes=[0, 1, 2]), b.op("reduce_sum", lse, axes=[0, 1]))
+    f.result_types = [tot.type]
+    b.ret(tot)
+    with pytest.raises(DifferentiationError, match="logsumexp result of 'attention' is not differentiable"):
+        grad_module(f, [0])
 
 
 VARIANT_CASES = [(n, k) for (n, pol) in sorted(VARIANTS) for k in range(len(OPS[n].sample(np.random.default_rng(0))))]

@@ -560,3 +560,23 @@ def fused(*args, body):
     types = tuple(TensorType(DType.from_numpy(a.dtype), a.shape) for a in args)
     return interpret(body, args, types, ("numpy",), {"numpy": np.asarray},
                      lambda x, shape: np.array(np.broadcast_to(x, shape), order="C", copy=True))
+
+# ---------------------------------------------------------------- attention (explicit softmax reference)
+from ..ir.ops.attention import reference_backward, reference_forward  # noqa: E402
+
+
+def _f32_mask(mask):
+    return None if mask is None else (mask if mask.dtype == np.bool_ else _up(mask))
+
+
+@k("attention")
+def attention(q, k, v, mask=None, *, scale, is_causal=False):
+    out, lse = reference_forward(_up(q), _up(k), _up(v), _f32_mask(mask), scale=scale, is_causal=is_causal)
+    return _fresh(out, q.dtype), _fresh(lse)
+
+
+@k("attention_grad")
+def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
+    grads = reference_backward(_up(g), _up(q), _up(k), _up(v), _up(out), _up(lse), _f32_mask(mask), scale=scale,
+                               is_causal=is_causal)
+    return tuple(_fresh(x, q.dtype) for x in grads)

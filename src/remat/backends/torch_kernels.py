@@ -392,3 +392,88 @@ def fused(*args, body):
     types = tuple(TensorType(FROM_TORCH[a.dtype], tuple(a.shape)) for a in args)
     return interpret(body, args, types, ("torch", "numpy"), {"torch": to_torch, "numpy": to_numpy},
                      lambda x, shape: to_torch(x).expand(shape).clone(memory_format=torch.contiguous_format))
+
+
+# ---------------------------------------------------------------- attention
+# The fused CPU flash kernels take [B, H, T, D] operands with D == Dv and an additive mask of q's
+# dtype (2-d or 4-d, broadcasting); other ranks are viewed as 4-d and bool masks become additive
+# (as F.scaled_dot_product_attention does). Anything else runs the explicit math version.
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _flash_ok(ins) -> bool:
+    """The flash kernels accept rank 2-4 operands with equal q/k and v head sizes, on CPU."""
+    q, _, v = (o.type for o in (ins.operands[:3] if ins.op.name == "attention" else ins.operands[1:4]))
+    return DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1]
+
+
+def _as4(x: torch.Tensor) -> torch.Tensor:
+    """A rank 2-4 tensor viewed as [B, H, T, D] (rank 2: [1, 1, T, D]; rank 3: [B, 1, T, D])."""
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    return x if x.dim() == 4 else x.reshape((1, 1) + tuple(x.shape))
+
+
+def _flash_mask(mask, rank: int, dtype: torch.dtype):
+    """The mask as the flash kernel wants it: additive, of q's dtype, viewed as 4-d."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    mask = mask.reshape((1,) * (rank - mask.dim()) + tuple(mask.shape))
+    return _as4(mask)
+
+
+@k("attention", checker=_flash_ok)
+def attention_flash(q, k, v, mask=None, *, scale, is_causal=False):
+    out, lse = _FLASH(_as4(q), _as4(k), _as4(v), 0.0, is_causal, attn_mask=_flash_mask(mask, q.dim(), q.dtype),
+                      scale=scale)
+    return _fresh(out.reshape(q.shape[:-1] + v.shape[-1:])), _fresh(lse.reshape(q.shape[:-1]))
+
+
+def _lse_for(lse, q):
+    """The logsumexp in the dtype the kernels compute in (f32 for f16/bf16 queries)."""
+    return lse.to(torch.float32 if q.dtype in _LOWP else q.dtype)
+
+
+@k("attention_grad", checker=_flash_ok)
+def attention_grad_flash(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
+    q4 = _as4(q)
+    gq, gk, gv = _FLASH_BWD(_as4(g), q4, _as4(k), _as4(v), _as4(out), _lse_for(lse, q).reshape(q4.shape[:-1]), 0.0, is_causal,
+                            attn_mask=_flash_mask(mask, q.dim(), q.dtype), scale=scale)
+    return tuple(_fresh(x.reshape(t.shape).contiguous()) for x, t in ((gq, q), (gk, k), (gv, v)))
+
+
+def _math_scores(q, k, mask, scale, is_causal):
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if is_causal:
+        t, n = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(t, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
+    return s
+
+
+def _up(x):
+    return x.float() if x.dtype in _LOWP else x
+
+
+@kernel("attention", "torch", priority=5)
+def attention_math(q, k, v, mask=None, *, scale, is_causal=False):
+    """Explicit softmax (any rank, any head sizes); f16/bf16 compute in f32."""
+    s = _math_scores(_up(q), _up(k), mask, scale, is_causal)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _up(v))
+    return _fresh(out.to(q.dtype)), _fresh(lse)
+
+
+@kernel("attention_grad", "torch", priority=5)
+def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
+    g, q32, k32, v32, out = _up(g), _up(q), _up(k), _up(v), _up(out)
+    p = torch.exp(_math_scores(q32, k32, mask, scale, is_causal) - _lse_for(lse, q).unsqueeze(-1))
+    dv = torch.matmul(p.transpose(-1, -2), g)
+    ds = p * (torch.matmul(g, v32.transpose(-1, -2)) - (g * out).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, k32) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
+    return tuple(_fresh(x.to(q.dtype).contiguous()) for x in (dq, dk, dv))

@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..ir import Builder, DType, TensorType, Value
+from ..ir.types import broadcast_shapes
 
 _TORCH_TO_DTYPE = {
     torch.bool: DType.bool, torch.int32: DType.i32, torch.int64: DType.i64, torch.float16: DType.f16,
@@ -629,6 +630,55 @@ def _addmm(L: Lowerer, bias, a, b, *, beta=1, alpha=1):
     if beta != 1:
         bias = L.op("mul", bias, L.const(beta, dt))
     return L.op("add", p, bias)
+
+
+# ---------------------------------------------------------------- attention
+def _swap_last(L: Lowerer, x: Value) -> Value:
+    r = x.type.rank
+    return L.op("transpose", x, perm=list(range(r - 2)) + [r - 1, r - 2])
+
+
+def _explicit_attention(L: Lowerer, q: Value, k: Value, v: Value, mask: Value | None, dropout_p: float,
+                        is_causal: bool, scale: float) -> Value:
+    """softmax(q kᵀ · scale, masked) with remat's replayable dropout, then @ v (for dropout_p > 0)."""
+    dt = q.type.dtype
+    s = L.op("mul", L.op("matmul", q, _swap_last(L, k)), L.const(scale, dt))
+    t, n = s.type.shape[-2:]
+    neg_inf = L.const(float("-inf"), dt)
+    if is_causal:  # keep column <= row
+        keep = L.op("ge", L.op("iota", shape=(t, n), axis=0), L.op("iota", shape=(t, n), axis=1))
+        s = L.op("select", keep, s, neg_inf)
+    if mask is not None:
+        s = L.op("select", mask, s, neg_inf) if mask.type.dtype == DType.bool else L.op("add", s, mask)
+    p, _ = _dropout(L, L.op("softmax", s, axis=s.type.rank - 1), dropout_p, True)
+    return L.op("matmul", p, v)
+
+
+@lower("scaled_dot_product_attention.default", keep=True)
+def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as one ``attention`` op (the fused flash kernel on CPU); with
+    dropout_p > 0 the explicit form, since the op has no dropout (remat's must replay on recompute)."""
+    if q.type.rank != k.type.rank or q.type.rank != v.type.rank or q.type.rank < 2:
+        raise LoweringError(f"attention needs query, key and value of the same rank >= 2, got {q.type}, {k.type}, {v.type}")
+    if enable_gqa and q.type.shape[:-2] != k.type.shape[:-2]:
+        raise LoweringError("grouped-query attention (enable_gqa=True with fewer key/value heads) is not supported; "
+                            "repeat the key and value heads first")
+    if is_causal and attn_mask is not None:
+        raise LoweringError("attention takes either attn_mask or is_causal=True, not both")
+    dt = L.out_type().dtype
+    scale = 1.0 / math.sqrt(q.type.shape[-1]) if scale is None else float(scale)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask if attn_mask.type.dtype == DType.bool else L.cast(attn_mask, dt)
+    batch = q.type.shape[:-2]
+    if not (batch == k.type.shape[:-2] == v.type.shape[:-2]):  # broadcast batch axes
+        batch = broadcast_shapes(q.type.shape[:-2], k.type.shape[:-2], v.type.shape[:-2])
+        q, k, v = (L.op("broadcast", x, shape=batch + x.type.shape[-2:]) if x.type.shape[:-2] != batch else x
+                   for x in (q, k, v))
+    if dropout_p > 0:
+        return _explicit_attention(L, q, k, v, mask, float(dropout_p), bool(is_causal), scale)
+    out, _ = L.op("attention", q, k, v, *([mask] if mask is not None else []), scale=scale, is_causal=bool(is_causal))
+    return out
 
 
 # ---------------------------------------------------------------- convolution and pooling

@@ -25,11 +25,15 @@ import numpy as np
 import torch
 
 from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
+from ..passes import run_pipeline
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_table, to_dtype
 
 __all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
+# Passes that clean up the imported forward before anything differentiates it: explicit attention
+# becomes the fused op (its backward is then the fused backward), and what that leaves dead goes.
+IMPORT_PASSES: list[str] = ["attention", "dce"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
@@ -328,6 +332,8 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     f.result_types = [v.type for v in results]
     module = Module([f])
     verify(module)
+    module = run_pipeline(module, IMPORT_PASSES).module
+    f = module[name]
     out_names = (["loss"] if has_loss and len(user_outs) == 1 else
                  [f"output{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
     out_names += [_strip(t) for t, _ in mutations]

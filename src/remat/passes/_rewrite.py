@@ -72,3 +72,11 @@ def constant_value(v: Value):
     if ins is not None and ins.op.name == "constant":
         return ins.attrs["value"]
     return None
+
+
+def splat_value(v: Value):
+    """The splat value of a constant, also seen through reshape/broadcast of a constant; else None."""
+    ins = getattr(v, "instr", None)
+    while ins is not None and ins.op.name in ("reshape", "broadcast"):
+        ins = getattr(ins.operands[0], "instr", None)
+    return ins.attrs["value"] if ins is not None and ins.op.name == "constant" else None

@@ -11,18 +11,13 @@ from __future__ import annotations
 from typing import Callable
 
 from ..ir import Block, Builder, Function, Instruction, Module, Value
-from ._rewrite import apply_replacements, constant_value, resolve
+from ._rewrite import apply_replacements, constant_value, resolve, splat_value
 from .pipeline import register_pass
 
 Rule = Callable[[Instruction, Builder], "Value | None"]
 
 
-def _splat(v: Value):
-    """The splat value of a constant, also seen through reshape/broadcast of a constant."""
-    ins = getattr(v, "instr", None)
-    while ins is not None and ins.op.name in ("reshape", "broadcast"):
-        ins = getattr(ins.operands[0], "instr", None)
-    return ins.attrs["value"] if ins is not None and ins.op.name == "constant" else None
+_splat = splat_value
 
 
 def _is(v: Value, value: float) -> bool:

@@ -1,0 +1,214 @@
+"""Scaled dot-product attention as one op (RAF §3.2.1: a composite with a native kernel).
+
+``attention(q, k, v[, mask])`` computes ``softmax(q @ kᵀ · scale [masked]) @ v`` over the last
+two axes, with leading batch axes shared by q, k and v. It also returns the row-wise logsumexp of
+the masked scores, which is all the backward needs besides q, k, v and the output: the backward
+op ``attention_grad`` recomputes the probabilities from it (the flash-attention trade: O(T) saved
+per row instead of the O(T·S) probability matrix).
+
+Masks follow ``torch.nn.functional.scaled_dot_product_attention``: a bool mask keeps the scores
+where it is true, a float mask (same dtype as q) is added to them; either broadcasts to
+``[..., T, S]``. ``is_causal`` keeps the lower triangle (top-left aligned, as PyTorch). A row
+whose scores are all masked has no defined softmax (NaN, as the explicit formula gives).
+There is no dropout inside the op: remat's dropout must replay the same mask on recompute, so
+attention with dropout stays in its explicit form (``remat.frontend``).
+"""
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+
+from ..opdef import Attr, OpDef, Sample, declare
+from ..types import DType, TensorType
+from ._util import bcast, expect_float, rand
+
+_ATTRS = (Attr("scale", "float"), Attr("is_causal", "bool", False))
+
+
+def lse_dtype(dt: DType) -> DType:
+    """The logsumexp result's dtype: f32 for f16/bf16 inputs (as PyTorch's kernels), else the input's."""
+    return DType.f32 if dt in (DType.f16, DType.bf16) else dt
+
+
+def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None,
+               attrs) -> None:
+    for t, what in ((q, "query"), (k, "key"), (v, "value")):
+        expect_float(name, t, what)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"'{name}': query, key and value must have the same dtype, got {q}, {k}, {v}")
+    if q.rank < 2 or not (q.rank == k.rank == v.rank):
+        raise TypeError(f"'{name}' needs query [..., T, D], key [..., S, D] and value [..., S, Dv] of the same "
+                        f"rank >= 2, got {q}, {k}, {v}")
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise TypeError(f"'{name}': query, key and value must have the same batch axes, got {q}, {k}, {v}")
+    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2]:
+        raise TypeError(f"'{name}': key must be [..., S, {q.shape[-1]}] and value [..., S, Dv] with the same S, "
+                        f"got {k} and {v}")
+    if mask is not None:
+        if attrs["is_causal"]:
+            raise TypeError(f"'{name}' takes either a mask or is_causal=true, not both")
+        if mask.dtype != DType.bool and mask.dtype != q.dtype:
+            raise TypeError(f"'{name}': the mask must be bool (keep where true) or {q.dtype} (added to the scores), "
+                            f"got {mask}")
+        scores = q.shape[:-1] + (k.shape[-2],)
+        if mask.rank > len(scores) or bcast(name, [mask, TensorType(mask.dtype, scores)]) != scores:
+            raise TypeError(f"'{name}': mask {mask} does not broadcast to the scores' shape {list(scores)}")
+
+
+def _attention_infer(types, attrs):
+    if len(types) not in (3, 4):
+        raise TypeError(f"'attention' takes query, key, value and an optional mask, got {len(types)} operands")
+    q, k, v = types[:3]
+    _check_qkv("attention", q, k, v, types[3] if len(types) == 4 else None, attrs)
+    return TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],)), TensorType(lse_dtype(q.dtype), q.shape[:-1])
+
+
+def _attention_grad_infer(types, attrs):
+    if len(types) not in (6, 7):
+        raise TypeError(f"'attention_grad' takes (grad_out, query, key, value, out, logsumexp[, mask]), "
+                        f"got {len(types)} operands")
+    g, q, k, v, out, lse = types[:6]
+    _check_qkv("attention_grad", q, k, v, types[6] if len(types) == 7 else None, attrs)
+    want_out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
+    if g != want_out or out != want_out:
+        raise TypeError(f"'attention_grad': grad_out and out must be {want_out}, got {g} and {out}")
+    if not lse.dtype.is_float or lse.shape != q.shape[:-1]:  # attention gives lse_dtype(q); any float is read
+        raise TypeError(f"'attention_grad': logsumexp must be {TensorType(lse_dtype(q.dtype), q.shape[:-1])}, "
+                        f"got {lse}")
+    return q, k, v
+
+
+def _scores(types) -> float:
+    q, k = types[0], types[1]
+    return float(prod(q.shape[:-1]) * k.shape[-2])
+
+
+def _attention_flops(types, results, attrs) -> float:
+    # q @ kᵀ, softmax, p @ v
+    return _scores(types) * (2.0 * types[0].shape[-1] + 2.0 * types[2].shape[-1] + 5.0)
+
+
+def _attention_grad_flops(types, results, attrs) -> float:
+    # recompute q @ kᵀ; dv = pᵀ g; dp = g vᵀ; dq = ds k; dk = dsᵀ q; the softmax backward
+    q, v = types[1], types[3]
+    return _scores(types[1:]) * (6.0 * q.shape[-1] + 4.0 * v.shape[-1] + 8.0)
+
+
+# ---------------------------------------------------------------- NumPy reference (explicit softmax)
+# Used by the numpy dialect's kernels and by the samples; arrays in f32 or f64.
+def reference_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, scale: float,
+                     is_causal: bool) -> np.ndarray:
+    """The masked, scaled scores q @ kᵀ · scale (-inf where masked out)."""
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * np.asarray(scale, q.dtype)
+    if is_causal:
+        t, n = s.shape[-2:]
+        s = np.where(np.tril(np.ones((t, n), dtype=bool)), s, np.asarray(-np.inf, s.dtype))
+    if mask is not None:
+        s = np.where(mask, s, np.asarray(-np.inf, s.dtype)) if mask.dtype == np.bool_ else s + mask.astype(s.dtype)
+    return s
+
+
+def reference_forward(q, k, v, mask=None, *, scale: float, is_causal: bool = False):
+    """(softmax(scores) @ v, logsumexp of the scores' rows)."""
+    s = reference_scores(q, k, mask, scale, is_causal)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.zeros((), m.dtype))
+    e = np.exp(s - m)
+    tot = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.matmul(e / tot, v), (m + np.log(tot))[..., 0]
+
+
+def reference_backward(g, q, k, v, out, lse, mask=None, *, scale: float, is_causal: bool = False):
+    """(dq, dk, dv) from the probabilities recomputed as exp(scores - logsumexp)."""
+    s = reference_scores(q, k, mask, scale, is_causal)
+    p = np.exp(s - lse[..., None].astype(s.dtype))
+    dv = np.matmul(np.swapaxes(p, -1, -2), g)
+    dp = np.matmul(g, np.swapaxes(v, -1, -2))
+    ds = p * (dp - np.sum(g * out, axis=-1, keepdims=True))
+    sc = np.asarray(scale, q.dtype)
+    return np.matmul(ds, k) * sc, np.matmul(np.swapaxes(ds, -1, -2), q) * sc, dv
+
+
+def _keep_mask(r: np.random.Generator, *shape: int) -> np.ndarray:
+    """A random bool mask that keeps at least one entry per row (so every softmax is defined)."""
+    m = r.random(shape) > 0.4
+    m[..., 0] = True
+    return m
+
+
+def _attention_samples(r: np.random.Generator) -> list[Sample]:
+    return [
+        Sample([rand(r, 2, 3, 4), rand(r, 2, 5, 4), rand(r, 2, 5, 3)], {"scale": 0.5}),
+        Sample([rand(r, 2, 2, 4, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 2, 6, 4), _keep_mask(r, 4, 6)], {"scale": 0.5}),
+        Sample([rand(r, 1, 2, 5, 4), rand(r, 1, 2, 5, 4), rand(r, 1, 2, 5, 4)], {"scale": 0.3, "is_causal": True}),
+        Sample([rand(r, 2, 2, 4, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 1, 4, 6)], {"scale": 0.7}),
+    ]
+
+
+def _attention_grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _attention_samples(r)[:3]:
+        o, lse = reference_forward(*s.args, **{"is_causal": False, **s.attrs})
+        g = rand(r, *o.shape)
+        args = [g, *s.args[:3], o, lse] + s.args[3:]
+        out.append(Sample(args, s.attrs))
+    return out
+
+
+declare(OpDef("attention", None, _ATTRS, _attention_infer, frozenset(), num_results=2, min_operands=3,
+              doc="softmax(q @ kᵀ · scale, masked) @ v and the scores' row logsumexp; mask: bool (keep) or additive",
+              sample=_attention_samples, flops=_attention_flops))
+declare(OpDef("attention_grad", None, _ATTRS, _attention_grad_infer, frozenset(), num_results=3, min_operands=6,
+              doc="gradients of attention wrt q, k, v from (grad_out, q, k, v, out, logsumexp[, mask])",
+              sample=_attention_grad_samples, flops=_attention_grad_flops))
+
+
+# ================================================================ VJP rules (reverse mode)
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import Saves, const as _const, unbroadcast as _unb  # noqa: E402
+
+
+def _mT(b, v):
+    r = v.type.rank
+    return b.op("transpose", v, perm=list(range(r - 2)) + [r - 1, r - 2])
+
+
+def _mask_cotangent(b, p, g, q, k, v, out, lse, mask):
+    """The cotangent of an additive float mask: dS = P ⊙ (g vᵀ − rowsum(g ⊙ out)), summed back to
+    the mask's shape. Emitted from primitives; dead (and removed by DCE) unless the mask needs it."""
+    dt = q.type.dtype
+    s = b.op("mul", b.op("matmul", q, _mT(b, k)), _const(b, p.attrs["scale"], dt))
+    s = b.op("add", s, mask)
+    lse_k = b.op("reshape", b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse,
+                 shape=lse.type.shape + (1,))
+    prob = b.op("exp", b.op("sub", s, lse_k))
+    dp = b.op("matmul", g, _mT(b, v))
+    rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    ds = b.op("mul", prob, b.op("sub", dp, rows))
+    return _unb(b, ds, mask.type.shape)
+
+
+@def_vjp("attention", saves=Saves(operands=(0, 1, 2, 3), results=(0, 1)))
+def _attention_vjp(b, p, g):
+    g_out, g_lse = g
+    if g_lse is not None:
+        raise NotImplementedError("the logsumexp result of 'attention' is not differentiable; "
+                                  "use only its first result (the attention output)")
+    q, k, v = p.x[:3]
+    mask = p.x[3] if len(p.x) == 4 else None
+    out, lse = p.y
+    attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"]}
+    extra = [mask] if mask is not None else []
+    gq, gk, gv = b.op("attention_grad", g_out, q, k, v, out, lse, *extra, **attrs)
+    cts = [gq, gk, gv]
+    if mask is not None:
+        cts.append(_mask_cotangent(b, p, g_out, q, k, v, out, lse, mask) if mask.type.dtype.is_float else None)
+    return cts
+
+
+@def_vjp("attention_grad", saves="none")
+def _attention_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through attention is not supported "
+                              "(attention_grad has no VJP rule)")

@@ -1,0 +1,232 @@
+"""Recognise attention written out explicitly and replace it by the ``attention`` op (RAF §3.2.2:
+a pattern and a rule).
+
+The pattern, read backwards from the second matmul (reshapes that only regroup the leading batch
+axes may sit between any two steps, as ``torch.export`` leaves around ``bmm``)::
+
+    s = matmul(q, transpose(k))             # or a matmul flagged transpose_b=true with k itself
+    s = mul(s, c) | mul(c, s) | div(s, c)   # optional, c a scalar constant
+    s = select(keep, s, -inf) | select(drop, -inf, s) | add(s, m) | add(m, s)   # optional mask
+    p = softmax(s, axis=last)
+    y = matmul(p, v)
+
+Every intermediate (the scores, the scaled and masked scores, the probabilities, and the reshapes
+between them) must have no other user, so nothing else reads what the op no longer materialises.
+A ``select`` whose drop condition is ``not(keep)`` passes ``keep`` itself as the op's bool mask;
+the mask must have the shape the softmax sees broadcast against, so the op's broadcasting is the
+same. Dropout between the softmax and the second matmul does not match (the op has none), so
+models with attention dropout keep their explicit, replayable form.
+
+Only the numbers change in one place: a row whose scores are all masked (no defined softmax)
+gives NaN in both forms.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from math import prod
+
+from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir.types import DType
+from ._rewrite import apply_replacements, splat_value, use_counts
+from .pipeline import register_pass
+
+
+@dataclass
+class Match:
+    """One recognised attention: its operands, attributes and the instructions it replaces."""
+
+    q: Value
+    kt: Value           # the scores matmul's second operand (kᵀ, or k when flagged transpose_b)
+    k_transposed: bool  # kt is k itself (matmul flagged transpose_b)
+    v: Value
+    mask: Value | None
+    mask_negated: bool  # mask is the drop condition (select(drop, -inf, s)): the op wants keep
+    scale: float
+    shape: tuple[int, ...]  # the softmax's shape [..., T, S]
+    replaced: list[Instruction]
+    anchor: Instruction  # the matmul with v, whose result the op's output replaces
+
+
+def _def(v: Value, op: str) -> Instruction | None:
+    ins = getattr(v, "instr", None)
+    return ins if ins is not None and ins.op.name == op else None
+
+
+def _flag(ins: Instruction, name: str) -> bool:
+    return bool(ins.attrs.get(name, False))
+
+
+def _peel_reshapes(v: Value, uses: dict[Value, int], chain: list[Instruction]) -> Value:
+    """Follow single-use ``reshape`` instructions back from ``v``, keeping the last two axes."""
+    while True:
+        r = _def(v, "reshape")
+        if r is None or uses.get(v, 0) != 1:
+            return v
+        src = r.operands[0]
+        if src.type.rank < 2 or src.type.shape[-2:] != v.type.shape[-2:]:
+            return v
+        chain.append(r)
+        v = src
+
+
+def _scalar(v: Value) -> float | None:
+    c = splat_value(v)
+    if c is None or isinstance(c, bool) or not v.type.dtype.is_float or v.type.numel != 1:
+        return None
+    return float(c)
+
+
+def _is_neg_inf(v: Value) -> bool:
+    c = splat_value(v)
+    return c is not None and not isinstance(c, bool) and v.type.dtype.is_float and c == -math.inf
+
+
+def match(pv: Instruction, uses: dict[Value, int]) -> Match | None:
+    """The attention ending at ``pv`` (a matmul of probabilities with v), or None."""
+    if pv.op.name != "matmul" or any(_flag(pv, a) for a in ("transpose_a", "transpose_b")):
+        return None
+    chain: list[Instruction] = []
+    p = _peel_reshapes(pv.operands[0], uses, chain)
+    sm = _def(p, "softmax")
+    if sm is None or uses.get(p, 0) != 1 or sm.attrs["axis"] != p.type.rank - 1 or p.type.rank < 2:
+        return None
+    chain.append(sm)
+    shape = p.type.shape
+    s = sm.operands[0]
+    # optional mask, at the softmax's own shape
+    mask, negated = None, False
+    sel, add = _def(s, "select"), _def(s, "add")
+    if (sel or add) and uses.get(s, 0) == 1 and s.type.shape == shape:
+        ins = sel or add
+        if sel is not None:
+            c, a, b = sel.operands
+            if _is_neg_inf(b) and a.type.shape == shape:
+                mask, s = c, a
+            elif _is_neg_inf(a) and b.type.shape == shape:
+                mask, negated, s = c, True, b
+        else:
+            a, b = add.operands
+            for scores, m in ((a, b), (b, a)):
+                if scores.type.shape == shape and m.type.dtype == scores.type.dtype and _reaches_scores(scores, uses):
+                    mask, s = m, scores
+                    break
+        if mask is not None:
+            chain.append(ins)
+    s = _peel_reshapes(s, uses, chain)
+    # optional scale by a scalar constant
+    scale = 1.0
+    mul, div = _def(s, "mul"), _def(s, "div")
+    if (mul or div) and uses.get(s, 0) == 1:
+        a, b = (mul or div).operands
+        if mul is not None and _scalar(b) is not None and a.type == s.type:
+            scale, s = _scalar(b), a
+            chain.append(mul)
+        elif mul is not None and _scalar(a) is not None and b.type == s.type:
+            scale, s = _scalar(a), b
+            chain.append(mul)
+        elif div is not None and _scalar(b) not in (None, 0.0) and a.type == s.type:
+            scale, s = 1.0 / _scalar(b), a
+            chain.append(div)
+    s = _peel_reshapes(s, uses, chain)
+    qk = _def(s, "matmul")
+    if qk is None or uses.get(s, 0) != 1 or _flag(qk, "transpose_a"):
+        return None
+    chain.append(qk)
+    q, kt = qk.operands
+    batch = prod(shape[:-2])
+    t, n = shape[-2:]
+    d = q.type.shape[-1]
+    v = pv.operands[1]
+    if (q.type.numel != batch * t * d or kt.type.numel != batch * d * n or v.type.shape[-2] != n
+            or v.type.numel != batch * n * v.type.shape[-1] or q.type.shape[-2] != t
+            or not q.type.dtype.is_float or pv.results[0].type.numel != batch * t * v.type.shape[-1]):
+        return None  # e.g. a key or value shared across the batch (matmul broadcasting)
+    if mask is not None and mask.type.dtype != DType.bool and mask.type.dtype != q.type.dtype:
+        return None
+    return Match(q, kt, _flag(qk, "transpose_b"), v, mask, negated, scale, shape, chain, pv)
+
+
+def _reaches_scores(v: Value, uses: dict[Value, int]) -> bool:
+    """True if ``v`` is (through single-use reshapes and a scalar scale) a matmul: the scores."""
+    v = _peel_reshapes(v, uses, [])
+    for op in ("mul", "div"):
+        ins = _def(v, op)
+        if ins is not None and uses.get(v, 0) == 1 and any(_scalar(o) is not None for o in ins.operands):
+            v = _peel_reshapes(next(o for o in ins.operands if _scalar(o) is None), uses, [])
+    return _def(v, "matmul") is not None and uses.get(v, 0) == 1
+
+
+def _to_shape(b: Builder, v: Value, shape: tuple[int, ...]) -> Value:
+    """``v`` regrouped to ``shape``: an existing value of that shape up its reshape chain, else a reshape."""
+    x = v
+    while x.type.shape != shape and _def(x, "reshape") is not None:
+        x = x.instr.operands[0]
+    return x if x.type.shape == shape else b.op("reshape", v, shape=shape)
+
+
+def _emit(b: Builder, m: Match) -> Value:
+    batch, (t, n) = m.shape[:-2], m.shape[-2:]
+    d = m.q.type.shape[-1]
+    q = _to_shape(b, m.q, batch + (t, d))
+    if m.k_transposed:
+        k = _to_shape(b, m.kt, batch + (n, d))
+    else:
+        kt = _to_shape(b, m.kt, batch + (d, n))
+        tr = _def(kt, "transpose")
+        r = kt.type.rank
+        swap = list(range(r - 2)) + [r - 1, r - 2]
+        k = tr.operands[0] if tr is not None and list(tr.attrs["perm"]) == swap else b.op("transpose", kt, perm=swap)
+    v = _to_shape(b, m.v, batch + (n, m.v.type.shape[-1]))
+    extra = []
+    if m.mask is not None:
+        mask = m.mask
+        if m.mask_negated:
+            inner = _def(mask, "not")
+            mask = inner.operands[0] if inner is not None else b.op("not", mask)
+        extra = [mask]
+    out, _ = b.op("attention", q, k, v, *extra, scale=m.scale)
+    want = m.anchor.results[0].type.shape
+    return out if out.type.shape == want else b.op("reshape", out, shape=want)
+
+
+def recognise_attention(f: Function) -> tuple[Function, int]:
+    """A copy of ``f`` with every explicit attention replaced by the op; also the number replaced."""
+    g = f.clone()
+    if g.is_declaration:
+        return g, 0
+    uses = use_counts(g)
+    repl: dict[Value, Value] = {}
+    count = 0
+    for blk in g.blocks:
+        matches = {}
+        for ins in blk.instrs:
+            m = match(ins, uses)
+            if m is not None and all(c.block is blk for c in m.replaced):
+                matches[ins] = m
+        dead = {c for m in matches.values() for c in m.replaced}
+        matches = {a: m for a, m in matches.items() if a not in dead}  # one attention's output scoring another's
+        if not matches:
+            continue
+        dead = {c for m in matches.values() for c in m.replaced}
+        out: list[Instruction] = []
+        for ins in blk.instrs:
+            if ins in matches:
+                scratch = Block()
+                new = _emit(Builder(scratch), matches[ins])
+                for ni in scratch.instrs:
+                    ni.block = blk
+                out.extend(scratch.instrs)
+                repl[ins.results[0]] = new
+                count += 1
+            elif ins not in dead:
+                out.append(ins)
+        blk.instrs = out
+    apply_replacements(g, repl)
+    return g, count
+
+
+@register_pass("attention")
+def attention_pass(module: Module) -> Module:
+    """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op."""
+    return Module([recognise_attention(f)[0] for f in module])

@@ -1,0 +1,111 @@
+"""F.scaled_dot_product_attention imports as one ``attention`` op (kept whole, not decomposed),
+matching PyTorch eager forward and gradients; with dropout it keeps remat's replayable explicit form."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from remat.frontend.torch_import import UnsupportedOpError, import_module
+
+from test_torch_import import _imported_roundtrips, assert_close, evaluate
+
+
+class Attn(nn.Module):
+    """Self-attention over [B, H, T, D] projections, with the mask forms F.sdpa takes."""
+
+    def __init__(self, d: int = 8, heads: int = 2, mode: str = "causal", dropout_p: float = 0.0):
+        super().__init__()
+        self.heads, self.mode, self.dropout_p = heads, mode, dropout_p
+        self.qkv = nn.Linear(d, 3 * d)
+        self.bias = nn.Parameter(torch.randn(1, heads, 5, 5) * 0.1)  # a learned additive mask
+
+    def forward(self, x, keep):
+        b, t, c = x.shape
+        q, k, v = (z.reshape(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        if self.mode == "causal":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout_p)
+        elif self.mode == "bool":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return y.transpose(1, 2).reshape(b, t, c).square().mean()
+
+
+def _inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 8, generator=g, dtype=dtype)
+    keep = torch.rand(5, 5, generator=g) > 0.4
+    keep[:, 0] = True
+    return x, keep
+
+
+def _ops(im) -> list[str]:
+    return [i.op.name for i in im.function.instructions()]
+
+
+@pytest.mark.parametrize("mode", ["causal", "bool", "float"])
+def test_sdpa_imports_as_one_op_and_matches_eager(mode):
+    from remat.autodiff.api import gradient_transform
+
+    torch.manual_seed(1)
+    model = Attn(mode=mode).double()
+    x, keep = _inputs(torch.float64)
+    im = import_module(model, (x, keep))
+    _imported_roundtrips(im)
+    ops = _ops(im)
+    assert ops.count("attention") == 1 and "softmax" not in ops and "exp" not in ops
+    assert_close(evaluate(im, x, keep)[0], model(x, keep), torch.float64, "loss (numpy)")
+    assert_close(evaluate(im, x, keep, dialects=None)[0], model(x, keep), torch.float64, "loss (torch)")
+    n = len(im.param_names)
+    module, gname = gradient_transform(tuple(range(n)))(im.module, im.function.name)
+    assert "attention_grad" in [i.op.name for i in module[gname].instructions()]
+    ref = copy.deepcopy(model)
+    ref(x, keep).backward()
+    for dialects in (("numpy",), None):
+        outs, _ = remat.run(module[gname], *im.arguments(x, keep), dialects=dialects)
+        named = dict(ref.named_parameters())
+        assert len(outs) == n
+        for pname, g in zip(im.param_names, outs):
+            want = named[pname].grad if named[pname].grad is not None else torch.zeros_like(named[pname])
+            assert_close(g, want, torch.float64, f"grad of {pname} ({dialects})")
+
+
+def test_sdpa_with_dropout_keeps_the_replayable_explicit_form():
+    torch.manual_seed(2)
+    model = Attn(mode="causal", dropout_p=0.5)
+    x, keep = _inputs(torch.float32)
+    im = import_module(model, (x, keep))
+    ops = _ops(im)
+    assert "attention" not in ops and "bernoulli" in ops and "softmax" in ops
+    a, b = evaluate(im, x, keep, seed=3)[0], evaluate(im, x, keep, seed=3)[0]
+    assert np.isfinite(a) and a == b  # the mask is a function of the seed: it replays
+    assert evaluate(im, x, keep, seed=4)[0] != a
+    # With dropout off the explicit form agrees with eager (same lowering path, p = 0 skipped).
+    model.dropout_p = 0.0
+    assert "attention" in _ops(import_module(model, (x, keep)))
+
+
+def test_sdpa_explicit_form_matches_eager_without_its_dropout():
+    """The explicit lowering (used with dropout) is exact attention: check it with dropout forced to 1e-12."""
+    torch.manual_seed(3)
+    model = Attn(mode="causal", dropout_p=1e-12).double()
+    x, keep = _inputs(torch.float64)
+    im = import_module(model, (x, keep))
+    assert "attention" not in _ops(im)
+    assert_close(evaluate(im, x, keep)[0], model.eval()(x, keep), torch.float64, "loss")
+
+
+def test_sdpa_grouped_query_attention_is_refused():
+    class GQA(nn.Module):
+        def forward(self, q, k):
+            return F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+
+    q, k = torch.randn(1, 4, 3, 2), torch.randn(1, 2, 3, 2)
+    with pytest.raises(UnsupportedOpError, match="grouped-query attention"):
+        import_module(GQA(), (q, k))

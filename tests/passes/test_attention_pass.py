@@ -1,0 +1,125 @@
+"""The ``attention`` pass: explicit attention (matmul, scale, mask, softmax, matmul) becomes the
+``attention`` op with the same numerics; near misses are left alone. Verified after the pass."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from remat.ir import parse, verify
+from remat.passes import run_pipeline
+
+from _interp import evaluate
+
+HEAD = "func @f(%0: f64[2,3,4,5], %1: f64[2,3,6,5], %2: f64[2,3,6,7], %3: bool[4,6], %4: f64[3,1,6]) -> {ret} {{\n"
+
+
+def _prog(body: str, ret: str = "f64[2,3,4,7]") -> str:
+    last = body.strip().splitlines()[-1].split("=")[0].strip()
+    return HEAD.format(ret=ret) + "  " + body.strip().replace("\n", "\n  ") + f"\n  return {last}\n}}\n"
+
+
+SCORES = """%5 = transpose %1 {perm=[0, 1, 3, 2]} : f64[2,3,5,6]
+%6 = reshape %0 {shape=[6, 4, 5]} : f64[6,4,5]
+%7 = reshape %5 {shape=[6, 5, 6]} : f64[6,5,6]
+%8 = matmul %6, %7 : f64[6,4,6]
+%9 = reshape %8 {shape=[2, 3, 4, 6]} : f64[2,3,4,6]"""
+TAIL = """%20 = softmax %{s} {{axis=3}} : f64[2,3,4,6]
+%21 = reshape %20 {{shape=[6, 4, 6]}} : f64[6,4,6]
+%22 = reshape %2 {{shape=[6, 6, 7]}} : f64[6,6,7]
+%23 = matmul %21, %22 : f64[6,4,7]
+%24 = reshape %23 {{shape=[2, 3, 4, 7]}} : f64[2,3,4,7]"""
+SCALE = "%10 = constant {value=0.4, dtype=f64} : f64[]\n%11 = mul %9, %10 : f64[2,3,4,6]"
+NEG_INF = "%12 = constant {value=-inf, dtype=f64} : f64[]"
+
+POSITIVE = {
+    "plain": SCORES + "\n" + TAIL.format(s=9),
+    "scaled": SCORES + "\n" + SCALE + "\n" + TAIL.format(s=11),
+    "divided": SCORES + "\n%10 = constant {value=2.5, dtype=f64} : f64[]\n%11 = div %9, %10 : f64[2,3,4,6]\n"
+               + TAIL.format(s=11),
+    "masked_fill": SCORES + "\n" + SCALE + "\n" + NEG_INF + "\n%13 = not %3 : bool[4,6]\n"
+                   "%14 = select %13, %12, %11 : f64[2,3,4,6]\n" + TAIL.format(s=14),
+    "select_keep": SCORES + "\n" + SCALE + "\n" + NEG_INF + "\n%14 = select %3, %11, %12 : f64[2,3,4,6]\n"
+                   + TAIL.format(s=14),
+    "drop_condition": SCORES + "\n" + NEG_INF + "\n%13 = lt %4, %4 : bool[3,1,6]\n"
+                      "%14 = select %13, %12, %9 : f64[2,3,4,6]\n" + TAIL.format(s=14),
+    "additive": SCORES + "\n" + SCALE + "\n%14 = add %4, %11 : f64[2,3,4,6]\n" + TAIL.format(s=14),
+}
+
+NEGATIVE = {
+    # the scores are also returned: the op would not materialise them
+    "scores_used_twice": (SCORES + "\n" + TAIL.format(s=9) + "\n%25 = reduce_sum %9 {axes=[0, 1, 2, 3]} : f64[]\n"
+                          "%26 = reduce_sum %24 {axes=[0, 1, 2, 3]} : f64[]\n%27 = add %25, %26 : f64[]", "f64[]"),
+    # softmax over another axis
+    "softmax_axis": (SCORES + "\n" + TAIL.format(s=9).replace("axis=3", "axis=2"), None),
+    # a scale that is not a constant
+    "tensor_scale": (SCORES + "\n%11 = mul %9, %4 : f64[2,3,4,6]\n" + TAIL.format(s=11), None),
+    # masked with a finite fill value: not the same as dropping the score
+    "finite_fill": (SCORES + "\n%12 = constant {value=-1000.0, dtype=f64} : f64[]\n"
+                    "%14 = select %3, %9, %12 : f64[2,3,4,6]\n" + TAIL.format(s=14), None),
+    # something between softmax and the second matmul (dropout's select, here a scaling)
+    "after_softmax": (SCORES + "\n" + TAIL.format(s=9).replace(
+        "%21 = reshape %20 {shape=[6, 4, 6]} : f64[6,4,6]",
+        "%30 = constant {value=0.5, dtype=f64} : f64[]\n%31 = mul %20, %30 : f64[2,3,4,6]\n"
+        "%21 = reshape %31 {shape=[6, 4, 6]} : f64[6,4,6]"), None),
+}
+
+
+def _args(rng):
+    keep = rng.random((4, 6)) > 0.4
+    keep[:, 0] = True
+    return [rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 3, 6, 5)), rng.standard_normal((2, 3, 6, 7)),
+            keep, rng.standard_normal((3, 1, 6))]
+
+
+def _run(text):
+    m = parse(text)
+    verify(m)
+    before = str(m)
+    out = run_pipeline(m, ["attention", "dce"]).module  # verifies after each pass
+    assert str(m) == before, "the pass mutated its input"
+    return m, out
+
+
+def _ops(f):
+    return [i.op.name for i in f.instructions()]
+
+
+@pytest.mark.parametrize("case", sorted(POSITIVE))
+def test_explicit_attention_becomes_the_op(case):
+    m, out = _run(_prog(POSITIVE[case]))
+    ops = _ops(out["f"])
+    assert ops.count("attention") == 1, str(out)
+    assert not {"softmax", "matmul", "select", "mul", "div", "transpose"} & set(ops), str(out)
+    args = _args(np.random.default_rng(0))
+    np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_scale_and_mask_become_attributes_and_operands():
+    _, out = _run(_prog(POSITIVE["masked_fill"]))
+    (att,) = [i for i in out["f"].instructions() if i.op.name == "attention"]
+    assert att.attrs["scale"] == 0.4 and not att.attrs["is_causal"]
+    assert att.operands[3] is out["f"].params[3]  # not(keep) was the drop condition: keep itself is the mask
+    assert att.operands[1] is out["f"].params[1]  # k, not a copy of its transpose
+
+
+@pytest.mark.parametrize("case", sorted(NEGATIVE))
+def test_near_misses_are_left_alone(case):
+    body, ret = NEGATIVE[case]
+    m, out = _run(_prog(body, ret or "f64[2,3,4,7]"))
+    assert "attention" not in _ops(out["f"])
+    args = _args(np.random.default_rng(1))
+    np.testing.assert_array_equal(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0])
+
+
+def test_zoo_gpt_attention_is_recognised_without_dropout_only():
+    import torch
+
+    from remat import zoo
+    from remat.frontend.torch_import import import_module
+
+    for dropout, matched in ((0.0, True), (0.1, False)):
+        model, inputs, loss_fn = zoo.make("gpt", "tiny", torch.float32, dropout=dropout)
+        im = import_module(model, inputs, loss_fn)
+        ops = _ops(im.function)
+        assert ops.count("attention") == (len(model.blocks) if matched else 0)
+        assert ops.count("softmax") == (0 if matched else len(model.blocks))
