@@ -22,7 +22,8 @@ median step time itself). Peak: allocator peak of one step read from torch.profi
 (bench/_measure.py, as train_bench.py does), next to eager's. Setup: ``remat.compile``'s wall time and
 its stage split (from the report when it has one, and from the ``progress`` callback's timestamps
 always); for GPT medium also a second ``remat.compile`` of the same model in the same process and in a
-fresh subprocess (the issue's "second compile" target). The issue's targets are computed as pass/fail
+fresh subprocess (the issue's "second compile" target; remat's on-disk kernel cache is a fresh folder per run,
+so first compiles are cold). The issue's targets are computed as pass/fail
 lines; they are reported, never asserted.
 
 Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--no-compile] [--models gpt,gpt-medium] [--quick]
@@ -514,6 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-second-compile", action="store_true", help="skip GPT medium's second remat.compile")
     p.add_argument("--no-fresh-process", action="store_true",
                    help="skip the second remat.compile in a fresh subprocess (the in-process one still runs)")
+    p.add_argument("--warm-remat-cache", action="store_true",
+                   help="use remat's own on-disk kernel cache ($REMAT_CACHE_DIR or its default) instead of a fresh "
+                        "one, so first compiles may be cache hits")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (speed.json/.csv; speed_quick.* with --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing methods")
     a = p.parse_args(argv)
@@ -548,23 +552,38 @@ def main(argv: list[str] | None = None) -> dict:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    saved_env = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "REMAT_CACHE_DIR")}
     cache_dir = None
     if not args.no_compile and args.compile_backend == "inductor":
         # a fresh Inductor cache: torch.compile's recorded setup is a cold compile, not a cache hit
         cache_dir = tempfile.mkdtemp(prefix="speed_inductor_")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    remat_cache = None
+    if not args.warm_remat_cache:
+        # remat's on-disk kernel cache ($REMAT_CACHE_DIR): a fresh folder, so each model's first
+        # remat.compile is cold and the fresh-process second compile (which inherits the variable)
+        # finds exactly what the first one stored
+        remat_cache = tempfile.mkdtemp(prefix="speed_remat_cache_")
+        os.environ["REMAT_CACHE_DIR"] = remat_cache
     specs = model_specs(args.quick)
     rows: list[SpeedRow] = []
     try:
         for name in args.models:
             rows += bench_model(specs[name], args, log)
     finally:
-        if cache_dir is not None:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+        for d in (cache_dir, remat_cache):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        for k, v in saved_env.items():  # main() may run inside a test process: leave its environment as it was
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     comps = targets(rows)
     config = {"quick": args.quick, "models": {n: dataclasses.asdict(specs[n]) for n in args.models},
               "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
               "compile_backend": args.compile_backend, "cold_compile_cache": cache_dir is not None,
+              "cold_remat_cache": remat_cache is not None,
               "remat_budgets": list(args.budgets),
               "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium: none, gradients only)",
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -40,12 +41,13 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One real --quick run: mlp (SGD; 90% is below its minimum) and gpt-medium's tiny stand-in (no
     optimizer; 90% is feasible), no torch.compile, two rounds, one thread (speed is not checked)."""
     out = tmp_path_factory.mktemp("speed")
-    threads = torch.get_num_threads()
+    threads, cache_env = torch.get_num_threads(), os.environ.get("REMAT_CACHE_DIR")
     try:
         speed.main(["--quick", "--models", "mlp,gpt-medium", "--no-compile", "--no-fresh-process", "--rounds", "2",
                     "--budgets", "90%", "--threads", "1", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
+    assert os.environ.get("REMAT_CACHE_DIR") == cache_env  # the fresh kernel cache was the run's own
     return json.loads((out / "speed_quick.json").read_text()), out
 
 
@@ -53,6 +55,7 @@ def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
     doc, out = quick_run
     assert set(doc) == {"config", "machine", "rows", "comparisons"}
     assert doc["config"]["threads"] == doc["machine"]["torch_threads"] == 1 and doc["config"]["rounds"] == 2
+    assert doc["config"]["cold_remat_cache"] is True and doc["config"]["compile"] is False
     rows = {(r["model"], r["method"]): r for r in doc["rows"]}
     assert [(r["model"], r["method"]) for r in doc["rows"]] == [
         (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@90%")]
