@@ -56,6 +56,7 @@ def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
     assert set(doc) == {"config", "machine", "rows", "comparisons"}
     assert doc["config"]["threads"] == doc["machine"]["torch_threads"] == 1 and doc["config"]["rounds"] == 2
     assert doc["config"]["cold_remat_cache"] is True and doc["config"]["compile"] is False
+    assert doc["config"]["wall_s"] > 0 and doc["config"]["cpu_s"] > 0
     rows = {(r["model"], r["method"]): r for r in doc["rows"]}
     assert [(r["model"], r["method"]) for r in doc["rows"]] == [
         (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@90%")]
