@@ -569,7 +569,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows: list[SpeedRow] = []
     try:
         for name in args.models:
-            rows += bench_model(specs[name], args, log)
+            got = bench_model(specs[name], args, log)
+            rows += got
+            for r in got:  # a line per method as each model finishes (the full table comes at the end)
+                log(f"  {r.model} {r.method}: {r.status} step {_f(None if r.step_s is None else r.step_s * 1e3, '.1f')} ms "
+                    f"x{_f(r.x_eager, '.2f')} eager, peak x{_f(r.peak_x_eager, '.2f')} eager, setup {_f(r.setup_s, '.1f')} s")
     finally:
         for d in (cache_dir, remat_cache):
             if d is not None:
