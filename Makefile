@@ -24,6 +24,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/chain_solver.py
 	$(BIN)/python bench/graph_solvers.py
 	$(BIN)/python bench/train_bench.py --no-compile
+	$(BIN)/python bench/speed.py --no-compile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

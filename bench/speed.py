@@ -1,0 +1,604 @@
+"""Speed benchmark (issue 8): is remat's training step at least as fast as eager PyTorch, and set up in seconds?
+
+Models: ``remat.zoo``'s MLP, ResNet, GPT and U-Net at size ``small`` with
+``torch.optim.SGD(lr=1e-3, momentum=0.9)``, and ``gpt-medium`` (``zoo.make("gpt", "medium")``, the
+issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Every method gets its own
+fresh copy of the model built from the same seed (same weights, inputs, targets).
+
+Methods, per model:
+
+* ``eager``         PyTorch eager: forward, loss, ``backward()``, ``optimizer.step()``;
+* ``remat``         ``remat.compile(model, inputs + targets, loss_fn, optimizer=..., budget=None)``;
+* ``remat@50%``     the same at ``budget="50%"`` (of remat's unconstrained peak); an infeasible budget
+                    (``BudgetTooSmall``) is recorded with the minimum feasible budget it names;
+* ``remat@25%``     likewise;
+* ``compile``       ``torch.compile(model)`` (default Inductor, a fresh on-disk cache so the compile is
+                    cold; loss and optimizer step eager); ``--no-compile`` skips it.
+
+Step time: after set-up and warm-up, ``--rounds`` rounds (default 5) run one step of every method in
+turn, in one process (the start of the order rotates each round). Each method's time is reported as
+the median over rounds of its step time divided by eager's step time *in the same round* (and the
+median step time itself). Peak: allocator peak of one step read from torch.profiler's memory events
+(bench/_measure.py, as train_bench.py does), next to eager's. Setup: ``remat.compile``'s wall time and
+its stage split (from the report when it has one, and from the ``progress`` callback's timestamps
+always); for GPT medium also a second ``remat.compile`` of the same model in the same process and in a
+fresh subprocess (the issue's "second compile" target; remat's on-disk kernel cache is a fresh folder per run,
+so first compiles are cold). The issue's targets are computed as pass/fail
+lines; they are reported, never asserted.
+
+Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--no-compile] [--models gpt,gpt-medium] [--quick]
+Writes bench/results/speed.json and speed.csv (speed_quick.* with --quick) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import measure_peak, resident_bytes  # noqa: E402
+from train_bench import (LR, MOMENTUM, _clear_grads, _err, _num, _ratio, _report_dict,  # noqa: E402
+                         _split, write_results)
+
+from remat import zoo  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One benchmarked model: a zoo model at a size, trained with SGD-momentum or gradients only."""
+
+    name: str
+    zoo_name: str
+    size: str
+    optimizer: bool
+    second_compile: bool = False  # also time a second remat.compile (in process and in a fresh one)
+    kwargs: tuple = ()            # extra zoo.make keyword arguments, as (key, value) pairs
+
+    def make(self) -> tuple[torch.nn.Module, tuple, tuple, Callable]:
+        """A new model (same seed: same weights and data every call) in training mode, its inputs,
+        its targets and its loss."""
+        model, inputs, loss_fn = zoo.make(self.zoo_name, self.size, **dict(self.kwargs))
+        model.train()
+        xs, ts = _split(inputs, loss_fn)
+        return model, xs, ts, loss_fn
+
+
+def model_specs(quick: bool) -> dict[str, ModelSpec]:
+    """The five models of the issue; with ``quick`` the same five at size tiny (gpt-medium becomes a
+    dropout-free tiny GPT without optimizer)."""
+    size = "tiny" if quick else "small"
+    specs = {n: ModelSpec(n, n, size, True) for n in zoo.MODELS}
+    specs["gpt-medium"] = (ModelSpec("gpt-medium", "gpt", "tiny", False, True, (("dropout", 0.0),)) if quick
+                           else ModelSpec("gpt-medium", "gpt", "medium", False, True))
+    return specs
+
+
+MODEL_NAMES = tuple(model_specs(False))
+DEFAULT_BUDGETS = ("50%", "25%")
+
+
+def remat_budget(method: str) -> str | None:
+    """The budget of a remat method name: ``remat`` -> None (unconstrained), ``remat@50%`` -> "50%"."""
+    return method.split("@", 1)[1] if "@" in method else None
+
+
+def _is_remat(method: str) -> bool:
+    return method == "remat" or method.startswith("remat@")
+
+
+@dataclass
+class SpeedRow:
+    """One (model, method) measurement. Bytes and seconds; None where not measured or not applicable."""
+
+    model: str
+    method: str
+    status: str = "ok"                    # ok | infeasible (budget below remat's minimum) | error
+    error: str = ""
+    step_s: float | None = None           # median step time over the rounds
+    step_s_min: float | None = None
+    rounds: int = 0
+    x_eager: float | None = None          # median over rounds of (step time / eager's step time in that round)
+    x_eager_of_medians: float | None = None  # step_s / eager's step_s
+    peak_bytes: int | None = None         # allocator peak of one step: resident + peak net allocation (profiler)
+    resident_bytes: int | None = None
+    eager_peak_bytes: int | None = None
+    peak_x_eager: float | None = None
+    setup_s: float | None = None          # remat.compile wall time; torch.compile: wrapper + first-step excess
+    setup2_s: float | None = None         # GPT medium: a second remat.compile of the same model, same process
+    setup2_fresh_process_s: float | None = None  # ... and in a fresh Python process (on-disk caches only)
+    first_step_s: float | None = None
+    budget_bytes: int | None = None       # remat: the budget in bytes
+    minimum_budget_bytes: int | None = None  # remat, infeasible: the minimum BudgetTooSmall names
+    predicted_peak: int | None = None     # remat report: predicted peak
+    vm_peak: int | None = None            # remat report: the VM's measured peak of the last step
+    unconstrained_peak: int | None = None
+    solver: str | None = None
+    instructions: int | None = None
+    recomputed_instructions: int | None = None
+    loss0: float | None = None            # first step's loss (same weights and data for every method)
+    extra: dict = field(default_factory=dict)  # step times per round, stage splits, the remat report
+
+
+@dataclass
+class _Method:
+    """A set-up method ready to step: its row, model, optimizer and step function."""
+
+    row: SpeedRow
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    inputs: tuple
+    step: Callable[[], torch.Tensor]
+    loss_fn: Callable | None = None
+    compiled: Any = None  # remat's TrainStep
+    setup_wrap_s: float = 0.0
+
+
+# ---------------------------------------------------------------- set-up
+def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor") -> _Method:
+    """eager, or torch.compile'd forward (loss, backward and optimizer step stay eager)."""
+    model, xs, ts, loss_fn = spec.make()
+    t0 = time.perf_counter()
+    fwd: Callable = model
+    if method == "compile":
+        torch._dynamo.reset()
+        fwd = torch.compile(model, backend=backend)
+    wrap = time.perf_counter() - t0
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
+
+    def step() -> torch.Tensor:
+        loss = loss_fn(fwd(*xs), *ts)
+        loss.backward()
+        if opt is not None:
+            opt.step()
+        return loss.detach()
+
+    return _Method(SpeedRow(spec.name, method), model, opt, xs + ts, step, loss_fn, setup_wrap_s=wrap)
+
+
+def _stage_split(marks: list[tuple[str, float]], end: float) -> dict[str, float]:
+    """Seconds per stage from the ``progress`` callback's (stage name, start time) marks."""
+    out: dict[str, float] = {}
+    for (name, t), nxt in zip(marks, [t for _, t in marks[1:]] + [end]):
+        out[name] = out.get(name, 0.0) + nxt - t
+    return out
+
+
+def report_stages(rep: Any) -> dict[str, float] | None:
+    """The per-stage setup split of a remat report, if it has one (read defensively: the field is
+    being added; any of the usual names holding a ``{stage: seconds}`` mapping)."""
+    for name in ("stage_seconds", "setup_stages", "stages", "stage_times", "timings", "setup_split"):
+        v = getattr(rep, name, None)
+        if isinstance(v, dict) and v and all(isinstance(x, (int, float)) for x in v.values()):
+            return {str(k): float(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)) and v and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
+            try:
+                return {str(k): float(x) for k, x in v}
+            except (TypeError, ValueError):
+                pass
+    return None
+
+
+def timed_remat_compile(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
+                        optimizer: torch.optim.Optimizer | None, budget: str | None) -> tuple[Any, float, dict]:
+    """``remat.compile`` with its wall time and the stage split its ``progress`` callback gives."""
+    import remat
+
+    marks: list[tuple[str, float]] = []
+    t0 = time.perf_counter()
+    compiled = remat.compile(model, inputs, loss_fn, optimizer=optimizer, budget=budget,
+                             progress=lambda msg: marks.append((str(msg), time.perf_counter())))
+    end = time.perf_counter()
+    if marks and marks[0][1] - t0 > 1e-3:  # argument checks before the first named stage
+        marks.insert(0, ("before first stage", t0))
+    return compiled, end - t0, _stage_split(marks, end)
+
+
+def _remat(spec: ModelSpec, method: str) -> _Method:
+    """remat.compile at the method's budget; BudgetTooSmall gives an ``infeasible`` row with the minimum."""
+    from remat import BudgetTooSmall
+
+    row = SpeedRow(spec.name, method)
+    model, xs, ts, loss_fn = spec.make()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
+    inputs = xs + ts
+    try:
+        compiled, row.setup_s, progress = timed_remat_compile(model, inputs, loss_fn, opt, remat_budget(method))
+    except BudgetTooSmall as e:
+        row.status, row.error = "infeasible", _err(e)
+        row.budget_bytes, row.minimum_budget_bytes = int(e.budget), int(e.minimum)
+        return _Method(row, model, opt, inputs, lambda: torch.zeros(()), loss_fn)
+    row.extra["setup_stages_progress"] = progress
+    stages = report_stages(compiled.report())
+    if stages is not None:
+        row.extra["setup_stages_report"] = stages
+    return _Method(row, model, opt, inputs, lambda: compiled(*inputs), loss_fn, compiled)
+
+
+def _fill_report(m: _Method) -> None:
+    """Budget, predicted and VM-measured peak, solver and sizes from the remat report (after the steps)."""
+    rep = m.compiled.report()
+    d = _report_dict(rep)
+    r = m.row
+    r.budget_bytes = _num(d, "budget")
+    r.predicted_peak = _num(d, "predicted_peak")
+    r.vm_peak = _num(d, "measured_peak")
+    r.unconstrained_peak = _num(d, "unconstrained_peak")
+    r.solver = d.get("solver")
+    r.instructions = _num(d, "instructions")
+    r.recomputed_instructions = _num(d, "recomputed_instructions")
+    stages = report_stages(rep)
+    if stages is not None:
+        r.extra["setup_stages_report"] = stages
+    r.extra["report"] = {k: (v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)) for k, v in d.items()}
+
+
+_FRESH_PROCESS = """
+import json, sys, time
+import torch
+from remat import zoo
+import remat
+spec = json.loads(sys.argv[1])
+torch.set_num_threads(spec["threads"])
+model, inputs, loss_fn = zoo.make(spec["zoo_name"], spec["size"], **spec["kwargs"])
+model.train()
+opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"]) if spec["optimizer"] else None
+t0 = time.perf_counter()
+remat.compile(model, inputs, loss_fn, optimizer=opt, budget=None)
+print(json.dumps({"setup_s": time.perf_counter() - t0, "threads": torch.get_num_threads()}))
+"""
+
+
+def fresh_process_setup(spec: ModelSpec, timeout: float = 600.0) -> float:
+    """Wall time of ``remat.compile`` (budget None) of ``spec``'s model in a new Python process: only
+    on-disk caches survive, as for a user running the same script again. Imports are not counted."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    arg = json.dumps({"zoo_name": spec.zoo_name, "size": spec.size, "kwargs": dict(spec.kwargs),
+                      "optimizer": spec.optimizer, "lr": LR, "momentum": MOMENTUM,
+                      "threads": torch.get_num_threads()})
+    p = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, arg], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    if p.returncode != 0:
+        raise RuntimeError(f"fresh-process remat.compile failed (exit {p.returncode}): {p.stderr.strip()[-600:]}")
+    return float(json.loads(p.stdout.strip().splitlines()[-1])["setup_s"])
+
+
+# ---------------------------------------------------------------- measuring
+def _one_step(m: _Method) -> tuple[float, torch.Tensor]:
+    """One timed step (``.grad`` cleared outside the timer, so every method allocates its
+    gradients inside it): its seconds and its loss."""
+    _clear_grads(m.model)
+    t = time.perf_counter()
+    loss = m.step()
+    return time.perf_counter() - t, loss
+
+
+def _fail(m: _Method, e: BaseException, verbose: bool) -> None:
+    m.row.status, m.row.error = "error", _err(e)
+    if verbose:
+        traceback.print_exc()
+
+
+def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], None]) -> list[SpeedRow]:
+    """Set up every method for one model, warm up, measure each one's peak, then time ``args.rounds``
+    alternating rounds. Returns one row per method (eager first)."""
+    names = ["eager", "remat", *(f"remat@{b}" for b in args.budgets)] + ([] if args.no_compile else ["compile"])
+    # one untimed eager step of a throwaway copy: process-wide one-time costs land on nobody
+    model, xs, ts, loss_fn = spec.make()
+    loss_fn(model(*xs), *ts).backward()
+    del model
+    methods: list[_Method] = []
+    for name in names:
+        t = time.perf_counter()
+        try:
+            methods.append(_remat(spec, name) if _is_remat(name) else _eager_like(spec, name, args.compile_backend))
+        except Exception as e:
+            m = _Method(SpeedRow(spec.name, name), torch.nn.Module(), None, (), lambda: torch.zeros(()))
+            _fail(m, e, args.verbose)
+            methods.append(m)
+        log(f"{spec.name} {name}: set up ({methods[-1].row.status}, {time.perf_counter() - t:.1f} s)")
+    live = [m for m in methods if m.row.status == "ok"]
+
+    # warm-up: the first step of each method is its lazy set-up (torch.compile compiles here)
+    for i in range(args.warmup):
+        for m in list(live):
+            try:
+                dt, loss = _one_step(m)
+            except Exception as e:
+                _fail(m, e, args.verbose)
+                live.remove(m)
+                continue
+            if i == 0:  # the first step's loss: a cross-check that every method computes the same thing
+                m.row.first_step_s, m.row.loss0 = dt, float(loss)
+            del loss
+    # peak of one step each: resident = parameters, buffers, optimizer state, inputs (.grad cleared)
+    for m in list(live):
+        try:
+            _clear_grads(m.model)
+            gc.collect()
+            res = resident_bytes(m.model, m.optimizer, m.inputs)
+            meas = measure_peak(lambda: float(m.step()), resident=res)
+            m.row.peak_bytes, m.row.resident_bytes = meas.peak_bytes, meas.resident_bytes
+        except Exception as e:
+            _fail(m, e, args.verbose)
+            live.remove(m)
+    log(f"{spec.name}: warmed up, peaks measured; timing {args.rounds} rounds of {len(live)} methods")
+
+    times: dict[str, list[float | None]] = {m.row.method: [] for m in live}
+    for r in range(args.rounds):
+        gc.collect()
+        k = r % len(live) if live else 0
+        for m in live[k:] + live[:k]:
+            if m.row.status != "ok":
+                times[m.row.method].append(None)
+                continue
+            try:
+                times[m.row.method].append(_one_step(m)[0])
+            except Exception as e:
+                _fail(m, e, args.verbose)
+                times[m.row.method].append(None)
+
+    if spec.second_compile and not args.no_second_compile:
+        first = next((m for m in methods if m.row.method == "remat"), None)
+        if first is not None and first.row.status == "ok":
+            r = first.row
+            try:
+                # the same model object, compiled again (no optimizer state is touched by compiling)
+                _, r.setup2_s, stages = timed_remat_compile(first.model, first.inputs, first.loss_fn,
+                                                            first.optimizer, None)
+                r.extra["setup2_stages_progress"] = stages
+                log(f"{spec.name}: second remat.compile in process {r.setup2_s:.1f} s")
+                if not args.no_fresh_process:
+                    r.setup2_fresh_process_s = fresh_process_setup(spec)
+                    log(f"{spec.name}: remat.compile in a fresh process {r.setup2_fresh_process_s:.1f} s")
+            except Exception as e:
+                r.extra["setup2_error"] = _err(e)
+                if args.verbose:
+                    traceback.print_exc()
+
+    eager = next((m for m in methods if m.row.method == "eager" and m.row.status == "ok"), None)
+    et = times.get("eager", []) if eager else []
+    for m in methods:
+        row = m.row
+        if m.compiled is not None and row.status == "ok":
+            _fill_report(m)
+        ts_ = times.get(row.method, [])
+        ok = [t for t in ts_ if t is not None]
+        if row.status == "ok" and ok:
+            row.step_s, row.step_s_min, row.rounds = statistics.median(ok), min(ok), len(ok)
+            row.extra["step_s_rounds"] = ts_
+            ratios = [a / b for a, b in zip(ts_, et) if a is not None and b]
+            row.x_eager = statistics.median(ratios) if ratios else None
+            row.x_eager_of_medians = _ratio(row.step_s, eager.row.step_s if eager else None)
+        if row.method == "compile" and row.step_s is not None and row.first_step_s is not None:
+            row.setup_s = m.setup_wrap_s + max(0.0, row.first_step_s - row.step_s)
+        if eager is not None:
+            row.eager_peak_bytes = eager.row.peak_bytes
+            row.peak_x_eager = _ratio(row.peak_bytes, eager.row.peak_bytes)
+    rows = [m.row for m in methods]
+    del methods, live
+    gc.collect()
+    return rows
+
+
+# ---------------------------------------------------------------- targets and output
+def targets(rows: list[SpeedRow]) -> list[dict]:
+    """The issue's targets as pass/fail lines ``{model, target, value, met, note}`` (met None: not
+    measured). Reported, not asserted."""
+    by = {(r.model, r.method): r for r in rows}
+    out: list[dict] = []
+
+    def add(model: str, target: str, value: float | None, limit: float | None, note: str = "") -> None:
+        out.append({"model": model, "target": target, "value": value,
+                    "met": None if value is None or limit is None else value <= limit, "note": note})
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    for name in models:
+        r = by.get((name, "remat"))
+        ok = r is not None and r.status == "ok"
+        add(name, "remat unconstrained step / eager <= 1.0", r.x_eager if ok else None, 1.0,
+            "" if ok else (r.error if r else "not run"))
+    for name in models:
+        r = by.get((name, "remat"))
+        add(name, "remat unconstrained step / eager <= 0.85 (stretch)", r.x_eager if r else None, 0.85)
+    for name in ("gpt-medium", "unet"):
+        if name not in models:
+            continue
+        r = by.get((name, "remat@50%"))
+        if r is not None and r.status == "infeasible":
+            out.append({"model": name, "target": "remat@50% step / eager <= 1.15", "value": None, "met": False,
+                        "note": f"infeasible: minimum budget {r.minimum_budget_bytes} B"})
+        else:
+            add(name, "remat@50% step / eager <= 1.15", r.x_eager if r else None, 1.15, r.error if r else "not run")
+    for name in models:
+        r = by.get((name, "remat"))
+        add(name, "remat unconstrained allocator peak / eager's <= 1", r.peak_x_eager if r else None, 1.0)
+    if "gpt-medium" in models:
+        r = by.get(("gpt-medium", "remat"))
+        add("gpt-medium", "setup, first remat.compile <= 10 s", r.setup_s if r else None, 10.0)
+        add("gpt-medium", "setup, second remat.compile (same process) <= 3 s", r.setup2_s if r else None, 3.0)
+        add("gpt-medium", "setup, second remat.compile (fresh process) <= 3 s",
+            r.setup2_fresh_process_s if r else None, 3.0)
+    # cross-checks of remat's accounting: predicted == VM-measured peak, peak within budget
+    for r in rows:
+        if _is_remat(r.method) and r.status == "ok" and r.predicted_peak is not None:
+            out.append({"model": r.model, "target": f"{r.method} predicted peak == VM-measured peak",
+                        "value": r.vm_peak, "met": r.vm_peak == r.predicted_peak, "note": f"predicted {r.predicted_peak}"})
+            if r.budget_bytes is not None:
+                add(r.model, f"{r.method} VM peak / budget <= 1", _ratio(r.vm_peak, r.budget_bytes), 1.0)
+    return out
+
+
+def _f(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.2f}"
+
+
+def _stages_text(r: SpeedRow) -> str:
+    st = r.extra.get("setup_stages_report") or r.extra.get("setup_stages_progress") or {}
+    return ", ".join(f"{k} {v:.1f}" for k, v in st.items())
+
+
+def print_table(rows: list[SpeedRow], comps: list[dict]) -> None:
+    """The readable summary: one line per (model, method), setup splits, then the targets."""
+    hdr = (f"{'model':10} {'method':10} {'step ms':>9} {'x eager':>7} {'peak MiB':>9} {'x eager':>7} "
+           f"{'setup s':>7} {'budget':>8} {'predicted':>9} {'VM peak':>8}  notes")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        if r.status == "infeasible":
+            print(f"{r.model:10} {r.method:10} INFEASIBLE: budget {_mib(r.budget_bytes)} MiB below the minimum "
+                  f"{_mib(r.minimum_budget_bytes)} MiB")
+            continue
+        if r.status != "ok":
+            print(f"{r.model:10} {r.method:10} {r.status.upper()}: {r.error[:140]}")
+            continue
+        note = ""
+        if r.solver is not None:
+            note = f"solver={r.solver}"
+            if r.recomputed_instructions:
+                note += f" recomputed {r.recomputed_instructions}/{r.instructions}"
+        print(f"{r.model:10} {r.method:10} {_f(None if r.step_s is None else r.step_s * 1e3, '.1f'):>9} "
+              f"{_f(r.x_eager, '.2f'):>7} {_mib(r.peak_bytes):>9} {_f(r.peak_x_eager, '.2f'):>7} "
+              f"{_f(r.setup_s, '.1f'):>7} {_mib(r.budget_bytes):>8} {_mib(r.predicted_peak):>9} {_mib(r.vm_peak):>8}  {note}")
+    print("\nSetup split (remat.compile, s):")
+    for r in rows:
+        if _is_remat(r.method) and r.status == "ok":
+            line = f"  {r.model:10} {r.method:10} {_f(r.setup_s, '.1f'):>6}  {_stages_text(r)}"
+            if r.setup2_s is not None:
+                line += f"; second compile {r.setup2_s:.1f} s in process"
+            if r.setup2_fresh_process_s is not None:
+                line += f", {r.setup2_fresh_process_s:.1f} s in a fresh process"
+            print(line)
+    print("\nTargets (reported, not asserted):")
+    for c in comps:
+        met = {True: "PASS", False: "FAIL", None: "n/a"}[c["met"]]
+        v = c["value"]
+        val = "-" if v is None else f"{v:,}" if isinstance(v, int) else f"{v:.3f}"
+        print(f"  {met:5} {c['model']:10} {c['target']:54} {val:>14}  {c['note'][:100]}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma-separated subset of {', '.join(MODEL_NAMES)}")
+    p.add_argument("--rounds", type=int, default=None, help="alternating timing rounds (default 5; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per method before measuring (default 2; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, fewer rounds (numbers meaningless)")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile (a cold Inductor compile takes about a minute per model)")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend (default inductor; aot_eager with --quick, which skips code generation)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads for every method alike (default 0: torch's default, recorded in the JSON)")
+    p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
+                   help="comma-separated remat budgets, percentages of remat's unconstrained peak, besides the "
+                        "unconstrained step (default 50%%,25%%)")
+    p.add_argument("--no-second-compile", action="store_true", help="skip GPT medium's second remat.compile")
+    p.add_argument("--no-fresh-process", action="store_true",
+                   help="skip the second remat.compile in a fresh subprocess (the in-process one still runs)")
+    p.add_argument("--warm-remat-cache", action="store_true",
+                   help="use remat's own on-disk kernel cache ($REMAT_CACHE_DIR or its default) instead of a fresh "
+                        "one, so first compiles may be cache hits")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (speed.json/.csv; speed_quick.* with --quick)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing methods")
+    a = p.parse_args(argv)
+    a.rounds = a.rounds if a.rounds is not None else (3 if a.quick else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    a.compile_backend = a.compile_backend or ("aot_eager" if a.quick else "inductor")
+    a.models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in a.models:
+        if m not in MODEL_NAMES:
+            p.error(f"unknown model {m!r}; valid: {', '.join(MODEL_NAMES)}")
+    if a.rounds < 1 or a.warmup < 1:
+        p.error("--rounds and --warmup must be >= 1")
+    a.budgets = tuple(b.strip() for b in a.budgets.split(",") if b.strip())
+    for b in a.budgets:
+        try:
+            ok = b.endswith("%") and 0 < float(b[:-1]) <= 100
+        except ValueError:
+            ok = False
+        if not ok:
+            p.error(f"bad budget {b!r}: give percentages of the unconstrained peak in (0%, 100%], e.g. 50%,25%")
+    if a.threads < 0:
+        p.error("--threads must be >= 0 (0: torch's default)")
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
+
+    saved_env = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "REMAT_CACHE_DIR")}
+    cache_dir = None
+    if not args.no_compile and args.compile_backend == "inductor":
+        # a fresh Inductor cache: torch.compile's recorded setup is a cold compile, not a cache hit
+        cache_dir = tempfile.mkdtemp(prefix="speed_inductor_")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    remat_cache = None
+    if not args.warm_remat_cache:
+        # remat's on-disk kernel cache ($REMAT_CACHE_DIR): a fresh folder, so each model's first
+        # remat.compile is cold and the fresh-process second compile (which inherits the variable)
+        # finds exactly what the first one stored
+        remat_cache = tempfile.mkdtemp(prefix="speed_remat_cache_")
+        os.environ["REMAT_CACHE_DIR"] = remat_cache
+    specs = model_specs(args.quick)
+    rows: list[SpeedRow] = []
+    try:
+        for name in args.models:
+            got = bench_model(specs[name], args, log)
+            rows += got
+            for r in got:  # a line per method as each model finishes (the full table comes at the end)
+                log(f"  {r.model} {r.method}: {r.status} step {_f(None if r.step_s is None else r.step_s * 1e3, '.1f')} ms "
+                    f"x{_f(r.x_eager, '.2f')} eager, peak x{_f(r.peak_x_eager, '.2f')} eager, setup {_f(r.setup_s, '.1f')} s")
+    finally:
+        for d in (cache_dir, remat_cache):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        for k, v in saved_env.items():  # main() may run inside a test process: leave its environment as it was
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    comps = targets(rows)
+    config = {"quick": args.quick, "models": {n: dataclasses.asdict(specs[n]) for n in args.models},
+              "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
+              "compile_backend": args.compile_backend, "cold_compile_cache": cache_dir is not None,
+              "cold_remat_cache": remat_cache is not None,
+              "remat_budgets": list(args.budgets),
+              "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium: none, gradients only)",
+              "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
+              "cpu_s": time.process_time() - cpu_start}  # this process's CPU time (the fresh-process compile not included)
+    print()
+    print_table(rows, comps)
+    jp, cp = write_results(rows, comps, config, args.out, "speed_quick" if args.quick else "speed")
+    print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s wall, {config['cpu_s']:.0f} s CPU, "
+          f"{config['threads']} threads)")
+    return {"rows": rows, "targets": comps, "config": config}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The speed benchmark (bench/speed.py): a --quick run on two tiny models checked for structure and
+internal consistency (never for timings), and its targets and helpers on hand-made inputs."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import speed  # noqa: E402
+
+
+def test_parse_args_defaults_and_validation() -> None:
+    a = speed.parse_args([])
+    assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (5, 2, ("50%", "25%"), "inductor", 0)
+    assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium"]
+    a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
+    assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
+    for bad in (["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
+        with pytest.raises(SystemExit):
+            speed.parse_args(bad)
+
+
+def test_model_specs() -> None:
+    full, quick = speed.model_specs(False), speed.model_specs(True)
+    assert list(full) == list(quick) == list(speed.MODEL_NAMES)
+    assert (full["gpt-medium"].size, full["gpt-medium"].optimizer, full["gpt-medium"].second_compile) == ("medium", False, True)
+    assert all(s.size == "small" and s.optimizer for n, s in full.items() if n != "gpt-medium")
+    assert all(s.size == "tiny" for s in quick.values())
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    """One real --quick run: mlp (SGD; 90% is below its minimum) and gpt-medium's tiny stand-in (no
+    optimizer; 90% is feasible), no torch.compile, two rounds, one thread (speed is not checked)."""
+    out = tmp_path_factory.mktemp("speed")
+    threads, cache_env = torch.get_num_threads(), os.environ.get("REMAT_CACHE_DIR")
+    try:
+        speed.main(["--quick", "--models", "mlp,gpt-medium", "--no-compile", "--no-fresh-process", "--rounds", "2",
+                    "--budgets", "90%", "--threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert os.environ.get("REMAT_CACHE_DIR") == cache_env  # the fresh kernel cache was the run's own
+    return json.loads((out / "speed_quick.json").read_text()), out
+
+
+def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
+    doc, out = quick_run
+    assert set(doc) == {"config", "machine", "rows", "comparisons"}
+    assert doc["config"]["threads"] == doc["machine"]["torch_threads"] == 1 and doc["config"]["rounds"] == 2
+    assert doc["config"]["cold_remat_cache"] is True and doc["config"]["compile"] is False
+    assert doc["config"]["wall_s"] > 0 and doc["config"]["cpu_s"] > 0
+    rows = {(r["model"], r["method"]): r for r in doc["rows"]}
+    assert [(r["model"], r["method"]) for r in doc["rows"]] == [
+        (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@90%")]
+    for (model, method), r in rows.items():
+        eager = rows[(model, "eager")]
+        if r["status"] == "infeasible":  # BudgetTooSmall: its minimum is recorded and exceeds the budget
+            assert method == "remat@90%" and r["minimum_budget_bytes"] > r["budget_bytes"] > 0
+            assert r["step_s"] is None and "BudgetTooSmall" in r["error"]
+            continue
+        assert r["status"] == "ok", r["error"]
+        times = r["extra"]["step_s_rounds"]
+        assert r["rounds"] == len(times) == 2 and r["step_s"] == pytest.approx(statistics.median(times))
+        assert r["step_s_min"] == min(times) and r["first_step_s"] > 0
+        ratios = [a / b for a, b in zip(times, eager["extra"]["step_s_rounds"])]
+        assert r["x_eager"] == pytest.approx(statistics.median(ratios))
+        assert r["x_eager_of_medians"] == pytest.approx(r["step_s"] / eager["step_s"])
+        assert r["peak_bytes"] > r["resident_bytes"] > 0 and r["eager_peak_bytes"] == eager["peak_bytes"]
+        assert r["peak_x_eager"] == pytest.approx(r["peak_bytes"] / eager["peak_bytes"])
+        # same weights and data, no dropout: the first losses agree
+        assert r["loss0"] == pytest.approx(eager["loss0"], rel=1e-5)
+        if method == "eager":
+            assert r["x_eager"] == 1.0 and r["setup_s"] is None and r["predicted_peak"] is None
+            continue
+        assert r["predicted_peak"] == r["vm_peak"] > 0 and r["instructions"] > 0 and r["setup_s"] > 0
+        stages = r["extra"]["setup_stages_progress"]
+        assert "capturing the model" in stages and sum(stages.values()) == pytest.approx(r["setup_s"], abs=0.05)
+        if method == "remat":
+            assert r["budget_bytes"] is None and r["unconstrained_peak"] == r["predicted_peak"]
+        else:
+            assert 0 < r["vm_peak"] <= r["budget_bytes"] < r["unconstrained_peak"]
+    # the resident bytes (parameters, momentum, inputs) are the same for every method of a model
+    assert len({r["resident_bytes"] for r in doc["rows"] if r["model"] == "mlp" and r["status"] == "ok"}) == 1
+    # gpt-medium: a second remat.compile of the same model in the same process (fresh process skipped)
+    med = rows[("gpt-medium", "remat")]
+    assert med["setup2_s"] > 0 and med["setup2_fresh_process_s"] is None and rows[("mlp", "remat")]["setup2_s"] is None
+    with (out / "speed_quick.csv").open() as f:
+        got = list(csv.DictReader(f))
+    assert [(g["model"], g["method"], g["status"]) for g in got] == [
+        (r["model"], r["method"], r["status"]) for r in doc["rows"]] and "extra" not in got[0]
+
+
+def test_quick_run_targets(quick_run: tuple[dict, Path]) -> None:
+    doc, _ = quick_run
+    rows = {(r["model"], r["method"]): r for r in doc["rows"]}
+    t = {(c["model"], c["target"]): c for c in doc["comparisons"]}
+    for model in ("mlp", "gpt-medium"):
+        c = t[(model, "remat unconstrained step / eager <= 1.0")]
+        assert c["value"] == rows[(model, "remat")]["x_eager"] and c["met"] == (c["value"] <= 1.0)
+        c = t[(model, "remat unconstrained allocator peak / eager's <= 1")]
+        assert c["value"] == rows[(model, "remat")]["peak_x_eager"] and c["met"] == (c["value"] <= 1.0)
+        assert t[(model, "remat predicted peak == VM-measured peak")]["met"] is True
+    c = t[("gpt-medium", "setup, first remat.compile <= 10 s")]
+    assert c["value"] == rows[("gpt-medium", "remat")]["setup_s"]
+    assert t[("gpt-medium", "setup, second remat.compile (fresh process) <= 3 s")]["met"] is None  # not measured
+    assert t[("gpt-medium", "remat@50% step / eager <= 1.15")]["met"] is None  # 50% not run here
+    assert t[("gpt-medium", "remat@90% VM peak / budget <= 1")]["met"] is True
+    assert ("unet", "remat@50% step / eager <= 1.15") not in t  # unet not run
+    assert all(c["met"] in (True, False, None) for c in doc["comparisons"])
+
+
+def test_targets_by_hand() -> None:
+    R = speed.SpeedRow
+    rows = [R("unet", "eager", x_eager=1.0, peak_x_eager=1.0),
+            R("unet", "remat", x_eager=0.9, peak_x_eager=1.1, predicted_peak=100, vm_peak=100),
+            R("unet", "remat@50%", x_eager=1.2, budget_bytes=60, predicted_peak=55, vm_peak=56),
+            R("gpt-medium", "eager"),
+            R("gpt-medium", "remat", x_eager=1.3, setup_s=8.0, setup2_s=3.5, setup2_fresh_process_s=2.0),
+            R("gpt-medium", "remat@50%", status="infeasible", budget_bytes=50, minimum_budget_bytes=70)]
+    t = {(c["model"], c["target"]): c for c in speed.targets(rows)}
+    assert t[("unet", "remat unconstrained step / eager <= 1.0")]["met"] is True
+    assert t[("unet", "remat unconstrained step / eager <= 0.85 (stretch)")]["met"] is False
+    assert t[("unet", "remat unconstrained allocator peak / eager's <= 1")]["met"] is False
+    assert t[("unet", "remat@50% step / eager <= 1.15")]["met"] is False
+    assert t[("unet", "remat@50% predicted peak == VM-measured peak")]["met"] is False
+    assert t[("unet", "remat@50% VM peak / budget <= 1")]["value"] == pytest.approx(56 / 60)
+    inf = t[("gpt-medium", "remat@50% step / eager <= 1.15")]
+    assert inf["met"] is False and inf["value"] is None and "minimum budget 70 B" in inf["note"]
+    assert t[("gpt-medium", "remat unconstrained step / eager <= 1.0")]["met"] is False
+    assert t[("gpt-medium", "setup, first remat.compile <= 10 s")]["met"] is True
+    assert t[("gpt-medium", "setup, second remat.compile (same process) <= 3 s")]["met"] is False
+    assert t[("gpt-medium", "setup, second remat.compile (fresh process) <= 3 s")]["met"] is True
+    assert t[("gpt-medium", "remat unconstrained allocator peak / eager's <= 1")]["met"] is None  # not measured
+
+
+def test_stage_helpers() -> None:
+    split = speed._stage_split([("capture", 1.0), ("plan", 3.0), ("capture", 3.5)], 4.0)
+    assert split == {"capture": 2.5, "plan": 0.5}
+    assert speed.report_stages(SimpleNamespace(stage_seconds={"capture": 1, "planning": 0.5})) == {"capture": 1.0, "planning": 0.5}
+    assert speed.report_stages(SimpleNamespace(stages=[("capture", 2.0)])) == {"capture": 2.0}
+    assert speed.report_stages(SimpleNamespace(plan_seconds=1.0)) is None
+    assert speed.remat_budget("remat") is None and speed.remat_budget("remat@25%") == "25%"
