@@ -14,10 +14,17 @@ from _train_util import eager_loss, grads_of, make
 
 @pytest.fixture(scope="module")
 def gpt():
-    model, inputs, loss_fn = make("gpt", batch=4)
-    m = copy.deepcopy(model)
-    base = remat.compile(m, inputs, loss_fn)
-    loss = base(*inputs)
+    # Module-scoped fixtures run outside the function-scoped one-thread fixture: set the same
+    # thread count here, since native kernels (layer_norm's weight gradient) reduce per thread.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, inputs, loss_fn = make("gpt", batch=4)
+        m = copy.deepcopy(model)
+        base = remat.compile(m, inputs, loss_fn)
+        loss = base(*inputs)
+    finally:
+        torch.set_num_threads(n)
     return model, inputs, loss_fn, base, loss, grads_of(m)
 
 
