@@ -34,8 +34,10 @@ def storage_of(x: Any) -> tuple[StorageKey, int, Any]:
     if _torch is not None and isinstance(x, _torch.Tensor):
         s = x.untyped_storage()
         ptr = s.data_ptr()
-        key = ptr if x.device.type == "cpu" else (x.device.type, x.device.index, ptr)
-        return key, s.nbytes(), s
+        if x.is_cpu:  # (``is_cpu`` is several times cheaper than ``device.type``)
+            return ptr, s.nbytes(), s
+        d = x.device
+        return (d.type, d.index, ptr), s.nbytes(), s
     raise TypeError(f"cannot account memory of {type(x).__name__}; expected a numpy array or torch tensor")
 
 
