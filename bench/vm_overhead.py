@@ -125,21 +125,23 @@ def plain_loop(calls: list) -> None:
         fn(*a, **kw)
 
 
-def time_variants(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, float]]:
-    """(median, min) seconds of each variant over ``rounds`` alternating rounds (after a warm-up round).
+def time_variants(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds of each variant over ``rounds`` alternating rounds (after a warm-up).
 
-    On a loaded machine the minimum estimates the cost without preemption (a longer run is
-    interrupted more often); the median is what a user sees."""
-    times: dict[str, list[float]] = {k: [] for k in variants}
+    CPU time is the calling thread's (``time.thread_time``; torch runs single-threaded here): on a
+    shared machine it leaves out the time the process waited for a core, which wall time includes."""
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(rounds + 1):
         for k, f in variants.items():
             gc.collect()
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             f()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             if r:
-                times[k].append(dt)
-    return {k: (statistics.median(v), min(v)) for k, v in times.items()}
+                wall[k].append(dt)
+                cpu[k].append(dc)
+    return {k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k])} for k in variants}
 
 
 def overhead_row(label: str, vms: dict[str, tuple[Any, str | None]], name: str, args: list, rounds: int,
@@ -152,16 +154,15 @@ def overhead_row(label: str, vms: dict[str, tuple[Any, str | None]], name: str, 
         run = runner(vm, name, record)
         variants[k] = (lambda run=run: run(*args, outputs=outputs))
     t = time_variants(variants, rounds)
-    base, base_min = t["plain_loop"]
+    base = t["plain_loop"]
     row = {"program": label, "instructions": n_instr, "kernel_calls": len(calls), "rounds": rounds,
-           "plain_loop_ms": base * 1e3, "plain_loop_min_ms": base_min * 1e3}
+           "plain_loop_ms": base["wall"] * 1e3, "plain_loop_cpu_ms": base["cpu"] * 1e3}
     for k in vms:
-        med, low = t[k]
-        row[f"{k}_ms"] = med * 1e3
-        row[f"{k}_min_ms"] = low * 1e3
-        row[f"{k}_overhead_us_per_instr"] = (med - base) / n_instr * 1e6
-        row[f"{k}_overhead_us_per_instr_min"] = (low - base_min) / n_instr * 1e6
-        row[f"{k}_ratio"] = med / base
+        row[f"{k}_ms"] = t[k]["wall"] * 1e3
+        row[f"{k}_cpu_ms"] = t[k]["cpu"] * 1e3
+        row[f"{k}_overhead_us_per_instr"] = (t[k]["cpu"] - base["cpu"]) / n_instr * 1e6
+        row[f"{k}_overhead_us_per_instr_wall"] = (t[k]["wall"] - base["wall"]) / n_instr * 1e6
+        row[f"{k}_ratio"] = t[k]["cpu"] / base["cpu"]
     return row
 
 
@@ -191,9 +192,10 @@ def step_row(label: str, step: Any, ex: tuple, vms: dict[str, tuple[Any, str | N
     finally:
         step._vm = own
     first = next(iter(vms))
-    return {"model": label, "rounds": rounds, **{f"{k}_ms": v[0] * 1e3 for k, v in t.items()},
-            **{f"{k}_min_ms": v[1] * 1e3 for k, v in t.items()},
-            **{f"{k}_vs_{first}": v[0] / t[first][0] for k, v in t.items()}}
+    return {"model": label, "rounds": rounds, **{f"{k}_ms": v["wall"] * 1e3 for k, v in t.items()},
+            **{f"{k}_cpu_ms": v["cpu"] * 1e3 for k, v in t.items()},
+            **{f"{k}_vs_{first}": v["wall"] / t[first]["wall"] for k, v in t.items()},
+            **{f"{k}_vs_{first}_cpu": v["cpu"] / t[first]["cpu"] for k, v in t.items()}}
 
 
 def main() -> None:
@@ -265,11 +267,12 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
     keys = [k[:-len("_overhead_us_per_instr")] for k in rows[0] if k.endswith("_overhead_us_per_instr")]
-    print("\noverhead in µs per instruction, from medians (from minima), and VM / plain loop (medians)")
-    print(f"{'program':<20}{'instrs':>7}{'plain ms':>10}" + "".join(f"{k:>22}" for k in keys))
+    print("\nVM overhead in µs per instruction from median CPU times (from wall times), "
+          "and VM / plain loop (CPU)")
+    print(f"{'program':<20}{'instrs':>7}{'plain ms':>10}" + "".join(f"{k:>24}" for k in keys))
     for r in rows:
-        print(f"{r['program']:<20}{r['instructions']:>7}{r['plain_loop_ms']:>10.2f}"
-              + "".join(f"{r[k + '_overhead_us_per_instr']:>7.2f} ({r[k + '_overhead_us_per_instr_min']:>5.2f}) "
+        print(f"{r['program']:<20}{r['instructions']:>7}{r['plain_loop_cpu_ms']:>10.2f}"
+              + "".join(f"{r[k + '_overhead_us_per_instr']:>7.2f} ({r[k + '_overhead_us_per_instr_wall']:>7.2f}) "
                         f"{r[k + '_ratio']:>5.2f}x" for k in keys))
     for s in steps:
         print(s)

@@ -70,6 +70,11 @@ def _to_torch(x: Any):
 _CONVERT = {"numpy": _to_numpy, "torch": _to_torch}
 
 
+def _cpu_torch() -> bool:
+    """Whether torch is loaded and its kernels run on the CPU (tensor storages keyed by address alone)."""
+    return "torch" in sys.modules and _tk().DEVICE.type == "cpu"
+
+
 def _is_family(conv: Callable) -> bool:
     """Whether the VM may skip ``conv`` for values it already converted: true of converters for which
     ``conv(conv(x)) is conv(x)`` (NumPy arrays; torch tensors on the torch device). Operands of a
@@ -157,8 +162,8 @@ class _Step:
 
     Kernel steps: ``get(frame)`` gives the operands (a tuple, or the value itself when ``nargs`` is
     1); ``convs`` is None when every operand is already of the kernel's dialect (known at plan
-    time), else one converter or None per operand; ``fast`` marks a single, non-aliasing torch
-    result on a CPU torch device, whose contract check is inlined in the run loop.
+    time), else one converter or None per operand; ``fast`` marks a single torch result on a CPU
+    torch device, whose contract check is inlined in the run loop.
     """
 
     __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "family", "attrs", "ins_slots", "out_slots",
@@ -251,7 +256,7 @@ class VM:
         if p.arg_dialect is not None and _is_family(_CONVERT[p.arg_dialect]):
             for s in p.param_slots:
                 family[s] = _CONVERT[p.arg_dialect]
-        cpu_torch = "torch" in sys.modules and _tk().DEVICE.type == "cpu"
+        cpu_torch = _cpu_torch()
         index = 0
         for b in fn.blocks:
             bp = _BlockPlan()
@@ -310,7 +315,7 @@ class VM:
                     for s in st.out_slots:
                         family[s] = st.family
                     st.expect = tuple(_expect(r.type, ins.dialect) for r in ins.results)
-                    st.fast = conv is _to_torch and cpu_torch and st.single and st.alias[0] < 0
+                    st.fast = conv is _to_torch and cpu_torch and st.single
                     if ins.dialect == "torch":
                         p.uses_torch = True
                 bp.steps.append(st)
@@ -361,8 +366,13 @@ class VM:
                 res = self._exec(plan, xs, None, tracker, donate, rec)
         total = time.perf_counter() - t0
         outs, _ = res
-        cv = _to_numpy if outputs == "numpy" else _to_torch
-        outs = tuple(cv(o) for o in outs)
+        if outputs == "numpy":
+            outs = tuple(o if type(o) is np.ndarray else _to_numpy(o) for o in outs)
+        elif _cpu_torch():  # to_torch(o) is o for a plain CPU tensor
+            tensor = sys.modules["torch"].Tensor
+            outs = tuple(o if type(o) is tensor and o.is_cpu else _to_torch(o) for o in outs)
+        else:
+            outs = tuple(_to_torch(o) for o in outs)
         at = rec.peak_index
         stats = RunStats(name, rec.peak, rec.timeline, rec.times, total,
                          None if at is None else plan_instr(plan, at), at, tracker.live_bytes, rec.arg_bytes, record)
@@ -376,6 +386,7 @@ class VM:
             raise TypeError(f"@{f.name} takes {len(ptypes)} argument(s) ({', '.join(map(str, ptypes))}), got {len(args)}")
         conv = _CONVERT[plan.arg_dialect] if plan.arg_dialect else None
         tensor = sys.modules["torch"].Tensor if "torch" in sys.modules else None
+        same = conv is _to_torch and _cpu_torch()  # to_torch(a) is a for a plain CPU tensor
         xs = []
         for i, (a, (npdt, tdt, shape, _)) in enumerate(zip(args, plan.param_expect)):
             if type(a) is np.ndarray:
@@ -390,7 +401,9 @@ class VM:
                     raise TypeError(f"argument {i} of @{f.name}: expected {ptypes[i]}, got {got}")
             if not _is_dense(a):
                 a = _dense_copy(a)
-            xs.append(conv(a) if conv is not None else a)
+            if conv is not None and not (same and type(a) is tensor and a.is_cpu):
+                a = conv(a)
+            xs.append(a)
         return xs
 
     def _exec(self, plan: _FnPlan, xs: list, keys_in: list | None, tracker: MemoryTracker, donate: bool,
@@ -446,16 +459,25 @@ class VM:
                                            f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
                     if st.fast:
                         # The contract of _store for the common case, inlined (same checks, same
-                        # accounting): a plain CPU tensor of the result's dtype and shape, contiguous,
-                        # whose storage holds exactly its bytes and is not live. Anything else takes
+                        # accounting): a plain CPU tensor of the result's dtype and shape that is
+                        # either a view of its aliased operand's storage or, for other ops, contiguous
+                        # with a storage holding exactly its bytes and not live. Anything else takes
                         # the general path, which names the violation or copies.
                         _, tdt, shape, nbytes = st.expect[0]
-                        if (type(out) is tensor and out.dtype is tdt and out.shape == shape and out.is_cpu
-                                and out.is_contiguous()):
+                        if type(out) is tensor and out.dtype is tdt and out.shape == shape and out.is_cpu:
                             sto = out.untyped_storage()
                             key = sto.data_ptr()
-                            if sto.nbytes() == nbytes and key not in refs:
-                                tracker.add(key, nbytes, sto)
+                            a = st.alias[0]
+                            if a < 0:
+                                if key not in refs and sto.nbytes() == nbytes and out.is_contiguous():
+                                    tracker.add(key, nbytes, sto)
+                                    s = st.out_slots[0]
+                                    frame[s] = out
+                                    keys[s] = key
+                                else:
+                                    self._store(plan, st, 0, out, frame, keys, tracker)
+                            elif key == keys[st.ins_slots[a]]:
+                                tracker.acquire_key(key)
                                 s = st.out_slots[0]
                                 frame[s] = out
                                 keys[s] = key
