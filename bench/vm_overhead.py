@@ -256,6 +256,9 @@ def main() -> None:
         "what": "VM per-instruction overhead: (VM.run time - plain loop over the same kernel calls) / instructions",
         "command": " ".join(["bench/vm_overhead.py"] + sys.argv[1:]),
         "baseline": opts.baseline,
+        "baseline_commit": subprocess.check_output(["git", "rev-parse", opts.baseline], cwd=ROOT, text=True).strip()
+        if opts.baseline else None,
+        "commit": subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip(),
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "torch_threads": opts.threads,
                     "platform": platform.platform()},
         "rounds": rounds,

@@ -52,7 +52,8 @@ class MemoryTracker:
     __slots__ = ("_refs", "live_bytes", "peak_bytes")
 
     def __init__(self) -> None:
-        # key -> [references, bytes, owner object kept alive while counted]
+        # key -> [references, bytes, owner object kept alive while counted]. The VM's run loop tests
+        # membership here directly (``key in tracker._refs``) on its per-result fast path.
         self._refs: dict[StorageKey, list] = {}
         self.live_bytes = 0
         self.peak_bytes = 0

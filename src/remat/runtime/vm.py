@@ -17,6 +17,14 @@ Contracts the VM enforces at run time:
   copied (so a misbehaving kernel costs time, never wrong accounting);
 * a result the op aliases to an operand (``reshape``, in-place updates) must share that
   operand's storage (``RuntimeError`` otherwise).
+
+Cost. A function is prepared once per VM: kernels resolved, values in numbered frame slots,
+releases precomputed, and which operands need a dialect conversion decided from the producer of
+each slot (results are stored in their dialect's own array type, so a torch kernel reading a torch
+result calls it as is). ``run(..., record="full")`` (the default) also records a timeline entry
+and the time of every instruction; ``record="peak"`` records only the peak and where it was
+reached, for repeated runs such as training steps; both check every contract above on every
+result (``bench/vm_overhead.py`` measures the per-instruction cost of each).
 """
 from __future__ import annotations
 
@@ -463,6 +471,13 @@ class VM:
                         # either a view of its aliased operand's storage or, for other ops, contiguous
                         # with a storage holding exactly its bytes and not live. Anything else takes
                         # the general path, which names the violation or copies.
+                        # These checks run on every result of every run, not once per plan: whether
+                        # a kernel returns a fresh buffer can depend on its operand values and
+                        # strides (e.g. an op returning its input when it has nothing to do), and
+                        # whether a storage is already live depends on the whole run, so no first
+                        # run can prove them for later ones. What cannot change between runs (the
+                        # expected dtype, shape and bytes, the aliased operand, the conversions)
+                        # is decided in _plan.
                         _, tdt, shape, nbytes = st.expect[0]
                         if type(out) is tensor and out.dtype is tdt and out.shape == shape and out.is_cpu:
                             sto = out.untyped_storage()
