@@ -188,7 +188,7 @@ class _BlockPlan:
 
 
 class _FnPlan:
-    __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch")
+    __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs")
 
 
 def _expect(t: TensorType, dialect: str):
@@ -257,6 +257,7 @@ class VM:
         # Arguments are converted on entry (run) and at call sites to the first kernel's dialect.
         p.arg_dialect = next((i.dialect for i in fn.instructions() if i.op.name not in backends.CONTROL_OPS), None)
         p.uses_torch = False
+        p.instrs = tuple(fn.instructions())  # by step index (RunStats.peak_at)
         # The converter family every slot's value is known to be in (see _is_family): parameters
         # (converted on entry), kernel results (converted by _store). Block arguments and call
         # results may come from several places: unknown (None), converted at each use.
@@ -383,7 +384,7 @@ class VM:
             outs = tuple(_to_torch(o) for o in outs)
         at = rec.peak_index
         stats = RunStats(name, rec.peak, rec.timeline, rec.times, total,
-                         None if at is None else plan_instr(plan, at), at, tracker.live_bytes, rec.arg_bytes, record)
+                         None if at is None else plan.instrs[at], at, tracker.live_bytes, rec.arg_bytes, record)
         return outs, stats
 
     def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> list:
@@ -614,14 +615,6 @@ class VM:
 
 def _is_contig(x: Any) -> bool:
     return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_contiguous()
-
-
-def plan_instr(plan: _FnPlan, index: int) -> Instruction:
-    for bp in plan.blocks:
-        for st in bp.steps:
-            if st.index == index:
-                return st.ins
-    raise IndexError(index)
 
 
 class _Recorder:
