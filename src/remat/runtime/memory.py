@@ -34,8 +34,10 @@ def storage_of(x: Any) -> tuple[StorageKey, int, Any]:
     if _torch is not None and isinstance(x, _torch.Tensor):
         s = x.untyped_storage()
         ptr = s.data_ptr()
-        key = ptr if x.device.type == "cpu" else (x.device.type, x.device.index, ptr)
-        return key, s.nbytes(), s
+        if x.is_cpu:  # (``is_cpu`` is several times cheaper than ``device.type``)
+            return ptr, s.nbytes(), s
+        d = x.device
+        return (d.type, d.index, ptr), s.nbytes(), s
     raise TypeError(f"cannot account memory of {type(x).__name__}; expected a numpy array or torch tensor")
 
 
@@ -50,7 +52,8 @@ class MemoryTracker:
     __slots__ = ("_refs", "live_bytes", "peak_bytes")
 
     def __init__(self) -> None:
-        # key -> [references, bytes, owner object kept alive while counted]
+        # key -> [references, bytes, owner object kept alive while counted]. The VM's run loop tests
+        # membership here directly (``key in tracker._refs``) on its per-result fast path.
         self._refs: dict[StorageKey, list] = {}
         self.live_bytes = 0
         self.peak_bytes = 0

@@ -17,9 +17,18 @@ Contracts the VM enforces at run time:
   copied (so a misbehaving kernel costs time, never wrong accounting);
 * a result the op aliases to an operand (``reshape``, in-place updates) must share that
   operand's storage (``RuntimeError`` otherwise).
+
+Cost. A function is prepared once per VM: kernels resolved, values in numbered frame slots,
+releases precomputed, and which operands need a dialect conversion decided from the producer of
+each slot (results are stored in their dialect's own array type, so a torch kernel reading a torch
+result calls it as is). ``run(..., record="full")`` (the default) also records a timeline entry
+and the time of every instruction; ``record="peak"`` records only the peak and where it was
+reached, for repeated runs such as training steps; both check every contract above on every
+result (``bench/vm_overhead.py`` measures the per-instruction cost of each).
 """
 from __future__ import annotations
 
+import operator
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,6 +45,9 @@ from ..memory.liveness import TimelineEntry, liveness
 from .memory import MemoryTracker, storage_of
 
 _K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)
+RECORD_LEVELS = ("full", "peak")
+
+_TK: Any = None
 
 
 def _torch():
@@ -45,9 +57,13 @@ def _torch():
 
 
 def _tk():
-    from ..backends import torch_kernels
+    """``remat.backends.torch_kernels``, imported on first use (an import statement per call costs µs)."""
+    global _TK
+    if _TK is None:
+        from ..backends import torch_kernels
 
-    return torch_kernels
+        _TK = torch_kernels
+    return _TK
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -58,7 +74,20 @@ def _to_torch(x: Any):
     return _tk().to_torch(x)
 
 
-_CONVERT = {"numpy": _to_numpy, "torch": _to_torch, "numba": _to_numpy}  # numba kernels take NumPy arrays
+# dialect -> the function converting any array into that dialect's operand type (numba kernels take NumPy arrays).
+_CONVERT = {"numpy": _to_numpy, "torch": _to_torch, "numba": _to_numpy}
+
+
+def _cpu_torch() -> bool:
+    """Whether torch is loaded and its kernels run on the CPU (tensor storages keyed by address alone)."""
+    return "torch" in sys.modules and _tk().DEVICE.type == "cpu"
+
+
+def _is_family(conv: Callable) -> bool:
+    """Whether the VM may skip ``conv`` for values it already converted: true of converters for which
+    ``conv(conv(x)) is conv(x)`` (NumPy arrays; torch tensors on the torch device). Operands of a
+    dialect whose converter is not known here are converted at every use, as before."""
+    return conv is _to_numpy or conv is _to_torch
 
 
 def tensor_type_of(x: Any) -> TensorType:
@@ -94,7 +123,9 @@ class RunStats:
     (``index`` is the position in ``fn.instructions()``; a call counts as one instruction whose
     high-water mark includes the callee's). ``instr_times``: (index, op name, seconds) in execution
     order. ``peak_at``: the instruction during which ``peak_bytes`` was first reached (None when
-    the arguments alone are the peak).
+    the arguments alone are the peak). ``record``: the recording level of the run; with
+    ``"peak"`` the ``timeline`` and ``instr_times`` are empty lists (so ``time_by_op()`` is empty)
+    and every other field is measured as with ``"full"``.
     """
 
     function: str
@@ -106,9 +137,10 @@ class RunStats:
     peak_index: int | None
     live_bytes_at_end: int
     argument_bytes: int
+    record: str = "full"
 
     def time_by_op(self) -> dict[str, float]:
-        """Seconds per op name, largest first."""
+        """Seconds per op name, largest first (empty for a ``record="peak"`` run)."""
         out: dict[str, float] = {}
         for _, name, s in self.instr_times:
             out[name] = out.get(name, 0.0) + s
@@ -116,7 +148,8 @@ class RunStats:
 
     def __str__(self) -> str:
         where = "the arguments" if self.peak_at is None else f"instruction {self.peak_index}: {_fmt(self.peak_at)}"
-        lines = [f"run of @{self.function}: {len(self.instr_times)} instructions in {self.total_seconds * 1e3:.2f} ms",
+        what = f"{len(self.instr_times)} instructions" if self.record == "full" else "peak only recorded"
+        lines = [f"run of @{self.function}: {what}, {self.total_seconds * 1e3:.2f} ms",
                  f"  peak memory   {format_bytes(self.peak_bytes)} ({self.peak_bytes} bytes) at {where}",
                  f"  arguments     {format_bytes(self.argument_bytes)}",
                  f"  live at end   {format_bytes(self.live_bytes_at_end)} ({self.live_bytes_at_end} bytes)"]
@@ -133,10 +166,17 @@ def _fmt(ins: Instruction) -> str:
 
 # ---------------------------------------------------------------- execution plan
 class _Step:
-    """One precomputed instruction: what to call, which slots to read and write, what to release."""
+    """One precomputed instruction: what to call, which slots to read and write, what to release.
 
-    __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "attrs", "ins_slots", "out_slots", "alias",
-                 "expect", "single", "rel", "rel_top", "targets", "callee", "cond")
+    Kernel steps: ``get(frame)`` gives the operands (a tuple, or the value itself when ``nargs`` is
+    1); ``convs`` is None when every operand is already of the kernel's dialect (known at plan
+    time), else one converter or None per operand; ``fast`` marks a single torch result on a CPU
+    torch device, whose contract check is inlined in the run loop.
+    """
+
+    __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "family", "attrs", "ins_slots", "out_slots",
+                 "alias", "expect", "single", "rel", "rel_top", "targets", "callee", "cond", "get", "nargs",
+                 "convs", "fast")
 
 
 class _Target:
@@ -148,13 +188,20 @@ class _BlockPlan:
 
 
 class _FnPlan:
-    __slots__ = ("fn", "nslots", "param_slots", "blocks", "arg_dialect", "uses_torch")
+    __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs")
 
 
 def _expect(t: TensorType, dialect: str):
     """(numpy dtype, torch dtype or None, shape, nbytes) of a result type."""
     tdt = _tk().TORCH_DTYPE[t.dtype] if dialect == "torch" or "torch" in sys.modules else None
     return (t.dtype.numpy, tdt, t.shape, t.nbytes)
+
+
+def _getter(slots: tuple[int, ...]) -> Callable[[list], Any]:
+    """frame -> operands: the value itself for one slot, a tuple otherwise (itemgetter: no Python frame)."""
+    if not slots:
+        return lambda frame: ()
+    return operator.itemgetter(*slots)
 
 
 class VM:
@@ -205,9 +252,20 @@ class VM:
         p.fn = fn
         p.nslots = len(slot)
         p.param_slots = tuple(slot[a] for a in fn.params)
+        p.param_expect = tuple(_expect(t, "numpy") for t in fn.param_types)
         p.blocks = []
-        p.arg_dialect = None
+        # Arguments are converted on entry (run) and at call sites to the first kernel's dialect.
+        p.arg_dialect = next((i.dialect for i in fn.instructions() if i.op.name not in backends.CONTROL_OPS), None)
         p.uses_torch = False
+        p.instrs = tuple(fn.instructions())  # by step index (RunStats.peak_at)
+        # The converter family every slot's value is known to be in (see _is_family): parameters
+        # (converted on entry), kernel results (converted by _store). Block arguments and call
+        # results may come from several places: unknown (None), converted at each use.
+        family: dict[int, Callable | None] = {}
+        if p.arg_dialect is not None and _is_family(_CONVERT[p.arg_dialect]):
+            for s in p.param_slots:
+                family[s] = _CONVERT[p.arg_dialect]
+        cpu_torch = _cpu_torch()
         index = 0
         for b in fn.blocks:
             bp = _BlockPlan()
@@ -225,7 +283,10 @@ class VM:
                 st.rel, st.rel_top = rels(lv.dies_at.get(ins, ()))
                 st.single = len(ins.results) == 1
                 st.attrs = ins.attrs
-                st.fn = st.conv = st.targets = st.callee = st.cond = None
+                st.fn = st.conv = st.family = st.targets = st.callee = st.cond = st.convs = None
+                st.get = _getter(st.ins_slots)
+                st.nargs = len(st.ins_slots)
+                st.fast = False
                 st.alias = tuple(ins.op.aliases.get(k, -1) for k in range(len(ins.results)))
                 st.expect = ()
                 name = st.name
@@ -255,12 +316,17 @@ class VM:
                     st.kind = _K_KERNEL
                     impl = backends.kernel_for(ins, ins.dialect)
                     st.fn = impl.fn
-                    st.conv = _CONVERT[ins.dialect]
+                    st.conv = conv = _CONVERT[ins.dialect]
+                    st.family = conv if _is_family(conv) else None
+                    convs = tuple(None if st.family is not None and family.get(s) is conv else conv
+                                  for s in st.ins_slots)
+                    st.convs = None if all(c is None for c in convs) else convs
+                    for s in st.out_slots:
+                        family[s] = st.family
                     st.expect = tuple(_expect(r.type, ins.dialect) for r in ins.results)
+                    st.fast = conv is _to_torch and cpu_torch and st.single
                     if ins.dialect == "torch":
                         p.uses_torch = True
-                    if p.arg_dialect is None:
-                        p.arg_dialect = ins.dialect
                 bp.steps.append(st)
             p.blocks.append(bp)
         return p
@@ -270,8 +336,8 @@ class VM:
         """The prepared (dialect-assigned) copy of a function of the module."""
         return self.module[name.name if isinstance(name, Function) else name]
 
-    def run(self, fn: str | Function, *args: Any, donate: bool = False,
-            outputs: str = "numpy", on_step: Callable[[TimelineEntry], None] | None = None
+    def run(self, fn: str | Function, *args: Any, donate: bool = False, outputs: str = "numpy",
+            on_step: Callable[[TimelineEntry], None] | None = None, record: str = "full"
             ) -> tuple[tuple[Any, ...], RunStats]:
         """Run ``fn`` on NumPy arrays / torch tensors; returns (results, :class:`RunStats`).
 
@@ -279,30 +345,26 @@ class VM:
         default they belong to the caller and stay counted for the whole run).
         ``outputs``: "numpy" (default) or "torch".
         ``on_step``: called after each top-level instruction with its timeline entry (for
-        cross-checks such as tracemalloc; adds a call per instruction).
+        cross-checks such as tracemalloc; adds a call per instruction; needs ``record="full"``).
+        ``record``: "full" (default) records the timeline and per-instruction times (profiling,
+        cross-checks); "peak" only the live and peak bytes and where the peak was reached, for
+        repeated runs such as training steps. Both check every kernel contract and measure bytes
+        from the real storages alike.
         """
         if outputs not in ("numpy", "torch"):
             raise ValueError(f"outputs must be 'numpy' or 'torch', got {outputs!r}")
+        if record not in RECORD_LEVELS:
+            raise ValueError(f"record must be one of {', '.join(map(repr, RECORD_LEVELS))}, got {record!r}")
+        if on_step is not None and record != "full":
+            raise ValueError("on_step needs record='full' (a timeline entry per instruction)")
         name = fn.name if isinstance(fn, Function) else fn
         if name not in self._plans:
             raise KeyError(f"no runnable function @{name} in this VM; it has {', '.join('@' + n for n in self._plans)}")
         plan = self._plans[name]
-        f = plan.fn
-        ptypes = f.param_types
-        if len(args) != len(ptypes):
-            raise TypeError(f"@{name} takes {len(ptypes)} argument(s) ({', '.join(map(str, ptypes))}), got {len(args)}")
-        conv = _CONVERT[plan.arg_dialect] if plan.arg_dialect else None
-        xs = []
-        for i, (a, t) in enumerate(zip(args, ptypes)):
-            got = tensor_type_of(a)
-            if got != t:
-                raise TypeError(f"argument {i} of @{name}: expected {t}, got {got}")
-            if not _is_dense(a):
-                a = _dense_copy(a)
-            xs.append(conv(a) if conv is not None else a)
+        xs = self._arguments(plan, args)
 
         tracker = MemoryTracker()
-        rec = _Recorder(on_step)
+        rec = _Recorder(on_step) if record == "full" else _PeakRecorder()
         t0 = time.perf_counter()
         # IEEE semantics: NaN and inf are values, not errors (NumPy would warn; torch does not).
         with np.errstate(all="ignore"):
@@ -313,15 +375,48 @@ class VM:
                 res = self._exec(plan, xs, None, tracker, donate, rec)
         total = time.perf_counter() - t0
         outs, _ = res
-        cv = _to_numpy if outputs == "numpy" else _to_torch
-        outs = tuple(cv(o) for o in outs)
+        if outputs == "numpy":
+            outs = tuple(o if type(o) is np.ndarray else _to_numpy(o) for o in outs)
+        elif _cpu_torch():  # to_torch(o) is o for a plain CPU tensor
+            tensor = sys.modules["torch"].Tensor
+            outs = tuple(o if type(o) is tensor and o.is_cpu else _to_torch(o) for o in outs)
+        else:
+            outs = tuple(_to_torch(o) for o in outs)
         at = rec.peak_index
         stats = RunStats(name, rec.peak, rec.timeline, rec.times, total,
-                         None if at is None else plan_instr(plan, at), at, tracker.live_bytes, rec.arg_bytes)
+                         None if at is None else plan.instrs[at], at, tracker.live_bytes, rec.arg_bytes, record)
         return outs, stats
 
+    def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> list:
+        """Check the arguments against the parameter types; dense copies where needed; convert."""
+        f = plan.fn
+        ptypes = f.param_types
+        if len(args) != len(ptypes):
+            raise TypeError(f"@{f.name} takes {len(ptypes)} argument(s) ({', '.join(map(str, ptypes))}), got {len(args)}")
+        conv = _CONVERT[plan.arg_dialect] if plan.arg_dialect else None
+        tensor = sys.modules["torch"].Tensor if "torch" in sys.modules else None
+        same = conv is _to_torch and _cpu_torch()  # to_torch(a) is a for a plain CPU tensor
+        xs = []
+        for i, (a, (npdt, tdt, shape, _)) in enumerate(zip(args, plan.param_expect)):
+            if type(a) is np.ndarray:
+                ok = a.dtype == npdt and a.shape == shape
+            elif tensor is not None and type(a) is tensor:
+                ok = a.dtype is tdt and a.shape == shape
+            else:
+                ok = False
+            if not ok:  # the slow path: other types, subclasses, and the error message
+                got = tensor_type_of(a)
+                if got != ptypes[i]:
+                    raise TypeError(f"argument {i} of @{f.name}: expected {ptypes[i]}, got {got}")
+            if not _is_dense(a):
+                a = _dense_copy(a)
+            if conv is not None and not (same and type(a) is tensor and a.is_cpu):
+                a = conv(a)
+            xs.append(a)
+        return xs
+
     def _exec(self, plan: _FnPlan, xs: list, keys_in: list | None, tracker: MemoryTracker, donate: bool,
-              rec: "_Recorder | None"):
+              rec: "_Recorder | _PeakRecorder | None"):
         """Execute one frame. ``keys_in`` None: top level (arguments are acquired fresh)."""
         frame: list = [None] * plan.nslots
         keys: list = [None] * plan.nslots
@@ -335,8 +430,15 @@ class VM:
                 keys[s] = keys_in[i]
                 tracker.acquire_key(keys_in[i])
         use_top = top and not donate  # parameters stay live (they belong to the caller)
+        full = isinstance(rec, _Recorder)  # per-instruction timeline and times
         if rec is not None:
             rec.start(tracker)
+        # Lean top level: the tracker's high-water mark only grows; note where it last rose.
+        lean = rec is not None and not full
+        pk = tracker.peak_bytes
+        pk_at = None
+        refs = tracker._refs
+        tensor = sys.modules["torch"].Tensor if "torch" in sys.modules else None
         blocks = plan.blocks
         bp = blocks[0]
         for s in (bp.dead_top if use_top else bp.dead):
@@ -346,19 +448,60 @@ class VM:
         while True:
             nxt = None
             for st in bp.steps:
-                if rec is not None:
+                if full:
                     t0 = perf()
                     saved_peak = tracker.peak_bytes
                     tracker.peak_bytes = tracker.live_bytes
                 kind = st.kind
                 if kind == _K_KERNEL:
-                    conv = st.conv
                     try:
-                        out = st.fn(*[conv(frame[s]) for s in st.ins_slots], **st.attrs)
+                        if st.convs is None:  # every operand already of the dialect's type
+                            if st.nargs == 1:
+                                out = st.fn(st.get(frame), **st.attrs)
+                            else:
+                                out = st.fn(*st.get(frame), **st.attrs)
+                        else:
+                            out = st.fn(*[frame[s] if c is None else c(frame[s])
+                                          for s, c in zip(st.ins_slots, st.convs)], **st.attrs)
                     except Exception as e:
                         raise RuntimeError(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
                                            f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
-                    if st.single:
+                    if st.fast:
+                        # The contract of _store for the common case, inlined (same checks, same
+                        # accounting): a plain CPU tensor of the result's dtype and shape that is
+                        # either a view of its aliased operand's storage or, for other ops, contiguous
+                        # with a storage holding exactly its bytes and not live. Anything else takes
+                        # the general path, which names the violation or copies.
+                        # These checks run on every result of every run, not once per plan: whether
+                        # a kernel returns a fresh buffer can depend on its operand values and
+                        # strides (e.g. an op returning its input when it has nothing to do), and
+                        # whether a storage is already live depends on the whole run, so no first
+                        # run can prove them for later ones. What cannot change between runs (the
+                        # expected dtype, shape and bytes, the aliased operand, the conversions)
+                        # is decided in _plan.
+                        _, tdt, shape, nbytes = st.expect[0]
+                        if type(out) is tensor and out.dtype is tdt and out.shape == shape and out.is_cpu:
+                            sto = out.untyped_storage()
+                            key = sto.data_ptr()
+                            a = st.alias[0]
+                            if a < 0:
+                                if key not in refs and sto.nbytes() == nbytes and out.is_contiguous():
+                                    tracker.add(key, nbytes, sto)
+                                    s = st.out_slots[0]
+                                    frame[s] = out
+                                    keys[s] = key
+                                else:
+                                    self._store(plan, st, 0, out, frame, keys, tracker)
+                            elif key == keys[st.ins_slots[a]]:
+                                tracker.acquire_key(key)
+                                s = st.out_slots[0]
+                                frame[s] = out
+                                keys[s] = key
+                            else:
+                                self._store(plan, st, 0, out, frame, keys, tracker)
+                        else:
+                            self._store(plan, st, 0, out, frame, keys, tracker)
+                    elif st.single:
                         self._store(plan, st, 0, out, frame, keys, tracker)
                     else:
                         for r in range(len(out)):
@@ -366,8 +509,11 @@ class VM:
                     out = None  # hold no reference to a released (dead) result
                 elif kind == _K_CALL:
                     callee = self._plans[st.callee]
-                    outs, okeys = self._exec(callee, [frame[s] for s in st.ins_slots],
-                                             [keys[s] for s in st.ins_slots], tracker, True, None)
+                    cconv = _CONVERT[callee.arg_dialect] if callee.arg_dialect else None
+                    xs_ = [frame[s] for s in st.ins_slots]
+                    if cconv is not None:  # callee parameters are of its argument dialect (see _plan)
+                        xs_ = [cconv(x) for x in xs_]
+                    outs, okeys = self._exec(callee, xs_, [keys[s] for s in st.ins_slots], tracker, True, None)
                     for s, o, k in zip(st.out_slots, outs, okeys):
                         frame[s] = o
                         keys[s] = k  # the callee took this reference on our behalf
@@ -380,8 +526,12 @@ class VM:
                         for s in range(plan.nslots):
                             if keys[s] is not None:
                                 release(keys[s])
-                    if rec is not None:
+                    if full:
                         rec.step(st, tracker, t0, saved_peak)
+                    elif lean:
+                        if tracker.peak_bytes > pk:
+                            pk, pk_at = tracker.peak_bytes, st.index
+                        rec.peak, rec.peak_index = pk, pk_at
                     return outs, okeys
                 elif kind == _K_FREE:
                     pass
@@ -407,14 +557,18 @@ class VM:
                     for s in (nxt.dead_top if use_top else nxt.dead):
                         release(keys[s])
                         frame[s] = keys[s] = None
-                    if rec is not None:
+                    if full:
                         rec.step(st, tracker, t0, saved_peak)
+                    elif lean and tracker.peak_bytes > pk:
+                        pk, pk_at = tracker.peak_bytes, st.index
                     break
                 for s in (st.rel_top if use_top else st.rel):
                     release(keys[s])
                     frame[s] = keys[s] = None
-                if rec is not None:
+                if full:
                     rec.step(st, tracker, t0, saved_peak)
+                elif lean and tracker.peak_bytes > pk:
+                    pk, pk_at = tracker.peak_bytes, st.index
             if nxt is None:
                 raise RuntimeError(f"block of @{plan.fn.name} ended without a terminator")
             bp = nxt
@@ -434,6 +588,10 @@ class VM:
             raise RuntimeError(f"kernel '{st.ins.dialect}.{st.name}' in @{plan.fn.name}, instruction {st.index} "
                                f"({_fmt(st.ins)}): result {r} should be {st.ins.results[r].type} "
                                f"({npdt} {list(shape)}), got {got}")
+        if st.family is not None:
+            # Into the dialect's own type, so later kernels of the dialect take it unconverted
+            # (zero-copy on CPU: the same storage, so the accounting below is unchanged).
+            o = st.family(o)
         key, size, owner = storage_of(o)
         a = st.alias[r]
         if a >= 0:
@@ -459,16 +617,8 @@ def _is_contig(x: Any) -> bool:
     return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_contiguous()
 
 
-def plan_instr(plan: _FnPlan, index: int) -> Instruction:
-    for bp in plan.blocks:
-        for st in bp.steps:
-            if st.index == index:
-                return st.ins
-    raise IndexError(index)
-
-
 class _Recorder:
-    """Per-instruction live bytes, high-water marks and times of the top-level frame."""
+    """Per-instruction live bytes, high-water marks and times of the top-level frame (``record="full"``)."""
 
     __slots__ = ("timeline", "times", "peak", "peak_index", "arg_bytes", "on_step")
 
@@ -495,17 +645,34 @@ class _Recorder:
             self.on_step(e)
 
 
+class _PeakRecorder:
+    """Only the peak and where it was first reached (``record="peak"``); the run loop fills it in."""
+
+    __slots__ = ("timeline", "times", "peak", "peak_index", "arg_bytes")
+
+    def __init__(self) -> None:
+        self.timeline: list[TimelineEntry] = []
+        self.times: list[tuple[int, str, float]] = []
+        self.peak = 0
+        self.peak_index: int | None = None
+        self.arg_bytes = 0
+
+    def start(self, tracker: MemoryTracker) -> None:
+        self.arg_bytes = self.peak = tracker.live_bytes
+
+
 def run(target: Any, *args: Any, dialects: Sequence[str] | str | None = None, donate: bool = False,
-        outputs: str = "numpy") -> tuple[tuple[Any, ...], RunStats]:
+        outputs: str = "numpy", record: str = "full") -> tuple[tuple[Any, ...], RunStats]:
     """Run a Function (or an object with ``__remat_function__()``) on arrays; returns (results, stats).
 
     Builds a fresh :class:`VM` each call; keep a ``VM`` to run the same module many times.
+    ``record``: see :meth:`VM.run`.
     """
     fn = target.__remat_function__() if hasattr(target, "__remat_function__") else target
     if not isinstance(fn, Function):
         raise TypeError(f"remat.run needs a remat Function or a staged function, got {type(target).__name__}")
     vm = VM(fn.module if fn.module is not None else Module([fn.clone()]), dialects=dialects)
-    return vm.run(fn.name, *args, donate=donate, outputs=outputs)
+    return vm.run(fn.name, *args, donate=donate, outputs=outputs, record=record)
 
 
-__all__ = ["RunStats", "TimelineEntry", "VM", "run", "tensor_type_of"]
+__all__ = ["RECORD_LEVELS", "RunStats", "TimelineEntry", "VM", "run", "tensor_type_of"]

@@ -363,7 +363,7 @@ class TrainStep:
             self._state = bind_state(self.optimizer, self._params, self.updates, self._state)
         args = self._step_args(inputs, copy=False, step=opt_step + 1)
         t0 = time.perf_counter()
-        outs, stats = self._vm.run(self.program.name, *args, outputs="torch")
+        outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
         self.last_seconds = time.perf_counter() - t0
         self.last_stats = stats
         self._step += 1
