@@ -119,7 +119,7 @@ class OpDef:
     ``vjp_saves`` says what the backward keeps from the forward: "inputs", "outputs", "none", or
     a tuple of operand indices. ``nondiff`` marks ops without a derivative (comparisons, …).
     ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
-    attributes) to estimated floating-point operations (``remat.memory.costmodel``).
+    attributes) to estimated floating-point operations (``remat.plan.costmodel``).
     """
 
     name: str

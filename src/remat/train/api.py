@@ -20,7 +20,7 @@ from ..budget import parse_budget
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Module
 from .optim import advance_steps, bind_state, init_state, steps_taken, updates_from_torch
-from ..memory.costmodel import function_cost, static_costs
+from ..plan.costmodel import function_cost, static_costs
 from .program import Layout, step_program, training_joint
 
 
@@ -138,7 +138,7 @@ class TrainStep:
         measured, self._profile_seconds = _median_instr_costs(vm, joint, args, profile_repeats)
         self.costs = measured if cost_model == "profiled" else static_costs(joint)
         unconstrained = step_program(joint, self.layout, self.updates, state_types, self.keep_grads)
-        from ..memory.liveness import predict_peak
+        from ..plan.liveness import predict_peak
 
         self.unconstrained_peak = predict_peak(unconstrained)
         self.budget = None if budget is None else parse_budget(budget, reference=self.unconstrained_peak)
@@ -159,18 +159,18 @@ class TrainStep:
 
     # ------------------------------------------------------------------ planning
     def _plan(self, joint: Function, unconstrained: Function, solver: str, time_limit: float):
-        from ..memory.liveness import predict_peak
-        from ..memory.rematerialize import from_schedule, to_graph
+        from ..plan.liveness import predict_peak
+        from ..plan.rematerialize import from_schedule, to_graph
 
         if self.budget is None or self.unconstrained_peak <= self.budget:
             why = ("no budget given" if self.budget is None else
                    f"the unconstrained step ({format_bytes(self.unconstrained_peak)}) fits the budget")
             self._predicted_overhead = 0.0
             return "none", [why + ": no recomputation"], unconstrained, None
-        from ..memory.graph import BudgetTooSmall as GraphTooSmall
-        from ..memory.greedy import solve_greedy
-        from ..memory.milp import solve_milp, solve_with_fallback
-        from ..memory.scheduling import memory_aware_order
+        from ..plan.graph import BudgetTooSmall as GraphTooSmall
+        from ..plan.greedy import solve_greedy
+        from ..plan.milp import solve_milp, solve_with_fallback
+        from ..plan.scheduling import memory_aware_order
 
         low = to_graph(joint, self.costs)
         extra_bytes = sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
@@ -223,9 +223,9 @@ class TrainStep:
     def _plan_graph(self, low, order, n_nodes, solve_graph, lower, joint, need_minimum: bool = True,
                     max_overhead: float = 2.0):
         """Instruction-level rematerialisation (MILP / RAF greedy) of the joint."""
-        from ..memory.greedy import greedy_min_budget
-        from ..memory.graph import BudgetTooSmall as GraphTooSmall
-        from ..memory.liveness import predict_peak
+        from ..plan.greedy import greedy_min_budget
+        from ..plan.graph import BudgetTooSmall as GraphTooSmall
+        from ..plan.liveness import predict_peak
 
         # The graph model keeps every gradient to the end and leaves out the optimizer state; the
         # step program adds the state and consumes gradients early, so a plan peaking at
@@ -282,7 +282,7 @@ class TrainStep:
     def _plan_cut(self, coarse: bool):
         from ..chain.planner import ChainPlanner
         from ..chain.profile import chain_costs, profile_stages
-        from .blocks import cut
+        from ..plan.blocks import cut
 
         imp = self.imported
         t0 = time.perf_counter()

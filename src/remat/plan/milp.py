@@ -353,7 +353,7 @@ def solve_milp(
     if budget < lb:
         raise BudgetTooSmall(
             budget, lb,
-            f"memory budget {budget} B is below the lower bound {lb} B "
+            detail=f"memory budget {budget} B is below the lower bound {lb} B "
             "(inputs at the start / outputs at the end / some node's inputs+output+workspace)",
         )
     base_order = g.compute_nodes
@@ -386,7 +386,7 @@ def solve_milp(
             what = "exact minimum" if mp.exact else "lower bound on the minimum"
             raise BudgetTooSmall(
                 budget, mp.minimum,
-                f"memory budget {budget} B is infeasible (proven by the MILP); "
+                detail=f"memory budget {budget} B is infeasible (proven by the MILP); "
                 f"{what} peak for schedules in this order: {mp.minimum} B",
             )
         if res.x is None:
@@ -457,7 +457,7 @@ def solve_with_fallback(
         if greedy_plan is not None:  # cannot happen for an exact MILP answer; be safe
             greedy_plan.notes.insert(0, f"MILP reported the budget infeasible ({e}); greedy plan fits")
             return greedy_plan
-        raise BudgetTooSmall(budget, min(e.minimum, errors[0].minimum) if errors else e.minimum, str(e)) from e
+        raise BudgetTooSmall(budget, min(e.minimum, errors[0].minimum) if errors else e.minimum, detail=e.detail) from e
     if greedy_plan is not None and greedy_plan.cost < plan.cost - 1e-12:
         greedy_plan.notes.insert(
             0, f"greedy chosen: cheaper ({greedy_plan.cost:.6g}s) than the MILP's "
