@@ -101,6 +101,11 @@ class _Model:
     cost_scale: float  # seconds per objective unit
 
 
+MILP_MAX_NODES = 150
+"""Largest instruction graph (compute nodes) the MILP is tried on by default: beyond it, HiGHS
+rarely proves anything within its time limit, and the greedy alone runs."""
+
+
 def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) -> _Model:
     """Assemble the Checkmate MILP.  ``budget=None``: minimise the peak instead
     (a continuous peak variable replaces the budget, objective = peak)."""
@@ -418,7 +423,7 @@ def solve_with_fallback(
     budget: int,
     *,
     time_limit: float = 30.0,
-    milp_max_nodes: int = 150,
+    milp_max_nodes: int = MILP_MAX_NODES,
     order: Sequence[int] | None = None,
 ) -> GraphPlan:
     """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
