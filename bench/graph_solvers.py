@@ -14,13 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
-from remat.memory.graph import BudgetTooSmall, min_memory_lower_bound, synthetic_training_graph
-from remat.memory.greedy import greedy_min_budget, solve_greedy
-from remat.memory.milp import NoSolutionFound, solve_milp
-from remat.memory.scheduling import memory_aware_order, no_remat_plan, schedule_plan
+from remat.plan.graph import BudgetTooSmall, min_memory_lower_bound
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plan"))
+from graphgen import synthetic_training_graph  # noqa: E402  (the synthetic graphs live with the tests)
+from remat.plan.greedy import greedy_min_budget, solve_greedy
+from remat.plan.milp import NoSolutionFound, solve_milp
+from remat.plan.scheduling import memory_aware_order, no_remat_plan, schedule_plan
 
 GRAPHS = [("chain", 12), ("residual", 4), ("residual", 10), ("unet", 3), ("unet", 4)]
 FRACTIONS = [0.75, 0.5, 0.25]

@@ -3,14 +3,20 @@ from __future__ import annotations
 
 
 class BudgetTooSmall(ValueError):
-    """The memory budget is below the minimum any plan needs. ``minimum`` is that minimum, in bytes."""
+    """The memory budget is below the minimum any plan needs. ``minimum`` is that minimum, in bytes:
+    the smallest budget the raising planner can meet (or, where it says so in ``detail``, a proven
+    lower bound). The one such error of remat: every planner raises it.
 
-    def __init__(self, budget: float, minimum: float, what: str = ""):
+    ``what``: what was planned ("this training step"); ``detail``: how the minimum was found."""
+
+    def __init__(self, budget: float, minimum: float, what: str = "", *, detail: str = ""):
         self.budget = budget
-        self.minimum = minimum
+        self.minimum = int(minimum)
+        self.detail = detail
         where = f" for {what}" if what else ""
-        super().__init__(f"memory budget of {format_bytes(budget)} is below the minimum feasible budget{where} of "
-                         f"{format_bytes(minimum)} ({int(minimum)} bytes); give a budget >= {int(minimum)} bytes")
+        super().__init__(f"memory budget of {format_bytes(budget)} ({int(budget)} bytes) is below the minimum feasible budget{where} of "
+                         f"{format_bytes(minimum)} ({int(minimum)} bytes); give a budget >= {int(minimum)} bytes"
+                         + (f" ({detail})" if detail else ""))
 
 
 def format_bytes(n: float) -> str:

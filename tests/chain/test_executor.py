@@ -12,7 +12,7 @@ from remat.chain.solvers import no_recompute_peak
 from remat.chain.executor import compile_schedule, make_stage
 from remat.chain.profile import chain_costs, profile_stages
 from remat.ir import Builder, DType, Function, TensorType
-from remat.memory.liveness import predict_peak
+from remat.plan.liveness import predict_peak
 
 F64 = DType.f64
 

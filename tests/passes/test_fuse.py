@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from remat.ir import Module, parse, verify
-from remat.memory.liveness import predict_peak
+from remat.plan.liveness import predict_peak
 from remat.passes.fuse import FuseStats, find_groups, fuse
 from remat.passes.pipeline import get_pass
 from remat.runtime.vm import VM

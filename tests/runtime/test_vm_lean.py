@@ -12,7 +12,7 @@ import torch
 import remat
 from remat import zoo
 from remat.ir import OPS, Builder, DType, Function, Module, TensorType, parse
-from remat.memory.liveness import predict_peak
+from remat.plan.liveness import predict_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ir"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "memory"))

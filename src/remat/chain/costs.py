@@ -35,27 +35,7 @@ import numpy as np
 __all__ = ["ChainCosts", "BudgetTooSmall"]
 
 
-from ..errors import BudgetTooSmall as _RematBudgetTooSmall
-
-
-class BudgetTooSmall(_RematBudgetTooSmall):  # a ValueError; also caught as remat.BudgetTooSmall
-    """The memory budget is below the minimum any strategy of the model needs.
-
-    ``budget`` and ``minimum`` are in bytes; ``minimum`` is the smallest budget
-    (under the same solver configuration, e.g. bucket size) that is feasible.
-    """
-
-    def __init__(self, budget: float, minimum: int, detail: str = "") -> None:
-        ValueError.__init__(self)
-        self.budget = budget
-        self.minimum = int(minimum)
-        msg = (
-            f"memory budget {budget:,.0f} bytes is too small: the minimum feasible "
-            f"budget is {self.minimum:,} bytes"
-        )
-        if detail:
-            msg += f" ({detail})"
-        self.args = (msg,)
+from ..errors import BudgetTooSmall  # noqa: E402  (re-exported: the one public error)
 
 
 def _as_array(name: str, values, length: int, integer: bool) -> np.ndarray:

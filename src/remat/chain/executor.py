@@ -9,14 +9,14 @@ gradient (function arguments, owned by the caller); ``B(0)`` is the thesis's emp
 The program is straight-line IR. A ``Free`` step becomes a ``free`` instruction for the values
 that no other live slot holds, so the VM releases memory exactly where the plan says; every other
 temporary is released at its last use. Its peak is therefore predicted exactly by
-``remat.memory.liveness.predict_peak``, and the VM measures that same number.
+``remat.plan.liveness.predict_peak``, and the VM measures that same number.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..memory.partition import Split, inline, split_joint
+from ..plan.partition import Split, inline, split_joint
 from .schedule import B, F, FT, Free, Step
 
 

@@ -58,7 +58,7 @@ class ChainPlanner:
         self._compiled: dict = {}
 
     def compile(self, plan: Plan, budget: int) -> Policy:
-        from ..memory.liveness import predict_peak
+        from ..plan.liveness import predict_peak
 
         key = tuple(plan.schedule)
         if key not in self._compiled:

@@ -39,7 +39,7 @@ class StageProfile:
 
 def _internal_peak(fn: Function) -> int:
     """Peak bytes of ``fn`` beyond its arguments (which the caller already holds)."""
-    from ..memory.liveness import predict_peak
+    from ..plan.liveness import predict_peak
 
     args = sum(p.type.nbytes for p in fn.params)
     return predict_peak(fn) - args

@@ -124,8 +124,9 @@ class Plan:
         return self.peak <= self.budget
 
     def overhead(self, costs: ChainCosts) -> float:
-        """Compute overhead relative to no recomputation (cost / no-recompute cost)."""
-        return self.cost / costs.no_recompute_cost()
+        """Recomputation overhead as a fraction of the no-recompute cost (0.1 = +10%; 0 = none),
+        the one meaning of "overhead" in every plan and report of remat."""
+        return self.cost / costs.no_recompute_cost() - 1.0
 
     def n_recomputed(self, costs: ChainCosts) -> int:
         """Number of forward evaluations beyond one per layer."""

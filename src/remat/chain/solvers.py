@@ -190,7 +190,7 @@ def _solve_precise(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan:
     need = int(bf[0] + P[0, n + 1])
     units = int(budget // u)
     if units < need:
-        raise BudgetTooSmall(budget, u * need, f"bucket {u} B")
+        raise BudgetTooSmall(budget, u * need, detail=f"bucket {u} B")
     M = units - int(bf[0])
     # Memory above the no-recompute peak is never needed: cap the table width.
     M = min(M, int(NR[0, n + 1]))
@@ -224,7 +224,7 @@ def _solve_exact(costs: ChainCosts, budget: float, t0: float) -> Plan:
     P, NR, _ = K.thesis_bounds(bf, bb, c.alpha_f, c.alpha_b)
     need = int(bf[0] + P[0, n + 1])
     if budget < need:
-        raise BudgetTooSmall(budget, need, "exact")
+        raise BudgetTooSmall(budget, need, detail="exact")
     mcap = int(math.floor(budget)) - int(bf[0])
     mcap = min(mcap, int(NR[0, n + 1]))
     pid, npairs = K.pair_ids(n)
@@ -285,7 +285,7 @@ def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan
     need = int(ft[0] + P[1, 0, n + 1])
     units = int(budget // u)
     if units < need:
-        raise BudgetTooSmall(budget, u * need, f"extended model, bucket {u} B")
+        raise BudgetTooSmall(budget, u * need, detail=f"extended model, bucket {u} B")
     M = min(units - int(ft[0]), int(NR[1, 0, n + 1]))
     pid, npairs = K.pair_ids(n)
     C, Bt, D = K.ext_dp(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN)
@@ -403,7 +403,7 @@ def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
         if peak <= budget and (best is None or cost < best[0] - 1e-12):
             best = (cost, peak, sched)
     if best is None:
-        raise BudgetTooSmall(budget, int(min_peak), f"exhaustive over {len(trees)} strategies")
+        raise BudgetTooSmall(budget, int(min_peak), detail=f"exhaustive over {len(trees)} strategies")
     return _finish("exhaustive", costs, budget, best[2], model, None, t0,
                    {"strategies": len(trees), "minimum_budget": int(min_peak)})
 
@@ -444,5 +444,3 @@ def solve(costs: ChainCosts, budget: float, method: str = "precise",
         return _solve_exhaustive(costs, budget, t0, "extended")
     raise ValueError(f"unknown method {method!r}; choose from {METHODS + ('exhaustive-extended',)}")
 
-
-SOLVERS: dict[str, Callable[..., Plan]] = {m: (lambda c, b, _m=m, **kw: solve(c, b, _m, **kw)) for m in METHODS}

@@ -121,7 +121,7 @@ class OpDef:
     attributes returning one); see ``remat.ir.ops._vjp.saved_indices``.
     ``nondiff`` marks ops without a derivative (comparisons, …).
     ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
-    attributes) to estimated floating-point operations (``remat.memory.costmodel``).
+    attributes) to estimated floating-point operations (``remat.plan.costmodel``).
     """
 
     name: str

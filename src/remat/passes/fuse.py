@@ -295,7 +295,7 @@ def _rewrite(fn: Function, groups: list[Group]) -> tuple[Function, dict[int, tup
 
 def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseStats | None = None) -> Function:
     """Fuse ``fn`` (single-block functions; others are returned as a copy), never raising its peak."""
-    from ..memory.liveness import simulate
+    from ..plan.liveness import simulate
 
     if fn.is_declaration or len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
         return fn.clone()

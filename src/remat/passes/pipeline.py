@@ -89,4 +89,4 @@ def _load_builtin_passes() -> None:
         importlib.import_module("remat.autodiff")
     except ImportError:
         pass
-    importlib.import_module("remat.memory.liveness")  # registers "insert-frees"
+    importlib.import_module("remat.plan.liveness")  # registers "insert-frees"

@@ -1,9 +1,9 @@
 """The VM: runs IR functions instruction by instruction with exact memory accounting.
 
 Kernels come from the dialect assigned to each instruction (``remat.backends``); values are
-released at the points computed by ``remat.memory.liveness`` (after their last use; results never
+released at the points computed by ``remat.plan.liveness`` (after their last use; results never
 used right after they are produced; on CFG edges for values that die there), and every storage is
-counted by :class:`~remat.runtime.memory.MemoryTracker`. ``remat.memory.liveness.predict_peak``
+counted by :class:`~remat.runtime.memory.MemoryTracker`. ``remat.plan.liveness.predict_peak``
 replays the same accounting from types and equals the measured ``peak_bytes`` on straight-line code.
 
 Contracts the VM enforces at run time:
@@ -41,7 +41,7 @@ from ..errors import format_bytes
 from ..ir import Function, Instruction, Module, TensorType, verify
 from ..ir.printer import Namer, format_instruction
 from ..ir.types import DType
-from ..memory.liveness import TimelineEntry, liveness
+from ..plan.liveness import TimelineEntry, liveness
 from .memory import MemoryTracker, storage_of
 
 _K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)

@@ -17,31 +17,47 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..budget import parse_budget
-from ..errors import BudgetTooSmall, format_bytes
-from ..ir import Function, Module
+from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
+from ..ir import Function, Instruction, Module
+from ..plan.costmodel import static_costs
+from ..plan.liveness import predict_peak
+from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from .optim import advance_steps, bind_state, init_state, steps_taken, updates_from_torch
-from ..memory.costmodel import function_cost, static_costs
-from .program import Layout, step_program, training_joint
+from .program import Layout, cleanup, step_program, training_graph
+
+
+STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "prepare VM")
+"""The stages of ``remat.compile``, in order. Each takes IR and gives IR (or a plan); ``profile``
+runs only with ``cost_model="profiled"``. Where upcoming stages go: a ``fuse`` pass stage between
+``passes`` and ``profile`` (IR -> IR on the joint, so planning sees fused instructions), and
+``kernel compilation`` between ``lower`` and ``prepare VM``."""
 
 
 @dataclass
 class Report:
-    """What a compiled step planned and measured. Bytes and seconds."""
+    """What a compiled step planned and measured. Bytes and seconds.
+
+    Overheads are fractions of the unconstrained step (0.1 = +10%). ``predicted_overhead``: the
+    plan's recompute cost over the unconstrained compute cost, from the cost model. ``overhead``
+    (measured): the last step's time over the unconstrained step program's measured time, minus
+    1; exactly 0 when nothing is recomputed (the program is the unconstrained one), and None when
+    there is no unconstrained measurement (the static cost model runs nothing at compile time)."""
 
     budget: int | None
     predicted_peak: int
     measured_peak: int | None
     unconstrained_peak: int
-    overhead: float | None           # measured: last step time / profiled unconstrained fwd+bwd time - 1
-    predicted_overhead: float         # from profiled costs: recompute time / unconstrained compute time
+    overhead: float | None
+    predicted_overhead: float
     solver: str
     solver_notes: list[str] = field(default_factory=list)
     plan_seconds: float = 0.0
     setup_seconds: float = 0.0
     step_seconds: float | None = None
-    unconstrained_step_seconds: float | None = None
+    unconstrained_step_seconds: float | None = None  # measured ("profiled" cost model only)
     instructions: int = 0
     recomputed_instructions: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
         def b(v):
@@ -56,11 +72,13 @@ class Report:
             ("solver", self.solver),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}"),
-            ("measured step overhead", "-" if self.overhead is None else f"{self.overhead:+.1%}"),
+            ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
+             else f"{self.overhead:+.1%}"),
             ("step time (last)", "-" if self.step_seconds is None else f"{self.step_seconds * 1e3:.1f} ms"),
-            ("unconstrained fwd+bwd time (profiled)", "-" if self.unconstrained_step_seconds is None
+            ("unconstrained step time (profiled)", "-" if self.unconstrained_step_seconds is None
              else f"{self.unconstrained_step_seconds * 1e3:.1f} ms"),
-            ("plan time", f"{self.plan_seconds:.2f} s (setup {self.setup_seconds:.2f} s)"),
+            ("setup time", f"{self.setup_seconds:.2f} s: " + ", ".join(
+                f"{k} {v:.2f} s" for k, v in self.stage_seconds.items())),
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
@@ -82,6 +100,19 @@ def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dic
     return ({ins: statistics.median(ts) for ins, ts in zip(fn.entry.instrs, per) if ts}, min(totals))
 
 
+def _printable(x) -> str:
+    """The IR a stage produced, as text."""
+    from ..ir import print_function, print_module
+
+    if isinstance(x, Module):
+        return print_module(x)
+    if isinstance(x, Function):
+        return print_function(x)
+    if isinstance(x, Candidate):
+        return print_function(x.program)
+    return print_function(x.function)  # an imported model
+
+
 class TrainStep:
     """A compiled training step. Call it with the inputs and targets; it runs forward, backward
     and the optimizer update on the model's own tensors and returns the loss."""
@@ -89,8 +120,9 @@ class TrainStep:
     def __init__(self, model, example_inputs: Sequence, loss_fn: Callable | None, optimizer=None, budget=None, *,
                  num_targets: int | None = None, solver: str = "auto", dialects: Sequence[str] | None = None,
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
-                 cost_model: str = "static",
-                 milp_time_limit: float = 10.0, progress: Callable[[str], None] | None = None):
+                 cost_model: str = "static", milp_time_limit: float = 10.0,
+                 progress: Callable[[str], None] | None = None,
+                 print_after: str | Sequence[str] | None = None):
         import torch
 
         from ..frontend.torch_import import import_module
@@ -102,221 +134,106 @@ class TrainStep:
             parse_budget(budget, reference=1)  # fractions resolve later, against the unconstrained peak
         if cost_model not in ("static", "profiled"):
             raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
-        if solver not in ("auto", "greedy", "milp"):
-            raise ValueError(f"unknown solver {solver!r}; valid: auto, greedy, milp")
-        say = progress or (lambda msg: None)
+        if solver not in SOLVER_OPTIONS:
+            raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+        shown = {print_after} if isinstance(print_after, str) else set(print_after or ())
+        if shown - set(STAGES):
+            raise ValueError(f"print_after: unknown stage(s) {sorted(shown - set(STAGES))}; stages: {', '.join(STAGES)}")
+        self._progress, self._shown = progress or (lambda msg: None), shown
+        self.stage_seconds: dict[str, float] = {}
         self.model, self.optimizer = model, optimizer
         self.dialects = tuple(dialects) if dialects else None
         self.keep_grads = (optimizer is None) if keep_grads is None else keep_grads
         example_inputs = tuple(example_inputs)
         self._example = example_inputs
-        say("capturing the model")
-        self.imported = imp = import_module(model, example_inputs, loss_fn, train=model.training, num_targets=num_targets)
-        self._example_types = [(tuple(t.shape), t.dtype) for t in example_inputs]
-        n_params = len(imp.param_names)
-        named = dict(model.named_parameters())
-        self._params = [named[n] for n in imp.param_names]
-        named_b = dict(model.named_buffers())
-        self._buffers_out = [named_b[n.split(":", 1)[-1]] for n in imp.output_names[1:]] if len(imp.output_names) > 1 else []
-        self.layout = Layout(n_params, imp.state_count, imp.input_count, imp.has_seed, len(imp.output_names) - 1)
-        say("generating the training graph")
-        joint = training_joint(imp.function, n_params)
-        self.updates = updates_from_torch(optimizer, self._params) if optimizer is not None else None
-        self._state = init_state(optimizer, self._params, self.updates) if self.updates else []
-        if self.updates:
-            steps_taken(optimizer, self._params, self.updates)  # parameters stepped unequally: fail now
-        state_types = [[self._ttype(t) for t in ts] for ts in self._state]
-        self._state_types = state_types
+        self.cost_model = cost_model
         self._step = 0
         self._seed = seed
 
-        # Profile the unconstrained joint on copies (the model is not touched).
-        say("profiling")
-        args = self._joint_args(example_inputs, copy=True)
-        self.cost_model = cost_model
-        vm = VM(Module([joint]), dialects=self.dialects)
-        measured, self._profile_seconds = _median_instr_costs(vm, joint, args, profile_repeats)
-        self.costs = measured if cost_model == "profiled" else static_costs(joint)
-        unconstrained = step_program(joint, self.layout, self.updates, state_types, self.keep_grads)
-        from ..memory.liveness import predict_peak
-
+        # ---- the stages, in order (STAGES)
+        self.imported = imp = self._stage("capture", lambda: import_module(
+            model, example_inputs, loss_fn, train=model.training, num_targets=num_targets))
+        self._bind_torch(imp)
+        n_params = len(imp.param_names)
+        graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
+        joint = self._stage("passes", lambda: cleanup(graph))
+        # (the "fuse" stage goes here: IR -> IR on the joint)
+        unconstrained = step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads)
         self.unconstrained_peak = predict_peak(unconstrained)
         self.budget = None if budget is None else parse_budget(budget, reference=self.unconstrained_peak)
-        t_plan = time.perf_counter()
-        say("planning")
-        self.solver, self.notes, self.program, self._joint_plan = self._plan(joint, unconstrained, solver, milp_time_limit)
-        self.plan_seconds = time.perf_counter() - t_plan
+        self.unconstrained_step_seconds = None
+        if cost_model == "profiled":
+            self.costs = self._stage("profile", lambda: self._profile(joint, unconstrained, profile_repeats))
+        else:
+            self.costs = static_costs(joint)
+        problem = StepProblem(imp.function, imp.state_count, n_params, joint, unconstrained, self.budget,
+                              self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
+                              self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
+                              self.dialects)
+        self.plan = self._stage("plan", lambda: plan_step(problem))
+        self.solver, self.notes = self.plan.solver, self.plan.notes
+        self.predicted_overhead = self.plan.overhead
+        self.program = self._stage("lower", lambda: self.plan.program)
         self.predicted_peak = predict_peak(self.program)
-        self.predicted_overhead = self._predicted_overhead
-        self._vm = VM(Module([self.program]), dialects=self.dialects)
-        self.unconstrained_step_seconds = self._profile_seconds
+        # (the "kernel compilation" stage goes here)
+        self._vm = self._stage("prepare VM", lambda: VM(Module([self.program]), dialects=self.dialects))
+        self.plan_seconds = self.stage_seconds["plan"]
         self.instructions = sum(1 for i in self.program.entry.instrs if i.op.name not in ("free", "return"))
-        self.recomputed = self.instructions - sum(1 for i in unconstrained.entry.instrs if i.op.name not in ("free", "return"))
+        self.recomputed = self.instructions - sum(1 for i in unconstrained.entry.instrs
+                                                  if i.op.name not in ("free", "return"))
+        self._recomputes = self.program is not unconstrained
         self.setup_seconds = time.perf_counter() - t_setup
         self.last_stats = None
         self.last_seconds = None
         self.torch = torch
 
-    # ------------------------------------------------------------------ planning
-    def _plan(self, joint: Function, unconstrained: Function, solver: str, time_limit: float):
-        from ..memory.liveness import predict_peak
-        from ..memory.rematerialize import from_schedule, to_graph
-
-        if self.budget is None or self.unconstrained_peak <= self.budget:
-            why = ("no budget given" if self.budget is None else
-                   f"the unconstrained step ({format_bytes(self.unconstrained_peak)}) fits the budget")
-            self._predicted_overhead = 0.0
-            return "none", [why + ": no recomputation"], unconstrained, None
-        from ..memory.graph import BudgetTooSmall as GraphTooSmall
-        from ..memory.greedy import solve_greedy
-        from ..memory.milp import solve_milp, solve_with_fallback
-        from ..memory.scheduling import memory_aware_order
-
-        low = to_graph(joint, self.costs)
-        extra_bytes = sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
-        order = memory_aware_order(low.graph)
-        n_nodes = len(low.graph.compute_nodes)
-
-        milp_runs = [0]
-
-        def solve_graph(m: int):
-            # The MILP (optimal, seconds) runs once, at the main probe; the other probes are greedy.
-            use_milp = solver == "milp" or (solver == "auto" and n_nodes <= 150)
-            if use_milp and milp_runs[0] == 0 and m == max(self.budget - extra_bytes, 1):
-                milp_runs[0] += 1
-                if solver == "milp":
-                    return solve_milp(low.graph, m, time_limit=time_limit, order=order)
-                return solve_with_fallback(low.graph, m, time_limit=time_limit, order=order)
-            return solve_greedy(low.graph, m, order=order)
-
-        def lower(plan):
-            j2 = from_schedule(low, plan.schedule, check=False)
-            prog = step_program(j2, self.layout, self.updates, self._state_types, self.keep_grads, check=False)
-            return plan, prog, predict_peak(prog)
-
-        # The chain DP over blocks cut at separators is the main planner; instruction-level
-        # solvers run when there is no useful cut, or when the graph is small enough for the MILP.
-        candidates, minimums = [], []
-        chain = self._plan_blocks(joint)
-        if chain is not None:
-            kind, val = chain
-            (candidates if kind == "ok" else minimums).append(val)
-        if chain is None or chain[0] != "ok" or n_nodes <= 150:
-            try:
-                candidates.append(self._plan_graph(low, order, n_nodes, solve_graph, lower, joint,
-                                                   need_minimum=chain is None or chain[0] != "ok"))
-            except BudgetTooSmall as e:
-                minimums.append(e.minimum)
-            except _NoPlan:
-                pass
-        if not candidates:
-            raise BudgetTooSmall(self.budget, min(minimums), "this training step")
-        best = min(candidates, key=lambda c: c[4])
-        solver_name, notes, prog, plan_obj, self._predicted_overhead = best
-        for c in candidates:
-            if c is not best:
-                notes = notes + [f"also tried {c[0]}: predicted overhead {c[4]:+.1%}"]
-        from ..ir import verify
-        verify(Module([prog]))
-        return solver_name, notes, prog, plan_obj
-
-    def _plan_graph(self, low, order, n_nodes, solve_graph, lower, joint, need_minimum: bool = True,
-                    max_overhead: float = 2.0):
-        """Instruction-level rematerialisation (MILP / RAF greedy) of the joint."""
-        from ..memory.greedy import greedy_min_budget
-        from ..memory.graph import BudgetTooSmall as GraphTooSmall
-        from ..memory.liveness import predict_peak
-
-        # The graph model keeps every gradient to the end and leaves out the optimizer state; the
-        # step program adds the state and consumes gradients early, so a plan peaking at
-        # ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
-        # a portfolio of model budgets around that point is solved and the cheapest plan whose
-        # exact program peak fits is kept.
-        extra = sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
-        hi = predict_peak(joint)
-        start = self.budget - extra
-        probes = sorted({int(start * f) for f in (0.88, 0.92, 0.96, 1.0)} |
-                        {int(start + (hi - start) * f) for f in (0.1, 0.25, 0.5)})
-        plans = []
-        for m in probes:
-            if m <= 0:
-                continue
-            try:
-                plans.append(solve_graph(m))
-            except GraphTooSmall:
-                continue
-        best = None
-        for plan in sorted(plans, key=lambda p: p.cost):
-            if (plan.overhead or 0.0) > max_overhead:
-                break  # runaway recomputation: not worth lowering
-            cand = lower(plan)
-            if cand[2] <= self.budget:
-                best = cand
-                break
-        if best is None:
-            if not need_minimum:  # the chain DP found a plan; its minimum is not needed
-                raise _NoPlan()
-            m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
-            cand = lower(solve_graph(m))
-            if cand[2] > self.budget:
-                raise BudgetTooSmall(self.budget, cand[2], "this training step")
-            best = cand
-        plan, prog, peak = best
-        notes = [f"instruction-level plan over {n_nodes} nodes after memory-aware scheduling"] + list(plan.notes)
-        return f"{plan.solver} ({plan.status})", notes, prog, plan, plan.overhead or 0.0
-
-    def _plan_blocks(self, joint):
-        """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
-
-        Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
-        (every separator); the cheaper feasible plan wins. Returns None without a useful cut,
-        ("min", bytes) when no plan fits, else ("ok", candidate)."""
-        results = [r for r in (self._plan_cut(True), self._plan_cut(False)) if r is not None]
-        if not results:
-            return None
-        ok = [r[1] for r in results if r[0] == "ok"]
-        if ok:
-            return ("ok", min(ok, key=lambda c: c[4]))
-        return ("min", min(r[1] for r in results))
-
-    def _plan_cut(self, coarse: bool):
-        from ..chain.planner import ChainPlanner
-        from ..chain.profile import chain_costs, profile_stages
-        from .blocks import cut
-
-        imp = self.imported
+    # ------------------------------------------------------------------ stages
+    def _stage(self, name: str, run: Callable[[], Any]) -> Any:
+        """Run one stage: report progress, time it, print its IR when asked (``print_after``)."""
+        self._progress(name)
         t0 = time.perf_counter()
-        blocks = cut(imp.function, imp.state_count, len(imp.param_names), backward_kept_only=coarse)
-        if blocks is None:
-            return None
-        args = self._joint_args(self._example, copy=True)
-        lead_args = [[args[i] for i in lead] for lead in blocks.binding.lead]
-        x = args[blocks.binding.x]
-        one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
-        profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=self.dialects,
-                                  measure=self.cost_model == "profiled")
-        if self.cost_model == "static":
-            for prof, st in zip(profiles, blocks.stages):
-                prof.fwd_time = function_cost(st.split.forward)
-                prof.bwd_time = function_cost(st.split.backward)
-        costs = chain_costs(profiles)
+        out = run()
+        self.stage_seconds[name] = time.perf_counter() - t0
+        if name in self._shown:
+            print(f"// ---- after {name} ({self.stage_seconds[name]:.2f} s)")
+            print(_printable(out if name != "prepare VM" else self.program))
+        return out
 
-        def finish(fn):
-            return step_program(_reorder_aux(fn, blocks.aux_order), self.layout, self.updates, self._state_types,
-                                self.keep_grads, check=False)
+    def _bind_torch(self, imp) -> None:
+        """The model's parameters, buffers and optimizer state, in the order of the captured IR."""
+        optimizer, model = self.optimizer, self.model
+        self._example_types = [(tuple(t.shape), t.dtype) for t in self._example]
+        named = dict(model.named_parameters())
+        self._params = [named[n] for n in imp.param_names]
+        named_b = dict(model.named_buffers())
+        self._buffers_out = [named_b[n.split(":", 1)[-1]] for n in imp.output_names[1:]] if len(imp.output_names) > 1 else []
+        self.layout = Layout(len(imp.param_names), imp.state_count, imp.input_count, imp.has_seed,
+                             len(imp.output_names) - 1)
+        self.updates = updates_from_torch(optimizer, self._params) if optimizer is not None else None
+        self._state = init_state(optimizer, self._params, self.updates) if self.updates else []
+        if self.updates:
+            steps_taken(optimizer, self._params, self.updates)  # parameters stepped unequally: fail now
+        self._state_types = [[self._ttype(t) for t in ts] for ts in self._state]
 
-        planner = ChainPlanner(blocks.stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
-                               what=f"this model cut into {len(blocks.stages)} blocks")
-        try:
-            pol = planner.solve(self.budget, "extended")
-        except BudgetTooSmall as e:
-            return ("min", e.minimum)
-        overhead = pol.plan.cost / costs.no_recompute_cost() - 1.0
-        notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks in "
-                 f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
-                 f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
-        pol.plan.base_cost = costs.no_recompute_cost()
-        return ("ok", ("chain DP (extended)", notes, pol.function, pol.plan, overhead))
+    def _finish(self, joint: Function) -> Function:
+        """A (rematerialised) joint -> the whole step program (updates placed after each gradient)."""
+        return step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads, check=False)
+
+    def _extra_bytes(self) -> int:
+        """Bytes the step adds to the joint: optimizer state and the step counter."""
+        return sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
+
+    def _profile(self, joint: Function, unconstrained: Function, repeats: int) -> dict[Instruction, float]:
+        """Measured per-instruction seconds of the joint, and the unconstrained step's time (on copies)."""
+        from ..runtime.vm import VM
+
+        measured, _ = _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
+                                          self._joint_args(self._example, copy=True), repeats)
+        vm = VM(Module([unconstrained]), dialects=self.dialects)
+        self.unconstrained_step_seconds = min(
+            vm.run(unconstrained.name, *self._step_args(self._example, copy=True, step=1))[1].total_seconds
+            for _ in range(repeats))
+        return measured
 
     # ------------------------------------------------------------------ arguments
     def _ttype(self, t):
@@ -387,32 +304,18 @@ class TrainStep:
 
     # ------------------------------------------------------------------ report
     def report(self) -> Report:
+        """What was planned, and measured on the last step (see :class:`Report` for the overheads)."""
         measured = self.last_stats.peak_bytes if self.last_stats is not None else None
+        step_s = None if self.last_stats is None else self.last_stats.total_seconds
         overhead = None
-        if self.last_seconds is not None and self.unconstrained_step_seconds:
-            overhead = self.last_stats.total_seconds / self.unconstrained_step_seconds - 1.0
+        if not self._recomputes:
+            overhead = 0.0  # the unconstrained program itself: nothing is recomputed
+        elif step_s is not None and self.unconstrained_step_seconds:
+            overhead = step_s / self.unconstrained_step_seconds - 1.0
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
-                      None if self.last_stats is None else self.last_stats.total_seconds,
-                      self.unconstrained_step_seconds, self.instructions, self.recomputed)
-
-
-class _NoPlan(Exception):
-    """The instruction-level planner found no plan within the budget (and no minimum was asked for)."""
-
-
-def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:
-    """Put the side outputs of a chain program (in stage order) back in the forward's output order."""
-    if not aux_order or aux_order == sorted(aux_order):
-        return fn
-    out = fn.clone()
-    ret = out.entry.instrs[-1]
-    ops, types = list(ret.operands), list(out.result_types)
-    for t, j in enumerate(aux_order):  # stage-order side output t is the forward's side output j
-        ops[1 + j], types[1 + j] = ret.operands[1 + t], fn.result_types[1 + t]
-    ret.operands = ops
-    out.result_types = types
-    return out
+                      step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
+                      dict(self.stage_seconds))
 
 
 def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
@@ -428,6 +331,8 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     minimum feasible budget; nothing of the model is modified by compiling.
     Options: ``cost_model`` ("static": deterministic estimates, the default; "profiled": measured
     per-instruction times), ``solver`` ("auto", "greedy", "milp"), ``dialects``, ``seed``, ``keep_grads``,
-    ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names).
+    ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names),
+    ``print_after`` (a stage name of ``STAGES``, or several: print the IR after it; "plan" prints
+    the planned step). ``step.report()`` gives each stage's seconds.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

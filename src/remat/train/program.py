@@ -28,10 +28,14 @@ class Layout:
         return self.n_state + self.n_inputs + int(self.has_seed)
 
 
-def training_joint(forward: Function, n_params: int) -> Function:
-    """``(args...) -> (loss, other outputs..., grad params...)`` from ``forward: (args...) -> (loss, others...)``."""
+CLEANUP = ["inline", "simplify", "fold", "cse", "dce"]
+"""The passes run on the training graph before planning."""
+
+
+def training_graph(forward: Function, n_params: int) -> Module:
+    """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
+    calling the forward and ``gradient`` of its loss (differentiated, not yet cleaned up)."""
     from ..autodiff import gradient_function
-    from ..passes import run_pipeline
 
     m = Module([forward.clone("forward")])
     fwd = m["forward"]
@@ -51,10 +55,21 @@ def training_joint(forward: Function, n_params: int) -> Function:
     fo = b.call(fwd, *joint.params)
     b.ret(vg[0], *fo[1:], *vg[1:])
     m.add(joint)
-    m = run_pipeline(m, ["inline", "simplify", "fold", "cse", "dce"]).module
-    out = m["train_joint"].clone()
+    return m
+
+
+def cleanup(m: Module) -> Function:
+    """``train_joint`` of a training graph after the ``CLEANUP`` passes: one straight-line function."""
+    from ..passes import run_pipeline
+
+    out = run_pipeline(m, CLEANUP).module["train_joint"].clone()
     verify(Module([out]))
     return out
+
+
+def training_joint(forward: Function, n_params: int) -> Function:
+    """``(args...) -> (loss, other outputs..., grad params...)`` from ``forward: (args...) -> (loss, others...)``."""
+    return cleanup(training_graph(forward, n_params))
 
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,

@@ -4,17 +4,10 @@ import time
 
 import pytest
 
-from remat.memory._exhaustive import exhaustive_min_peak, exhaustive_optimum
-from remat.memory.graph import (
-    BudgetTooSmall,
-    Graph,
-    min_memory_lower_bound,
-    no_remat_schedule,
-    random_graph,
-    simulate,
-    synthetic_training_graph,
-)
-from remat.memory.milp import NoSolutionFound, milp_min_peak, solve_milp, solve_with_fallback
+from remat.plan._exhaustive import exhaustive_min_peak, exhaustive_optimum
+from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, simulate)
+from graphgen import random_graph, synthetic_training_graph
+from remat.plan.milp import NoSolutionFound, milp_min_peak, solve_milp, solve_with_fallback
 
 
 def _budgets(g):

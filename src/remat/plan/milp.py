@@ -101,6 +101,11 @@ class _Model:
     cost_scale: float  # seconds per objective unit
 
 
+MILP_MAX_NODES = 150
+"""Largest instruction graph (compute nodes) the MILP is tried on by default: beyond it, HiGHS
+rarely proves anything within its time limit, and the greedy alone runs."""
+
+
 def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) -> _Model:
     """Assemble the Checkmate MILP.  ``budget=None``: minimise the peak instead
     (a continuous peak variable replaces the budget, objective = peak)."""
@@ -353,7 +358,7 @@ def solve_milp(
     if budget < lb:
         raise BudgetTooSmall(
             budget, lb,
-            f"memory budget {budget} B is below the lower bound {lb} B "
+            detail=f"memory budget {budget} B is below the lower bound {lb} B "
             "(inputs at the start / outputs at the end / some node's inputs+output+workspace)",
         )
     base_order = g.compute_nodes
@@ -386,7 +391,7 @@ def solve_milp(
             what = "exact minimum" if mp.exact else "lower bound on the minimum"
             raise BudgetTooSmall(
                 budget, mp.minimum,
-                f"memory budget {budget} B is infeasible (proven by the MILP); "
+                detail=f"memory budget {budget} B is infeasible (proven by the MILP); "
                 f"{what} peak for schedules in this order: {mp.minimum} B",
             )
         if res.x is None:
@@ -418,7 +423,7 @@ def solve_with_fallback(
     budget: int,
     *,
     time_limit: float = 30.0,
-    milp_max_nodes: int = 150,
+    milp_max_nodes: int = MILP_MAX_NODES,
     order: Sequence[int] | None = None,
 ) -> GraphPlan:
     """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
@@ -457,7 +462,7 @@ def solve_with_fallback(
         if greedy_plan is not None:  # cannot happen for an exact MILP answer; be safe
             greedy_plan.notes.insert(0, f"MILP reported the budget infeasible ({e}); greedy plan fits")
             return greedy_plan
-        raise BudgetTooSmall(budget, min(e.minimum, errors[0].minimum) if errors else e.minimum, str(e)) from e
+        raise BudgetTooSmall(budget, min(e.minimum, errors[0].minimum) if errors else e.minimum, detail=e.detail) from e
     if greedy_plan is not None and greedy_plan.cost < plan.cost - 1e-12:
         greedy_plan.notes.insert(
             0, f"greedy chosen: cheaper ({greedy_plan.cost:.6g}s) than the MILP's "

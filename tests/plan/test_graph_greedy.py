@@ -4,18 +4,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from remat.memory._exhaustive import exhaustive_min_peak, exhaustive_optimum
-from remat.memory.graph import (
-    BudgetTooSmall,
-    Graph,
-    min_memory_lower_bound,
-    no_remat_schedule,
-    random_graph,
-    simulate,
-    synthetic_training_graph,
-)
-from remat.memory.greedy import greedy_min_budget, solve_greedy
-from remat.memory.scheduling import memory_aware_order, order_peak, schedule_plan
+from remat.plan._exhaustive import exhaustive_min_peak, exhaustive_optimum
+from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, simulate)
+from graphgen import random_graph, synthetic_training_graph
+from remat.plan.greedy import greedy_min_budget, solve_greedy
+from remat.plan.scheduling import memory_aware_order, order_peak, schedule_plan
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,7 +1,8 @@
 """Separator detection and chain-of-blocks partitioning."""
 
-from remat.memory.graph import Graph, synthetic_training_graph
-from remat.memory.separators import find_separators, partition_blocks
+from remat.plan.graph import Graph
+from graphgen import synthetic_training_graph
+from remat.plan.separators import find_separators, partition_blocks
 
 
 def names(g, idx):

@@ -2,21 +2,8 @@
 
 import pytest
 
-from remat.memory.graph import (
-    BudgetTooSmall,
-    Graph,
-    GraphPlan,
-    InvalidSchedule,
-    insert_frees,
-    make_plan,
-    memory_profile,
-    min_memory_lower_bound,
-    no_remat_schedule,
-    prune_compute_sequence,
-    random_graph,
-    simulate,
-    synthetic_training_graph,
-)
+from remat.plan.graph import (BudgetTooSmall, Graph, GraphPlan, InvalidSchedule, insert_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, simulate)
+from graphgen import random_graph, synthetic_training_graph
 
 
 def diamond() -> Graph:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from ..chain.executor import Binding, ChainStage, make_stage
 from ..ir import Function, Instruction, Value
 from ..ir.core import BlockArg
-from ..memory.graph import Graph
-from ..memory.partition import ancestors, slice_function
-from ..memory.separators import find_separators
+from .graph import Graph
+from .partition import ancestors, slice_function
+from ..plan.separators import find_separators
 
 
 @dataclass

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from remat.ir import Builder, DType, Function, Module, TensorType
-from remat.memory.graph import COMPUTE, FREE
-from remat.memory.liveness import predict_peak
-from remat.memory.rematerialize import from_schedule, to_graph
+from remat.plan.graph import COMPUTE, FREE
+from remat.plan.liveness import predict_peak
+from remat.plan.rematerialize import from_schedule, to_graph
 from remat.runtime.vm import VM
 
 

@@ -254,7 +254,7 @@ def solve_greedy(
         if budget < m:
             raise BudgetTooSmall(
                 budget, m,
-                f"greedy cannot meet budget {budget} B; smallest budget at which it succeeds: {m} B "
+                detail=f"greedy cannot meet budget {budget} B; smallest budget at which it succeeds: {m} B "
                 f"(lower bound for any schedule: {min_memory_lower_bound(graph)} B)",
             )
         seq = greedy_compute_sequence(graph, m, order, score=score)

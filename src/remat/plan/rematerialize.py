@@ -1,6 +1,6 @@
 """Instruction-level rematerialisation of a straight-line IR function on general graphs.
 
-``to_graph`` lowers a function to the abstract :class:`~remat.memory.graph.Graph` the solvers
+``to_graph`` lowers a function to the abstract :class:`~remat.plan.graph.Graph` the solvers
 work on (one node per storage-producing instruction; views such as ``reshape`` are folded into
 the storage they alias, so the graph's memory model matches the VM's storage accounting);
 ``from_schedule`` turns a solver's schedule back into IR: recomputations are clones of the
@@ -138,29 +138,3 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
     if check:
         verify(Module([out]))
     return out
-
-
-def rematerialize(fn: Function, budget: int, costs: dict[Instruction, float] | None = None,
-                  solver: str = "auto", time_limit: float = 10.0, milp_max_nodes: int = 120):
-    """Plan and apply rematerialisation of ``fn`` under ``budget`` bytes.
-
-    ``solver``: "milp" (optimal, Checkmate-style, HiGHS), "greedy" (RAF's compile-time
-    heuristic), or "auto" (MILP when the graph has at most ``milp_max_nodes`` nodes, with the
-    greedy as fallback when the MILP finds nothing in ``time_limit``). Returns
-    ``(function, plan)``; ``plan.notes`` says which solver ran and why.
-    """
-    from .greedy import solve_greedy
-    from .milp import solve_milp, solve_with_fallback
-
-    low = to_graph(fn, costs)
-    if solver == "auto":
-        plan = solve_with_fallback(low.graph, budget, time_limit=time_limit, milp_max_nodes=milp_max_nodes)
-    elif solver == "milp":
-        plan = solve_milp(low.graph, budget, time_limit=time_limit)
-    elif solver == "greedy":
-        plan = solve_greedy(low.graph, budget)
-    else:
-        raise ValueError(f"unknown solver {solver!r}; valid: auto, milp, greedy")
-    out = from_schedule(low, plan.schedule)
-    verify(Module([out]))
-    return out, plan

@@ -1,0 +1,242 @@
+"""Planning a training step under a byte budget: the planner portfolio behind ``remat.compile``.
+
+Input is IR alone (a :class:`StepProblem`: the forward, the training joint, the unconstrained step
+program, the budget, per-instruction costs), so the policy is testable without torch. Every
+planner yields a :class:`Candidate` (its program already lowered, so its exact peak is known);
+the cheapest candidate whose program fits wins. Overhead means one thing everywhere:
+recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Function, Instruction, Module, verify
+from .costmodel import function_cost
+from .graph import Graph, GraphPlan
+from .liveness import predict_peak
+from .milp import MILP_MAX_NODES
+
+
+SOLVER_OPTIONS = ("auto", "greedy", "milp")
+"""Values of ``remat.compile(..., solver=)``: which instruction-level solver may run."""
+
+
+@dataclass
+class Candidate:
+    """One planner's answer: the step program it lowered to and what it predicts."""
+
+    solver: str                 # e.g. "chain DP (extended)", "greedy (heuristic)", "none"
+    notes: list[str]
+    program: Function           # the whole training step, rematerialised, with frees
+    overhead: float             # predicted recompute cost / unconstrained compute cost
+    plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
+
+
+@dataclass
+class StepProblem:
+    """What planning a training step needs, as IR. Bytes and seconds."""
+
+    forward: Function           # the imported forward: (state..., inputs...[, seed]) -> (loss, others...)
+    n_state: int                # parameters and buffers leading the forward's arguments
+    n_params: int
+    joint: Function             # forward + backward: -> (loss, others..., grads...)
+    unconstrained: Function     # the step program without recomputation
+    budget: int | None
+    finish: Callable[[Function], Function]  # a joint-shaped program -> the step program (adds the updates)
+    extra_bytes: int            # what the step adds to the joint: optimizer state and step counter
+    costs: dict[Instruction, float]  # per-instruction seconds (estimated or measured)
+    solver: str = "auto"
+    milp_time_limit: float = 10.0
+    example_args: list | None = None  # the joint's arguments, to measure block times ("profiled"); None: static
+    dialects: tuple[str, ...] | None = None
+
+
+def uses_milp(solver: str, n_nodes: int) -> bool:
+    """Whether the MILP runs (once, at the main budget probe): when asked for, or under "auto" on a
+    graph of at most ``MILP_MAX_NODES`` compute nodes."""
+    return solver == "milp" or (solver == "auto" and n_nodes <= MILP_MAX_NODES)
+
+
+def plan_step(p: StepProblem) -> Candidate:
+    """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
+
+    No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
+    over blocks cut at separators runs, and the instruction-level solvers run too when there is
+    no useful cut or the graph is small. Raises ``BudgetTooSmall`` with the smallest minimum found."""
+    if p.solver not in SOLVER_OPTIONS:
+        raise ValueError(f"unknown solver {p.solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+    peak = predict_peak(p.unconstrained)
+    if p.budget is None or peak <= p.budget:
+        why = ("no budget given" if p.budget is None else
+               f"the unconstrained step ({format_bytes(peak)}) fits the budget")
+        return Candidate("none", [why + ": no recomputation"], p.unconstrained, 0.0)
+    from .rematerialize import to_graph
+    from .scheduling import memory_aware_order
+
+    low = to_graph(p.joint, p.costs)
+    order = memory_aware_order(low.graph)
+    n_nodes = len(low.graph.compute_nodes)
+    candidates: list[Candidate] = []
+    minimums: list[int] = []
+    chain = plan_blocks(p)
+    if isinstance(chain, Candidate):
+        candidates.append(chain)
+    elif chain is not None:
+        minimums.append(chain)
+    if not isinstance(chain, Candidate) or n_nodes <= MILP_MAX_NODES:
+        try:
+            graph_plan = plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate))
+        except BudgetTooSmall as e:
+            minimums.append(e.minimum)
+        else:
+            if graph_plan is not None:
+                candidates.append(graph_plan)
+    if not candidates:
+        raise BudgetTooSmall(p.budget, min(minimums), "this training step")
+    best = min(candidates, key=lambda c: c.overhead)
+    best.notes = best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
+                               for c in candidates if c is not best]
+    verify(Module([best.program]))
+    return best
+
+
+# ---------------------------------------------------------------- instruction level
+def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, main: bool,
+                 time_limit: float) -> GraphPlan:
+    """One instruction-level solve: the MILP at the main probe when :func:`uses_milp` says so
+    (with the greedy as fallback under "auto"), the greedy otherwise."""
+    from .greedy import solve_greedy
+    from .milp import solve_milp, solve_with_fallback
+
+    if main and uses_milp(solver, len(graph.compute_nodes)):
+        if solver == "milp":
+            return solve_milp(graph, budget, time_limit=time_limit, order=order)
+        return solve_with_fallback(graph, budget, time_limit=time_limit, order=order,
+                                   milp_max_nodes=MILP_MAX_NODES)
+    return solve_greedy(graph, budget, order=order)
+
+
+def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
+               max_overhead: float = 2.0) -> Candidate | None:
+    """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
+    and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true."""
+    from .greedy import greedy_min_budget
+    from .rematerialize import from_schedule
+
+    def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
+        prog = p.finish(from_schedule(low, plan.schedule, check=False))
+        return plan, prog, predict_peak(prog)
+
+    # The graph model keeps every gradient to the end and leaves out the optimizer state; the
+    # step program adds the state and consumes gradients early, so a plan peaking at
+    # ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
+    # a portfolio of model budgets around that point is solved and the cheapest plan whose
+    # exact program peak fits is kept.
+    hi = predict_peak(p.joint)
+    start = p.budget - p.extra_bytes
+    probes = sorted({int(start * f) for f in (0.88, 0.92, 0.96, 1.0)} |
+                    {int(start + (hi - start) * f) for f in (0.1, 0.25, 0.5)})
+    plans = []
+    for m in probes:
+        if m <= 0:
+            continue
+        try:
+            plans.append(_solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit))
+        except BudgetTooSmall:
+            continue
+    best = None
+    for plan in sorted(plans, key=lambda q: q.cost):
+        if (plan.overhead or 0.0) > max_overhead:
+            break  # runaway recomputation: not worth lowering
+        cand = lower(plan)
+        if cand[2] <= p.budget:
+            best = cand
+            break
+    if best is None:
+        if not need_minimum:  # the chain DP found a plan; its minimum is not needed
+            return None
+        m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
+        cand = lower(_solve_graph(low.graph, m, order, p.solver, False, p.milp_time_limit))
+        if cand[2] > p.budget:
+            raise BudgetTooSmall(p.budget, cand[2], "this training step")
+        best = cand
+    plan, prog, _ = best
+    notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
+    return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan)
+
+
+# ---------------------------------------------------------------- chain of blocks
+def plan_blocks(p: StepProblem) -> Candidate | int | None:
+    """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
+
+    Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
+    (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
+    smallest minimum (bytes) when no plan fits, else the candidate."""
+    results = [r for r in (plan_cut(p, True), plan_cut(p, False)) if r is not None]
+    if not results:
+        return None
+    ok = [r for r in results if isinstance(r, Candidate)]
+    if ok:
+        return min(ok, key=lambda c: c.overhead)
+    return min(results)
+
+
+def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
+    """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits."""
+    from ..chain.planner import ChainPlanner
+    from ..chain.profile import chain_costs, profile_stages
+    from .blocks import cut
+
+    t0 = time.perf_counter()
+    blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse)
+    if blocks is None:
+        return None
+    measure = p.example_args is not None
+    lead_args = x = one = None
+    if measure:
+        args = p.example_args
+        lead_args = [[args[i] for i in lead] for lead in blocks.binding.lead]
+        x = args[blocks.binding.x]
+        one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
+    profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure)
+    if not measure:
+        for prof, st in zip(profiles, blocks.stages):
+            prof.fwd_time = function_cost(st.split.forward)
+            prof.bwd_time = function_cost(st.split.backward)
+    costs = chain_costs(profiles)
+
+    def finish(fn: Function) -> Function:
+        return p.finish(_reorder_aux(fn, blocks.aux_order))
+
+    planner = ChainPlanner(blocks.stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
+                           what=f"this model cut into {len(blocks.stages)} blocks")
+    try:
+        pol = planner.solve(p.budget, "extended")
+    except BudgetTooSmall as e:
+        return e.minimum
+    notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks in "
+             f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
+             f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
+    return Candidate("chain DP (extended)", notes, pol.function, pol.plan.overhead(costs), pol.plan)
+
+
+def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:
+    """Put the side outputs of a chain program (in stage order) back in the forward's output order."""
+    if not aux_order or aux_order == sorted(aux_order):
+        return fn
+    out = fn.clone()
+    ret = out.entry.instrs[-1]
+    ops, types = list(ret.operands), list(out.result_types)
+    for t, j in enumerate(aux_order):  # stage-order side output t is the forward's side output j
+        ops[1 + j], types[1 + j] = ret.operands[1 + t], fn.result_types[1 + t]
+    ret.operands = ops
+    out.result_types = types
+    return out
+
+
+__all__ = ["Candidate", "MILP_MAX_NODES", "SOLVER_OPTIONS", "StepProblem", "plan_step", "uses_milp"]

@@ -1,0 +1,66 @@
+"""The plan stage on IR alone (no torch): a training joint built from IR text, planned under
+budgets by ``plan_step``; and the MILP policy as a plain function."""
+from __future__ import annotations
+
+import pytest
+
+from remat.errors import BudgetTooSmall
+from remat.ir import parse
+from remat.plan.liveness import predict_peak
+from remat.plan.milp import MILP_MAX_NODES
+from remat.plan.portfolio import Candidate, StepProblem, plan_step, uses_milp
+from remat.plan.costmodel import static_costs
+from remat.train.program import Layout, cleanup, step_program, training_graph
+
+DEPTH, WIDTH, BATCH = 6, 32, 64
+
+
+def _forward_text() -> str:
+    """A tanh MLP of DEPTH layers and a sum loss: ``(w0..w{DEPTH-1}, x) -> loss``."""
+    ws = ", ".join(f"%w{k}: f32[{WIDTH},{WIDTH}]" for k in range(DEPTH))
+    lines = [f"func @f({ws}, %x: f32[{BATCH},{WIDTH}]) -> f32[] {{"]
+    h = "%x"
+    for k in range(DEPTH):
+        lines += [f"  %m{k} = matmul {h}, %w{k} : f32[{BATCH},{WIDTH}]", f"  %h{k} = tanh %m{k} : f32[{BATCH},{WIDTH}]"]
+        h = f"%h{k}"
+    lines += [f"  %l = reduce_sum {h} {{axes=[0, 1]}} : f32[]", "  return %l", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _problem(budget: int | None) -> StepProblem:
+    forward = parse(_forward_text())["f"]
+    joint = cleanup(training_graph(forward, DEPTH))
+    layout = Layout(DEPTH, DEPTH, 1, False, 0)
+
+    def finish(fn):
+        return step_program(fn, layout, None, [], keep_grads=True, check=False)
+
+    return StepProblem(forward, DEPTH, DEPTH, joint, finish(joint), budget, finish, 0, static_costs(joint))
+
+
+def test_plan_stage_on_ir_alone():
+    base = _problem(None)
+    peak = predict_peak(base.unconstrained)
+    none = plan_step(base)
+    assert isinstance(none, Candidate) and none.solver == "none" and none.overhead == 0.0
+    assert none.program is base.unconstrained
+    with pytest.raises(BudgetTooSmall) as e:
+        plan_step(_problem(1))
+    minimum = e.value.minimum
+    assert 0 < minimum < peak
+    tight = plan_step(_problem(minimum))
+    assert tight.solver != "none" and tight.overhead > 0
+    assert predict_peak(tight.program) <= minimum
+
+
+def test_unknown_solver_is_named():
+    p = _problem(None)
+    p.solver = "magic"
+    with pytest.raises(ValueError, match="valid: auto, greedy, milp"):
+        plan_step(p)
+
+
+def test_milp_policy():
+    assert uses_milp("milp", 10 * MILP_MAX_NODES)
+    assert uses_milp("auto", MILP_MAX_NODES) and not uses_milp("auto", MILP_MAX_NODES + 1)
+    assert not uses_milp("greedy", 1)
