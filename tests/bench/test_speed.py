@@ -82,9 +82,9 @@ def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
             continue
         assert r["predicted_peak"] == r["vm_peak"] > 0 and r["instructions"] > 0 and r["setup_s"] > 0
         stages = r["extra"]["setup_stages_progress"]
-        assert "capturing the model" in stages and sum(stages.values()) == pytest.approx(r["setup_s"], abs=0.05)
+        assert "capture" in stages and sum(stages.values()) == pytest.approx(r["setup_s"], abs=0.05)
         if method == "remat":
-            assert r["budget_bytes"] is None and r["unconstrained_peak"] == r["predicted_peak"]
+            assert r["budget_bytes"] is None and r["predicted_peak"] <= r["unconstrained_peak"]  # fusion can only lower it
         else:
             assert 0 < r["vm_peak"] <= r["budget_bytes"] < r["unconstrained_peak"]
     # the resident bytes (parameters, momentum, inputs) are the same for every method of a model

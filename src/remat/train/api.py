@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..budget import parse_budget
+from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
@@ -26,11 +27,14 @@ from .optim import advance_steps, bind_state, init_state, steps_taken, updates_f
 from .program import Layout, cleanup, step_program, training_graph
 
 
-STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "prepare VM")
+STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "fuse", "kernel compilation",
+          "prepare VM")
 """The stages of ``remat.compile``, in order. Each takes IR and gives IR (or a plan); ``profile``
-runs only with ``cost_model="profiled"``. Where upcoming stages go: a ``fuse`` pass stage between
-``passes`` and ``profile`` (IR -> IR on the joint, so planning sees fused instructions), and
-``kernel compilation`` between ``lower`` and ``prepare VM``."""
+runs only with ``cost_model="profiled"``. ``fuse`` runs on the lowered program: fused kernels are
+bit-identical to the ops they replace and the pass never raises the peak, so the plan's promises
+(peak within the budget, gradients identical across budgets) carry over unchanged. ``fuse`` and
+``kernel compilation`` run when the ``numba`` dialect is enabled; compiled kernels are cached on
+disk, so a second compile of the same model compiles nothing."""
 
 
 @dataclass
@@ -174,14 +178,23 @@ class TrainStep:
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.predicted_overhead = self.plan.overhead
         self.program = self._stage("lower", lambda: self.plan.program)
+
+        def count(fn: Function) -> int:
+            return sum(1 for i in fn.entry.instrs if i.op.name not in ("free", "return"))
+
+        # Counted on the lowered program: fusion merges instructions but recomputes nothing.
+        self.instructions = count(self.program)
+        self.recomputed = self.instructions - count(unconstrained)
+        self._recomputes = self.program is not unconstrained
+        if "numba" in backends.resolve(self.dialects):
+            from ..backends import numba_kernels
+            from ..passes.fuse import fuse_function
+
+            self.program = self._stage("fuse", lambda: fuse_function(self.program))
+            self._stage("kernel compilation", lambda: numba_kernels.prepare(Module([self.program])))
         self.predicted_peak = predict_peak(self.program)
-        # (the "kernel compilation" stage goes here)
         self._vm = self._stage("prepare VM", lambda: VM(Module([self.program]), dialects=self.dialects))
         self.plan_seconds = self.stage_seconds["plan"]
-        self.instructions = sum(1 for i in self.program.entry.instrs if i.op.name not in ("free", "return"))
-        self.recomputed = self.instructions - sum(1 for i in unconstrained.entry.instrs
-                                                  if i.op.name not in ("free", "return"))
-        self._recomputes = self.program is not unconstrained
         self.setup_seconds = time.perf_counter() - t_setup
         self.last_stats = None
         self.last_seconds = None
@@ -196,7 +209,7 @@ class TrainStep:
         self.stage_seconds[name] = time.perf_counter() - t0
         if name in self._shown:
             print(f"// ---- after {name} ({self.stage_seconds[name]:.2f} s)")
-            print(_printable(out if name != "prepare VM" else self.program))
+            print(_printable(out if name not in ("prepare VM", "kernel compilation") else self.program))
         return out
 
     def _bind_torch(self, imp) -> None:
