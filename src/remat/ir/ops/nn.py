@@ -482,14 +482,24 @@ def _matmul_grads(b, x, w, g, ta: bool, tb: bool, x_type, w_type):
     def mm(a_, b_, ta_=False, tb_=False):
         return b.op("matmul", a_, b_, transpose_a=ta_, transpose_b=tb_)
 
+    def grad_x():
+        return _unb(b, mm(w, g, tb, True) if ta else mm(g, w, False, not tb), x_type.shape)
+
+    def grad_w():
+        if w_type.rank == 2 and x_type.rank > 2 and not ta:
+            gf, xf = _flat_rows(b, g), _flat_rows(b, x)
+            return mm(gf, xf, True, False) if tb else mm(xf, gf, True, False)
+        return _unb(b, mm(g, x, True, ta) if tb else mm(x, g, not ta, False), w_type.shape)
+
     # d op(X) = G @ op(W)^T and d op(W) = op(X)^T @ G; a transposed operand's cotangent is transposed back.
-    gx = mm(w, g, tb, True) if ta else mm(g, w, False, not tb)
-    if w_type.rank == 2 and x_type.rank > 2 and not ta:
-        gf, xf = _flat_rows(b, g), _flat_rows(b, x)
-        gw = mm(gf, xf, True, False) if tb else mm(xf, gf, True, False)
-    else:
-        gw = mm(g, x, True, ta) if tb else mm(x, g, not ta, False)
-    return [_unb(b, gx, x_type.shape), _unb(b, gw, w_type.shape)]
+    # The smaller cotangent (usually the weight's) is emitted first: the operands it reads are then
+    # needed (or recomputed) before the larger one occupies memory, which lowers the peak of
+    # rematerialised plans (a recomputed activation no longer coexists with the input cotangent).
+    if w_type.numel <= x_type.numel:
+        gw = grad_w()
+        return [grad_x(), gw]
+    gx = grad_x()
+    return [gx, grad_w()]
 
 
 @def_vjp("matmul", saves="inputs")
