@@ -666,11 +666,14 @@ def _nll_loss_forward(L: Lowerer, x, target, weight, reduction, ignore_index):
     if x.type.rank != 2:
         raise LoweringError(f"nll_loss of a rank-{x.type.rank} input {x.type} is not supported (only [N, C] or [C])")
     dt = x.type.dtype
-    keep = L.op("ne", target, L.const(ii, target.type.dtype))
     if weight is None:
         out = L.op("nll_loss", x, target, reduction=red, ignore_index=ii)
-        total = L.op("reduce_sum", L.op("cast", keep, dtype=dt), axes=[0]) if 1 in L.used_outputs() else None
-    else:  # class weights: weighted per-row losses, divided by the summed weight of the kept rows
+        total = None
+        if 1 in L.used_outputs():
+            keep = L.op("ne", target, L.const(ii, target.type.dtype))
+            total = L.op("reduce_sum", L.op("cast", keep, dtype=dt), axes=[0])
+    else:
+        keep = L.op("ne", target, L.const(ii, target.type.dtype))  # class weights: weighted per-row losses, divided by the summed weight of the kept rows
         safe = L.op("select", keep, target, L.const(0, target.type.dtype))
         wt = L.op("select", keep, L.op("gather", weight, safe, axis=0), L.const(0, dt))
         per = L.op("mul", L.op("nll_loss", x, target, reduction="none", ignore_index=ii), wt)
