@@ -83,6 +83,32 @@ def test_broadcast_of_broadcast_and_composed_transposes():
     _same_numerics(m, out, [rng.standard_normal(3), rng.standard_normal((2, 3, 4))])
 
 
+def test_matmul_reads_operands_transposed_in_their_last_two_dims_through_its_flags():
+    text = """func @f(%0: f64[2,4,3], %1: f64[2,5,4], %2: f64[4,2,3]) -> (f64[2,3,5], f64[2,5,4], f64[2,3,3]) {
+  %3 = transpose %0 {perm=[0, 2, 1]} : f64[2,3,4]
+  %4 = transpose %1 {perm=[0, 2, 1]} : f64[2,4,5]
+  %5 = matmul %3, %4 : f64[2,3,5]
+  %6 = matmul %1, %0 : f64[2,5,3]
+  %7 = transpose %6 {perm=[0, 2, 1]} : f64[2,3,5]
+  %8 = matmul %7, %3 {transpose_a=true} : f64[2,5,4]
+  %9 = transpose %2 {perm=[1, 0, 2]} : f64[2,4,3]
+  %10 = matmul %3, %9 : f64[2,3,3]
+  return %5, %8, %10
+}
+"""
+    m, out = _run(text, ["simplify", "dce"])
+    f = out["f"]
+    mm = [i for i in f.instructions() if i.op.name == "matmul"]
+    # Both swaps fold into the flags; a transposed flagged operand flips its flag back; a
+    # permutation that moves a batch dim stays a materialised transpose.
+    assert [(i.attrs["transpose_a"], i.attrs["transpose_b"]) for i in mm] == [(True, True), (False, False), (False, True), (True, False)]
+    assert [i.attrs["perm"] for i in f.instructions() if i.op.name == "transpose"] == [(1, 0, 2)]
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 5, 4)), rng.standard_normal((4, 2, 3))]
+    for x, y in zip(evaluate(m["f"], args, m), evaluate(out["f"], args, out)):
+        np.testing.assert_allclose(x, y, rtol=1e-12)
+
+
 @pytest.mark.parametrize("body", [
     "%1 = constant {value=0.0, dtype=f64} : f64[]\n  %2 = mul %0, %1 : f64[2,3]",   # x*0 is NaN for inf/NaN
     "%2 = sub %0, %0 : f64[2,3]",                                                      # x-x is NaN for inf/NaN

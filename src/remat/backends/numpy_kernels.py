@@ -162,8 +162,90 @@ def log_softmax(x, axis):
 
 
 @k("matmul")
-def matmul(a, b):
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    a = np.swapaxes(a, -1, -2) if transpose_a else a  # views
+    b = np.swapaxes(b, -1, -2) if transpose_b else b
     return _fresh(np.matmul(_up(a), _up(b)), a.dtype)
+
+
+# ---------------------------------------------------------------- composite ops with native backward kernels
+# (issue 8: linear, softmax/log_softmax backward, gelu backward, negative log-likelihood)
+@k("linear")
+def linear(x, w, b):
+    return _fresh(np.matmul(_up(x), _up(w).T) + _up(b), x.dtype)
+
+
+@k("softmax_grad")
+def softmax_grad(g, y, axis):
+    g32, y32 = _up(g), _up(y)
+    return _fresh(y32 * (g32 - np.sum(g32 * y32, axis=axis, keepdims=True)), y.dtype)
+
+
+@k("log_softmax_grad")
+def log_softmax_grad(g, y, axis):
+    g32, y32 = _up(g), _up(y)
+    return _fresh(g32 - np.exp(y32) * np.sum(g32, axis=axis, keepdims=True), y.dtype)
+
+
+def gelu_derivative(x: np.ndarray, approximate: str) -> np.ndarray:
+    """gelu'(x) (exact, or of the tanh approximation), in x's dtype."""
+    if approximate == "tanh":
+        k, a = np.sqrt(2.0 / np.pi), 0.044715
+        t = np.tanh(k * (x + a * x ** 3))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * a * x * x)
+    cdf = 0.5 * (1.0 + scipy.special.erf(x / np.sqrt(2.0)))
+    return cdf + x * np.exp(-0.5 * x * x) / np.sqrt(2.0 * np.pi)
+
+
+@k("gelu_grad")
+def gelu_grad(g, x, approximate="none"):
+    return _fresh(_up(g) * gelu_derivative(_up(x), approximate), x.dtype)
+
+
+def check_targets(op: str, target, num_classes: int, ignore_index: int) -> None:
+    """Raise IndexError naming ``op`` when a class target (other than ``ignore_index``) is outside
+    [0, num_classes); works on NumPy arrays and torch tensors alike."""
+    size = target.numel() if callable(getattr(target, "numel", None)) else target.size
+    if size == 0 or (int(target.min()) >= 0 and int(target.max()) < num_classes):
+        return
+    bad = target[((target < 0) | (target >= num_classes)) & (target != ignore_index)]
+    if len(bad):
+        raise IndexError(f"'{op}': target {int(bad[0])} is out of range; class targets must be in "
+                         f"[0, {num_classes}) or equal ignore_index ({ignore_index})")
+
+
+def _nll_rows(target, ignore_index):
+    keep = target != ignore_index
+    return keep, np.where(keep, target, 0)
+
+
+@k("nll_loss")
+def nll_loss(logp, target, reduction="mean", ignore_index=-100):
+    n, c = logp.shape
+    check_targets("nll_loss", target, c, ignore_index)
+    keep, t = _nll_rows(target, ignore_index)
+    per_row = np.where(keep, -_up(logp)[np.arange(n), t], 0)
+    if reduction == "none":
+        return _fresh(per_row, logp.dtype)
+    total = np.sum(per_row)
+    if reduction == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            total = total / per_row.dtype.type(np.count_nonzero(keep))
+    return _fresh(total, logp.dtype)
+
+
+@k("nll_loss_grad")
+def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
+    check_targets("nll_loss_grad", target, num_classes, ignore_index)
+    keep, t = _nll_rows(target, ignore_index)
+    n = target.shape[0]
+    g32 = _up(g)
+    if reduction == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            g32 = g32 / g32.dtype.type(np.count_nonzero(keep))
+    out = np.zeros((n, num_classes), dtype=g32.dtype)
+    out[np.arange(n)[keep], t[keep]] = -(g32[keep] if reduction == "none" else g32)
+    return _fresh(out, g.dtype)
 
 
 # ---------------------------------------------------------------- convolution (NCHW, OIHW)

@@ -163,8 +163,52 @@ def log_softmax(x, axis):
 
 
 @k("matmul", checker=lambda ins: all(v.type.dtype.is_float for v in ins.operands))
-def matmul(a, b):
-    return _fresh(torch.matmul(a, b))
+def matmul(a, b, transpose_a=False, transpose_b=False):
+    """Transposed operands are ``.mT`` views: BLAS reads them in place, as eager's mm/bmm do."""
+    return _fresh(torch.matmul(a.mT if transpose_a else a, b.mT if transpose_b else b))
+
+
+# ---------------------------------------------------------------- composite ops with native backward kernels
+# (issue 8: linear, softmax/log_softmax backward, gelu backward, negative log-likelihood)
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # ATen's Reduction enum
+
+
+@k("linear", checker=floats_only)
+def linear(x, w, b):
+    """F.linear: one addmm with the bias fused, like eager."""
+    return _fresh(F.linear(x, w, b))
+
+
+@k("softmax_grad")
+def softmax_grad(g, y, axis):
+    return _fresh(torch.ops.aten._softmax_backward_data(g, y, axis, y.dtype))
+
+
+@k("log_softmax_grad")
+def log_softmax_grad(g, y, axis):
+    return _fresh(torch.ops.aten._log_softmax_backward_data(g, y, axis, y.dtype))
+
+
+@k("gelu_grad")
+def gelu_grad(g, x, approximate="none"):
+    return _fresh(torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+
+
+@k("nll_loss", checker=lambda ins: ins.operands[0].type.dtype.is_float)
+def nll_loss(logp, target, reduction="mean", ignore_index=-100):
+    npk.check_targets("nll_loss", target, logp.shape[1], ignore_index)
+    out, _ = torch.ops.aten.nll_loss_forward(logp, target.to(torch.int64), None, _REDUCTION[reduction], ignore_index)
+    return _fresh(out)
+
+
+@k("nll_loss_grad", checker=lambda ins: ins.operands[0].type.dtype.is_float)
+def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
+    npk.check_targets("nll_loss_grad", target, num_classes, ignore_index)
+    t = target.to(torch.int64)
+    # ATen reads only the shape and dtype of the forward input: a broadcast scalar stands for it.
+    like = torch.empty((), dtype=g.dtype, device=g.device).expand(t.shape[0], num_classes)
+    total = (t != ignore_index).sum().to(g.dtype) if reduction == "mean" else torch.ones((), dtype=g.dtype, device=g.device)
+    return _fresh(torch.ops.aten.nll_loss_backward(g, like, t, None, _REDUCTION[reduction], ignore_index, total))
 
 
 # ---------------------------------------------------------------- convolution and pooling

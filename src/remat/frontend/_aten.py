@@ -614,14 +614,34 @@ def _log_softmax(L: Lowerer, x, dim, half_to_float=False):
 
 
 # ---------------------------------------------------------------- linear algebra
+def _untransposed(v: Value) -> Value | None:
+    """x when ``v`` is ``transpose(x)`` of a matrix (perm [1, 0]), else None."""
+    ins = getattr(v, "instr", None)
+    if ins is not None and ins.op.name == "transpose" and list(ins.attrs["perm"]) == [1, 0]:
+        return ins.operands[0]
+    return None
+
+
 @lower("mm.default", "bmm.default")
 def _mm(L: Lowerer, a, b):
     return L.op("matmul", a, b)
 
 
+@lower("linear.default", keep=True)
+def _linear(L: Lowerer, x, w, bias=None):
+    """x @ w^T (+ bias): one ``linear`` (F.linear, the bias fused into addmm), or without a bias a
+    matmul that reads w transposed in place."""
+    if bias is None:
+        return L.op("matmul", x, w, transpose_b=True)
+    return L.op("linear", x, w, bias)
+
+
 @lower("addmm.default", "baddbmm.default")
 def _addmm(L: Lowerer, bias, a, b, *, beta=1, alpha=1):
     dt = L.out_type().dtype
+    w = _untransposed(b) if L.node.target.__name__.startswith("addmm") else None
+    if w is not None and alpha == 1 and beta == 1 and bias.type.shape == (w.type.shape[0],):
+        return L.op("linear", a, w, bias)  # addmm(b, x, w^T) is PyTorch's linear
     p = L.op("matmul", a, b)
     if alpha != 1:
         p = L.op("mul", p, L.const(alpha, dt))
@@ -679,6 +699,39 @@ def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *
         return _explicit_attention(L, q, k, v, mask, float(dropout_p), bool(is_causal), scale)
     out, _ = L.op("attention", q, k, v, *([mask] if mask is not None else []), scale=scale, is_causal=bool(is_causal))
     return out
+
+
+# ---------------------------------------------------------------- losses
+_NLL_REDUCTION = {0: "none", 1: "mean", 2: "sum"}  # ATen's Reduction enum
+
+
+@lower("nll_loss_forward.default", keep=True)
+def _nll_loss_forward(L: Lowerer, x, target, weight, reduction, ignore_index):
+    """(loss, total weight): ``nll_loss`` on the log-probabilities, so cross-entropy stays
+    log_softmax + nll_loss (native kernels both ways) and no one-hot is ever built."""
+    red = _NLL_REDUCTION[int(reduction)]
+    ii = int(ignore_index)
+    if x.type.rank == 1:  # a single sample [C] with a scalar target
+        x, target = L.reshape(x, (1, x.type.shape[0])), L.reshape(target, (1,))
+    if x.type.rank != 2:
+        raise LoweringError(f"nll_loss of a rank-{x.type.rank} input {x.type} is not supported (only [N, C] or [C])")
+    dt = x.type.dtype
+    if weight is None:
+        out = L.op("nll_loss", x, target, reduction=red, ignore_index=ii)
+        total = None
+        if 1 in L.used_outputs():
+            keep = L.op("ne", target, L.const(ii, target.type.dtype))
+            total = L.op("reduce_sum", L.op("cast", keep, dtype=dt), axes=[0])
+    else:
+        keep = L.op("ne", target, L.const(ii, target.type.dtype))  # class weights: weighted per-row losses, divided by the summed weight of the kept rows
+        safe = L.op("select", keep, target, L.const(0, target.type.dtype))
+        wt = L.op("select", keep, L.op("gather", weight, safe, axis=0), L.const(0, dt))
+        per = L.op("mul", L.op("nll_loss", x, target, reduction="none", ignore_index=ii), wt)
+        total = L.op("reduce_sum", wt, axes=[0])
+        out = per if red == "none" else L.op("reduce_sum", per, axes=[0])
+        if red == "mean":
+            out = L.op("div", out, total)
+    return L.reshape(out, L.out_type(0).shape), total
 
 
 # ---------------------------------------------------------------- convolution and pooling

@@ -123,7 +123,31 @@ def concat_one(ins, b):
     return ins.operands[0] if len(ins.operands) == 1 else None
 
 
+def _swapped_last_two(v: Value) -> Value | None:
+    """x when ``v = transpose(x)`` swaps only x's last two dims, else None."""
+    d = _def(v, "transpose")
+    if d is None:
+        return None
+    r = len(d.attrs["perm"])
+    return d.operands[0] if r >= 2 and list(d.attrs["perm"]) == list(range(r - 2)) + [r - 1, r - 2] else None
+
+
+def matmul_transposed_operand(ins, b):
+    """matmul(transpose(x), y) -> matmul(x, y, transpose_a flipped) (and likewise for y): the
+    product reads the operand as a view instead of a materialised copy; dce drops the dead transpose."""
+    (a, c), at = ins.operands, dict(ins.attrs)
+    xa, xc = _swapped_last_two(a), _swapped_last_two(c)
+    if xa is None and xc is None:
+        return None
+    if xa is not None:
+        a, at["transpose_a"] = xa, not at["transpose_a"]
+    if xc is not None:
+        c, at["transpose_b"] = xc, not at["transpose_b"]
+    return b.op("matmul", a, c, **at)
+
+
 RULES: dict[str, list[Rule]] = {
+    "matmul": [matmul_transposed_operand],
     "mul": [_right_identity(1), _left_identity(1)],
     "add": [_right_identity(0), _left_identity(0)],
     "sub": [_right_identity(0)],

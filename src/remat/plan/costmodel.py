@@ -25,8 +25,6 @@ def flops(ins: Instruction) -> float:
         return 0.0
     if op.flops is not None:  # the op's own cost rule, declared with it
         return float(op.flops([o.type for o in ins.operands], [r.type for r in ins.results], ins.attrs))
-    if op.name == "matmul":
-        return 2.0 * out.numel * ins.operands[0].type.shape[-1]
     if op.name == "conv2d":
         w = ins.operands[1].type.shape
         return 2.0 * out.numel * prod(w[1:])

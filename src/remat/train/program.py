@@ -37,7 +37,10 @@ def training_graph(forward: Function, n_params: int) -> Module:
     calling the forward and ``gradient`` of its loss (differentiated, not yet cleaned up)."""
     from ..autodiff import gradient_function
 
-    m = Module([forward.clone("forward")])
+    # Simplify before differentiating, so that the backward is built from the simplified forward
+    # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
+    # not a cotangent transposed back by a materialised copy).
+    m = run_pipeline(Module([forward.clone("forward")]), ["simplify", "dce"]).module
     fwd = m["forward"]
     loss_t = fwd.result_types[0]
     if loss_t.rank != 0 or not loss_t.dtype.is_float:

@@ -61,6 +61,22 @@ declare(OpDef("gelu", 1, (Attr("approximate", "str", "none"),), _gelu_infer, fro
                                 Sample([rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
 
 
+def _gelu_grad_infer(types, attrs):
+    g, x = types
+    expect_same_dtype("gelu_grad", types)
+    _gelu_infer([x], attrs)
+    if g.shape != x.shape:
+        raise TypeError(f"'gelu_grad': gradient {g} and input {x} must have the same shape")
+    return x
+
+
+declare(OpDef("gelu_grad", 2, (Attr("approximate", "str", "none"),), _gelu_grad_infer, frozenset({"elementwise"}),
+              doc="gradient of gelu from (grad_output, input): g * gelu'(x) (PyTorch's gelu_backward)",
+              flops=lambda ins, outs, attrs: 12.0 * outs[0].numel,
+              sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4, low=-3, high=3)]),
+                                Sample([rand(r, 2, 5), rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
+
+
 def _not_infer(types, attrs):
     (t,) = types
     if t.dtype != DType.bool:
@@ -277,22 +293,30 @@ def _erf_vjp(b, p, g):
 
 @def_vjp("gelu", saves="inputs")
 def _gelu_vjp(b, p, g):
-    x = p.x[0]
-    half, one = _c(b, 0.5, g), _c(b, 1, g)
+    return [b.op("gelu_grad", g, p.x[0], approximate=p.attrs["approximate"])]
+
+
+@def_vjp("gelu_grad", saves="inputs")
+def _gelu_grad_vjp(b, p, g):
+    # r = gy * gelu'(x): linear in gy (d gy = gelu_grad(u, x)); d x = u * gy * gelu''(x).
+    gy, x = p.x
     if p.attrs["approximate"] == "tanh":
+        half, one = _c(b, 0.5, g), _c(b, 1, g)
+        # gelu = x/2 (1 + t), t = tanh(v), v = k (x + a x^3):
+        # gelu'' = (1 - t^2) (v' + x/2 (v'' - 2 t v'^2)), v' = k (1 + 3 a x^2), v'' = 6 k a x.
         k, a = _math.sqrt(2 / _math.pi), 0.044715
         x2 = b.op("mul", x, x)
-        u = _mul(b, _c(b, k, g), b.op("add", x, _mul(b, _c(b, a, g), x2, x)))
-        t = b.op("tanh", u)
-        du = _mul(b, _c(b, k, g), b.op("add", one, _mul(b, _c(b, 3 * a, g), x2)))
-        d = b.op("add", _mul(b, half, b.op("add", one, t)),
-                 _mul(b, half, x, b.op("sub", one, b.op("mul", t, t)), du))
+        t = b.op("tanh", _mul(b, _c(b, k, g), b.op("add", x, _mul(b, _c(b, a, g), x2, x))))
+        dv = _mul(b, _c(b, k, g), b.op("add", one, _mul(b, _c(b, 3 * a, g), x2)))
+        ddv = _mul(b, _c(b, 6 * k * a, g), x)
+        inner = b.op("sub", ddv, _mul(b, _c(b, 2, g), t, dv, dv))
+        d2 = _mul(b, b.op("sub", one, b.op("mul", t, t)), b.op("add", dv, _mul(b, half, x, inner)))
     else:
-        cdf = _mul(b, half, b.op("add", one, b.op("erf", b.op("mul", x, _c(b, 1 / _math.sqrt(2), g)))))
+        # gelu' = Phi(x) + x phi(x), gelu'' = phi(x) (2 - x^2), phi the standard normal density.
         pdf = b.op("mul", _c(b, 1 / _math.sqrt(2 * _math.pi), g),
                    b.op("exp", b.op("mul", _c(b, -0.5, g), b.op("mul", x, x))))
-        d = b.op("add", cdf, b.op("mul", x, pdf))
-    return [b.op("mul", g, d)]
+        d2 = b.op("mul", pdf, b.op("sub", _c(b, 2, g), b.op("mul", x, x)))
+    return [b.op("gelu_grad", g, x, approximate=p.attrs["approximate"]), _mul(b, g, gy, d2)]
 
 
 @def_vjp("cast", saves="none")

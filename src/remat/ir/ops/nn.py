@@ -1,6 +1,8 @@
 """Reductions, matmul, softmax, convolution and pooling (with their backward ops)."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import TensorType
 from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, norm_axis, rand
@@ -62,22 +64,156 @@ for _name in ("softmax", "log_softmax"):
                                     Sample([rand(r, 2, 3, 4)], {"axis": 0})]))
 
 
+# ---------------------------------------------------------------- softmax / log-softmax backward (native kernels)
+def _softmax_grad_infer(name):
+    def infer(types, attrs):
+        g, y = types
+        expect_same_dtype(name, types)
+        expect_float(name, y)
+        if g.shape != y.shape:
+            raise TypeError(f"'{name}': gradient {g} and output {y} must have the same shape")
+        check_axis(name, attrs["axis"], y.rank)
+        return y
+
+    return infer
+
+
+def _softmax_sample(log: bool):
+    def sample(r):
+        out = []
+        for shape, axis in (((3, 5), 1), ((2, 3, 4), 0)):
+            x = rand(r, *shape, low=-3, high=3)
+            e = np.exp(x - x.max(axis=axis, keepdims=True))
+            y = e / e.sum(axis=axis, keepdims=True)
+            out.append(Sample([rand(r, *shape), np.log(y) if log else y], {"axis": axis}))
+        return out
+
+    return sample
+
+
+for _name, _doc in {"softmax_grad": "gradient of softmax from (grad_output, output): y * (g - sum(g * y, axis))",
+                    "log_softmax_grad": "gradient of log_softmax from (grad_output, output): g - exp(y) * sum(g, axis)"
+                    }.items():
+    declare(OpDef(_name, 2, (Attr("axis", "int"),), _softmax_grad_infer(_name), frozenset(), normalize=_axis_norm,
+                  doc=_doc, flops=lambda ins, outs, attrs: 4.0 * outs[0].numel,
+                  sample=_softmax_sample(_name.startswith("log"))))
+
+
+# ---------------------------------------------------------------- negative log-likelihood (cross-entropy after log_softmax)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _nll_check(name, logp_shape, target, attrs):
+    if attrs["reduction"] not in _REDUCTIONS:
+        raise TypeError(f"'{name}': reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {attrs['reduction']!r}")
+    if not target.dtype.is_int or target.rank != 1:
+        raise TypeError(f"'{name}' needs integer class targets [N] (i32 or i64), got {target}")
+    if len(logp_shape) != 2 or logp_shape[0] != target.shape[0]:
+        raise TypeError(f"'{name}': log-probabilities {list(logp_shape)} and targets {target} do not fit [N, C] and [N]")
+
+
+def _nll_infer(types, attrs):
+    logp, target = types
+    expect_float("nll_loss", logp)
+    _nll_check("nll_loss", logp.shape, target, attrs)
+    return logp.with_shape(target.shape if attrs["reduction"] == "none" else ())
+
+
+def _nll_grad_infer(types, attrs):
+    g, target = types
+    expect_float("nll_loss_grad", g)
+    n = target.shape[0] if target.rank == 1 else -1
+    _nll_check("nll_loss_grad", (n, attrs["num_classes"]), target, attrs)
+    want = target.shape if attrs["reduction"] == "none" else ()
+    if g.shape != want:
+        raise TypeError(f"'nll_loss_grad': output gradient {g} must have shape {list(want)} for reduction "
+                        f"{attrs['reduction']!r}")
+    if attrs["num_classes"] < 1:
+        raise TypeError(f"'nll_loss_grad': num_classes must be >= 1, got {attrs['num_classes']}")
+    return g.with_shape((n, attrs["num_classes"]))
+
+
+def _targets(r, n, c, ignore):
+    t = r.integers(0, c, size=(n,))
+    t[1] = ignore  # one ignored row in every sample
+    return t
+
+
+_NLL_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100))
+declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset(),
+              flops=lambda ins, outs, attrs: float(ins[1].numel),
+              doc="-logp[n, target[n]] reduced over rows whose target is not ignore_index (mean: divided by "
+                  "their count); targets out of [0, C) are an error",
+              sample=lambda r: [Sample([rand(r, 4, 5, low=-3, high=0), _targets(r, 4, 5, -100)]),
+                                Sample([rand(r, 3, 6, low=-3, high=0), _targets(r, 3, 6, 2)],
+                                       {"reduction": "sum", "ignore_index": 2}),
+                                Sample([rand(r, 5, 3, low=-3, high=0), _targets(r, 5, 3, -1)],
+                                       {"reduction": "none", "ignore_index": -1})]))
+declare(OpDef("nll_loss_grad", 2, (Attr("num_classes", "int"),) + _NLL_ATTRS, _nll_grad_infer, frozenset(),
+              flops=lambda ins, outs, attrs: float(outs[0].numel),
+              doc="gradient of nll_loss wrt the log-probabilities [N, num_classes], from (grad_output, target)",
+              sample=lambda r: [Sample([rand(r), _targets(r, 4, 5, -100)], {"num_classes": 5}),
+                                Sample([rand(r), _targets(r, 3, 6, 2)],
+                                       {"num_classes": 6, "reduction": "sum", "ignore_index": 2}),
+                                Sample([rand(r, 5), _targets(r, 5, 3, -1)],
+                                       {"num_classes": 3, "reduction": "none", "ignore_index": -1})]))
+
+
 # ---------------------------------------------------------------- matmul
+def _mat_dims(t: TensorType, transposed: bool) -> tuple[int, int]:
+    """(rows, cols) of an operand's matrix after its optional transpose of the last two dims."""
+    r, c = t.shape[-2:]
+    return (c, r) if transposed else (r, c)
+
+
 def _matmul_infer(types, attrs):
     a, b = types
     dt = expect_same_dtype("matmul", types)
     if a.rank < 2 or b.rank < 2:
         raise TypeError(f"'matmul' needs operands of rank >= 2, got {a} and {b}; reshape vectors to [1,n] or [n,1]")
-    if a.shape[-1] != b.shape[-2]:
-        raise TypeError(f"'matmul': contraction mismatch, {a} @ {b} ({a.shape[-1]} != {b.shape[-2]})")
+    (m, ka), (kb, n) = _mat_dims(a, attrs["transpose_a"]), _mat_dims(b, attrs["transpose_b"])
+    if ka != kb:
+        flags = "".join(f" ({w} transposed)" for w, f in (("a", attrs["transpose_a"]), ("b", attrs["transpose_b"])) if f)
+        raise TypeError(f"'matmul': contraction mismatch, {a} @ {b}{flags} ({ka} != {kb})")
     batch = bcast("matmul", [TensorType(dt, a.shape[:-2]), TensorType(dt, b.shape[:-2])])
-    return TensorType(dt, batch + (a.shape[-2], b.shape[-1]))
+    return TensorType(dt, batch + (m, n))
 
 
-declare(OpDef("matmul", 2, (), _matmul_infer, frozenset({"matmul"}),
-              doc="batched matrix product a[..., m, k] @ b[..., k, n] with broadcast batch dims",
+def _matmul_flops(ins, outs, attrs):
+    """2·m·n·k per product: every result element is a k-long dot product."""
+    k = _mat_dims(ins[0], attrs["transpose_a"])[1]
+    return 2.0 * outs[0].numel * k
+
+
+declare(OpDef("matmul", 2, (Attr("transpose_a", "bool", False), Attr("transpose_b", "bool", False)), _matmul_infer,
+              frozenset({"matmul"}), flops=_matmul_flops,
+              doc="batched matrix product a[..., m, k] @ b[..., k, n] with broadcast batch dims; transpose_a / "
+                  "transpose_b swap that operand's last two dims first (a view, never a copy)",
               sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 4, 2)]), Sample([rand(r, 2, 3, 4), rand(r, 4, 5)]),
-                                Sample([rand(r, 2, 1, 3, 4), rand(r, 3, 4, 2)])]))
+                                Sample([rand(r, 2, 1, 3, 4), rand(r, 3, 4, 2)]),
+                                Sample([rand(r, 4, 3), rand(r, 2, 4)], {"transpose_a": True, "transpose_b": True}),
+                                Sample([rand(r, 2, 3, 4), rand(r, 5, 4)], {"transpose_b": True}),
+                                Sample([rand(r, 4, 3), rand(r, 2, 4, 5)], {"transpose_a": True}),
+                                Sample([rand(r, 2, 4, 3), rand(r, 2, 5, 4)], {"transpose_a": True, "transpose_b": True})]))
+
+
+# ---------------------------------------------------------------- linear (matmul + bias, one native kernel)
+def _linear_infer(types, attrs):
+    x, w, bias = types
+    dt = expect_same_dtype("linear", types)
+    expect_float("linear", x)
+    if x.rank < 1 or w.rank != 2 or bias.rank != 1:
+        raise TypeError(f"'linear' needs x [..., in], weight [out, in] and bias [out], got {x}, {w} and {bias}")
+    if x.shape[-1] != w.shape[1] or bias.shape[0] != w.shape[0]:
+        raise TypeError(f"'linear': x {x}, weight {w} and bias {bias} do not fit x [..., in], weight [out, in], bias [out]")
+    return TensorType(dt, x.shape[:-1] + (w.shape[0],))
+
+
+declare(OpDef("linear", 3, (), _linear_infer, frozenset({"matmul"}),
+              flops=lambda ins, outs, attrs: 2.0 * outs[0].numel * ins[1].shape[1] + outs[0].numel,
+              doc="x @ weight^T + bias, x [..., in], weight [out, in], bias [out] (PyTorch's linear / addmm)",
+              sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 5, 4), rand(r, 5)]),
+                                Sample([rand(r, 2, 3, 4), rand(r, 2, 4), rand(r, 2)])]))
 
 
 # ---------------------------------------------------------------- convolution (NCHW, OIHW)
@@ -264,13 +400,11 @@ def _reduce_max_vjp(b, p, g):
 
 
 def _softmax_from_y(b, p, g, y):
-    s = b.op("reduce_sum", b.op("mul", g, y), axes=[p.attrs["axis"]], keepdims=True)
-    return [b.op("mul", y, b.op("sub", g, s))]
+    return [b.op("softmax_grad", g, y, axis=p.attrs["axis"])]
 
 
 def _log_softmax_from_y(b, p, g, y):
-    s = b.op("reduce_sum", g, axes=[p.attrs["axis"]], keepdims=True)
-    return [b.op("sub", g, b.op("mul", b.op("exp", y), s))]
+    return [b.op("log_softmax_grad", g, y, axis=p.attrs["axis"])]
 
 
 @def_vjp("softmax", saves="outputs")
@@ -293,17 +427,100 @@ def _log_softmax_vjp_in(b, p, g):
     return _log_softmax_from_y(b, p, g, b.op("log_softmax", p.x[0], axis=p.attrs["axis"]))
 
 
-def _mT(b, v):
-    r = v.type.rank
-    return b.op("transpose", v, perm=list(range(r - 2)) + [r - 1, r - 2])
+@def_vjp("softmax_grad", saves="inputs")
+def _softmax_grad_vjp(b, p, g):
+    # r = y*(gy - s), s = sum(gy*y). Linear and self-adjoint in gy: d gy = softmax_grad(u, y).
+    # In y: dr = dy*(gy - s) - y*sum(gy*dy), so d y = u*(gy - s) - gy*sum(u*y).
+    gy, y = p.x
+    ax = [p.attrs["axis"]]
+    s = b.op("reduce_sum", b.op("mul", gy, y), axes=ax, keepdims=True)
+    su = b.op("reduce_sum", b.op("mul", g, y), axes=ax, keepdims=True)
+    dy = b.op("sub", b.op("mul", g, b.op("sub", gy, s)), b.op("mul", gy, su))
+    return [b.op("softmax_grad", g, y, axis=ax[0]), dy]
+
+
+@def_vjp("log_softmax_grad", saves="inputs")
+def _log_softmax_grad_vjp(b, p, g):
+    # r = gy - exp(y)*sum(gy): d gy = u - sum(u*exp(y)); d y = -u*exp(y)*sum(gy).
+    gy, y = p.x
+    ax = [p.attrs["axis"]]
+    e = b.op("exp", y)
+    dgy = b.op("sub", g, b.op("reduce_sum", b.op("mul", g, e), axes=ax, keepdims=True))
+    dy = b.op("neg", b.op("mul", b.op("mul", g, e), b.op("reduce_sum", gy, axes=ax, keepdims=True)))
+    return [dgy, dy]
+
+
+@def_vjp("nll_loss", saves=(1,))
+def _nll_loss_vjp(b, p, g):
+    a = p.attrs
+    return [b.op("nll_loss_grad", g, p.x[1], num_classes=p.in_types[0].shape[1], reduction=a["reduction"],
+                 ignore_index=a["ignore_index"]), None]
+
+
+@def_vjp("nll_loss_grad", saves=(1,))
+def _nll_loss_grad_vjp(b, p, g):
+    # nll_loss_grad is linear in its output gradient, and its transpose is nll_loss itself:
+    # <u, nll_loss_grad(gy)> = <gy, nll_loss(u)> for every reduction.
+    a = p.attrs
+    return [b.op("nll_loss", g, p.x[1], reduction=a["reduction"], ignore_index=a["ignore_index"]), None]
+
+
+def _flat_rows(b, v):
+    """``v`` [..., r, c] as a 2-D [(...)*r, c] view (a reshape, free in the IR)."""
+    t = v.type
+    return v if t.rank == 2 else b.op("reshape", v, shape=(_prod(t.shape[:-1]), t.shape[-1]))
+
+
+def _matmul_grads(b, x, w, g, ta: bool, tb: bool, x_type, w_type):
+    """Cotangents of C = op(X) @ op(W) (op: optional swap of the last two dims), as flagged matmuls.
+
+    Never a materialised transpose. When a batched operand multiplies a 2-D one with rows on its
+    leading axes (activation @ weight), the 2-D operand's cotangent is one 2-D product over the
+    flattened batch, as PyTorch's mm-based backward of linear, instead of a batched product
+    followed by a sum.
+    """
+    def mm(a_, b_, ta_=False, tb_=False):
+        return b.op("matmul", a_, b_, transpose_a=ta_, transpose_b=tb_)
+
+    def grad_x():
+        return _unb(b, mm(w, g, tb, True) if ta else mm(g, w, False, not tb), x_type.shape)
+
+    def grad_w():
+        if w_type.rank == 2 and x_type.rank > 2 and not ta:
+            gf, xf = _flat_rows(b, g), _flat_rows(b, x)
+            return mm(gf, xf, True, False) if tb else mm(xf, gf, True, False)
+        return _unb(b, mm(g, x, True, ta) if tb else mm(x, g, not ta, False), w_type.shape)
+
+    # d op(X) = G @ op(W)^T and d op(W) = op(X)^T @ G; a transposed operand's cotangent is transposed back.
+    # The smaller cotangent (usually the weight's) is emitted first: the operands it reads are then
+    # needed (or recomputed) before the larger one occupies memory, which lowers the peak of
+    # rematerialised plans (a recomputed activation no longer coexists with the input cotangent).
+    if w_type.numel <= x_type.numel:
+        gw = grad_w()
+        return [grad_x(), gw]
+    gx = grad_x()
+    return [gx, grad_w()]
 
 
 @def_vjp("matmul", saves="inputs")
 def _matmul_vjp(b, p, g):
     x, w = p.x
-    gx = b.op("matmul", g, _mT(b, w))
-    gw = b.op("matmul", _mT(b, x), g)
-    return [_unb(b, gx, p.in_types[0].shape), _unb(b, gw, p.in_types[1].shape)]
+    return _matmul_grads(b, x, w, g, p.attrs["transpose_a"], p.attrs["transpose_b"], p.in_types[0], p.in_types[1])
+
+
+@def_vjp("linear", saves=(0, 1))
+def _linear_vjp(b, p, g):
+    # y = x @ w^T + b: the matmul's cotangents (w's as one 2-D product) and the bias's row sum.
+    x, w = p.x[0], p.x[1]
+    xt, wt, bt = p.in_types
+    if xt.rank == 1:  # a vector input: treat it as one row
+        gx, gw = _matmul_grads(b, b.op("reshape", x, shape=(1, xt.shape[0])), w,
+                               b.op("reshape", g, shape=(1, wt.shape[0])), False, True,
+                               TensorType(xt.dtype, (1, xt.shape[0])), wt)
+        return [b.op("reshape", gx, shape=xt.shape), gw, g]
+    gx, gw = _matmul_grads(b, x, w, g, False, True, xt, wt)
+    gb = b.op("reduce_sum", g, axes=list(range(g.type.rank - 1))) if g.type.rank > 1 else g
+    return [gx, gw, gb]
 
 
 def _conv_attrs(p):
