@@ -36,6 +36,7 @@ def training_graph(forward: Function, n_params: int) -> Module:
     """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
     calling the forward and ``gradient`` of its loss (differentiated, not yet cleaned up)."""
     from ..autodiff import gradient_function
+    from ..passes import run_pipeline
 
     # Simplify before differentiating, so that the backward is built from the simplified forward
     # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
