@@ -178,3 +178,19 @@ def test_compile_fuses_its_program_and_times_the_stages() -> None:
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{n}: {m}")
+
+
+def test_group_whose_values_nobody_reads_is_left_alone() -> None:
+    """Values only freed (dead computations a rematerialised program can hold) form no fused op."""
+    src = """func @f(%0: f32[4,8], %1: f32[4,8]) -> f32[4,8] {
+  %2 = mul %0, %1 : f32[4,8]
+  %3 = add %2, %1 : f32[4,8]
+  free %3
+  %4 = neg %0 : f32[4,8]
+  return %4
+}
+"""
+    m = parse(src)
+    out = fuse(m)
+    verify(out)
+    assert "fused" not in [i.op.name for i in out["f"].instructions()]

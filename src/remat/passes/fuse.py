@@ -188,6 +188,8 @@ def _validate(members: list[Instruction], users: dict, pos: dict, clobbers: dict
                             drop.add(v.instr)
             return _validate([x for x in members if x not in drop], users, pos, clobbers)
         outputs.append(r)
+    if not outputs:  # nothing outside reads the group (dead values, e.g. only freed): leave it alone
+        return []
     return [Group(members, shp, outputs)]
 
 
