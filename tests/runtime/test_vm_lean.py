@@ -15,7 +15,7 @@ from remat.ir import OPS, Builder, DType, Function, Module, TensorType, parse
 from remat.plan.liveness import predict_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ir"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "memory"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plan"))
 from irgen import sampled_ops  # noqa: E402
 from test_liveness import random_program  # noqa: E402
 

@@ -617,34 +617,6 @@ def _is_contig(x: Any) -> bool:
     return x.flags.c_contiguous if isinstance(x, np.ndarray) else x.is_contiguous()
 
 
-class _Recorder:
-    """Per-instruction live bytes, high-water marks and times of the top-level frame (``record="full"``)."""
-
-    __slots__ = ("timeline", "times", "peak", "peak_index", "arg_bytes", "on_step")
-
-    def __init__(self, on_step: Callable[[TimelineEntry], None] | None = None) -> None:
-        self.on_step = on_step
-        self.timeline: list[TimelineEntry] = []
-        self.times: list[tuple[int, str, float]] = []
-        self.peak = 0
-        self.peak_index: int | None = None
-        self.arg_bytes = 0
-
-    def start(self, tracker: MemoryTracker) -> None:
-        self.arg_bytes = self.peak = tracker.live_bytes
-
-    def step(self, st: _Step, tracker: MemoryTracker, t0: float, saved_peak: int) -> None:
-        hw = tracker.peak_bytes
-        e = TimelineEntry(st.index, tracker.live_bytes, hw)
-        self.timeline.append(e)
-        if hw > self.peak:
-            self.peak, self.peak_index = hw, st.index
-        tracker.peak_bytes = max(saved_peak, hw)
-        self.times.append((st.index, st.name, time.perf_counter() - t0))
-        if self.on_step is not None:
-            self.on_step(e)
-
-
 class _PeakRecorder:
     """Only the peak and where it was first reached (``record="peak"``); the run loop fills it in."""
 
@@ -659,6 +631,27 @@ class _PeakRecorder:
 
     def start(self, tracker: MemoryTracker) -> None:
         self.arg_bytes = self.peak = tracker.live_bytes
+
+
+class _Recorder(_PeakRecorder):
+    """Per-instruction live bytes, high-water marks and times of the top-level frame (``record="full"``)."""
+
+    __slots__ = ("on_step",)
+
+    def __init__(self, on_step: Callable[[TimelineEntry], None] | None = None) -> None:
+        super().__init__()
+        self.on_step = on_step
+
+    def step(self, st: _Step, tracker: MemoryTracker, t0: float, saved_peak: int) -> None:
+        hw = tracker.peak_bytes
+        e = TimelineEntry(st.index, tracker.live_bytes, hw)
+        self.timeline.append(e)
+        if hw > self.peak:
+            self.peak, self.peak_index = hw, st.index
+        tracker.peak_bytes = max(saved_peak, hw)
+        self.times.append((st.index, st.name, time.perf_counter() - t0))
+        if self.on_step is not None:
+            self.on_step(e)
 
 
 def run(target: Any, *args: Any, dialects: Sequence[str] | str | None = None, donate: bool = False,
