@@ -98,15 +98,17 @@ def test_training_batch_norm_1d_and_dropout_mask_output():
         assert_close(g, dict(net.named_buffers())[name], torch.float64, name)
 
 
-def test_max_pool_indices_are_rejected_with_context():
+def test_max_pool_indices_import_as_the_indices_op():
     class Unpool(nn.Module):
         def forward(self, x):
-            y, i = F.max_pool2d(x, 2, return_indices=True)
+            y, i = F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True)
             return y + i.to(x.dtype)
 
-    with pytest.raises(UnsupportedOpError, match="max_pool2d_with_indices") as ei:
-        import_module(Unpool(), (torch.randn(1, 2, 4, 4),))
-    assert "output 1" in str(ei.value) and "test_torch_import_ops.py" in ei.value.source
+    x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    im = import_module(Unpool(), (x,), train=False)
+    assert "max_pool2d_with_indices" in str(im.module)
+    (got,) = evaluate(im, x)
+    assert_close(got, Unpool()(x), torch.float64, "pooled values plus indices")
 
 
 def test_float32_numerics_of_normalisations():

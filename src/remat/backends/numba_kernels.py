@@ -48,6 +48,7 @@ NODE_CODE: dict[str, tuple[tuple[DType, ...], str]] = {
     "neg": (FLOATS, "(-{0})"),
     "abs": (FLOATS, "abs({0})"),
     "relu": (FLOATS, "({z} if {0} < {z} else {0})"),  # torch's clamp_min(x, 0): keeps -0.0 and nan
+    "relu_grad": (FLOATS, "({z} if {1} <= {z} else {0})"),  # torch's threshold_backward(g, y, 0)
     "eq": (FLOATS + (DType.i32, DType.i64), "({0} == {1})"),
     "ne": (FLOATS + (DType.i32, DType.i64), "({0} != {1})"),
     "lt": (FLOATS + (DType.i32, DType.i64), "({0} < {1})"),

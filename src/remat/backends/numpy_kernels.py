@@ -54,6 +54,12 @@ k("sign")(_float_unary(np.sign))
 k("relu")(_float_unary(lambda x: np.maximum(x, np.zeros((), x.dtype))))
 
 
+@k("relu_grad")
+def relu_grad(g, y):
+    """PyTorch's threshold_backward at 0: 0 where y <= 0, else g (so a NaN y passes g through)."""
+    return _fresh(np.where(y <= 0, np.zeros((), g.dtype), g), g.dtype)
+
+
 @k("gelu")
 def gelu(x, approximate="none"):
     y = _up(x)
@@ -333,23 +339,43 @@ def avg_pool2d(x, kernel, stride, padding=(0, 0)):
     return _fresh(win.sum(axis=(4, 5)) / (kernel[0] * kernel[1]), x.dtype)
 
 
-@k("max_pool2d_grad")
-def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
-    """Each window's gradient goes to its first maximum in row-major window order (torch's CPU rule
-    for ties; with NaNs torch picks the last NaN, this kernel the first)."""
-    xd, gyd = _up(x), _up(gy)
+def _max_pool_argmax(x, kernel, stride, padding):
+    """Per window, the (row, col) of its first maximum in row-major window order, in unpadded input
+    coordinates (torch's CPU rule for ties; with NaNs torch picks the last NaN, this the first)."""
     n, c, h, w = x.shape
     kh, kw = kernel
-    win, oh, ow = _pool_windows(xd, kernel, stride, padding, -np.inf)
+    win, oh, ow = _pool_windows(x, kernel, stride, padding, -np.inf)
     arg = win.reshape(n, c, oh, ow, kh * kw).argmax(axis=-1)
     di, dj = np.divmod(arg, kw)
-    rows = np.arange(oh)[:, None] * stride[0] + di  # padded coordinates
-    cols = np.arange(ow)[None, :] * stride[1] + dj
-    gp = np.zeros((n, c, h + 2 * padding[0], w + 2 * padding[1]), dtype=gyd.dtype)
-    ni = np.arange(n)[:, None, None, None]
-    ci = np.arange(c)[None, :, None, None]
-    np.add.at(gp, (ni, ci, rows, cols), gyd)
-    return _fresh(gp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + w], x.dtype)
+    rows = np.arange(oh)[:, None] * stride[0] + di - padding[0]
+    cols = np.arange(ow)[None, :] * stride[1] + dj - padding[1]
+    return rows, cols
+
+
+def _route(gy, rows, cols, input_shape, dtype):
+    """Zeros of the input's shape with each window's gradient added at (rows, cols)."""
+    n, c, h, w = input_shape
+    gx = np.zeros((n, c, h, w), dtype=gy.dtype)
+    np.add.at(gx, (np.arange(n)[:, None, None, None], np.arange(c)[None, :, None, None], rows, cols), gy)
+    return _fresh(gx, dtype)
+
+
+@k("max_pool2d_grad")
+def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
+    rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
+    return _route(_up(gy), rows, cols, x.shape, x.dtype)
+
+
+@k("max_pool2d_with_indices")
+def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0)):
+    rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
+    return max_pool2d(x, kernel, stride, padding), _fresh(rows * x.shape[3] + cols, np.int64)
+
+
+@k("max_pool2d_index_grad")
+def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
+    rows, cols = np.divmod(indices, input_shape[3])
+    return _route(_up(gy), rows, cols, input_shape, gy.dtype)
 
 
 @k("avg_pool2d_grad")

@@ -83,6 +83,11 @@ def relu(x):
     return torch.clamp_min(x, 0)
 
 
+@k("relu_grad")
+def relu_grad(g, y):
+    return torch.ops.aten.threshold_backward(g, y, 0)
+
+
 @k("gelu")
 def gelu(x, approximate="none"):
     return F.gelu(x, approximate=approximate)
@@ -249,6 +254,19 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     _, idx = F.max_pool2d(x, kernel, stride, padding, return_indices=True)
     return _fresh(torch.ops.aten.max_pool2d_with_indices_backward(gy, x, list(kernel), list(stride), list(padding),
                                                                   [1, 1], False, idx))
+
+
+@k("max_pool2d_with_indices")
+def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0)):
+    y, idx = torch.ops.aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding))
+    return _fresh(y), _fresh(idx)
+
+
+@k("max_pool2d_index_grad")
+def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
+    like = torch.empty(tuple(input_shape), dtype=gy.dtype, device=gy.device)  # only its shape is read
+    return _fresh(torch.ops.aten.max_pool2d_with_indices_backward(gy, like, list(kernel), list(stride), list(padding),
+                                                                  [1, 1], False, indices))
 
 
 @k("avg_pool2d_grad")

@@ -763,12 +763,12 @@ def _max_pool(L: Lowerer, x, kernel, stride=(), padding=0, dilation=1, ceil_mode
         raise LoweringError(f"max pooling with dilation {dilation} is not supported (only dilation 1)")
     attrs = dict(kernel=_pair(kernel, "kernel_size"), stride=_pair(stride, "stride") if stride else _pair(kernel, "kernel_size"),
                  padding=_pair(padding, "padding"))
-    y = L.op("max_pool2d", x, **attrs)
-    if ceil_mode and y.type.shape != L.out_type(0 if L.node.target.__name__.endswith("indices.default") else None).shape:
+    with_indices = L.node.target.__name__.startswith("max_pool2d_with_indices")
+    # The indices version keeps 8-byte indices at the pooled size for its backward instead of the input.
+    y, idx = L.op("max_pool2d_with_indices", x, **attrs) if with_indices else (L.op("max_pool2d", x, **attrs), None)
+    if ceil_mode and y.type.shape != L.out_type(0 if with_indices else None).shape:
         raise LoweringError("max pooling with ceil_mode=True is not supported when it changes the output size")
-    if L.node.target.__name__.startswith("max_pool2d_with_indices"):
-        return y, None
-    return y
+    return (y, idx) if with_indices else y
 
 
 @lower("avg_pool2d.default")

@@ -77,6 +77,23 @@ declare(OpDef("gelu_grad", 2, (Attr("approximate", "str", "none"),), _gelu_grad_
                                 Sample([rand(r, 2, 5), rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
 
 
+def _relu_grad_infer(types, attrs):
+    g, y = types
+    expect_same_dtype("relu_grad", types)
+    expect_float("relu_grad", g)
+    if g.shape != y.shape:
+        raise TypeError(f"'relu_grad': gradient {g} and relu value {y} must have the same shape")
+    return g
+
+
+declare(OpDef("relu_grad", 2, (), _relu_grad_infer, frozenset({"elementwise"}),
+              doc="gradient of relu from (grad_output, relu input or output): 0 where the value is <= 0, else "
+                  "the gradient (PyTorch's threshold_backward at 0)",
+              flops=lambda ins, outs, attrs: float(outs[0].numel),
+              sample=lambda r: [Sample([rand(r, 3, 4), away_from(r, 3, 4)]),
+                                Sample([rand(r, 2, 5), away_from(r, 2, 5)])]))
+
+
 def _not_infer(types, attrs):
     (t,) = types
     if t.dtype != DType.bool:
@@ -206,16 +223,18 @@ def _abs_vjp(b, p, g):
 
 @def_vjp("relu", saves="outputs")
 def _relu_vjp(b, p, g):
-    (y,) = p.y
-    zero = _c(b, 0, g)
-    return [b.op("select", b.op("gt", y, zero), g, zero)]
+    return [b.op("relu_grad", g, p.y[0])]
 
 
 @def_vjp_variant("relu", "inputs", saves="inputs")
 def _relu_vjp_in(b, p, g):
-    (x,) = p.x
-    zero = _c(b, 0, g)
-    return [b.op("select", b.op("gt", x, zero), g, zero)]
+    return [b.op("relu_grad", g, p.x[0])]  # relu(x) > 0 exactly where x > 0
+
+
+@def_vjp("relu_grad", saves=(1,))
+def _relu_grad_vjp(b, p, g):
+    # Linear in the gradient, piecewise constant in the value: d g = relu_grad(u, y), d y = 0.
+    return [b.op("relu_grad", g, p.x[1]), None]
 
 
 @def_vjp("exp", saves="outputs")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
-from ..types import TensorType
+from ..types import DType, TensorType
 from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, norm_axis, rand
 
 
@@ -324,6 +324,55 @@ declare(OpDef("avg_pool2d", 1, _POOL_ATTRS, _pool_infer("avg_pool2d"), frozenset
               doc="mean over windows, padding counted as zeros", sample=_POOL_SAMPLES))
 
 
+def _max_pool_idx_infer(types, attrs):
+    y = _pool_infer("max_pool2d_with_indices")(types, attrs)
+    return (y, TensorType(DType.i64, y.shape))
+
+
+def _max_pool_index_grad_infer(types, attrs):
+    gy, idx = types
+    x = TensorType(gy.dtype, attrs["input_shape"])
+    want = _pool_infer("max_pool2d_index_grad")([x], attrs)
+    if gy != want:
+        raise TypeError(f"'max_pool2d_index_grad': output gradient {gy} does not match pooled output {want}")
+    if idx != TensorType(DType.i64, want.shape):
+        raise TypeError(f"'max_pool2d_index_grad': indices must be i64{list(want.shape)}, got {idx}")
+    return x
+
+
+def _pool_flops(ins, outs, attrs):
+    return float(max(outs[0].numel, ins[0].numel) * _prod(attrs["kernel"]))
+
+
+declare(OpDef("max_pool2d_with_indices", 1, _POOL_ATTRS, _max_pool_idx_infer, frozenset(), num_results=2,
+              normalize=_pool_norm, flops=_pool_flops,
+              doc="max_pool2d, and per window the flat index (into the input's H*W plane) of its first maximum "
+                  "(ATen max_pool2d_with_indices); its backward keeps only the indices",
+              sample=_POOL_SAMPLES))
+
+
+def _index_grad_samples(r):
+    """Gradients and, per window, the flat index of a random position inside the window and the input."""
+    out = []
+    for shape, attrs in (((2, 3, 6, 6), {"kernel": (2, 2)}),
+                         ((1, 2, 7, 5), {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})):
+        (kh, kw), (sh, sw) = attrs["kernel"], attrs.get("stride", attrs["kernel"])
+        ph, pw = attrs.get("padding", (0, 0))
+        n, c, h, w = shape
+        oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
+        rows = np.clip(np.arange(oh)[:, None] * sh - ph + r.integers(0, kh, (n, c, oh, ow)), 0, h - 1)
+        cols = np.clip(np.arange(ow)[None, :] * sw - pw + r.integers(0, kw, (n, c, oh, ow)), 0, w - 1)
+        out.append(Sample([rand(r, n, c, oh, ow), (rows * w + cols).astype(np.int64)], {**attrs, "input_shape": shape}))
+    return out
+
+
+declare(OpDef("max_pool2d_index_grad", 2, (ints("input_shape"),) + _POOL_ATTRS, _max_pool_index_grad_infer,
+              frozenset(), normalize=_pool_norm, flops=lambda ins, outs, attrs: float(outs[0].numel),
+              doc="gradient of max_pool2d_with_indices from (grad_output, indices): each window's gradient added "
+                  "at its index, zeros elsewhere (ATen max_pool2d_with_indices_backward)",
+              sample=_index_grad_samples))
+
+
 def _max_pool_grad_infer(types, attrs):
     x, gy = types
     want = _pool_infer("max_pool2d_grad")([x], attrs)
@@ -356,7 +405,7 @@ declare(OpDef("avg_pool2d_grad", 1, (ints("input_shape"),) + _POOL_ATTRS, _avg_p
 from math import prod as _prod  # noqa: E402
 
 from ..opdef import def_vjp  # noqa: E402
-from ._vjp import const as _const, def_vjp_variant, expand_to as _expand, scalar_like as _c, unbroadcast as _unb  # noqa: E402
+from ._vjp import Saves, const as _const, def_vjp_variant, expand_to as _expand, scalar_like as _c, unbroadcast as _unb  # noqa: E402
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")
 _POOL_KEYS = ("kernel", "stride", "padding")
@@ -558,6 +607,20 @@ def _pool_attrs(p):
 @def_vjp("max_pool2d", saves="inputs")
 def _max_pool2d_vjp(b, p, g):
     return [b.op("max_pool2d_grad", p.x[0], g, **_pool_attrs(p))]
+
+
+@def_vjp("max_pool2d_with_indices", saves=Saves(results=(1,)))
+def _max_pool2d_with_indices_vjp(b, p, g):
+    gy, _ = g  # the indices are integers: no cotangent
+    if gy is None:
+        return [None]
+    return [b.op("max_pool2d_index_grad", gy, p.y[1], input_shape=p.in_types[0].shape, **_pool_attrs(p))]
+
+
+@def_vjp("max_pool2d_index_grad", saves="none")
+def _max_pool2d_index_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through max_pool2d_index_grad is not supported "
+                              "(a native backward kernel); use max_pool2d, whose backward is differentiable")
 
 
 @def_vjp("avg_pool2d", saves="none")
