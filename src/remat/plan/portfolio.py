@@ -188,8 +188,8 @@ def plan_blocks(p: StepProblem) -> Candidate | int | None:
 
 def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits."""
-    from ..chain.planner import ChainPlanner
-    from ..chain.profile import chain_costs, profile_stages
+    from .chain.planner import ChainPlanner
+    from .chain.profile import chain_costs, profile_stages
     from .blocks import cut
 
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Compile a chain plan into one rematerialised IR program (explicit recompute and free).
 
-Indexing follows the chain cost model (``remat.chain.costs``): stage ``s`` (1..N) computes
+Indexing follows the chain cost model (``remat.plan.chain.costs``): stage ``s`` (1..N) computes
 ``f_s`` from ``f_{s-1}``; backward ``B(s)`` is stage ``s``'s backward, reading its tape and
 ``b_{s+1}`` (the gradient wrt ``f_s``) and producing ``b_s`` (the gradient wrt ``f_{s-1}``) and the
 gradients of stage ``s``'s parameters. ``f_0`` is the chain input and ``b_{N+1}`` the upstream
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..plan.partition import Split, inline, split_joint
+from ...ir import Builder, Function, Module, TensorType, Value, verify
+from ..partition import Split, inline, split_joint
 from .schedule import B, F, FT, Free, Step
 
 
@@ -65,9 +65,9 @@ def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None
     ``(params..., x) -> (y, side outputs...)``, by autodiff of ``y`` alone (default ``wrt``: every
     parameter, then the input), cleaned up by inline/simplify/fold/cse/dce (which also merges the
     forward code the gradient and the side outputs share)."""
-    from ..autodiff import gradient_function
-    from ..ir import GradientSpec
-    from ..passes import run_pipeline
+    from ...autodiff import gradient_function
+    from ...ir import GradientSpec
+    from ...passes import run_pipeline
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
     m = Module([forward.clone("stage")])

@@ -1,4 +1,4 @@
-"""Tests of the chain checkpointing solvers (remat.chain.solvers) on heterogeneous chains."""
+"""Tests of the chain checkpointing solvers (remat.plan.chain.solvers) on heterogeneous chains."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from remat.chain.costs import BudgetTooSmall, ChainCosts
-from remat.chain.schedule import B, F, FT, Free, ScheduleError, simulate
-from remat.chain.solvers import minimum_budget, no_recompute_peak, solve, solve_thesis
+from remat.plan.chain.costs import BudgetTooSmall, ChainCosts
+from remat.plan.chain.schedule import B, F, FT, Free, ScheduleError, simulate
+from remat.plan.chain.solvers import minimum_budget, no_recompute_peak, solve, solve_thesis
 
 
 def _budgets(c: ChainCosts, k: int = 6) -> list[int]:
