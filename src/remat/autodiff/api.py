@@ -8,11 +8,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..ir import Function, GradientSpec, Module
-from ..passes.pipeline import run_pipeline
+from ..passes.pipeline import CLEANUP, run_pipeline
 from .transform import differentiate
-
-CLEANUP: list[str] = ["simplify", "fold", "cse", "dce"]
-"""Passes run after differentiation (a readable list; see ``remat.passes.run_pipeline``)."""
 
 
 def _wrt(wrt: int | Sequence[int]) -> tuple[int, ...]:

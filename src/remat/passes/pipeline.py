@@ -11,6 +11,10 @@ from typing import Callable
 from ..ir import Module, verify
 
 PassFn = Callable[[Module], Module]
+
+CLEANUP: list[str] = ["inline", "simplify", "fold", "cse", "dce"]
+"""The clean-up pipeline run after differentiation: one flat function, simplified, folded,
+common subexpressions merged, dead code removed."""
 PASSES: dict[str, PassFn] = {}
 
 

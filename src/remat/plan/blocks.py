@@ -17,7 +17,8 @@ from .chain.executor import Binding, ChainStage, make_stage
 from ..ir import Function, Instruction, Value
 from ..ir.core import BlockArg
 from .graph import Graph
-from .partition import ancestors, slice_function
+from ..ir.analysis import ancestors
+from ..ir.build import slice_function
 from .separators import find_separators
 
 
