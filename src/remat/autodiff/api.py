@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..ir import Function, GradientSpec, Module
-from ..passes.pipeline import CLEANUP, run_pipeline
+from ..passes import CLEANUP, run
 from .transform import differentiate
 
 
@@ -44,7 +44,7 @@ def gradient_transform(wrt: int | Sequence[int], with_value: bool = False, adjoi
         name = _unique(m, f"{entry}_{'value_and_grad' if with_value else 'grad'}")
         m.add(Function(name, gradient=GradientSpec(entry, norm, with_value)))
         m = differentiate(m, adjoints)
-        m = run_pipeline(m, list(CLEANUP if pipeline is None else pipeline)).module
+        m = run(m, list(CLEANUP if pipeline is None else pipeline)).module
         return m, name
 
     return transform

@@ -18,7 +18,7 @@ def joint(forward: Function, wrt: Sequence[int], *, cotangents: bool = False, na
 
     The gradient is of the first result alone; the other results (updated batch-norm statistics, a
     stage's side outputs) are passed through. The module still holds calls: run the ``cleanup``
-    pipeline (:data:`remat.passes.pipeline.CLEANUP`) to get one straight-line function.
+    pipeline (:data:`remat.passes.CLEANUP`) to get one straight-line function.
     """
     wrt = tuple(wrt)
     m = Module([forward.clone("forward")])

@@ -34,7 +34,7 @@ def training_graph(forward: Function, n_params: int) -> Module:
     """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
     calling the forward and the gradient of its loss (differentiated, not yet cleaned up)."""
     from ..autodiff import joint
-    from ..passes import run_pipeline
+    from ..pipeline import run_pipeline
 
     # Simplify before differentiating, so that the backward is built from the simplified forward
     # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
@@ -48,9 +48,9 @@ def training_graph(forward: Function, n_params: int) -> Module:
 
 def cleanup(m: Module) -> Function:
     """``train_joint`` of a training graph after the ``cleanup`` pipeline: one straight-line function."""
-    from ..passes import CLEANUP, run_pipeline
+    from ..pipeline import run_pipeline
 
-    out = run_pipeline(m, CLEANUP).module["train_joint"].clone()
+    out = run_pipeline(m, "cleanup").module["train_joint"].clone()
     verify(Module([out]))
     return out
 

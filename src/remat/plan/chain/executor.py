@@ -67,10 +67,10 @@ def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None
     parameter, then the input), after the ``cleanup`` pipeline (which also merges the forward code
     the gradient and the side outputs share)."""
     from ...autodiff import joint
-    from ...passes import CLEANUP, run_pipeline
+    from ...passes import CLEANUP, run
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
-    return run_pipeline(joint(forward, wrt, cotangents=True), CLEANUP).module["joint"].clone()
+    return run(joint(forward, wrt, cotangents=True), CLEANUP).module["joint"].clone()
 
 
 def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
