@@ -1,4 +1,4 @@
-"""Benchmark of the chain checkpointing solvers (remat.chain.solvers).
+"""Benchmark of the chain checkpointing solvers (remat.plan.chain.solvers).
 
 1. Solve time of the precise DP on a 100-stage heterogeneous chain with the
    budget split into 10,000 memory units (target: <= 10 s on 2 cores).
@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from remat.chain.costs import ChainCosts
-from remat.chain.solvers import minimum_budget, no_recompute_peak, solve
+from remat.plan.chain.costs import ChainCosts
+from remat.plan.chain.solvers import minimum_budget, no_recompute_peak, solve
 
 N = 100
 SEED = 7

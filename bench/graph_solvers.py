@@ -3,7 +3,7 @@
 For each graph (chain, residual chain, U-Net; 30-120 nodes) and budget (75% / 50% / 25%
 of the no-remat peak): no-remat, memory-aware scheduling, RAF greedy (two scores)
 and the Checkmate MILP (HiGHS via scipy, time-limited).  Reports recompute
-overhead (cost / base cost - 1), exact peak (simulate), and solve times; writes
+overhead (cost / base cost - 1), exact peak (evaluate), and solve times; writes
 bench/results/graph_solvers.json.
 
     PYTHONPATH=src .venv/bin/python bench/graph_solvers.py [--time-limit 15] [--quick]

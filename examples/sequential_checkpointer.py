@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 import remat
-from remat.chain import SequentialCheckpointer
+from remat.plan.chain import SequentialCheckpointer
 
 
 def main() -> None:

@@ -29,3 +29,53 @@ def test_exactly_one_budget_too_small():
     found = [f"{path.relative_to(SRC)}:{node.lineno}" for path, tree in _modules() for node in ast.walk(tree)
              if isinstance(node, ast.ClassDef) and node.name == "BudgetTooSmall"]
     assert found == ["errors.py:5"], found
+
+
+def _package_imports(module_level_only: bool) -> dict[str, set[str]]:
+    """Top-level package (or module) of remat -> the ones it imports."""
+    edges: dict[str, set[str]] = {}
+    for path, tree in _modules():
+        parts = path.relative_to(SRC).parts
+        src = parts[0].removesuffix(".py")
+        here = list(parts[:-1])
+        nodes = tree.body if module_level_only else ast.walk(tree)
+        for node in nodes:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+                targets = base[:1] or [a.name for a in node.names]
+            elif (node.module or "").startswith("remat."):
+                targets = [node.module.split(".")[1]]
+            else:
+                continue
+            edges.setdefault(src, set()).update(t for t in targets if t != src)
+    return edges
+
+
+def test_no_import_cycle_between_packages_at_import_time():
+    edges = _package_imports(module_level_only=True)
+    state: dict[str, int] = {}
+
+    def visit(n: str, stack: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(edges.get(n, ())):
+            assert state.get(m) != 1, f"import cycle: {' -> '.join(stack + [n, m])}"
+            if m not in state:
+                visit(m, stack + [n])
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state:
+            visit(n, [])
+
+
+def test_the_pass_registry_sits_above_passes_autodiff_and_plan():
+    edges = _package_imports(module_level_only=False)
+    assert {"passes", "autodiff", "plan"} <= edges["pipeline"]
+    for pkg in ("ir", "passes", "autodiff", "plan"):
+        assert "pipeline" not in edges.get(pkg, set()), f"{pkg}/ imports the pass registry above it"
+    for path, tree in _modules():
+        if path.name == "pipeline.py":
+            caught = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)]
+            assert not caught, f"{path.relative_to(SRC)} catches an exception (import errors must surface)"

@@ -2,8 +2,8 @@
 with the least recomputation.
 
 The pipeline, by folder: ``ir`` (typed SSA tensor IR, text format, verifier) ←
-``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``memory`` / ``chain``
-(liveness, scheduling, rematerialisation solvers) → ``backends`` (dialects) → ``runtime`` (the VM).
+``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``plan``
+(cost model, liveness, chain DP and graph solvers, block cutting, portfolio) → ``backends`` (dialects) → ``runtime`` (the VM).
 """
 from __future__ import annotations
 
@@ -38,15 +38,12 @@ _LAZY = {
     "grad": "remat.autodiff.api",
     "value_and_grad": "remat.autodiff.api",
     "compile": "remat.train.api",
-    "chain": None,
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         mod = _LAZY[name]
-        if mod is None:
-            return importlib.import_module(f"remat.{name}")
         value = getattr(importlib.import_module(mod), name) if name != "dialects" else importlib.import_module(mod)
         globals()[name] = value
         return value

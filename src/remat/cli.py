@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cu = sub.add_parser(
         "curve", help="draw the compute-memory trade-off of a chain (thesis Fig. 4.1)",
-        description="Profile a chain of layers with remat.chain.SequentialCheckpointer (or draw random "
+        description="Profile a chain of layers with remat.plan.chain.SequentialCheckpointer (or draw random "
                     "heterogeneous costs) and solve it at budgets from the minimum to the no-recompute "
                     "peak with the uniform, precise (thesis DP), extended and sqrt(N) strategies; write "
                     "curve.png and curve.csv (overhead = compute cost / no-recompute cost).")
@@ -193,7 +193,7 @@ def _train(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- curve
 def _chain_costs(args: argparse.Namespace):
     """ChainCosts of the requested chain and a one-line description of it."""
-    from .chain import ChainCosts
+    from .plan.chain import ChainCosts
 
     if args.random is not None:
         return ChainCosts.random(args.random, seed=args.seed), f"random heterogeneous chain, N={args.random}, seed {args.seed}"
@@ -206,7 +206,7 @@ def _chain_costs(args: argparse.Namespace):
                          f"'remat train --model {args.model}' plans any model as a graph")
     import torch
 
-    from .chain import SequentialCheckpointer
+    from .plan.chain import SequentialCheckpointer
     from .zoo import MLP
 
     tiny = args.size == "tiny"
@@ -227,8 +227,8 @@ def _chain_costs(args: argparse.Namespace):
 
 
 def _curve(args: argparse.Namespace) -> int:
-    from .chain import curve_main
-    from .chain.solvers import minimum_budget, no_recompute_peak
+    from .plan.chain import curve_main
+    from .plan.chain.solvers import minimum_budget, no_recompute_peak
 
     if args.random is not None and args.model != "mlp":
         raise UsageError("give either --random N or --model, not both")

@@ -47,7 +47,7 @@ def run(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: 
         stderr.write(f"error: {msg.rstrip()}\n")
         return 1
 
-    from .passes import get_pass, run_pipeline
+    from .pipeline import get_pass, run_pipeline
 
     names = _pass_names(args.passes)
     for name in names:  # all names checked before any work: a typo fails fast

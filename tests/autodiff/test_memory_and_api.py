@@ -7,7 +7,7 @@ import pytest
 import remat
 from remat.autodiff import differentiate
 from remat.ir import Builder, DType, Function, GradientSpec, Module, TensorType
-from remat.passes import run_pipeline
+from remat.pipeline import run_pipeline
 
 N, D, LAYERS = 256, 32, 6  # activations [N, D] dominate the weights [D, D]
 

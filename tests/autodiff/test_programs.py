@@ -8,7 +8,7 @@ import torch
 
 from remat.autodiff import DifferentiationError, differentiate
 from remat.ir import parse, verify
-from remat.passes import run_pipeline
+from remat.pipeline import run_pipeline
 
 from _interp import evaluate
 

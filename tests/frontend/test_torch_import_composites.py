@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import remat
 from remat.frontend.torch_import import import_module
-from remat.passes import run_pipeline
+from remat.pipeline import run_pipeline
 
 from test_torch_import import assert_close, evaluate
 

@@ -10,7 +10,7 @@ import pytest
 
 from remat.ir import Builder, DType, Module, TensorType, parse, verify
 from remat.opt import run
-from remat.passes import PASSES
+from remat.pipeline import PASSES
 
 SRC = """// a comment
 func @f(%x: f32[2,3]) -> f32[2] {

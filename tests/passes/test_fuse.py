@@ -11,7 +11,7 @@ import torch
 from remat.ir import Module, parse, verify
 from remat.plan.liveness import predict_peak
 from remat.passes.fuse import FuseStats, find_groups, fuse
-from remat.passes.pipeline import get_pass
+from remat.pipeline import get_pass
 from remat.runtime.vm import VM
 
 SRC = """func @f(%0: f32[4,8], %1: f32[8], %2: f32[4,1]) -> (f32[4,8], f32[4,8]) {

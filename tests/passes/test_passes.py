@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from remat.ir import parse, verify
-from remat.passes import get_pass, run_pipeline
+from remat.pipeline import get_pass, run_pipeline
 
 from _interp import evaluate
 

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from remat.plan._exhaustive import exhaustive_min_peak, exhaustive_optimum
-from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, simulate)
+from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, evaluate)
 from graphgen import random_graph, synthetic_training_graph
 from remat.plan.greedy import greedy_min_budget, solve_greedy
 from remat.plan.scheduling import memory_aware_order, order_peak, schedule_plan
@@ -16,11 +16,11 @@ from remat.plan.scheduling import memory_aware_order, order_peak, schedule_plan
 def test_greedy_valid_at_or_above_its_minimum(seed, n, frac):
     g = random_graph(n, seed, n_inputs=2, max_fanin=3, p_nonrecomputable=0.15, p_workspace=0.2)
     m = greedy_min_budget(g)
-    hi = simulate(g, no_remat_schedule(g))[1]
+    hi = evaluate(g, no_remat_schedule(g))[1]
     assert min_memory_lower_bound(g) <= m <= hi
     budget = int(m + frac * (hi - m))
     plan = solve_greedy(g, budget)
-    assert simulate(g, plan.schedule) == (plan.cost, plan.peak)
+    assert evaluate(g, plan.schedule) == (plan.cost, plan.peak)
     assert plan.peak <= budget
     assert plan.cost >= g.base_cost - 1e-9
     if m > min_memory_lower_bound(g):
@@ -33,7 +33,7 @@ def test_greedy_every_budget_on_small_graphs():
     for seed in range(15):
         g = random_graph(9, seed, n_inputs=2, max_fanin=3, p_nonrecomputable=0.1)
         m = greedy_min_budget(g)
-        hi = simulate(g, no_remat_schedule(g))[1]
+        hi = evaluate(g, no_remat_schedule(g))[1]
         for budget in range(m, hi + 1):
             plan = solve_greedy(g, budget)
             assert plan.peak <= budget
@@ -45,7 +45,7 @@ def test_greedy_every_budget_on_small_graphs():
 
 def test_greedy_no_eviction_when_budget_is_generous():
     g = synthetic_training_graph("unet", 3, seed=0)
-    peak = simulate(g, no_remat_schedule(g))[1]
+    peak = evaluate(g, no_remat_schedule(g))[1]
     plan = solve_greedy(g, peak)
     assert plan.cost == pytest.approx(g.base_cost) and plan.peak == peak
 
@@ -53,7 +53,7 @@ def test_greedy_no_eviction_when_budget_is_generous():
 @pytest.mark.parametrize("kind", ["chain", "residual", "unet"])
 def test_greedy_fits_training_graphs(kind):
     g = synthetic_training_graph(kind, 10, seed=3)
-    peak = simulate(g, no_remat_schedule(g))[1]
+    peak = evaluate(g, no_remat_schedule(g))[1]
     m = greedy_min_budget(g)
     assert m < peak  # rematerialization actually reduces memory on these graphs
     for budget in (m, (m + peak) // 2):
@@ -71,7 +71,7 @@ def test_greedy_evicts_the_cheap_tensor():
     spike = g.add_node("spike", 1.0, 15, [x])
     s2 = g.add_node("s2", 1.0, 1, [spike])
     g.add_node("out", 1.0, 1, [cheap, dear, s2, u], is_output=True)
-    assert simulate(g, no_remat_schedule(g))[1] == 38  # during s2: 1+10+10+1+15+1
+    assert evaluate(g, no_remat_schedule(g))[1] == 38  # during s2: 1+10+10+1+15+1
     plan = solve_greedy(g, 30)
     assert plan.peak <= 30
     assert plan.compute_order.count(1) == 2 and plan.compute_order.count(2) == 1

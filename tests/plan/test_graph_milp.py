@@ -5,14 +5,14 @@ import time
 import pytest
 
 from remat.plan._exhaustive import exhaustive_min_peak, exhaustive_optimum
-from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, simulate)
+from remat.plan.graph import (BudgetTooSmall, Graph, min_memory_lower_bound, no_remat_schedule, evaluate)
 from graphgen import random_graph, synthetic_training_graph
 from remat.plan.milp import NoSolutionFound, milp_min_peak, solve_milp, solve_with_fallback
 
 
 def _budgets(g):
     lo = exhaustive_min_peak(g, "checkmate")
-    hi = simulate(g, no_remat_schedule(g))[1]
+    hi = evaluate(g, no_remat_schedule(g))[1]
     return lo, hi, sorted({lo, (lo + hi) // 2, max(lo, hi - 1)})
 
 
@@ -26,7 +26,7 @@ def test_milp_matches_exhaustive_optimum(seed):
         plan = solve_milp(g, budget, time_limit=20, mip_rel_gap=0)
         assert plan.status == "optimal"
         # the simulated schedule is valid, within budget, and as cheap as the optimum
-        cost, peak = simulate(g, plan.schedule)
+        cost, peak = evaluate(g, plan.schedule)
         assert (cost, peak) == (plan.cost, plan.peak)
         assert peak <= budget
         model_cost = plan.objective if plan.objective is not None else plan.cost
@@ -59,14 +59,14 @@ def test_budget_below_lower_bound_raises_immediately():
 
 def test_generous_budget_needs_no_recompute():
     g = synthetic_training_graph("residual", 3, seed=0)
-    peak = simulate(g, no_remat_schedule(g))[1]
+    peak = evaluate(g, no_remat_schedule(g))[1]
     plan = solve_milp(g, peak)
     assert plan.cost == pytest.approx(g.base_cost) and plan.peak == peak and plan.status == "optimal"
 
 
 def test_milp_recomputes_to_fit_a_chain():
     g = synthetic_training_graph("chain", 8, seed=None)
-    peak = simulate(g, no_remat_schedule(g))[1]
+    peak = evaluate(g, no_remat_schedule(g))[1]
     budget = int(0.75 * peak)
     plan = solve_milp(g, budget, time_limit=30, mip_rel_gap=0)
     assert plan.peak <= budget
@@ -77,7 +77,7 @@ def test_milp_recomputes_to_fit_a_chain():
 def test_milp_respects_time_limit_on_a_large_graph():
     g = synthetic_training_graph("residual", 24, seed=0)  # ~200 nodes, 172 computed
     assert len(g) >= 190
-    budget = int(0.5 * simulate(g, no_remat_schedule(g))[1])
+    budget = int(0.5 * evaluate(g, no_remat_schedule(g))[1])
     t0 = time.perf_counter()
     try:
         plan = solve_milp(g, budget, time_limit=2.0)
@@ -90,9 +90,9 @@ def test_milp_respects_time_limit_on_a_large_graph():
 
 def test_solve_with_fallback_returns_a_valid_plan_and_explains():
     g = synthetic_training_graph("unet", 3, seed=0)
-    budget = int(0.7 * simulate(g, no_remat_schedule(g))[1])
+    budget = int(0.7 * evaluate(g, no_remat_schedule(g))[1])
     plan = solve_with_fallback(g, budget, time_limit=3)
-    assert plan.peak <= budget and simulate(g, plan.schedule) == (plan.cost, plan.peak)
+    assert plan.peak <= budget and evaluate(g, plan.schedule) == (plan.cost, plan.peak)
     assert plan.solver in ("milp", "greedy")
     assert "chosen" in plan.describe() or "fell back" in plan.describe()
 

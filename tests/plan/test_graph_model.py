@@ -1,8 +1,8 @@
-"""The abstract graph, its validation, and the exact memory model (simulate)."""
+"""The abstract graph, its validation, and the exact memory model (evaluate)."""
 
 import pytest
 
-from remat.plan.graph import (BudgetTooSmall, Graph, GraphPlan, InvalidSchedule, insert_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, simulate)
+from remat.plan.graph import (BudgetTooSmall, Graph, GraphPlan, InvalidSchedule, eager_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, evaluate)
 from graphgen import random_graph, synthetic_training_graph
 
 
@@ -21,7 +21,7 @@ def test_simulate_hand_computed_diamond():
     sched = no_remat_schedule(g)
     # x freed after b (its last use), a and b after c
     assert sched == [("compute", 1), ("compute", 2), ("free", 0), ("compute", 3), ("free", 1), ("free", 2)]
-    cost, peak = simulate(g, sched)
+    cost, peak = evaluate(g, sched)
     assert cost == 6.0
     # start 8; a: 8+4=12; b: 12+6=18; free x -> 10; c: 10+2+3=15; frees -> 2
     assert memory_profile(g, sched) == [8, 12, 18, 10, 15, 8, 2]
@@ -36,11 +36,11 @@ def test_simulate_remat_schedule_and_peak():
     b = g.add_node("b", 1.0, 10, [a])
     c = g.add_node("c", 1.0, 10, [b])
     g.add_node("d", 1.0, 1, [a, c], is_output=True)
-    keep = insert_frees(g, [1, 2, 3, 4])
-    assert simulate(g, keep) == (8.0, 31)  # during c: x + a + b + c = 31
-    remat = insert_frees(g, [1, 2, 3, 1, 4])
+    keep = eager_frees(g, [1, 2, 3, 4])
+    assert evaluate(g, keep) == (8.0, 31)  # during c: x + a + b + c = 31
+    remat = eager_frees(g, [1, 2, 3, 1, 4])
     assert ("free", 1) in remat[: remat.index(("compute", 3))]
-    cost, peak = simulate(g, remat)
+    cost, peak = evaluate(g, remat)
     assert cost == 13.0
     assert peak == 22  # during c: x + b + c = 21; during a's recompute: x + c + a = 21; during d: 1+10+10+1 = 22
 
@@ -48,25 +48,25 @@ def test_simulate_remat_schedule_and_peak():
 def test_simulate_rejects_invalid_schedules():
     g = diamond()
     with pytest.raises(InvalidSchedule, match="not live"):
-        simulate(g, [("compute", 3)])
+        evaluate(g, [("compute", 3)])
     with pytest.raises(InvalidSchedule, match="input node"):
-        simulate(g, [("compute", 0)])
+        evaluate(g, [("compute", 0)])
     with pytest.raises(InvalidSchedule, match="already live"):
-        simulate(g, [("compute", 1), ("compute", 1)])
+        evaluate(g, [("compute", 1), ("compute", 1)])
     with pytest.raises(InvalidSchedule, match="never computed"):
-        simulate(g, [("compute", 1)])
+        evaluate(g, [("compute", 1)])
     with pytest.raises(InvalidSchedule, match="not live at the end"):
-        simulate(g, [("compute", 1), ("compute", 2), ("compute", 3), ("free", 3)])
+        evaluate(g, [("compute", 1), ("compute", 2), ("compute", 3), ("free", 3)])
     with pytest.raises(InvalidSchedule, match="freeing"):
-        simulate(g, [("free", 1)])
+        evaluate(g, [("free", 1)])
     with pytest.raises(InvalidSchedule, match="unknown step"):
-        simulate(g, [("run", 1)])
+        evaluate(g, [("run", 1)])
     g2 = Graph()
     x = g2.add_input("x", 1)
     r = g2.add_node("rand", 1.0, 1, [x], recomputable=False)
     g2.add_node("y", 1.0, 1, [r], is_output=True)
     with pytest.raises(InvalidSchedule, match="not recomputable"):
-        simulate(g2, [("compute", 1), ("free", 1), ("compute", 1), ("compute", 2)])
+        evaluate(g2, [("compute", 1), ("free", 1), ("compute", 1), ("compute", 2)])
 
 
 def test_validation_errors_name_the_node():
@@ -95,9 +95,9 @@ def test_insert_frees_is_eager_and_prune_drops_useless_computes():
     g2.add_input("unused", 100)
     x = g2.add_input("x", 1)
     g2.add_node("y", 1.0, 1, [x], is_output=True)
-    s = insert_frees(g2, [2])
+    s = eager_frees(g2, [2])
     assert s[0] == ("free", 0)
-    assert simulate(g2, s)[1] == 101  # the start moment still counts
+    assert evaluate(g2, s)[1] == 101  # the start moment still counts
 
 
 def test_plan_str_and_describe():
@@ -116,7 +116,7 @@ def test_budget_too_small_attributes():
 @pytest.mark.parametrize("kind", ["chain", "residual", "unet"])
 def test_synthetic_training_graphs_are_valid(kind):
     g = synthetic_training_graph(kind, 5, seed=1)
-    cost, peak = simulate(g, no_remat_schedule(g))
+    cost, peak = evaluate(g, no_remat_schedule(g))
     assert cost == pytest.approx(g.base_cost)
     assert min_memory_lower_bound(g) <= peak
     loss = g.index("loss")
@@ -133,7 +133,7 @@ def test_synthetic_training_graphs_are_valid(kind):
 def test_lower_bound_is_valid_on_random_graphs():
     for seed in range(20):
         g = random_graph(10, seed, n_inputs=2, max_fanin=3, p_workspace=0.3)
-        assert min_memory_lower_bound(g) <= simulate(g, no_remat_schedule(g))[1]
+        assert min_memory_lower_bound(g) <= evaluate(g, no_remat_schedule(g))[1]
 
 
 def test_permuted_round_trip():

@@ -8,7 +8,7 @@ import pytest
 import remat
 from remat.ir import Builder, DType, Function, Module, TensorType, parse, verify
 from remat.plan.liveness import insert_frees, liveness, predict_peak, simulate
-from remat.passes.pipeline import run_pipeline
+from remat.pipeline import run_pipeline
 
 DIAMOND = """func @f(%0: f32[500], %1: bool[]) -> f32[500] {
   %2 = exp %0 : f32[500]

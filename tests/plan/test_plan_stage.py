@@ -64,3 +64,17 @@ def test_milp_policy():
     assert uses_milp("milp", 10 * MILP_MAX_NODES)
     assert uses_milp("auto", MILP_MAX_NODES) and not uses_milp("auto", MILP_MAX_NODES + 1)
     assert not uses_milp("greedy", 1)
+
+
+def test_registry_picks_the_solver_of_each_probe():
+    from remat.plan.registry import SOLVERS, graph_solver
+
+    milp, greedy = SOLVERS["milp"], SOLVERS["greedy"]
+    small, large = MILP_MAX_NODES, MILP_MAX_NODES + 1
+    assert graph_solver("auto", small, main=True) is milp.solve_auto
+    assert graph_solver("auto", large, main=True) is greedy.solve
+    assert graph_solver("auto", small, main=False) is greedy.solve
+    assert graph_solver("milp", large, main=True) is milp.solve
+    assert graph_solver("milp", small, main=False) is greedy.solve
+    assert graph_solver("greedy", small, main=True) is greedy.solve
+    assert {s.plans for s in SOLVERS.values()} == {"chain", "graph"}

@@ -6,9 +6,10 @@ functions built from the per-op VJP rules declared beside each op in ``remat.ir.
 DSL functions.
 """
 from .transform import ADJOINT_POLICIES, DifferentiationError, differentiate, gradient_function, vjp_rule
+from .joint import joint
 
 STRUCTURAL_OPS = frozenset({"return", "br", "cond_br", "call", "free"})
 """Ops the transformation handles itself (control flow, calls by inlining, frees dropped)."""
 
 __all__ = ["ADJOINT_POLICIES", "DifferentiationError", "STRUCTURAL_OPS", "differentiate", "gradient_function",
-           "vjp_rule"]
+           "joint", "vjp_rule"]

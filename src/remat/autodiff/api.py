@@ -8,11 +8,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..ir import Function, GradientSpec, Module
-from ..passes.pipeline import run_pipeline
+from ..passes import CLEANUP, run
 from .transform import differentiate
-
-CLEANUP: list[str] = ["simplify", "fold", "cse", "dce"]
-"""Passes run after differentiation (a readable list; see ``remat.passes.run_pipeline``)."""
 
 
 def _wrt(wrt: int | Sequence[int]) -> tuple[int, ...]:
@@ -47,7 +44,7 @@ def gradient_transform(wrt: int | Sequence[int], with_value: bool = False, adjoi
         name = _unique(m, f"{entry}_{'value_and_grad' if with_value else 'grad'}")
         m.add(Function(name, gradient=GradientSpec(entry, norm, with_value)))
         m = differentiate(m, adjoints)
-        m = run_pipeline(m, list(CLEANUP if pipeline is None else pipeline)).module
+        m = run(m, list(CLEANUP if pipeline is None else pipeline)).module
         return m, name
 
     return transform

@@ -37,7 +37,6 @@ from ..ir import (Block, Builder, DType, Function, GradientSpec, Instruction, Mo
 from ..ir.ops._vjp import VARIANTS, Primal, saved_indices
 from ..ir.verifier import dominators, predecessors, reachable
 from ..passes.inline import InlineError, inline_function
-from ..passes.pipeline import register_pass
 
 ADJOINT_POLICIES = ("outputs", "inputs")
 FLAG = TensorType(DType.i32, ())
@@ -90,7 +89,6 @@ def _ready(m: Module, name: str, seen: set[str]) -> bool:
     return all(_ready(m, i.attrs["callee"], seen) for i in f.instructions() if i.op.name == "call")
 
 
-@register_pass("grad")
 def grad_pass(module: Module) -> Module:
     """Differentiate every gradient declaration (default adjoints: keep what each rule declares)."""
     return differentiate(module)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
-from ..passes import run_pipeline
+from ..passes import run
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_table, to_dtype
 
 __all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
@@ -332,7 +332,7 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     f.result_types = [v.type for v in results]
     module = Module([f])
     verify(module)
-    module = run_pipeline(module, IMPORT_PASSES).module
+    module = run(module, IMPORT_PASSES).module
     f = module[name]
     out_names = (["loss"] if has_loss and len(user_outs) == 1 else
                  [f"output{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])

@@ -1,4 +1,41 @@
-"""IR -> IR passes (simplify, fold, cse, dce, …) and the pipeline that runs them by name."""
-from .pipeline import PASSES, PipelineResult, get_pass, register_pass, run_pipeline
+"""IR -> IR passes (simplify, fold, cse, dce, …), listed by name, and the pipelines made of them.
 
-__all__ = ["PASSES", "PipelineResult", "get_pass", "register_pass", "run_pipeline"]
+``PASSES`` names the passes of this package; :mod:`remat.pipeline` adds the passes of the packages
+above (``grad``, ``insert-frees``) and is the registry users and ``remat opt`` see.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..ir import Module
+from .attention import attention_pass
+from .cse import cse
+from .dce import dce
+from .fold import fold
+from .fuse import fuse_pass
+from .inline import inline
+from .pipeline import PassFn, PassRecord, PipelineResult, lookup, run_passes
+from .simplify import simplify
+
+PASSES: dict[str, PassFn] = {
+    "inline": inline,
+    "simplify": simplify,
+    "fold": fold,
+    "cse": cse,
+    "dce": dce,
+    "attention": attention_pass,
+    "fuse": fuse_pass,
+}
+"""The passes of this package by name."""
+
+CLEANUP: list[str] = ["inline", "simplify", "fold", "cse", "dce"]
+"""The clean-up pipeline run after differentiation: one flat function, simplified, folded,
+common subexpressions merged, dead code removed."""
+
+
+def run(module: Module, names: Sequence[str], verify_each: bool = True) -> PipelineResult:
+    """Run passes of this package by name (the packages above use :func:`remat.pipeline.run_pipeline`)."""
+    return run_passes(module, lookup(PASSES, names, " in remat.passes"), verify_each)
+
+
+__all__ = ["CLEANUP", "PASSES", "PassFn", "PassRecord", "PipelineResult", "lookup", "run", "run_passes"]

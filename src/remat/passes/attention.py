@@ -29,7 +29,6 @@ from math import prod
 from ..ir import Block, Builder, Function, Instruction, Module, Value
 from ..ir.types import DType
 from ._rewrite import apply_replacements, splat_value, use_counts
-from .pipeline import register_pass
 
 
 @dataclass
@@ -226,7 +225,6 @@ def recognise_attention(f: Function) -> tuple[Function, int]:
     return g, count
 
 
-@register_pass("attention")
 def attention_pass(module: Module) -> Module:
     """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op."""
     return Module([recognise_attention(f)[0] for f in module])

@@ -10,7 +10,6 @@ from typing import Any
 from ..ir import Block, Function, Instruction, Module, Value
 from ..ir.verifier import dominators
 from ._rewrite import apply_replacements, is_removable, resolve
-from .pipeline import register_pass
 
 
 def _attr_key(v: Any) -> Any:
@@ -62,7 +61,6 @@ def cse_function(f: Function, module: Module | None = None) -> Function:
     return g
 
 
-@register_pass("cse")
 def cse(module: Module) -> Module:
     """Merge structurally equal pure instructions in every function."""
     return Module([cse_function(f, module) for f in module])

@@ -7,7 +7,6 @@ from __future__ import annotations
 from ..ir import Function, Module
 from ..ir.verifier import reachable
 from ._rewrite import is_removable, use_counts
-from .pipeline import register_pass
 
 
 def dce_function(f: Function, module: Module | None = None) -> Function:
@@ -50,7 +49,6 @@ def dce_function(f: Function, module: Module | None = None) -> Function:
     return g
 
 
-@register_pass("dce")
 def dce(module: Module) -> Module:
     """Remove dead code from every function (see :func:`dce_function`)."""
     return Module([dce_function(f, module) for f in module])

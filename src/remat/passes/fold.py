@@ -12,7 +12,6 @@ import numpy as np
 
 from ..ir import Builder, Instruction, Module
 from ._rewrite import constant_value
-from .pipeline import register_pass
 from .simplify import rewrite_function
 
 
@@ -112,7 +111,6 @@ class _AllOps(dict):
         return [_fold_rule]
 
 
-@register_pass("fold")
 def fold(module: Module) -> Module:
     """Fold every instruction computing on splat constants into a splat constant."""
     return Module([rewrite_function(f, _AllOps())[0] for f in module])

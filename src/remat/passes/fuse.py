@@ -24,7 +24,6 @@ from typing import Callable
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.ops.fused import Body, Node, fusible_node_op
 from ..ir.types import DType, broadcast_shapes
-from .pipeline import register_pass
 
 Supports = Callable[[str, tuple[DType, ...], dict], bool]
 
@@ -337,7 +336,6 @@ def fuse(module: Module | Function, supports: Supports | None = None, stats: Fus
     return Module([fuse_function(f, supports, stats) for f in module])
 
 
-@register_pass("fuse")
 def fuse_pass(module: Module) -> Module:
     """Pass: element-wise instruction DAGs become ``fused`` instructions (peak never rises)."""
     return fuse(module)

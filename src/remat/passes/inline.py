@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..ir import Block, Function, Instruction, Module, Successor, Value, get_op
 from ._rewrite import apply_replacements
-from .pipeline import register_pass
 
 MAX_DEPTH = 64
 
@@ -89,7 +88,6 @@ def _fix_operands(instrs, repl) -> None:
         ins.operands = [resolve(repl, v) for v in ins.operands]
 
 
-@register_pass("inline")
 def inline(module: Module) -> Module:
     """Inline every call in every function; gradient declarations are left as they are."""
     out = Module()

@@ -1,30 +1,18 @@
-"""Passes are named pure functions Module -> Module; a pipeline is a flat, readable list of names.
+"""Running passes: a pass is a named pure function Module -> Module; a pipeline is a flat list of them.
 
-``run_pipeline`` records each pass's time and can verify and print the IR after every pass.
+``run_passes`` records each pass's time and can verify and print the IR after every pass. Which name
+means which pass is the registry's business (:mod:`remat.passes` for the passes of this package,
+:mod:`remat.pipeline` for all of them).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..ir import Module, verify
 
 PassFn = Callable[[Module], Module]
-PASSES: dict[str, PassFn] = {}
-
-
-def register_pass(name: str):
-    """Register ``fn(module) -> module`` under ``name`` (must not mutate its input)."""
-
-    def deco(fn: PassFn) -> PassFn:
-        if name in PASSES:
-            raise ValueError(f"pass '{name}' is registered twice")
-        PASSES[name] = fn
-        fn.pass_name = name
-        return fn
-
-    return deco
 
 
 @dataclass
@@ -49,19 +37,21 @@ def _count(m: Module) -> int:
     return sum(len(b.instrs) for f in m for b in f.blocks)
 
 
-def get_pass(name: str) -> PassFn:
-    _load_builtin_passes()
-    if name not in PASSES:
-        raise KeyError(f"unknown pass '{name}'; available passes: {', '.join(sorted(PASSES))}")
-    return PASSES[name]
-
-
-def run_pipeline(module: Module, names: list[str], verify_each: bool = True,
-                 print_after: Callable[[str, Module], None] | None = None) -> PipelineResult:
-    """Run the passes in order on a copy-producing basis; verify after each one if asked."""
-    res = PipelineResult(module)
+def lookup(table: dict[str, PassFn], names: Sequence[str], where: str = "") -> list[tuple[str, PassFn]]:
+    """``(name, pass)`` for each name; a KeyError naming the unknown pass and the available ones."""
+    out = []
     for name in names:
-        fn = get_pass(name)
+        if name not in table:
+            raise KeyError(f"unknown pass '{name}'{where}; available passes: {', '.join(sorted(table))}")
+        out.append((name, table[name]))
+    return out
+
+
+def run_passes(module: Module, steps: Sequence[tuple[str, PassFn]], verify_each: bool = True,
+               print_after: Callable[[str, Module], None] | None = None) -> PipelineResult:
+    """Run the passes in order (each returns a new module); verify after each one if asked."""
+    res = PipelineResult(module)
+    for name, fn in steps:
         before = _count(res.module)
         t0 = time.perf_counter()
         out = fn(res.module)
@@ -73,20 +63,3 @@ def run_pipeline(module: Module, names: list[str], verify_each: bool = True,
         if print_after:
             print_after(name, out)
     return res
-
-
-def _load_builtin_passes() -> None:
-    """Import the modules that register passes (kept lazy so the IR has no import cycle)."""
-    import importlib
-    import pkgutil
-
-    from .. import passes as pkg
-
-    for m in pkgutil.iter_modules(pkg.__path__):
-        if m.name not in ("pipeline",) and not m.name.startswith("_"):
-            importlib.import_module(f"{pkg.__name__}.{m.name}")
-    try:
-        importlib.import_module("remat.autodiff")
-    except ImportError:
-        pass
-    importlib.import_module("remat.plan.liveness")  # registers "insert-frees"

@@ -12,7 +12,6 @@ from typing import Callable
 
 from ..ir import Block, Builder, Function, Instruction, Module, Value
 from ._rewrite import apply_replacements, constant_value, resolve, splat_value
-from .pipeline import register_pass
 
 Rule = Callable[[Instruction, Builder], "Value | None"]
 
@@ -208,7 +207,6 @@ def rewrite_function(f: Function, rules: dict[str, list[Rule]], max_rounds: int 
     return g, fired
 
 
-@register_pass("simplify")
 def simplify(module: Module) -> Module:
     """Algebraic simplification with :data:`RULES` in every function."""
     return Module([rewrite_function(f, RULES)[0] for f in module])

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..chain.executor import Binding, ChainStage, make_stage
+from .chain.executor import Binding, ChainStage, make_stage
 from ..ir import Function, Instruction, Value
 from ..ir.core import BlockArg
 from .graph import Graph
-from .partition import ancestors, slice_function
-from ..plan.separators import find_separators
+from ..ir.analysis import ancestors
+from ..ir.build import slice_function
+from .separators import find_separators
 
 
 @dataclass

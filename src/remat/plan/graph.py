@@ -2,9 +2,10 @@
 
 Every rematerialization solver in this package (MILP, greedy, scheduler) works on
 a :class:`Graph` and emits a *schedule*: a list of steps ``("compute", i)`` /
-``("free", i)``.  :func:`simulate` is the single source of truth for the memory
-model; every solver measures its result with it, so a predicted peak is exactly
-what a VM with exact byte accounting will measure.
+``("free", i)``.  :func:`evaluate` is the solvers' cost model of such a schedule;
+every graph solver measures its result with it.  The simulator of record for a program
+is :func:`remat.plan.liveness.simulate` (the IR the plan lowers to), which the
+portfolio checks every plan against.
 
 Memory model (all sizes in bytes, costs in seconds):
 
@@ -248,7 +249,7 @@ def check_order(graph: Graph, order: Sequence[int]) -> None:
 
 
 # ---------------------------------------------------------------------- simulation
-def simulate(graph: Graph, schedule: Sequence[Step]) -> tuple[float, int]:
+def evaluate(graph: Graph, schedule: Sequence[Step]) -> tuple[float, int]:
     """Validate ``schedule`` and return ``(total_cost_seconds, peak_bytes)``.
 
     Raises :class:`InvalidSchedule` naming the offending step and node.
@@ -321,7 +322,7 @@ def _run(
     return cost, peak, prof
 
 
-def insert_frees(graph: Graph, compute_order: Sequence[int]) -> Schedule:
+def eager_frees(graph: Graph, compute_order: Sequence[int]) -> Schedule:
     """Turn a sequence of computes (repeats = rematerialization) into a schedule with
     eager frees: every value is freed right after its last use before it is computed
     again (or, for the final instance, after its last use overall) unless it is an
@@ -428,7 +429,7 @@ def no_remat_schedule(graph: Graph, order: Sequence[int] | None = None) -> Sched
         order = graph.compute_nodes
     else:
         check_order(graph, order)
-    return insert_frees(graph, order)
+    return eager_frees(graph, order)
 
 
 # ---------------------------------------------------------------------- plan type
@@ -437,7 +438,7 @@ class GraphPlan:
     """The result of any solver: a schedule and what it costs.
 
     ``cost``: total compute seconds of the schedule (base cost + recomputation);
-    ``peak``: exact peak bytes per :func:`simulate`; ``solver``: which solver ran;
+    ``peak``: exact peak bytes per :func:`evaluate`; ``solver``: which solver ran;
     ``status``: e.g. ``optimal``, ``time_limit_feasible``, ``heuristic``;
     ``solve_time``: wall seconds spent in the solver (incl. model building).
     """
@@ -452,7 +453,7 @@ class GraphPlan:
     budget: int | None = None
     base_cost: float | None = None  # cost without rematerialization
     # the solver's own objective (e.g. MILP model cost before pruning useless
-    # computes); ``cost`` (re-measured by simulate) is never above it
+    # computes); ``cost`` (re-measured by evaluate) is never above it
     objective: float | None = None
 
     @property
@@ -504,10 +505,10 @@ def make_plan(
     prune: bool = True,
 ) -> GraphPlan:
     """Build a :class:`GraphPlan` from a compute sequence: prune, insert eager frees,
-    validate and measure with :func:`simulate`."""
+    validate and measure with :func:`evaluate`."""
     seq = prune_compute_sequence(graph, compute_order) if prune else list(compute_order)
-    sched = insert_frees(graph, seq)
-    cost, peak = simulate(graph, sched)
+    sched = eager_frees(graph, seq)
+    cost, peak = evaluate(graph, sched)
     return GraphPlan(
         sched, cost, peak, solver, status, solve_time, list(notes), budget, graph.base_cost
     )

@@ -14,7 +14,7 @@ would have to be recomputed too (DTR's e*).  Only recomputable, non-input tensor
 not needed by the node(s) being computed are candidates.  Evicting splits a
 tensor's liveness in two intervals, the second starting with a replay.
 
-The result is a compute sequence; frees are inserted eagerly (:func:`.graph.insert_frees`),
+The result is a compute sequence; frees are inserted eagerly (:func:`.graph.eager_frees`),
 which frees every value no later than the greedy did, so the simulated peak is
 <= the greedy's own accounting <= budget.
 """
@@ -31,10 +31,10 @@ from .graph import (
     Graph,
     GraphPlan,
     check_order,
-    insert_frees,
+    eager_frees,
     make_plan,
     min_memory_lower_bound,
-    simulate,
+    evaluate,
 )
 
 __all__ = ["solve_greedy", "greedy_min_budget", "greedy_compute_sequence"]
@@ -216,7 +216,7 @@ def greedy_min_budget(
     ``max_steps`` caps each pass (a pass that recomputes without end counts as failing)."""
     order = list(order) if order is not None else graph.compute_nodes
     lo = min_memory_lower_bound(graph) - 1  # fails (strictly below a lower bound)
-    hi = simulate(graph, insert_frees(graph, order))[1]  # succeeds
+    hi = evaluate(graph, eager_frees(graph, order))[1]  # succeeds
     if lo >= hi:
         return hi
     while hi - lo > max(1, int(hi * rel_tol)):

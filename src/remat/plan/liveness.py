@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..ir import Block, BlockArg, Builder, Function, Instruction, Module, Successor, Value
-from ..passes.pipeline import register_pass
 
 
 @dataclass
@@ -192,7 +191,6 @@ def insert_frees(fn: Function, donate: bool = False) -> Function:
     return g
 
 
-@register_pass("insert-frees")
 def insert_frees_pass(module: Module) -> Module:
     """Pass: make every release explicit with ``free`` in every function (parameters are kept)."""
     return Module([insert_frees(f) if not f.is_declaration else f.clone() for f in module])

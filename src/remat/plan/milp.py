@@ -27,10 +27,10 @@ storage ``S[s+1,v] <= S[s,v] + R[s,v]``; outputs ``S[T,v] = 1``; memory
 memory model in :mod:`.graph`).  Objective: ``min sum R[s,v] cost_v``.
 
 The model's memory is an upper bound on the memory of the extracted schedule
-(the compute sequence with eager frees, :func:`.graph.insert_frees`), and is exact
+(the compute sequence with eager frees, :func:`.graph.eager_frees`), and is exact
 for an optimal choice of FREE/S, so the optimum equals the best schedule in this
 space (verified against exhaustive search in the tests).  The reported peak/cost
-are always re-measured with :func:`.graph.simulate`.
+are always re-measured with :func:`.graph.evaluate`.
 
 Size: O(T^2) binaries (T = compute nodes); practical up to ~100-150 nodes under a
 time limit.  :func:`solve_with_fallback` uses the greedy above that.
@@ -51,10 +51,10 @@ from .graph import (
     Graph,
     GraphPlan,
     check_order,
-    insert_frees,
+    eager_frees,
     make_plan,
     min_memory_lower_bound,
-    simulate,
+    evaluate,
 )
 
 __all__ = [
@@ -362,7 +362,7 @@ def solve_milp(
             "(inputs at the start / outputs at the end / some node's inputs+output+workspace)",
         )
     base_order = g.compute_nodes
-    base_peak = simulate(g, insert_frees(g, base_order))[1]
+    base_peak = evaluate(g, eager_frees(g, base_order))[1]
     if budget >= base_peak:
         # every node must be computed once, so no-remat is optimal
         return make_plan(

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Block, Builder, Function, Instruction, Value
-from ..ir.core import BlockArg
+from ..ir import Function, Instruction, Value
+from ..ir.analysis import ancestors
+from ..ir.build import single_block, slice_function
 
 
 @dataclass
@@ -32,56 +33,6 @@ class Split:
     n_tape: int
 
 
-def _single_block(f: Function) -> Block:
-    if len(f.blocks) != 1:
-        raise ValueError(f"@{f.name} has {len(f.blocks)} blocks; stage splitting needs straight-line code "
-                         "(inline calls and avoid data-dependent branches inside a stage)")
-    return f.entry
-
-
-def ancestors(values, stop=()) -> set[Instruction]:
-    """The instructions ``values`` transitively depend on, not looking past the values in ``stop``."""
-    stop = set(stop)
-    found: set[Instruction] = set()
-    stack = [v for v in values if v not in stop]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, BlockArg) or v.instr in found:
-            continue
-        found.add(v.instr)
-        stack.extend(o for o in v.instr.operands if o not in stop)
-    return found
-
-
-def slice_function(name: str, params: list[Value], instrs: list[Instruction], results: list[Value]) -> Function:
-    """A new function computing ``results`` from ``params`` with the needed subset of ``instrs``.
-
-    ``params`` are values of the source function that become the new parameters; only the
-    instructions that ``results`` transitively need (stopping at ``params``) are copied, in order.
-    """
-    needed = ancestors(results, stop=params)
-    pset = set(params)
-    for ins in needed:
-        for o in ins.operands:
-            if isinstance(o, BlockArg) and o not in pset:
-                raise ValueError(f"slice '{name}' needs a parameter of the source function that is not among its inputs")
-    for r in results:
-        if isinstance(r, BlockArg) and r not in pset:
-            raise ValueError(f"slice '{name}' needs a parameter of the source function that is not among its inputs")
-    f = Function(name, [p.type for p in params], [r.type for r in results])
-    vmap: dict[Value, Value] = dict(zip(params, f.params))
-    b = Builder(f.entry)
-    for ins in instrs:
-        if ins not in needed:
-            continue
-        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
-                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
-        for r, nr in zip(ins.results, new.results):
-            vmap[r] = nr
-    b.ret(*[vmap[r] for r in results])
-    return f
-
-
 def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int] | None = None) -> Split:
     """Partition ``joint`` (params: ``n_primals`` primals then cotangents; results: ``n_outputs``
     primal outputs then gradients) into forward and backward functions.
@@ -89,7 +40,7 @@ def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int
     ``direct``: indices of primals the backward may read as its own inputs (default: all);
     other primals it needs are handed over through the tape.
     """
-    block = _single_block(joint)
+    block = single_block(joint)
     ret = block.terminator
     if ret is None or ret.op.name != "return":
         raise ValueError(f"@{joint.name} does not end with return")
@@ -132,17 +83,3 @@ def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int
     bparams = [primals[i] for i in backward_primals] + tape_vals + list(cots)
     backward = slice_function(f"{joint.name}_bwd", bparams, bwd_instrs, list(grads))
     return Split(forward, light, backward, n_outputs, backward_primals, len(tape_vals))
-
-
-def inline(b: Builder, f: Function, args: list[Value]) -> list[Value]:
-    """Copy the straight-line body of ``f`` at ``b`` with its params bound to ``args``; return its results."""
-    block = _single_block(f)
-    if len(args) != len(f.params):
-        raise ValueError(f"inlining @{f.name}: {len(args)} arguments for {len(f.params)} parameters")
-    vmap: dict[Value, Value] = dict(zip(f.params, args))
-    for ins in block.instrs[:-1]:
-        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
-                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
-        for r, nr in zip(ins.results, new.results):
-            vmap[r] = nr
-    return [vmap[v] for v in block.instrs[-1].operands]

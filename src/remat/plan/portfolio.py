@@ -20,10 +20,7 @@ from .costmodel import function_cost
 from .graph import Graph, GraphPlan
 from .liveness import predict_peak
 from .milp import MILP_MAX_NODES
-
-
-SOLVER_OPTIONS = ("auto", "greedy", "milp")
-"""Values of ``remat.compile(..., solver=)``: which instruction-level solver may run."""
+from .registry import SOLVER_OPTIONS, SOLVERS, check_option, graph_solver, small_for_exact
 
 
 @dataclass
@@ -59,7 +56,7 @@ class StepProblem:
 def uses_milp(solver: str, n_nodes: int) -> bool:
     """Whether the MILP runs (once, at the main budget probe): when asked for, or under "auto" on a
     graph of at most ``MILP_MAX_NODES`` compute nodes."""
-    return solver == "milp" or (solver == "auto" and n_nodes <= MILP_MAX_NODES)
+    return SOLVERS["milp"].admits(solver, n_nodes)
 
 
 def plan_step(p: StepProblem) -> Candidate:
@@ -68,8 +65,7 @@ def plan_step(p: StepProblem) -> Candidate:
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
     over blocks cut at separators runs, and the instruction-level solvers run too when there is
     no useful cut or the graph is small. Raises ``BudgetTooSmall`` with the smallest minimum found."""
-    if p.solver not in SOLVER_OPTIONS:
-        raise ValueError(f"unknown solver {p.solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+    check_option(p.solver)
     peak = predict_peak(p.unconstrained)
     if p.budget is None or peak <= p.budget:
         why = ("no budget given" if p.budget is None else
@@ -88,7 +84,7 @@ def plan_step(p: StepProblem) -> Candidate:
         candidates.append(chain)
     elif chain is not None:
         minimums.append(chain)
-    if not isinstance(chain, Candidate) or n_nodes <= MILP_MAX_NODES:
+    if not isinstance(chain, Candidate) or small_for_exact(n_nodes):
         try:
             graph_plan = plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate))
         except BudgetTooSmall as e:
@@ -108,17 +104,8 @@ def plan_step(p: StepProblem) -> Candidate:
 # ---------------------------------------------------------------- instruction level
 def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, main: bool,
                  time_limit: float) -> GraphPlan:
-    """One instruction-level solve: the MILP at the main probe when :func:`uses_milp` says so
-    (with the greedy as fallback under "auto"), the greedy otherwise."""
-    from .greedy import solve_greedy
-    from .milp import solve_milp, solve_with_fallback
-
-    if main and uses_milp(solver, len(graph.compute_nodes)):
-        if solver == "milp":
-            return solve_milp(graph, budget, time_limit=time_limit, order=order)
-        return solve_with_fallback(graph, budget, time_limit=time_limit, order=order,
-                                   milp_max_nodes=MILP_MAX_NODES)
-    return solve_greedy(graph, budget, order=order)
+    """One instruction-level solve at a budget probe, by the solver the registry picks."""
+    return graph_solver(solver, len(graph.compute_nodes), main)(graph, budget, order, time_limit)
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
@@ -188,8 +175,8 @@ def plan_blocks(p: StepProblem) -> Candidate | int | None:
 
 def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits."""
-    from ..chain.planner import ChainPlanner
-    from ..chain.profile import chain_costs, profile_stages
+    from .chain.planner import ChainPlanner
+    from .chain.profile import chain_costs, profile_stages
     from .blocks import cut
 
     t0 = time.perf_counter()
@@ -216,13 +203,13 @@ def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
     planner = ChainPlanner(blocks.stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
                            what=f"this model cut into {len(blocks.stages)} blocks")
     try:
-        pol = planner.solve(p.budget, "extended")
+        pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:
         return e.minimum
     notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks in "
              f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
              f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
-    return Candidate("chain DP (extended)", notes, pol.function, pol.plan.overhead(costs), pol.plan)
+    return Candidate(f"chain DP ({SOLVERS['chain'].method})", notes, pol.function, pol.plan.overhead(costs), pol.plan)
 
 
 def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:

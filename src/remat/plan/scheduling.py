@@ -7,7 +7,7 @@ otherwise.  We implement this as a list scheduler: among the ready ops, pick the
 one with the smallest net effect ``p - c`` (bytes produced minus bytes released
 by running it), with variants that also weigh the transient peak of the op and a
 one-step lookahead (an op with ``p - c > 0`` that enables a large release).  Every
-candidate order is measured with :func:`simulate` and the best one is returned,
+candidate order is measured with :func:`evaluate` and the best one is returned,
 the original order included, so the result is never worse than the input order.
 """
 
@@ -17,14 +17,14 @@ import heapq
 import time
 from typing import Callable, Sequence
 
-from .graph import Graph, GraphPlan, check_order, insert_frees, simulate
+from .graph import Graph, GraphPlan, check_order, eager_frees, evaluate
 
 __all__ = ["memory_aware_order", "order_peak", "schedule_plan", "no_remat_plan"]
 
 
 def order_peak(graph: Graph, order: Sequence[int]) -> int:
     """Peak bytes of running ``order`` once (no remat) with eager frees."""
-    return simulate(graph, insert_frees(graph, order))[1]
+    return evaluate(graph, eager_frees(graph, order))[1]
 
 
 def _list_schedule(graph: Graph, key_kind: str, lookahead: bool) -> list[int]:
@@ -160,8 +160,8 @@ def no_remat_plan(graph: Graph, order: Sequence[int] | None = None) -> GraphPlan
     t0 = time.perf_counter()
     base = list(order) if order is not None else graph.compute_nodes
     check_order(graph, base)
-    sched = insert_frees(graph, base)
-    cost, peak = simulate(graph, sched)
+    sched = eager_frees(graph, base)
+    cost, peak = evaluate(graph, sched)
     return GraphPlan(
         sched, cost, peak, "no_remat", "exact", time.perf_counter() - t0,
         ["no rematerialization: each node computed once in the given order, eager frees"],
@@ -177,8 +177,8 @@ def schedule_plan(
     base = list(order) if order is not None else graph.compute_nodes
     base_peak = order_peak(graph, base)
     best = memory_aware_order(graph, base, lookahead=lookahead)
-    sched = insert_frees(graph, best)
-    cost, peak = simulate(graph, sched)
+    sched = eager_frees(graph, best)
+    cost, peak = evaluate(graph, sched)
     note = (
         f"memory-aware list scheduling (RAF §3.1.4): peak {base_peak} B -> {peak} B"
         if peak < base_peak

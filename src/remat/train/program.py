@@ -1,7 +1,8 @@
 """Training-graph generation (RAF §3.1): forward + loss + backward + optimizer update, as IR.
 
-``training_joint`` differentiates an imported model's loss wrt its parameters with remat's own
-autodiff, keeping the other forward outputs (updated batch-norm statistics); ``step_program``
+``training_graph`` differentiates an imported model's loss wrt its parameters with remat's own
+autodiff (:func:`remat.autodiff.joint`), keeping the other forward outputs (updated batch-norm
+statistics), and ``cleanup`` makes it one straight-line function; ``step_program``
 adds the in-place optimizer updates, each placed right after its gradient is complete and its
 parameter's last read, so a gradient is consumed as soon as it exists.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Function, GradientSpec, Module, TensorType, Value, verify
+from ..ir import Builder, Function, Module, TensorType, Value, verify
+from ..ir.build import clone_into
 from .optim import STEP_TYPE, ParamUpdate, emit_update
 
 
@@ -28,52 +30,29 @@ class Layout:
         return self.n_state + self.n_inputs + int(self.has_seed)
 
 
-CLEANUP = ["inline", "simplify", "fold", "cse", "dce"]
-"""The passes run on the training graph before planning."""
-
-
 def training_graph(forward: Function, n_params: int) -> Module:
     """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
-    calling the forward and ``gradient`` of its loss (differentiated, not yet cleaned up)."""
-    from ..autodiff import gradient_function
-    from ..passes import run_pipeline
+    calling the forward and the gradient of its loss (differentiated, not yet cleaned up)."""
+    from ..autodiff import joint
+    from ..pipeline import run_pipeline
 
     # Simplify before differentiating, so that the backward is built from the simplified forward
     # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
     # not a cotangent transposed back by a materialised copy).
-    m = run_pipeline(Module([forward.clone("forward")]), ["simplify", "dce"]).module
-    fwd = m["forward"]
+    fwd = run_pipeline(Module([forward.clone("forward")]), ["simplify", "dce"]).module["forward"]
     loss_t = fwd.result_types[0]
     if loss_t.rank != 0 or not loss_t.dtype.is_float:
         raise ValueError(f"the loss must be a floating-point scalar, got {loss_t}")
-    only = Function("loss_only", fwd.param_types, [loss_t])
-    b = Builder(only.entry)
-    b.ret(b.call(fwd, *only.params)[0])
-    m.add(only)
-    g = gradient_function(m, "value_and_grad", GradientSpec("loss_only", tuple(range(n_params)), with_value=True))
-    m.add(g)
-    others = fwd.result_types[1:]
-    joint = Function("train_joint", fwd.param_types, [loss_t, *others, *(p.type for p in fwd.params[:n_params])])
-    b = Builder(joint.entry)
-    vg = b.call(g, *joint.params)
-    fo = b.call(fwd, *joint.params)
-    b.ret(vg[0], *fo[1:], *vg[1:])
-    m.add(joint)
-    return m
+    return joint(fwd, range(n_params), name="train_joint")
 
 
 def cleanup(m: Module) -> Function:
-    """``train_joint`` of a training graph after the ``CLEANUP`` passes: one straight-line function."""
-    from ..passes import run_pipeline
+    """``train_joint`` of a training graph after the ``cleanup`` pipeline: one straight-line function."""
+    from ..pipeline import run_pipeline
 
-    out = run_pipeline(m, CLEANUP).module["train_joint"].clone()
+    out = run_pipeline(m, "cleanup").module["train_joint"].clone()
     verify(Module([out]))
     return out
-
-
-def training_joint(forward: Function, n_params: int) -> Function:
-    """``(args...) -> (loss, other outputs..., grad params...)`` from ``forward: (args...) -> (loss, others...)``."""
-    return cleanup(training_graph(forward, n_params))
 
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
@@ -126,10 +105,7 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     for k in at.get(-1, []):
         emit(k)
     for i, ins in enumerate(body):
-        new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
-                       result_types=[r.type for r in ins.results], dialect=ins.dialect)
-        for r, nr in zip(ins.results, new.results):
-            vmap[r] = nr
+        clone_into(b, ins, vmap)
         for k in at.get(i, []):
             emit(k)
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])

@@ -1,4 +1,4 @@
-"""Tests of the chain checkpointing solvers (remat.chain.solvers) on heterogeneous chains."""
+"""Tests of the chain checkpointing solvers (remat.plan.chain.solvers) on heterogeneous chains."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from remat.chain.costs import BudgetTooSmall, ChainCosts
-from remat.chain.schedule import B, F, FT, Free, ScheduleError, simulate
-from remat.chain.solvers import minimum_budget, no_recompute_peak, solve, solve_thesis
+from remat.plan.chain.costs import BudgetTooSmall, ChainCosts
+from remat.plan.chain.schedule import B, F, FT, Free, ScheduleError, evaluate
+from remat.plan.chain.solvers import minimum_budget, no_recompute_peak, solve, solve_thesis
 
 
 def _budgets(c: ChainCosts, k: int = 6) -> list[int]:
@@ -81,7 +81,7 @@ def test_precise_plans_valid_and_match_simulator():
     for c in _chains():
         for b in _budgets(c):
             p = solve(c, b, "precise", bucket=1)
-            cost, peak = simulate(c, p.schedule)
+            cost, peak = evaluate(c, p.schedule)
             assert peak <= b and p.feasible
             assert cost == pytest.approx(p.cost) and peak == p.peak
             assert p.peak == p.info["predicted_peak"]  # beta_f[0] + B(0, N+1, M)
@@ -136,7 +136,7 @@ def test_exact_mode_equals_unit_bucket_and_beats_buckets():
             one = solve(c, b, "precise", bucket=1)
             ex = solve(c, b, "precise", bucket="exact")
             assert ex.cost == pytest.approx(one.cost)
-            assert ex.peak <= b and simulate(c, ex.schedule) == pytest.approx((ex.cost, ex.peak))
+            assert ex.peak <= b and evaluate(c, ex.schedule) == pytest.approx((ex.cost, ex.peak))
             try:
                 coarse = solve(c, b, "precise", bucket=13)
             except BudgetTooSmall:
@@ -151,7 +151,7 @@ def test_precise_never_worse_than_baselines():
             pr = solve(c, b, "precise", bucket=1)
             for m in ("uniform", "sqrt", "none"):
                 base = solve(c, b, m)
-                assert simulate(c, base.schedule) == pytest.approx((base.cost, base.peak))
+                assert evaluate(c, base.schedule) == pytest.approx((base.cost, base.peak))
                 if base.feasible:
                     assert pr.cost <= base.cost + 1e-9, (m, b)
 
@@ -177,7 +177,7 @@ def test_extended_never_worse_than_precise_and_valid():
         assert c.has_extended
         for b in _budgets(c):
             ext = solve(c, b, "extended", bucket=1)
-            assert simulate(c, ext.schedule, "extended") == pytest.approx((ext.cost, ext.peak))
+            assert evaluate(c, ext.schedule, "extended") == pytest.approx((ext.cost, ext.peak))
             assert ext.peak <= b and ext.peak == ext.info["predicted_peak"]
             try:
                 pr = solve(c, b, "precise", bucket=1)  # thesis model on folded costs
@@ -185,7 +185,7 @@ def test_extended_never_worse_than_precise_and_valid():
                 continue
             assert ext.cost <= pr.cost + 1e-9
             # a thesis plan is valid in the extended model and never peaks higher there
-            assert simulate(c, pr.schedule, "extended")[1] <= pr.peak
+            assert evaluate(c, pr.schedule, "extended")[1] <= pr.peak
 
 
 def test_extended_equals_exhaustive_small_chains():
@@ -204,13 +204,13 @@ def test_extended_equals_exhaustive_small_chains():
 def test_simulator_rejects_invalid_schedules():
     c = ChainCosts.uniform(2)
     with pytest.raises(ScheduleError, match="f_1 is not live"):
-        simulate(c, [F(2)])
+        evaluate(c, [F(2)])
     with pytest.raises(ScheduleError, match="b_3 is not live"):
-        simulate(c, [F(1), FT(2), Free("b", 3), B(2)])
+        evaluate(c, [F(1), FT(2), Free("b", 3), B(2)])
     with pytest.raises(ScheduleError, match="tape"):
-        simulate(ChainCosts.random(2, 1, extended=True), [F(1), F(2), B(2)], "extended")
+        evaluate(ChainCosts.random(2, 1, extended=True), [F(1), F(2), B(2)], "extended")
     with pytest.raises(ScheduleError, match="unexpected live set"):
-        simulate(c, [FT(1), FT(2), B(2), Free("b", 3), B(1), Free("b", 2), B(0), Free("b", 1)])
+        evaluate(c, [FT(1), FT(2), B(2), Free("b", 3), B(1), Free("b", 2), B(0), Free("b", 1)])
 
 
 def test_plan_str_and_errors():

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..ir import Function
+from ...ir import Function
 from .costs import ChainCosts
 from .executor import ChainStage
 
@@ -39,7 +39,7 @@ class StageProfile:
 
 def _internal_peak(fn: Function) -> int:
     """Peak bytes of ``fn`` beyond its arguments (which the caller already holds)."""
-    from ..plan.liveness import predict_peak
+    from ..liveness import predict_peak
 
     args = sum(p.type.nbytes for p in fn.params)
     return predict_peak(fn) - args
@@ -59,7 +59,7 @@ def _tape_bytes(stage: ChainStage) -> int:
 
 
 def _median_time(fn: Function, args: Sequence, repeats: int, dialects) -> tuple[float, tuple]:
-    from ..runtime.vm import run
+    from ...runtime.vm import run
 
     times, outs = [], None
     for _ in range(repeats):
@@ -73,7 +73,7 @@ def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_gra
     """Run every stage's forward (with tape) and backward on the VM and record its costs.
     With ``measure=False`` nothing runs: times are 0 (for a caller supplying its own estimates)
     and bytes come from the IR as always."""
-    from ..ir.verifier import verify  # noqa: F401  (functions are verified when built)
+    from ...ir.verifier import verify  # noqa: F401  (functions are verified when built)
 
     profiles: list[StageProfile] = []
     if not measure:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import BudgetTooSmall, format_bytes
-from ..ir import Module
+from ...errors import BudgetTooSmall, format_bytes
+from ...ir import Module
 from .costs import ChainCosts
 from .executor import ChainStage, compile_schedule
 from .schedule import Plan
@@ -58,7 +58,7 @@ class ChainPlanner:
         self._compiled: dict = {}
 
     def compile(self, plan: Plan, budget: int) -> Policy:
-        from ..plan.liveness import predict_peak
+        from ..liveness import predict_peak
 
         key = tuple(plan.schedule)
         if key not in self._compiled:

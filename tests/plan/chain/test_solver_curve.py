@@ -1,10 +1,10 @@
-"""Trade-off curve (remat.chain.curve) smoke/consistency tests."""
+"""Trade-off curve (remat.plan.chain.curve) smoke/consistency tests."""
 
 import csv
 import math
 
-from remat.chain.costs import ChainCosts
-from remat.chain.curve import curve_main, tradeoff_curve
+from remat.plan.chain.costs import ChainCosts
+from remat.plan.chain.curve import curve_main, tradeoff_curve
 
 
 def test_curve_rows_and_files(tmp_path):

@@ -1,6 +1,10 @@
-"""Chain schedules (plans), their steps, and an exact memory/compute simulator.
+"""Chain schedules (plans), their steps, and the chain cost model that evaluates them.
 
-Memory model replayed by :func:`simulate` (bytes; this is what an executor with
+:func:`evaluate` is the DP's model of a chain schedule; the simulator of record for the
+compiled program is :func:`remat.plan.liveness.simulate`, which the planner checks every
+plan against.
+
+Memory model replayed by :func:`evaluate` (bytes; this is what an executor with
 exact byte accounting must reproduce).  Initially live: ``f_0`` (with its tape)
 and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
 
@@ -31,7 +35,7 @@ import numpy as np
 
 from .costs import ChainCosts
 
-__all__ = ["F", "FT", "B", "Free", "Step", "Plan", "simulate", "ScheduleError", "format_schedule"]
+__all__ = ["F", "FT", "B", "Free", "Step", "Plan", "evaluate", "ScheduleError", "format_schedule"]
 
 
 class ScheduleError(ValueError):
@@ -104,7 +108,7 @@ class Plan:
 
     ``cost``: total compute (sum of the alpha's of the executed steps, the given
     f_0 / b_{N+1} not charged).  ``peak``: peak bytes of the schedule under
-    ``model`` (equal to :func:`simulate`'s).  ``feasible``: ``peak <= budget``
+    ``model`` (equal to :func:`evaluate`'s).  ``feasible``: ``peak <= budget``
     (baselines such as ``sqrt``/``uniform`` ignore or mis-model the budget and
     may be infeasible).
     """
@@ -140,7 +144,7 @@ class Plan:
         return head + "\n" + format_schedule(self.schedule)
 
 
-def simulate(
+def evaluate(
     costs: ChainCosts,
     schedule: Iterable[Step],
     model: Literal["thesis", "extended"] = "thesis",

@@ -35,7 +35,7 @@ import numpy as np
 __all__ = ["ChainCosts", "BudgetTooSmall"]
 
 
-from ..errors import BudgetTooSmall  # noqa: E402  (re-exported: the one public error)
+from ...errors import BudgetTooSmall  # noqa: E402  (re-exported: the one public error)
 
 
 def _as_array(name: str, values, length: int, integer: bool) -> np.ndarray:

@@ -52,7 +52,7 @@ import numpy as np
 from . import _kernels as K
 from ._pareto import pareto_dp
 from .costs import BudgetTooSmall, ChainCosts
-from .schedule import B, F, FT, Free, Plan, Step, simulate
+from .schedule import B, F, FT, Free, Plan, Step, evaluate
 
 __all__ = [
     "solve", "solve_thesis", "minimum_budget", "no_recompute_peak", "METHODS",
@@ -139,7 +139,7 @@ def _check_budget(budget: float) -> None:
 def no_recompute_peak(costs: ChainCosts, model: Literal["thesis", "extended"] = "thesis") -> int:
     """Peak bytes of the store-everything schedule (eq. 2.19 plus the forward phase)."""
     n = costs.n
-    return simulate(costs, tree_to_schedule(_store_all(0, n + 1), n), model)[1]
+    return evaluate(costs, tree_to_schedule(_store_all(0, n + 1), n), model)[1]
 
 
 def _thesis_units(costs: ChainCosts, bucket: int):
@@ -170,7 +170,7 @@ def minimum_budget(costs: ChainCosts, bucket: int | str = 1,
 def _finish(method: str, costs: ChainCosts, budget: float, tree_or_sched, model: str,
             bucket, t0: float, info: dict, expect_cost: float | None = None) -> Plan:
     sched = tree_or_sched if isinstance(tree_or_sched, list) else tree_to_schedule(tree_or_sched, costs.n)
-    cost, peak = simulate(costs, sched, model)  # exact bytes, validates the schedule
+    cost, peak = evaluate(costs, sched, model)  # exact bytes, validates the schedule
     if expect_cost is not None and not math.isclose(cost, expect_cost, rel_tol=1e-9, abs_tol=1e-9):
         raise AssertionError(f"{method}: DP cost {expect_cost} != simulated {cost}")
     return Plan(method=method, budget=float(budget), cost=cost, peak=int(peak), schedule=sched,
@@ -387,7 +387,7 @@ def _enum_trees(t: int, i: int, j: int, model: str, memo: dict) -> list[Tree]:
 
 def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
                       model: Literal["thesis", "extended"] = "thesis") -> Plan:
-    """Brute force: simulate every strategy of the model (checkpoint trees, plus the
+    """Brute force: evaluate every strategy of the model (checkpoint trees, plus the
     quadratic strategy in the thesis model) and keep the cheapest within budget.
     Independent of the DP's formulas (uses only the simulator).  N <= 7."""
     n = costs.n
@@ -398,7 +398,7 @@ def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
     min_peak = None
     for tr in trees:
         sched = tree_to_schedule(tr, n)
-        cost, peak = simulate(costs, sched, model)
+        cost, peak = evaluate(costs, sched, model)
         min_peak = peak if min_peak is None else min(min_peak, peak)
         if peak <= budget and (best is None or cost < best[0] - 1e-12):
             best = (cost, peak, sched)

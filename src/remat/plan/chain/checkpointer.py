@@ -1,6 +1,6 @@
 """The thesis's PyTorch API (Listing 3.2/3.3), executed for real on remat's IR and VM.
 
-    chk = remat.chain.SequentialCheckpointer(sequence)           # nn.Sequential or list of modules
+    chk = remat.plan.chain.SequentialCheckpointer(sequence)           # nn.Sequential or list of modules
     chk.profile_sequence(dummy_input, dummy_upstream_grad)
     policy = chk.solve_optimal_policy(memory_budget)              # bytes
     downstream_grad = chk.backprop_sequence(policy, x, upstream_grad)
@@ -21,7 +21,7 @@ from .costs import ChainCosts
 from .executor import ChainStage, make_stage
 from .planner import ChainPlanner, Policy
 from .profile import StageProfile, chain_costs, profile_stages
-from ..budget import parse_budget
+from ...budget import parse_budget
 
 
 @dataclass
@@ -61,7 +61,7 @@ class SequentialCheckpointer:
         parameter values) and derive its forward/backward stage."""
         import torch
 
-        from ..frontend.torch_import import import_module
+        from ...frontend.torch_import import import_module
 
         stages, params, live = [], [], []
         cache: dict = {}
@@ -147,7 +147,7 @@ class SequentialCheckpointer:
         and return the gradient wrt ``x``."""
         import torch
 
-        from ..runtime.vm import run
+        from ...runtime.vm import run
 
         if self.stages is None:
             raise RuntimeError("call profile_sequence(dummy_input, dummy_upstream_grad) first")

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import remat
-from remat.chain import ChainPlanner, minimum_budget, solve
-from remat.chain.solvers import no_recompute_peak
-from remat.chain.executor import compile_schedule, make_stage
-from remat.chain.profile import chain_costs, profile_stages
+from remat.plan.chain import ChainPlanner, minimum_budget, solve
+from remat.plan.chain.solvers import no_recompute_peak
+from remat.plan.chain.executor import compile_schedule, make_stage
+from remat.plan.chain.profile import chain_costs, profile_stages
 from remat.ir import Builder, DType, Function, TensorType
 from remat.plan.liveness import predict_peak
 

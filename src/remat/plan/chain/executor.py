@@ -1,6 +1,6 @@
 """Compile a chain plan into one rematerialised IR program (explicit recompute and free).
 
-Indexing follows the chain cost model (``remat.chain.costs``): stage ``s`` (1..N) computes
+Indexing follows the chain cost model (``remat.plan.chain.costs``): stage ``s`` (1..N) computes
 ``f_s`` from ``f_{s-1}``; backward ``B(s)`` is stage ``s``'s backward, reading its tape and
 ``b_{s+1}`` (the gradient wrt ``f_s``) and producing ``b_s`` (the gradient wrt ``f_{s-1}``) and the
 gradients of stage ``s``'s parameters. ``f_0`` is the chain input and ``b_{N+1}`` the upstream
@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..plan.partition import Split, inline, split_joint
+from ...ir import Builder, Function, Module, TensorType, Value, verify
+from ...ir.build import inline_body
+from ..partition import Split, split_joint
 from .schedule import B, F, FT, Free, Step
 
 
@@ -63,31 +64,13 @@ class ChainStage:
 def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None) -> Function:
     """The joint ``(params..., x, gy) -> (y, side outputs..., grads wrt ``wrt``...)`` of a stage
     ``(params..., x) -> (y, side outputs...)``, by autodiff of ``y`` alone (default ``wrt``: every
-    parameter, then the input), cleaned up by inline/simplify/fold/cse/dce (which also merges the
-    forward code the gradient and the side outputs share)."""
-    from ..autodiff import gradient_function
-    from ..ir import GradientSpec
-    from ..passes import run_pipeline
+    parameter, then the input), after the ``cleanup`` pipeline (which also merges the forward code
+    the gradient and the side outputs share)."""
+    from ...autodiff import joint
+    from ...passes import CLEANUP, run
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
-    m = Module([forward.clone("stage")])
-    fwd = m["stage"]
-    if len(fwd.result_types) == 1:
-        g = gradient_function(m, "joint", GradientSpec("stage", wrt, with_value=True), explicit_cotangents=True)
-        return run_pipeline(Module([g]), ["simplify", "fold", "cse", "dce"]).module["joint"]
-    only = Function("y_only", fwd.param_types, fwd.result_types[:1])
-    b = Builder(only.entry)
-    b.ret(b.call(fwd, *only.params)[0])
-    m.add(only)
-    g = gradient_function(m, "vjp", GradientSpec("y_only", wrt, with_value=True), explicit_cotangents=True)
-    m.add(g)
-    joint = Function("joint", g.param_types, [fwd.result_types[0], *fwd.result_types[1:], *g.result_types[1:]])
-    b = Builder(joint.entry)
-    vg = b.call(g, *joint.params)
-    fo = b.call(fwd, *joint.params[:len(fwd.params)])
-    b.ret(vg[0], *fo[1:], *vg[1:])
-    m.add(joint)
-    return run_pipeline(m, ["inline", "simplify", "fold", "cse", "dce"]).module["joint"].clone()
+    return run(joint(forward, wrt, cotangents=True), CLEANUP).module["joint"].clone()
 
 
 def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
@@ -212,10 +195,10 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
             xin = f_slot[i - 1][0]
             na = len(st.aux_types)
             if isinstance(step, FT):
-                res = inline(b, st.split.forward, list(params[i - 1]) + [xin])
+                res = inline_body(b, st.split.forward, list(params[i - 1]) + [xin])
                 tape_of[i] = res[1 + na:]
             else:
-                res = inline(b, st.split.forward_light, list(params[i - 1]) + [xin])
+                res = inline_body(b, st.split.forward_light, list(params[i - 1]) + [xin])
                 tape_of.pop(i, None)
             f_slot[i] = [res[0]] + tape_of.get(i, [])
             if na and i not in aux:  # side outputs: the first computation is kept
@@ -235,7 +218,7 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
                 raise ValueError(f"step {pos} {step}: b_{i + 1} is not live")
             sp = st.split
             bargs = [params[i - 1][j] for j in sp.backward_primals] + tape_of[i] + [b_slot[i + 1][0]]
-            res = inline(b, sp.backward, bargs)
+            res = inline_body(b, sp.backward, bargs)
             ng = len(st.grad_params)
             grads[i] = res[:ng]
             keep.update(grads[i])

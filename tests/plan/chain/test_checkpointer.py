@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import remat
-from remat.chain import SequentialCheckpointer
+from remat.plan.chain import SequentialCheckpointer
 
 
 def _mlp():

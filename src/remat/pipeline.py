@@ -1,0 +1,42 @@
+"""The pass registry: every pass of remat by name, and the named pipelines.
+
+It sits above ``passes/``, ``autodiff/`` and ``plan/`` and imports them explicitly, so a broken
+import fails here with its own traceback instead of reading as an unknown pass, and no package
+below imports back up.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from .autodiff.transform import grad_pass
+from .ir import Module
+from .passes import CLEANUP, PASSES as _LOCAL
+from .passes.pipeline import PassFn, PipelineResult, lookup, run_passes
+from .plan.liveness import insert_frees_pass
+
+PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert_frees_pass}
+"""Every pass by name: those of :mod:`remat.passes`, differentiation and explicit frees."""
+
+PIPELINES: dict[str, list[str]] = {
+    "cleanup": CLEANUP,
+    "differentiate": ["grad", *CLEANUP],
+}
+"""Named pipelines: a flat list of pass names each."""
+
+
+def get_pass(name: str) -> PassFn:
+    """The pass named ``name``; a KeyError listing the available ones."""
+    return lookup(PASSES, [name])[0][1]
+
+
+def run_pipeline(module: Module, names: Sequence[str] | str, verify_each: bool = True,
+                 print_after: Callable[[str, Module], None] | None = None) -> PipelineResult:
+    """Run passes by name in order, or the named pipeline ``names`` (a key of ``PIPELINES``)."""
+    if isinstance(names, str):
+        if names not in PIPELINES:
+            raise KeyError(f"unknown pipeline '{names}'; available pipelines: {', '.join(sorted(PIPELINES))}")
+        names = PIPELINES[names]
+    return run_passes(module, lookup(PASSES, names), verify_each, print_after)
+
+
+__all__ = ["PASSES", "PIPELINES", "get_pass", "run_pipeline"]

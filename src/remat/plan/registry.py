@@ -1,0 +1,93 @@
+"""The solver registry: every planner by name, with what it plans and on what size.
+
+``remat.compile(..., solver=)`` names a graph solver here (or ``"auto"``); the portfolio asks the
+registry which solver runs at a budget probe instead of spelling the policy out in branches.
+A new solver is one entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+from .graph import Graph, GraphPlan
+from .milp import MILP_MAX_NODES
+
+
+@dataclass(frozen=True)
+class Solver:
+    """A planner. ``plans``: ``"chain"`` (a chain of blocks, by its :class:`ChainCosts`) or ``"graph"``
+    (the instruction graph). ``max_nodes``: under ``"auto"`` it runs only on graphs of at most this
+    many compute nodes (None: any size). ``main_probe_only``: costly solvers run once, at the main
+    budget probe; the others run at every probe. Graph solvers: ``solve(graph, budget, order,
+    time_limit)`` solves as when named, ``solve_auto`` as under ``"auto"`` (None: the same). Chain
+    solvers: ``method``, the chain DP's cost model (``remat.plan.chain.solvers.solve``)."""
+
+    name: str
+    plans: Literal["chain", "graph"]
+    what: str
+    max_nodes: int | None = None
+    main_probe_only: bool = False
+    solve: Callable[[Graph, int, Sequence[int], float], GraphPlan] | None = None
+    solve_auto: Callable[[Graph, int, Sequence[int], float], GraphPlan] | None = None
+    method: str | None = None
+
+    def admits(self, option: str, n_nodes: int) -> bool:
+        """Whether this solver runs for ``solver=option`` on a graph of ``n_nodes`` compute nodes."""
+        if option == self.name:
+            return True
+        return option == "auto" and (self.max_nodes is None or n_nodes <= self.max_nodes)
+
+
+def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+    from .milp import solve_milp
+
+    return solve_milp(graph, budget, time_limit=time_limit, order=order)
+
+
+def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+    from .milp import solve_with_fallback
+
+    return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES)
+
+
+def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+    from .greedy import solve_greedy
+
+    return solve_greedy(graph, budget, order=order)
+
+
+SOLVERS: dict[str, Solver] = {s.name: s for s in (
+    Solver("chain", "chain", "the thesis DP over blocks cut at separators (extended model: per block, keep "
+           "output or whole tape)", method="extended"),
+    # Graph solvers, tried in this order: the first one admitted at a probe runs.
+    Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit; under 'auto' with the greedy "
+           "as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy),
+    Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy),
+)}
+
+GRAPH_SOLVERS: tuple[Solver, ...] = tuple(s for s in SOLVERS.values() if s.plans == "graph")
+
+SOLVER_OPTIONS: tuple[str, ...] = ("auto", *sorted(s.name for s in GRAPH_SOLVERS))
+"""Values of ``remat.compile(..., solver=)``: which instruction-level solver may run."""
+
+
+def check_option(option: str) -> None:
+    """A ValueError naming the valid options when ``option`` is not one."""
+    if option not in SOLVER_OPTIONS:
+        raise ValueError(f"unknown solver {option!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+
+
+def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], GraphPlan]:
+    """The solve function that runs at one budget probe (``main``: the probe at the budget itself)."""
+    for s in GRAPH_SOLVERS:
+        if s.admits(option, n_nodes) and (main or not s.main_probe_only):
+            return s.solve_auto if option == "auto" and s.solve_auto is not None else s.solve
+    return SOLVERS["greedy"].solve  # a named costly solver off its probe: the heuristic covers the others
+
+
+def small_for_exact(n_nodes: int) -> bool:
+    """Whether a graph is small enough for some size-limited (exact) graph solver under ``"auto"``."""
+    return any(s.max_nodes is not None and n_nodes <= s.max_nodes for s in GRAPH_SOLVERS)
+
+
+__all__ = ["GRAPH_SOLVERS", "SOLVERS", "SOLVER_OPTIONS", "Solver", "check_option", "graph_solver", "small_for_exact"]
