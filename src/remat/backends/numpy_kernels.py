@@ -638,19 +638,24 @@ def _one_rank(instr) -> bool:
     return instr.attrs["world"] == 1
 
 
+def _results(outs: tuple):
+    """A variadic collective's results: the value itself for one operand (the kernel contract)."""
+    return outs[0] if len(outs) == 1 else outs
+
+
 @k("all_reduce", checker=_one_rank)
 def all_reduce(*xs, world, op="mean"):
-    return tuple(_fresh(x) for x in xs)
+    return _results(tuple(_fresh(x) for x in xs))
 
 
 @k("reduce_scatter", checker=_one_rank)
 def reduce_scatter(*xs, world, op="mean"):
-    return tuple(_fresh(x) for x in xs)
+    return _results(tuple(_fresh(x) for x in xs))
 
 
 @k("all_gather", checker=_one_rank)
 def all_gather(*xs, world):
-    return tuple(_fresh(x) for x in xs)
+    return _results(tuple(_fresh(x) for x in xs))
 
 
 @k("assign")

@@ -449,6 +449,11 @@ def _group_size(world: int) -> int:
     return n
 
 
+def _results(outs: tuple):
+    """A variadic collective's results: the value itself for one operand (the kernel contract)."""
+    return outs[0] if len(outs) == 1 else outs
+
+
 def _wait(works) -> None:
     for w in works:
         w.wait()
@@ -465,7 +470,7 @@ def all_reduce(*xs, world, op="mean"):
         if op == "mean":
             for o in outs:
                 o.div_(world)
-    return outs
+    return _results(outs)
 
 
 @k("reduce_scatter")
@@ -473,14 +478,14 @@ def reduce_scatter(*xs, world, op="mean"):
     import torch.distributed as dist
 
     if _group_size(world) == 1:
-        return tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
+        return _results(tuple(x.clone(memory_format=torch.contiguous_format) for x in xs))
     outs = tuple(torch.empty(x.shape[0] // world, dtype=x.dtype, device=x.device) for x in xs)
     _wait([dist.reduce_scatter_tensor(o, x.contiguous(), op=dist.ReduceOp.SUM, async_op=True)
            for o, x in zip(outs, xs)])
     if op == "mean":
         for o in outs:
             o.div_(world)
-    return outs
+    return _results(outs)
 
 
 @k("all_gather")
@@ -488,10 +493,10 @@ def all_gather(*xs, world):
     import torch.distributed as dist
 
     if _group_size(world) == 1:
-        return tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
+        return _results(tuple(x.clone(memory_format=torch.contiguous_format) for x in xs))
     outs = tuple(torch.empty(x.shape[0] * world, dtype=x.dtype, device=x.device) for x in xs)
     _wait([dist.all_gather_into_tensor(o, x.contiguous(), async_op=True) for o, x in zip(outs, xs)])
-    return outs
+    return _results(outs)
 
 
 @k("assign")
