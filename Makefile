@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo demo-ddp test bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/python -m remat.demo
+
+# Two CPU ranks (gloo) train the demo GPT with ZeRO-2 under a per-rank budget.
+demo-ddp: $(STAMP)
+	$(BIN)/torchrun --nproc_per_node 2 -m remat.distributed.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 tests

@@ -658,6 +658,39 @@ def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, we
     return param, m, v
 
 
+# ---------------------------------------------------------------- collectives (a group of one rank)
+def _one_rank(instr) -> bool:
+    """The reference runs collectives only for ``world=1``, where each is a copy (mean = sum)."""
+    return instr.attrs["world"] == 1
+
+
+def _results(outs: tuple):
+    """A variadic collective's results: the value itself for one operand (the kernel contract)."""
+    return outs[0] if len(outs) == 1 else outs
+
+
+@k("all_reduce", checker=_one_rank)
+def all_reduce(*xs, world, op="mean"):
+    return _results(tuple(_fresh(x) for x in xs))
+
+
+@k("reduce_scatter", checker=_one_rank)
+def reduce_scatter(*xs, world, op="mean"):
+    return _results(tuple(_fresh(x) for x in xs))
+
+
+@k("all_gather", checker=_one_rank)
+def all_gather(*xs, world):
+    return _results(tuple(_fresh(x) for x in xs))
+
+
+@k("assign")
+def assign(dst, src):
+    """``dst``'s elements, in order, become the first ``dst.size`` of flat ``src``; in place."""
+    dst.reshape(-1)[...] = src[:dst.size]
+    return dst
+
+
 # ---------------------------------------------------------------- fused element-wise bodies
 @k("fused")
 def fused(*args, body):

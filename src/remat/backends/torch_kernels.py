@@ -449,6 +449,80 @@ def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, we
     return param, m, v
 
 
+# ---------------------------------------------------------------- collectives (torch.distributed)
+def _group_size(world: int) -> int:
+    """The default process group's size, checked against the ``world`` the program was compiled for.
+
+    A program for one rank runs without a process group (every collective is then a copy)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if world == 1:
+            return 1
+        raise RuntimeError(f"this program was compiled for {world} ranks but no torch.distributed process group is "
+                           "initialised; call torch.distributed.init_process_group first")
+    n = dist.get_world_size()
+    if n != world:
+        raise RuntimeError(f"this program was compiled for {world} ranks but the process group has {n}")
+    return n
+
+
+def _results(outs: tuple):
+    """A variadic collective's results: the value itself for one operand (the kernel contract)."""
+    return outs[0] if len(outs) == 1 else outs
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+@k("all_reduce")
+def all_reduce(*xs, world, op="mean"):
+    """One async ``all_reduce`` per tensor of the bucket, then one wait: a bucket is one collective."""
+    import torch.distributed as dist
+
+    outs = tuple(x.clone(memory_format=torch.contiguous_format) for x in xs)
+    if _group_size(world) > 1:
+        _wait([dist.all_reduce(o, op=dist.ReduceOp.SUM, async_op=True) for o in outs])
+        if op == "mean":
+            for o in outs:
+                o.div_(world)
+    return _results(outs)
+
+
+@k("reduce_scatter")
+def reduce_scatter(*xs, world, op="mean"):
+    import torch.distributed as dist
+
+    if _group_size(world) == 1:
+        return _results(tuple(x.clone(memory_format=torch.contiguous_format) for x in xs))
+    outs = tuple(torch.empty(x.shape[0] // world, dtype=x.dtype, device=x.device) for x in xs)
+    _wait([dist.reduce_scatter_tensor(o, x.contiguous(), op=dist.ReduceOp.SUM, async_op=True)
+           for o, x in zip(outs, xs)])
+    if op == "mean":
+        for o in outs:
+            o.div_(world)
+    return _results(outs)
+
+
+@k("all_gather")
+def all_gather(*xs, world):
+    import torch.distributed as dist
+
+    if _group_size(world) == 1:
+        return _results(tuple(x.clone(memory_format=torch.contiguous_format) for x in xs))
+    outs = tuple(torch.empty(x.shape[0] * world, dtype=x.dtype, device=x.device) for x in xs)
+    _wait([dist.all_gather_into_tensor(o, x.contiguous(), async_op=True) for o, x in zip(outs, xs)])
+    return _results(outs)
+
+
+@k("assign")
+def assign(dst, src):
+    dst.view(-1).copy_(src[:dst.numel()])
+    return dst
+
+
 # ---------------------------------------------------------------- fused element-wise bodies
 @k("fused")
 def fused(*args, body):

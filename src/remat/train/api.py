@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..budget import parse_budget
+from ..distributed.group import DEFAULT_BUCKET_BYTES
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
@@ -62,6 +63,8 @@ class Report:
     instructions: int = 0
     recomputed_instructions: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
+    memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
 
     def __str__(self) -> str:
         def b(v):
@@ -86,6 +89,10 @@ class Report:
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        if self.data_parallel is not None:
+            lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
+        if self.memory is not None:
+            lines += [f"{'at peak: ' + k:<{w}}  {b(v)}" for k, v in self.memory.items() if v]
         lines += [f"  note: {n}" for n in self.solver_notes]
         return "\n".join(lines)
 
@@ -126,9 +133,11 @@ class TrainStep:
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
-                 print_after: str | Sequence[str] | None = None):
+                 print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         import torch
 
+        from ..distributed import setup
         from ..frontend.torch_import import import_module
         from ..runtime.vm import VM
 
@@ -144,6 +153,10 @@ class TrainStep:
         if shown - set(STAGES):
             raise ValueError(f"print_after: unknown stage(s) {sorted(shown - set(STAGES))}; stages: {', '.join(STAGES)}")
         self._progress, self._shown = progress or (lambda msg: None), shown
+        self.dp = setup(data_parallel, bucket_bytes)  # None: one process
+        if self.dp is not None and (optimizer is None or keep_grads):
+            raise ValueError(f"data_parallel={data_parallel!r} needs an optimizer and keep_grads off: the reduced "
+                             "gradients are consumed by the (sharded) optimizer updates inside the step")
         self.stage_seconds: dict[str, float] = {}
         self.model, self.optimizer = model, optimizer
         self.dialects = tuple(dialects) if dialects else None
@@ -162,7 +175,7 @@ class TrainStep:
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
         joint = self._stage("passes", lambda: cleanup(graph))
         # (the "fuse" stage goes here: IR -> IR on the joint)
-        unconstrained = step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads)
+        unconstrained = self._make_step(joint, check=True)
         self.unconstrained_peak = predict_peak(unconstrained)
         self.budget = None if budget is None else parse_budget(budget, reference=self.unconstrained_peak)
         self.unconstrained_step_seconds = None
@@ -193,6 +206,10 @@ class TrainStep:
             self.program = self._stage("fuse", lambda: fuse_function(self.program))
             self._stage("kernel compilation", lambda: numba_kernels.prepare(Module([self.program])))
         self.predicted_peak = predict_peak(self.program)
+        if self.dp is not None:
+            from ..distributed.group import check_same_collectives
+
+            check_same_collectives(self.program, self.dp)
         self._vm = self._stage("prepare VM", lambda: VM(Module([self.program]), dialects=self.dialects))
         self.plan_seconds = self.stage_seconds["plan"]
         self.setup_seconds = time.perf_counter() - t_setup
@@ -226,11 +243,38 @@ class TrainStep:
         self._state = init_state(optimizer, self._params, self.updates) if self.updates else []
         if self.updates:
             steps_taken(optimizer, self._params, self.updates)  # parameters stepped unequally: fail now
+        if self.dp is not None and self.dp.shards_state:
+            self._state = self._sharded_state()
         self._state_types = [[self._ttype(t) for t in ts] for ts in self._state]
 
     def _finish(self, joint: Function) -> Function:
         """A (rematerialised) joint -> the whole step program (updates placed after each gradient)."""
-        return step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads, check=False)
+        return self._make_step(joint, check=False)
+
+    def _make_step(self, joint: Function, check: bool) -> Function:
+        """The step program of a joint: one process, or this rank's (``remat.distributed.passes``)."""
+        if self.dp is None:
+            return step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads, check=check)
+        from ..distributed.passes import data_parallel_step
+
+        return data_parallel_step(joint, self.layout, self.updates, self._state_types, self.dp, check=check)
+
+    def _sharded_state(self) -> list[list]:
+        """ZeRO: zeros for this rank's shard of every state tensor, kept by the step (not in
+        ``optimizer.state``: it holds no full-size state); ``state_dict()`` saves them."""
+        import torch
+
+        if any(self.optimizer.state.get(p) for p in self._params):
+            raise ValueError(f"data_parallel={self.dp.mode!r} shards the optimizer state, but this optimizer already "
+                             "has state; compile with a fresh optimizer and restore a run with step.load_state_dict()")
+        return [[torch.zeros(self.dp.shard(p.numel()).size, dtype=p.dtype) for _ in u.state_keys]
+                for p, u in zip(self._params, self.updates)]
+
+    def _optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (the count the next step's update continues from)."""
+        if self.dp is not None and self.dp.shards_state:
+            return self.dp.steps
+        return steps_taken(self.optimizer, self._params, self.updates) if self.updates else 0
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -289,8 +333,9 @@ class TrainStep:
         if self.updates:
             self._check_optimizer()
             # The optimizer's own step count and state (it may also have been stepped eagerly).
-            opt_step = steps_taken(self.optimizer, self._params, self.updates)
-            self._state = bind_state(self.optimizer, self._params, self.updates, self._state)
+            opt_step = self._optimizer_steps()
+            if self.dp is None or not self.dp.shards_state:
+                self._state = bind_state(self.optimizer, self._params, self.updates, self._state)
         args = self._step_args(inputs, copy=False, step=opt_step + 1)
         t0 = time.perf_counter()
         outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
@@ -304,9 +349,25 @@ class TrainStep:
             if self.keep_grads:
                 for p, g in zip(self._params, outs[1 + self.layout.n_buffers_out:]):
                     p.grad = g.to(p.dtype).clone() if p.grad is None else p.grad.add_(g)
-        if self.updates:
+        if self.dp is not None and self.dp.shards_state:
+            self.dp.steps += 1
+        elif self.updates:
             advance_steps(self.optimizer, self._params, self.updates)
         return loss
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, buffers, optimizer state (this rank's shards under ZeRO) and step counts,
+        with the metadata to reassemble shards (``remat.distributed.checkpoint``)."""
+        from ..distributed.checkpoint import state_dict
+
+        return state_dict(self)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same mode, world size and rank; training resumes identically."""
+        from ..distributed.checkpoint import load_state_dict
+
+        load_state_dict(self, sd)
 
     def _check_optimizer(self) -> None:
         lrs = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
@@ -328,7 +389,16 @@ class TrainStep:
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
-                      dict(self.stage_seconds))
+                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory())
+
+    def _memory(self) -> dict[str, int] | None:
+        """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
+        from ..distributed.memory import breakdown
+
+        n_state = sum(len(ts) for ts in self._state_types) if self.updates else 0
+        first = self.layout.n_args
+        bd = breakdown(self.program, self.layout.n_params, range(first, first + n_state))
+        return None if bd is None else bd.at_peak
 
 
 def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
@@ -347,5 +417,8 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names),
     ``print_after`` (a stage name of ``STAGES``, or several: print the IR after it; "plan" prints
     the planned step). ``step.report()`` gives each stage's seconds.
+    ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
+    initialised ``torch.distributed`` process group, each rank passes its own shard of the batch and
+    the budget is per rank; ``bucket_bytes`` sizes the gradient buckets.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

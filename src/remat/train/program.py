@@ -55,6 +55,22 @@ def cleanup(m: Module) -> Function:
     return out
 
 
+def update_points(joint: Function, layout: Layout) -> list[int]:
+    """For each parameter, the body position after which its update can go: once its gradient is
+    defined and its last read is done (-1: before the first instruction)."""
+    body = joint.entry.instrs[:-1]
+    grads = joint.entry.instrs[-1].operands[1 + layout.n_buffers_out:]
+    pos_of: dict[object, int] = {}
+    last_read = {p: -1 for p in joint.params[: layout.n_params]}
+    for i, ins in enumerate(body):
+        for r in ins.results:
+            pos_of[r] = i
+        for o in ins.operands:
+            if o in last_read:
+                last_read[o] = i
+    return [max(pos_of.get(grads[k], -1), last_read[joint.params[k]]) for k in range(layout.n_params)]
+
+
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
                  check: bool = True) -> Function:
@@ -75,22 +91,9 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     body = joint.entry.instrs[:-1]
     ret = joint.entry.instrs[-1]
     grads = ret.operands[n_out:]
-    # Where each update can go: after its gradient is defined and after the parameter's last read.
-    pos_of: dict[object, int] = {}
-    for i, ins in enumerate(body):
-        for r in ins.results:
-            pos_of[r] = i
-    last_read = {p: -1 for p in joint.params[: layout.n_params]}
-    for i, ins in enumerate(body):
-        for o in ins.operands:
-            if o in last_read:
-                last_read[o] = i
     at: dict[int, list[int]] = {}
     if updates:
-        if keep_grads:
-            where = [len(body) - 1] * layout.n_params
-        else:
-            where = [max(pos_of.get(grads[k], -1), last_read[joint.params[k]]) for k in range(layout.n_params)]
+        where = [len(body) - 1] * layout.n_params if keep_grads else update_points(joint, layout)
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)

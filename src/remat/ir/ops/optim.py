@@ -64,3 +64,19 @@ declare(OpDef(
                               np.array(2, dtype=np.int64)], {"lr": 0.01, "weight_decay": 0.01, "decoupled": True}),
                       Sample([rand(r, 4), rand(r, 4), np.zeros(4), np.zeros(4), np.array(1, dtype=np.int64)],
                              {"lr": 0.001, "weight_decay": 0.1})]))
+
+
+def _assign_infer(types, attrs):
+    dst, src = types
+    expect_float("assign", dst, "destination")
+    if src.dtype != dst.dtype or src.rank != 1 or src.shape[0] < dst.numel:
+        raise TypeError(f"'assign': the source must be a flat {dst.dtype} tensor of at least {dst.numel} elements "
+                        f"(the destination's), got {src} for {dst}")
+    return dst
+
+
+declare(OpDef(
+    "assign", 2, (), _assign_infer, frozenset({"inplace", "effect"}), aliases={0: 0}, nondiff=True,
+    doc="overwrite a parameter in place with the first numel elements of a flat tensor (ZeRO writes the "
+        "all-gathered shards back; trailing padding is dropped)",
+    sample=lambda r: [Sample([rand(r, 2, 3), rand(r, 8)]), Sample([rand(r, 4), rand(r, 4)])]))

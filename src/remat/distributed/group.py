@@ -1,0 +1,101 @@
+"""The process-group glue: which data-parallel mode, on which rank of how many.
+
+remat does not run its own communication engine: a program compiled with ``data_parallel`` runs
+its collectives through ``torch.distributed`` on the default process group, which the user
+initialises (``torch.distributed.init_process_group``; ``torchrun`` sets the environment).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+MODES = ("ddp", "zero1", "zero2")
+"""``ddp``: gradients averaged by bucketed ``all_reduce``; ``zero1``: optimizer state sharded, each
+rank updates its shard of every parameter and the parameters are all-gathered; ``zero2``: the
+gradients are reduce-scattered too, so no rank holds all reduced gradients."""
+
+DEFAULT_BUCKET_BYTES = 1 << 20
+"""Gradients are communicated in buckets of about this many bytes (PyTorch DDP's first bucket is
+1 MiB, its others 25 MiB; remat keeps buckets small because a complete bucket is what lets its
+optimizer updates run and its gradients be freed)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of one parameter, flattened and padded to ``world * size`` elements."""
+
+    numel: int   # elements of the parameter
+    size: int    # elements per shard: ceil(numel / world)
+    offset: int  # rank * size (may pass numel on the last ranks: those elements are padding)
+
+    @property
+    def valid(self) -> int:
+        """Elements of the parameter in this shard (the rest is padding)."""
+        return max(0, min(self.size, self.numel - self.offset))
+
+
+@dataclass
+class DataParallel:
+    """A data-parallel setting for one rank. ``steps``: optimizer steps taken under ZeRO (whose
+    sharded state remat keeps itself, not in ``optimizer.state``)."""
+
+    mode: str
+    rank: int
+    world: int
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    steps: int = 0
+
+    @property
+    def shards_state(self) -> bool:
+        return self.mode in ("zero1", "zero2")
+
+    def shard(self, numel: int) -> Shard:
+        size = max(1, math.ceil(numel / self.world))
+        return Shard(numel, size, self.rank * size)
+
+
+def setup(mode: str | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallel | None:
+    """The setting for ``remat.compile(..., data_parallel=mode)`` on this rank, or None.
+
+    Raises ValueError for an unknown mode and RuntimeError outside an initialised process group.
+    """
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise ValueError(f"data_parallel must be None or one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"data_parallel={mode!r} needs an initialised torch.distributed process group; call "
+                           "torch.distributed.init_process_group (e.g. backend='gloo' on CPU, 'nccl' on GPU) "
+                           "before remat.compile, or launch with torchrun")
+    return DataParallel(mode, dist.get_rank(), dist.get_world_size(), bucket_bytes)
+
+
+def collective_signature(fn) -> str:
+    """A digest of the collectives ``fn`` issues, in order (op, attributes, operand types)."""
+    from ..ir.ops.collective import __name__ as _  # noqa: F401  (the ops are registered)
+
+    h = hashlib.sha256()
+    for ins in fn.instructions():
+        if ins.op.name in ("all_reduce", "reduce_scatter", "all_gather"):
+            h.update(f"{ins.op.name}{sorted(ins.attrs.items())}{[str(v.type) for v in ins.operands]};".encode())
+    return h.hexdigest()
+
+
+def check_same_collectives(fn, dp: DataParallel) -> None:
+    """Every rank must issue the same collectives in the same order; raise RuntimeError if not
+    (e.g. a planner with a time limit chose different plans on different ranks)."""
+    import torch.distributed as dist
+
+    mine = collective_signature(fn)
+    sigs: list = [None] * dp.world
+    dist.all_gather_object(sigs, mine)
+    if len(set(sigs)) != 1:
+        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        raise RuntimeError(f"ranks {bad} compiled a step whose collectives differ from rank 0's; every rank must "
+                           "compile the same model with the same options and budget (use a deterministic solver: "
+                           "solver='greedy' or the default chain planner, not a time-limited MILP)")
