@@ -55,8 +55,9 @@ class DataParallel:
         return Shard(numel, size, self.rank * size)
 
 
-def setup(mode: str | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallel | None:
-    """The setting for ``remat.compile(..., data_parallel=mode)`` on this rank, or None.
+def setup(mode: str | None, bucket_bytes: int | None = None) -> DataParallel | None:
+    """The setting for ``remat.compile(..., data_parallel=mode)`` on this rank, or None
+    (``bucket_bytes=None``: :data:`DEFAULT_BUCKET_BYTES`).
 
     Raises ValueError for an unknown mode and RuntimeError outside an initialised process group.
     """
@@ -64,6 +65,8 @@ def setup(mode: str | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataPar
         return None
     if mode not in MODES:
         raise ValueError(f"data_parallel must be None or one of {', '.join(map(repr, MODES))}, got {mode!r}")
+    if bucket_bytes is None:
+        bucket_bytes = DEFAULT_BUCKET_BYTES
     if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive number of bytes, got {bucket_bytes!r}")
     import torch.distributed as dist

@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..budget import parse_budget
-from ..distributed.group import DEFAULT_BUCKET_BYTES
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
@@ -134,10 +133,10 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int | None = None):
         import torch
 
-        from ..distributed import setup
+        from ..distributed import setup  # distributed builds on train.program: imported on use
         from ..frontend.torch_import import import_module
         from ..runtime.vm import VM
 
