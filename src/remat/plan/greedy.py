@@ -37,7 +37,7 @@ from .graph import (
     simulate,
 )
 
-__all__ = ["solve_greedy", "greedy_min_budget", "greedy_compute_sequence"]
+__all__ = ["solve_greedy", "try_greedy", "greedy_min_budget", "greedy_compute_sequence"]
 
 
 class _Stuck(Exception):
@@ -226,6 +226,19 @@ def greedy_min_budget(
         else:
             lo = mid
     return hi
+
+
+def try_greedy(graph: Graph, budget: int, order: Sequence[int], *, score: str = "raf_belady",
+               max_steps: int | None = None) -> GraphPlan | None:
+    """One greedy pass at ``budget``: its plan, or None when it gets stuck (no search for the
+    minimum, so a failed probe costs one bounded pass; planners probing many budgets use this)."""
+    t0 = time.perf_counter()
+    seq = greedy_compute_sequence(graph, int(budget), order, score=score, max_steps=max_steps)
+    if seq is None:
+        return None
+    return make_plan(graph, seq, solver="greedy", status="heuristic", solve_time=time.perf_counter() - t0,
+                     notes=[f"RAF-style greedy rematerialization (score={score}) over a {len(order)}-node order"],
+                     budget=int(budget))
 
 
 def solve_greedy(

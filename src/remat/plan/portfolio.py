@@ -106,11 +106,18 @@ def plan_step(p: StepProblem) -> Candidate:
 
 
 # ---------------------------------------------------------------- instruction level
+# A greedy probe that needs more computes than this many times the graph's nodes is abandoned:
+# its plan would recompute far beyond the overhead plans may have (``plan_graph``'s max_overhead),
+# and an unbounded failing pass is what made refusals take minutes.
+PROBE_STEPS_PER_NODE = 8
+
+
 def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, main: bool,
-                 time_limit: float) -> GraphPlan:
+                 time_limit: float) -> GraphPlan | None:
     """One instruction-level solve: the MILP at the main probe when :func:`uses_milp` says so
-    (with the greedy as fallback under "auto"), the greedy otherwise."""
-    from .greedy import solve_greedy
+    (with the greedy as fallback under "auto"), else one bounded greedy pass. None (or
+    ``BudgetTooSmall`` from the MILP) when no plan is found at ``budget``."""
+    from .greedy import try_greedy
     from .milp import solve_milp, solve_with_fallback
 
     if main and uses_milp(solver, len(graph.compute_nodes)):
@@ -118,14 +125,14 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
             return solve_milp(graph, budget, time_limit=time_limit, order=order)
         return solve_with_fallback(graph, budget, time_limit=time_limit, order=order,
                                    milp_max_nodes=MILP_MAX_NODES)
-    return solve_greedy(graph, budget, order=order)
+    return try_greedy(graph, budget, order, max_steps=PROBE_STEPS_PER_NODE * len(graph) + 1000)
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
                max_overhead: float = 2.0) -> Candidate | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true."""
-    from .greedy import greedy_min_budget
+    from .greedy import greedy_min_budget, solve_greedy
     from .rematerialize import from_schedule
 
     def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
@@ -146,9 +153,11 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if m <= 0:
             continue
         try:
-            plans.append(_solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit))
+            plan = _solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit)
         except BudgetTooSmall:
             continue
+        if plan is not None:
+            plans.append(plan)
     best = None
     for plan in sorted(plans, key=lambda q: q.cost):
         if (plan.overhead or 0.0) > max_overhead:
@@ -161,7 +170,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if not need_minimum:  # the chain DP found a plan; its minimum is not needed
             return None
         m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
-        cand = lower(_solve_graph(low.graph, m, order, p.solver, False, p.milp_time_limit))
+        cand = lower(solve_greedy(low.graph, m, order=order))
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand
