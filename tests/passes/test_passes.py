@@ -109,6 +109,29 @@ def test_matmul_reads_operands_transposed_in_their_last_two_dims_through_its_fla
         np.testing.assert_allclose(x, y, rtol=1e-12)
 
 
+def test_matmul_over_a_batch_broadcast_operand_reads_the_operand_itself():
+    # PyTorch's matmul decomposition: expand(weight, [b, in, out]) + bmm. The batch broadcast goes
+    # (the product broadcasts batch axes itself); a broadcast of the matrix axes stays.
+    text = """func @f(%0: f64[3,4,5], %1: f64[5,2], %2: f64[1,5], %3: f64[4,5]) -> (f64[3,4,2], f64[3,4,4], f64[3,4,4]) {
+  %4 = broadcast %1 {shape=[3, 5, 2]} : f64[3,5,2]
+  %5 = matmul %0, %4 : f64[3,4,2]
+  %6 = broadcast %2 {shape=[3, 4, 5]} : f64[3,4,5]
+  %7 = matmul %0, %6 {transpose_b=true} : f64[3,4,4]
+  %8 = broadcast %3 {shape=[3, 4, 5]} : f64[3,4,5]
+  %9 = matmul %8, %0 {transpose_b=true} : f64[3,4,4]
+  return %5, %7, %9
+}
+"""
+    m, out = _run(text, ["simplify", "dce"])
+    f = out["f"]
+    mm = [i for i in f.instructions() if i.op.name == "matmul"]
+    assert [i.operands[1].type.shape for i in mm[:2]] == [(5, 2), (3, 4, 5)]
+    assert mm[2].operands[0].type.shape == (4, 5)
+    assert [i.operands[0].type.shape for i in f.instructions() if i.op.name == "broadcast"] == [(1, 5)]
+    rng = np.random.default_rng(0)
+    _same_numerics(m, out, [rng.standard_normal(s) for s in ((3, 4, 5), (5, 2), (1, 5), (4, 5))])
+
+
 @pytest.mark.parametrize("body", [
     "%1 = constant {value=0.0, dtype=f64} : f64[]\n  %2 = mul %0, %1 : f64[2,3]",   # x*0 is NaN for inf/NaN
     "%2 = sub %0, %0 : f64[2,3]",                                                      # x-x is NaN for inf/NaN

@@ -25,7 +25,7 @@ def test_greedy_valid_at_or_above_its_minimum(seed, n, frac):
     assert plan.cost >= g.base_cost - 1e-9
     if m > min_memory_lower_bound(g):
         with pytest.raises(BudgetTooSmall) as info:
-            solve_greedy(g, m - max(1, m // 10_000) - 1)
+            solve_greedy(g, m - max(1, m // 10_000) - 1, score="raf_belady")  # m is this score's minimum
         assert info.value.minimum == m
 
 

@@ -187,6 +187,32 @@ def test_budget_below_minimum_raises_and_changes_nothing(prior_steps):
     assert_snapshot_equal(snapshot(model, opt), before)
 
 
+def test_refusal_is_a_bounded_search(monkeypatch):
+    """A refusal costs about as much as a plan: budget probes are single bounded greedy passes and
+    the minimum is searched for once (to 2%), instead of a full bisection per failed probe with
+    passes that may thrash up to 200 computes per node (minutes on mid-sized vision models)."""
+    import remat.plan.greedy as greedy
+
+    calls: list = []
+    real = greedy.greedy_compute_sequence
+
+    def counted(graph, budget, order=None, *, score="raf_belady", max_steps=None):
+        calls.append(max_steps)
+        return real(graph, budget, order, score=score, max_steps=max_steps)
+
+    monkeypatch.setattr(greedy, "greedy_compute_sequence", counted)
+    model, inputs, loss_fn = make("resnet", torch.float32)
+    with pytest.raises(remat.BudgetTooSmall) as info:
+        remat.compile(model, inputs, loss_fn, budget=4096, solver="greedy")
+    # every pass but the last (the plan at the minimum found, which succeeds) is bounded
+    assert calls and all(m is not None for m in calls[:-1]), calls
+    # probes (one pass per greedy score each), a 2% bisection, the plan at the minimum
+    assert len(calls) <= 7 * len(greedy.SCORES) + 8 + 1, calls
+    step = remat.compile(model, inputs, loss_fn, budget=info.value.minimum, solver="greedy")
+    step(*inputs)
+    assert step.report().measured_peak <= info.value.minimum
+
+
 # ---------------------------------------------------------------- budget forms
 @pytest.mark.parametrize("form, expected", [
     (123456, 123456), ("123456", 123456), ("1.5MiB", 1572864), ("1.5 MiB", 1572864), ("800MB", 800_000_000),

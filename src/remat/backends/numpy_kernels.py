@@ -143,6 +143,14 @@ def reduce_sum(x, axes, keepdims=False):
     return _fresh(np.sum(x, axis=tuple(axes), keepdims=keepdims, dtype=acc), x.dtype)
 
 
+@k("cumsum")
+def cumsum(x, axis, reverse=False):
+    acc = np.float32 if x.dtype in _LOWP else x.dtype
+    if reverse:
+        return _fresh(np.flip(np.cumsum(np.flip(x, axis), axis=axis, dtype=acc), axis), x.dtype)
+    return _fresh(np.cumsum(x, axis=axis, dtype=acc), x.dtype)
+
+
 @k("reduce_mean")
 def reduce_mean(x, axes, keepdims=False):
     return _fresh(np.mean(_up(x), axis=tuple(axes), keepdims=keepdims), x.dtype)

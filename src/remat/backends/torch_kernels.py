@@ -133,6 +133,13 @@ def copy(x):
 
 
 # ---------------------------------------------------------------- reductions, softmax, matmul
+@k("cumsum")
+def cumsum(x, axis, reverse=False):
+    if reverse:
+        return _fresh(torch.cumsum(x.flip(axis), dim=axis, dtype=x.dtype).flip(axis))
+    return _fresh(torch.cumsum(x, dim=axis, dtype=x.dtype))
+
+
 @k("reduce_sum")
 def reduce_sum(x, axes, keepdims=False):
     if not axes:

@@ -13,6 +13,7 @@ import math
 import operator
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from ..ir import Builder, DType, TensorType, Value
@@ -132,14 +133,24 @@ def lower(*names: str, keep: bool = False):
     return deco
 
 
-def decomposition_table() -> dict:
-    """PyTorch's default export decompositions, less the overloads in :data:`KEEP`."""
+def decomposition_table(keep: set[str] | None = None) -> dict:
+    """PyTorch's default export decompositions, less the overloads in ``keep`` (default :data:`KEEP`)."""
     table = torch.export.default_decompositions()
-    for n in KEEP:
+    for n in KEEP if keep is None else keep:
         packet, _, overload = n.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        table.pop(op, None)
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is not None:
+            table.pop(op, None)
     return table
+
+
+def decomposition_tables() -> list[tuple[str, dict]]:
+    """The decomposition tables the importer tries in order, named for error messages: remat's
+    (composites with native kernels kept whole), then one that also keeps every other overload
+    remat lowers itself, for when one of PyTorch's decompositions fails on a model (e.g. a
+    ``view`` of a non-contiguous tensor in a decomposed attention)."""
+    return [("remat's decomposition table", decomposition_table()),
+            ("the table keeping every op remat lowers", decomposition_table(KEEP | set(LOWERINGS)))]
 
 
 def _axis(d: int, rank: int) -> int:
@@ -415,6 +426,48 @@ def _expand(L: Lowerer, x, size, implicit=False):
     return x if x.type.shape == shape else L.op("broadcast", x, shape=shape)
 
 
+def _positions(shape: Sequence[int], strides: Sequence[int], offset: int) -> np.ndarray:
+    """Storage position of every element of a strided tensor, in logical (row-major) order."""
+    pos = np.full((), offset, dtype=np.int64)
+    for d, st in zip(shape, strides):
+        pos = pos[..., None] + np.arange(int(d), dtype=np.int64) * int(st)
+    return pos.reshape(-1)
+
+
+@lower("as_strided.default", "as_strided_copy.default")
+def _as_strided(L: Lowerer, x, size, stride, storage_offset=None):
+    """``as_strided`` that only restrides: the result holds each element of ``x`` exactly once
+    (PyTorch emits it, e.g., to give a reduction's result a channels-last layout). Storage
+    positions come from the example input's strides; the result is ``x``'s logical array
+    reshaped and transposed, which remat computes by value (strides never matter in the IR)."""
+    xm = L.arg_meta(L.node.args[0])
+    size, stride = [int(d) for d in size], [int(d) for d in stride]
+    off = int(xm.storage_offset() if storage_offset is None else storage_offset)
+    n = math.prod(size)
+    where = {int(p): i for i, p in enumerate(_positions(xm.shape, xm.stride(), int(xm.storage_offset())))}
+    reads = _positions(size, stride, off)
+    if n != x.type.numel or len(where) != n or len(set(reads.tolist())) != n or any(int(p) not in where for p in reads):
+        raise LoweringError(f"as_strided to size {size}, strides {stride}, offset {off} over an input of shape "
+                            f"{list(xm.shape)} and strides {list(xm.stride())} does not restride the input (it skips, "
+                            "repeats or overlaps elements); only as_strided that permutes all elements is supported")
+    logical = np.array([where[int(p)] for p in reads], dtype=np.int64).reshape(size)
+    # Order the result's non-unit axes by their stride in x's logical array: x reshaped to those
+    # sizes, then transposed into the result's axis order, must read the same elements.
+    axes = [i for i, d in enumerate(size) if d > 1]
+    first = logical.flat[0] if n else 0
+    lstride = {i: int(logical[tuple(1 if j == i else 0 for j in range(len(size)))] - first) for i in axes}
+    order = sorted(axes, key=lambda i: -lstride[i])
+    perm = [order.index(i) for i in axes]
+    expect = np.arange(n).reshape([size[i] for i in order]).transpose(perm).reshape(size)
+    if not np.array_equal(expect, logical):
+        raise LoweringError(f"as_strided to size {size}, strides {stride} permutes the input's elements in a way that "
+                            "is no transpose; only as_strided equal to a reshape and a transpose is supported")
+    y = L.reshape(x, [size[i] for i in order])
+    if perm != list(range(len(perm))):
+        y = L.op("transpose", y, perm=perm)
+    return L.reshape(y, size)
+
+
 def _slice(L: Lowerer, x: Value, dim: int, start: int, stop: int, step: int = 1) -> Value:
     shape = x.type.shape
     if start == 0 and stop == shape[dim] and step == 1:
@@ -498,12 +551,46 @@ def _index_select(L: Lowerer, x, dim, index):
 
 @lower("index.Tensor")
 def _index(L: Lowerer, x, indices):
-    real = [(i, v) for i, v in enumerate(indices) if v is not None]
-    if len(real) != 1 or real[0][1].type.dtype not in (DType.i32, DType.i64):
-        raise LoweringError("indexing is supported with exactly one integer index tensor (x[..., idx, ...]); "
-                            "boolean masks and several index tensors are not")
-    (dim, idx), = real
-    return L.op("gather", x, idx, axis=dim)
+    """x[i0, i1, ...] with integer index tensors that broadcast together (``None`` keeps an axis):
+    one ``gather`` along the indexed axes merged into one, at the flat index sum_k i_k * stride_k.
+    As in NumPy/PyTorch, the broadcast index axes take the place of adjacent indexed axes and come
+    first when the indexed axes are separated; negative indices count from the end."""
+    rank = x.type.rank
+    idx = list(indices) + [None] * (rank - len(indices))
+    dims = [d for d, v in enumerate(idx) if v is not None]
+    if not dims:
+        return x
+    for d in dims:
+        dt = idx[d].type.dtype
+        if dt == DType.bool:
+            raise LoweringError("indexing with a boolean mask (x[mask]) gives a result whose size depends on the mask's "
+                                "values, and remat's shapes are static; use torch.where(mask, x, 0) or multiply by "
+                                "the mask instead")
+        if not dt.is_int:
+            raise LoweringError(f"index tensors must be integer or boolean, got {idx[d].type}")
+    vals = [idx[d] for d in dims]
+    if dims != list(range(dims[0], dims[-1] + 1)):  # separated: the indexed axes move to the front
+        x = L.op("transpose", x, perm=dims + [d for d in range(rank) if d not in dims])
+        dims = list(range(len(dims)))
+    shape, first = x.type.shape, dims[0]
+    sizes = [shape[d] for d in dims]
+    it = DType.i64 if len(vals) > 1 else vals[0].type.dtype
+    flat = None
+    for k, (v, n) in enumerate(zip(vals, sizes)):
+        v = L.cast(v, it)
+        v = L.op("select", L.op("lt", v, L.const(0, it)), L.op("add", v, L.const(n, it)), v)
+        stride = math.prod(sizes[k + 1:])
+        term = v if stride == 1 else L.op("mul", v, L.const(stride, it))
+        flat = term if flat is None else L.op("add", flat, term)
+    if len(dims) > 1:
+        x = L.reshape(x, shape[:first] + (math.prod(sizes),) + shape[first + len(dims):])
+    return L.reshape(L.op("gather", x, flat, axis=first), L.out_type().shape)
+
+
+@lower("cumsum.default")
+def _cumsum(L: Lowerer, x, dim, dtype=None):
+    """Running sum along ``dim`` in the result's dtype (booleans and small integers sum as int64)."""
+    return L.op("cumsum", L.cast(x, L.out_type().dtype), axis=_axis(int(dim), x.type.rank))
 
 
 @lower("gather.default")

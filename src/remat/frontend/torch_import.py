@@ -26,7 +26,7 @@ import torch
 
 from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
 from ..passes import run
-from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_table, to_dtype
+from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
 __all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
 
@@ -51,6 +51,19 @@ class UnsupportedOpError(NotImplementedError):
         supported = ", ".join(s.removeprefix("aten.") for s in SUPPORTED)
         super().__init__(f"unsupported PyTorch op {op} {where}{why}\n  from: {source or '(source unknown)'}\n"
                          f"Supported ATen ops: {supported}")
+
+
+class CaptureError(RuntimeError):
+    """PyTorch could not capture or decompose the model; ``stage`` says which step failed and
+    ``failures`` what each attempt raised (the first lines of each error)."""
+
+    def __init__(self, stage: str, failures: Sequence[str]):
+        self.stage, self.failures = stage, list(failures)
+        shown = "\n".join("  " + "\n    ".join(f.strip().splitlines()[:3]) for f in failures)
+        hint = ("the model's Python could not be traced; make it traceable by torch.export (no data-dependent "
+                "control flow on tensor values)" if stage.startswith("capture") else
+                "PyTorch's decompositions failed on the captured graph with every table remat tried")
+        super().__init__(f"importing the model failed at {stage}: {hint}\n{shown}")
 
 
 class TranslationError(RuntimeError):
@@ -148,7 +161,30 @@ def _count_targets(loss_fn: Callable[..., Any]) -> int:
 
 
 def _where(node: torch.fx.Node) -> tuple[str, str]:
-    """The submodule path and the innermost user source line (outside torch) that produced a node."""
+    """The submodule path and the innermost user source line (outside torch) that produced a node.
+
+    Nodes made by a decomposition may carry no trace of their own; then the nearest node around
+    them that has one (their inputs, then their users) names the place, marked "near"."""
+    path, source = _where_own(node)
+    if source:
+        return path, source
+    seen, frontier = {node}, [node]
+    for _ in range(4):  # a few steps out along the graph's edges
+        nxt = []
+        for n in frontier:
+            for m in list(n.all_input_nodes) + list(n.users):
+                if m not in seen and m.op == "call_function":
+                    seen.add(m)
+                    nxt.append(m)
+        for m in nxt:
+            p, src = _where_own(m)
+            if src:
+                return path or p, f"near {src}"
+        frontier = nxt
+    return path, source
+
+
+def _where_own(node: torch.fx.Node) -> tuple[str, str]:
     stack = node.meta.get("nn_module_stack") or {}
     path = ""
     if stack:
@@ -156,14 +192,17 @@ def _where(node: torch.fx.Node) -> tuple[str, str]:
         path = "" if path == "model" else path
     trace = node.meta.get("stack_trace") or ""
     lines = trace.strip().splitlines()
-    source = ""
+    source = innermost = ""
     for i in range(len(lines) - 1, -1, -1):  # frames: 'File "...", line N, in f' followed by the code
         s = lines[i].strip()
-        if s.startswith("File ") and _TORCH_DIR not in s and __file__ not in s:
+        if s.startswith("File "):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            source = f"{s}: {code}" if code else s
-            break
-    return path, source
+            here = f"{s}: {code}" if code else s
+            innermost = innermost or here
+            if _TORCH_DIR not in s and __file__ not in s:
+                source = here
+                break
+    return path, source or innermost
 
 
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -192,11 +231,27 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            ep = torch.export.export(wrapper, example_inputs).run_decompositions(decomposition_table())
+            ep = _capture(wrapper, example_inputs)
     finally:
         for m, t in zip(model.modules(), was_training):
             m.training = t
     return _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
+
+
+def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.ExportedProgram":
+    """``torch.export`` then ``run_decompositions``, trying each of :func:`decomposition_tables`
+    in turn; a failure raises :class:`CaptureError` naming the stage (and every table tried)."""
+    try:
+        exported = torch.export.export(wrapper, example_inputs)
+    except Exception as e:
+        raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"]) from e
+    failures = []
+    for name, table in decomposition_tables():
+        try:
+            return exported.run_decompositions(table)
+        except Exception as e:  # noqa: BLE001  a decomposition of PyTorch's own failed: try the next table
+            failures.append(f"with {name}: {type(e).__name__}: {e}")
+    raise CaptureError("decomposition (ExportedProgram.run_decompositions)", failures)
 
 
 def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_user: int, has_loss: bool,

@@ -145,8 +145,23 @@ def matmul_transposed_operand(ins, b):
     return b.op("matmul", a, c, **at)
 
 
+def matmul_broadcast_operand(ins, b):
+    """matmul(a, broadcast(w)) -> matmul(a, w) when the broadcast only adds or expands batch axes
+    (PyTorch's matmul decomposition: ``expand(weight, [b, in, out])`` + ``bmm``): the product
+    broadcasts batch axes itself, so no expanded copy exists, and the backward of a 2-D weight is
+    one 2-D product over the flattened batch instead of a batched product and a sum."""
+    ops = list(ins.operands)
+    for i, v in enumerate(ops):
+        d = _def(v, "broadcast")
+        if d is not None and d.operands[0].type.rank >= 2 and d.operands[0].type.shape[-2:] == v.type.shape[-2:]:
+            ops[i] = d.operands[0]
+    if ops == list(ins.operands):
+        return None
+    return _same(ins, b.op("matmul", *ops, **ins.attrs))
+
+
 RULES: dict[str, list[Rule]] = {
-    "matmul": [matmul_transposed_operand],
+    "matmul": [matmul_transposed_operand, matmul_broadcast_operand],
     "mul": [_right_identity(1), _left_identity(1)],
     "add": [_right_identity(0), _left_identity(0)],
     "sub": [_right_identity(0)],

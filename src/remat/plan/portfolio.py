@@ -103,8 +103,10 @@ def plan_step(p: StepProblem) -> Candidate:
 
 # ---------------------------------------------------------------- instruction level
 def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, main: bool,
-                 time_limit: float) -> GraphPlan:
-    """One instruction-level solve at a budget probe, by the solver the registry picks."""
+                 time_limit: float) -> GraphPlan | None:
+    """One instruction-level solve at a budget probe, by the solver the registry picks: None (or
+    ``BudgetTooSmall`` from the MILP) when it finds no plan at ``budget``; the greedy probes with
+    bounded passes (:func:`.greedy.try_greedy_best`), so a failed probe stays cheap."""
     return graph_solver(solver, len(graph.compute_nodes), main)(graph, budget, order, time_limit)
 
 
@@ -112,7 +114,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
                max_overhead: float = 2.0) -> Candidate | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true."""
-    from .greedy import greedy_min_budget
+    from .greedy import greedy_min_budget, solve_greedy
     from .rematerialize import from_schedule
 
     def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
@@ -133,9 +135,11 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if m <= 0:
             continue
         try:
-            plans.append(_solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit))
+            plan = _solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit)
         except BudgetTooSmall:
             continue
+        if plan is not None:
+            plans.append(plan)
     best = None
     for plan in sorted(plans, key=lambda q: q.cost):
         if (plan.overhead or 0.0) > max_overhead:
@@ -148,7 +152,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if not need_minimum:  # the chain DP found a plan; its minimum is not needed
             return None
         m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
-        cand = lower(_solve_graph(low.graph, m, order, p.solver, False, p.milp_time_limit))
+        cand = lower(solve_greedy(low.graph, m, order=order, score="raf_belady"))  # m is this score's minimum
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand

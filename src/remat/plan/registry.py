@@ -19,7 +19,8 @@ class Solver:
     (the instruction graph). ``max_nodes``: under ``"auto"`` it runs only on graphs of at most this
     many compute nodes (None: any size). ``main_probe_only``: costly solvers run once, at the main
     budget probe; the others run at every probe. Graph solvers: ``solve(graph, budget, order,
-    time_limit)`` solves as when named, ``solve_auto`` as under ``"auto"`` (None: the same). Chain
+    time_limit)`` solves as when named (returning the plan, or None / ``BudgetTooSmall`` when it
+    finds none at the budget), ``solve_auto`` as under ``"auto"`` (None: the same). Chain
     solvers: ``method``, the chain DP's cost model (``remat.plan.chain.solvers.solve``)."""
 
     name: str
@@ -27,8 +28,8 @@ class Solver:
     what: str
     max_nodes: int | None = None
     main_probe_only: bool = False
-    solve: Callable[[Graph, int, Sequence[int], float], GraphPlan] | None = None
-    solve_auto: Callable[[Graph, int, Sequence[int], float], GraphPlan] | None = None
+    solve: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
+    solve_auto: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
     method: str | None = None
 
     def admits(self, option: str, n_nodes: int) -> bool:
@@ -50,10 +51,10 @@ def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit:
     return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES)
 
 
-def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
-    from .greedy import solve_greedy
+def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan | None:
+    from .greedy import try_greedy_best
 
-    return solve_greedy(graph, budget, order=order)
+    return try_greedy_best(graph, budget, order)  # bounded passes: a failed probe stays cheap
 
 
 SOLVERS: dict[str, Solver] = {s.name: s for s in (
@@ -77,7 +78,7 @@ def check_option(option: str) -> None:
         raise ValueError(f"unknown solver {option!r}; valid: {', '.join(SOLVER_OPTIONS)}")
 
 
-def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], GraphPlan]:
+def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], GraphPlan | None]:
     """The solve function that runs at one budget probe (``main``: the probe at the budget itself)."""
     for s in GRAPH_SOLVERS:
         if s.admits(option, n_nodes) and (main or not s.main_probe_only):

@@ -42,6 +42,26 @@ for _name, _doc in {"reduce_sum": "sum over axes", "reduce_mean": "mean over axe
                                     Sample([rand(r, 6)], {"axes": (0,)})]))
 
 
+# ---------------------------------------------------------------- cumulative sum
+def _cumsum_infer(types, attrs):
+    (t,) = types
+    check_axis("cumsum", attrs["axis"], t.rank)
+    if t.dtype.value == "bool":
+        raise TypeError(f"'cumsum' of {t}: cast booleans to an integer dtype first")
+    return t
+
+
+def _cumsum_norm(types, attrs):
+    return {**attrs, "axis": norm_axis(attrs["axis"], types[0].rank)} if types else attrs
+
+
+declare(OpDef("cumsum", 1, (Attr("axis", "int"), Attr("reverse", "bool", False)), _cumsum_infer, frozenset(),
+              normalize=_cumsum_norm, flops=lambda ins, outs, attrs: float(outs[0].numel),
+              doc="inclusive running sum along an axis (from the end when reverse): position ids, causal masks",
+              sample=lambda r: [Sample([rand(r, 3, 5)], {"axis": 1}), Sample([rand(r, 2, 3, 4)], {"axis": 0, "reverse": True}),
+                                Sample([r.integers(0, 3, size=(2, 6))], {"axis": -1})]))
+
+
 # ---------------------------------------------------------------- softmax
 def _softmax_infer(name):
     def infer(types, attrs):
@@ -549,6 +569,12 @@ def _matmul_grads(b, x, w, g, ta: bool, tb: bool, x_type, w_type):
         return [grad_x(), gw]
     gx = grad_x()
     return [gx, grad_w()]
+
+
+@def_vjp("cumsum", saves="none")
+def _cumsum_vjp(b, p, g):
+    # y_i = sum_{j <= i} x_j, so dx_j = sum_{i >= j} g_i: the running sum from the other end.
+    return [b.op("cumsum", g, axis=p.attrs["axis"], reverse=not p.attrs["reverse"])]
 
 
 @def_vjp("matmul", saves="inputs")

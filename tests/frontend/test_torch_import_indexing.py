@@ -1,0 +1,147 @@
+"""Imports that real transformers emit: ``index.Tensor`` with several broadcast index tensors,
+``cumsum``, ``as_strided`` that restrides; refusals that name the op and the source line; and the
+capture stages (export, then decompositions with a fallback table) named when they fail."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from remat.frontend.torch_import import CaptureError, UnsupportedOpError, import_module
+
+from test_torch_import import assert_close, evaluate
+
+
+class Indexing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 5, 6, 7, dtype=torch.float64))
+
+    def forward(self, x, i, j, k, m):
+        return (self.w[i, j],                       # adjacent index tensors, broadcast [3,1] x [1,2]
+                self.w[:, i, :, k],                 # separated: the broadcast index axes come first
+                self.w[..., j - 2],                 # negative indices count from the end
+                self.w[1:3, :, i[:, 0]],            # one index after a slice
+                m[i[:, 0], k[0]],                   # a boolean table (transformers' create_causal_mask)
+                torch.cumsum(x, 1), torch.cumsum(m.long(), -1), torch.cumsum(m, 0),  # bool sums as int64
+                x.t().contiguous().as_strided((4, 3), (3, 1)),                      # a restride only
+                x.as_strided((4, 3), (1, 4)))
+
+
+def _index_args():
+    torch.manual_seed(0)
+    return (torch.randn(3, 4, dtype=torch.float64), torch.tensor([[0], [2], [3]]), torch.tensor([[1, 3]]),
+            torch.tensor([[0], [6], [2]]), torch.rand(5, 7) > 0.5)
+
+
+def test_indexing_cumsum_and_as_strided_match_eager():
+    model, args = Indexing(), _index_args()
+    im = import_module(model, args, train=False)
+    want = model(*args)
+    got = evaluate(im, *args)
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w.detach(), torch.float64, f"output {n}")
+    ops = {i.op.name for i in im.function.instructions()}
+    assert "cumsum" in ops and "gather" in ops
+
+
+def test_gradients_through_indexing_and_cumsum_match_eager():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Parameter(torch.randn(6, 8, 5, dtype=torch.float64))
+
+        def forward(self, x, i, j):
+            y = self.emb[i, j] * x                       # [3, 4, 5]
+            return torch.cumsum(y, 1).pow(2).sum() + (torch.cumsum(y, -1)[0] * x[1]).sum()
+
+    torch.manual_seed(1)
+    model = Net()
+    ref = copy.deepcopy(model)
+    x, i, j = torch.randn(3, 4, 5, dtype=torch.float64), torch.randint(-6, 6, (3, 1)), torch.randint(0, 8, (1, 4))
+    step = remat.compile(model, (x, i, j))
+    loss = step(x, i, j)
+    want = ref(x, i, j)
+    want.backward()
+    assert_close(loss.detach().numpy(), want.detach(), torch.float64, "loss")
+    assert_close(model.emb.grad.numpy(), ref.emb.grad, torch.float64, "gradient")
+
+
+def test_boolean_mask_indexing_is_refused_with_the_source_line():
+    class Masked(nn.Module):
+        def forward(self, x):
+            return x[x > 0].sum()
+
+    with pytest.raises((UnsupportedOpError, CaptureError)) as ei:
+        import_module(Masked(), (torch.randn(4, 3),))
+    assert "test_torch_import_indexing.py" in str(ei.value)
+
+
+def test_as_strided_that_repeats_elements_is_refused_with_the_source_line():
+    class Overlap(nn.Module):
+        def forward(self, x):
+            return x.as_strided((3, 3), (1, 1)) * 2
+
+    with pytest.raises(UnsupportedOpError, match="as_strided") as ei:
+        import_module(Overlap(), (torch.randn(9),))
+    assert "repeats" in str(ei.value) and "test_torch_import_indexing.py" in ei.value.source
+
+
+class _Silu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return F.silu(self.lin(x))
+
+
+def _broken(*args, **kwargs):
+    raise RuntimeError("a broken decomposition")
+
+
+def test_a_failing_decomposition_falls_back_to_keeping_the_op(monkeypatch):
+    # remat's table decomposes silu with PyTorch's rule; make that rule fail: the importer then
+    # tries the table that keeps every op it lowers itself, and silu is lowered whole.
+    default = torch.export.default_decompositions
+
+    def with_broken_silu():
+        t = default()
+        t[torch.ops.aten.silu.default] = _broken
+        return t
+
+    monkeypatch.setattr(torch.export, "default_decompositions", with_broken_silu)
+    model, x = _Silu(), torch.randn(2, 4)
+    im = import_module(model, (x,), train=False)
+    assert_close(evaluate(im, x)[0], model(x).detach(), torch.float32, "output")
+
+
+def test_failures_name_the_stage(monkeypatch):
+    class DataDependent(nn.Module):
+        def forward(self, x):
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(CaptureError, match=r"capture \(torch.export.export\)") as ei:
+        import_module(DataDependent(), (torch.randn(3),))
+    assert ei.value.stage.startswith("capture")
+
+    default = torch.export.default_decompositions
+
+    class Hardswish(nn.Module):
+        def forward(self, x):
+            return F.hardswish(x)
+
+    def broken_hardswish():  # remat has no rule of its own for hardswish: every table decomposes it
+        t = default()
+        t[torch.ops.aten.hardswish.default] = _broken
+        return t
+
+    monkeypatch.setattr(torch.export, "default_decompositions", broken_hardswish)
+    with pytest.raises(CaptureError, match="decomposition") as ei:
+        import_module(Hardswish(), (torch.randn(2, 4),))
+    assert len(ei.value.failures) == 2 and all("broken decomposition" in f for f in ei.value.failures)
