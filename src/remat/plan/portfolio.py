@@ -96,9 +96,19 @@ def plan_step(p: StepProblem) -> Candidate:
         raise BudgetTooSmall(p.budget, min(minimums), "this training step")
     best = min(candidates, key=lambda c: c.overhead)
     best.notes = best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                               for c in candidates if c is not best]
+                               for c in candidates if c is not best] + _why_not_chain(chain)
     verify(Module([best.program]))
     return best
+
+
+def _why_not_chain(chain: Candidate | int | None) -> list[str]:
+    """The note saying why a chain of blocks did not win when it was no candidate."""
+    if chain is None:
+        return ["chain of blocks: not tried (the forward has too few separators to cut it into a chain)"]
+    if isinstance(chain, int):
+        return [f"chain of blocks: tried, infeasible: its smallest plan needs {format_bytes(chain)} "
+                f"(blocks too coarse for this budget: one block's tape and backward do not fit)"]
+    return []
 
 
 # ---------------------------------------------------------------- instruction level
