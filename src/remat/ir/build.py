@@ -14,8 +14,12 @@ from .core import Block, BlockArg, Builder, Function, Instruction, Value
 def clone_into(b: Builder, ins: Instruction, vmap: dict[Value, Value]) -> Instruction:
     """Insert at ``b`` a copy of the non-branching ``ins`` with its operands mapped through ``vmap``;
     record its results in ``vmap`` and return the copy."""
-    new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
-                   result_types=[r.type for r in ins.results], dialect=ins.dialect)
+    if ins.successors:
+        raise ValueError(f"clone_into copies straight-line instructions; '{ins.op.name}' branches")
+    # A copy of a built instruction: its attributes are already checked and its result types known,
+    # so the type rule and attribute coercion (most of ``Builder.create``'s time) are skipped.
+    new = b._insert(Instruction(ins.op, [vmap[o] for o in ins.operands], ins.attrs,
+                                [r.type for r in ins.results], dialect=ins.dialect))
     for r, nr in zip(ins.results, new.results):
         vmap[r] = nr
     return new

@@ -11,14 +11,14 @@ their gradients.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from .chain.executor import Binding, ChainStage, make_stage
-from ..ir import Function, Instruction, Value
+from ..ir import Builder, Function, Instruction, Value
 from ..ir.core import BlockArg
 from .graph import Graph
 from ..ir.analysis import ancestors
-from ..ir.build import slice_function
+from ..ir.build import clone_into
 from .separators import find_separators
 
 
@@ -29,6 +29,67 @@ class Blocks:
     stages: list[ChainStage]
     binding: Binding
     aux_order: list[int]  # forward-output index (1-based among side outputs) of each stage side output, in order
+    kinds: list[int] = field(default_factory=list)  # stage k is the kinds[k]-th distinct block (same IR up to renaming)
+
+    @property
+    def n_distinct(self) -> int:
+        return len(set(self.kinds))
+
+
+StageCache = dict[str, tuple[ChainStage, list[int], int]]
+"""Differentiated blocks by canonical text: (the stage, its salts in order, its kind number)."""
+
+
+def _salts(fn: Function) -> list[int]:
+    """The random-stream salts ``fn`` uses, in order of first appearance (a ``salt`` attribute names a
+    random stream: blocks that differ only in their salts are the same block up to renaming)."""
+    out: list[int] = []
+    for ins in fn.entry.instrs:
+        s = ins.attrs.get("salt")
+        if s is not None and s not in out:
+            out.append(s)
+    return out
+
+
+def canonical_key(fn: Function, n_lead: int, grad_pos: tuple[int, ...], diff_input: bool) -> str:
+    """A text equal for two stage functions exactly when they are the same IR up to the names of
+    values, the function's name and the salts of their random streams (printed names are positional)."""
+    canon = fn.clone("block")
+    index = {s: i for i, s in enumerate(_salts(fn))}
+    for ins in canon.entry.instrs:
+        if "salt" in ins.attrs:
+            ins.attrs["salt"] = index[ins.attrs["salt"]]
+    return f"{n_lead} {grad_pos} {diff_input}\n{canon}"
+
+
+def _resalted(fn: Function, name: str, salts: dict[int, int]) -> Function:
+    """A copy of ``fn`` named ``name`` with its salts renamed through ``salts``."""
+    out = fn.clone(name)
+    for ins in out.entry.instrs:
+        if "salt" in ins.attrs:
+            ins.attrs["salt"] = salts.get(ins.attrs["salt"], ins.attrs["salt"])
+    return out
+
+
+def _stage(name: str, fn: Function, n_lead: int, grad_pos: tuple[int, ...], diff_input: bool,
+           cache: StageCache) -> tuple[ChainStage, int]:
+    """The differentiated stage of ``fn`` and its kind: differentiated once per distinct block, and
+    for a repeat, the first one's forward, split and costs with the repeat's name and salts."""
+    key = canonical_key(fn, n_lead, grad_pos, diff_input)
+    hit = cache.get(key)
+    if hit is None:
+        stage = make_stage(name, fn, n_lead, grad_pos, diff_input=diff_input)
+        cache[key] = (stage, _salts(fn), len(cache))
+        return stage, len(cache) - 1
+    first, first_salts, kind = hit
+    ren = dict(zip(first_salts, _salts(fn)))
+    if all(a == b for a, b in ren.items()):
+        return replace(first, name=name), kind
+    sp = first.split
+    split = replace(sp, forward=_resalted(sp.forward, sp.forward.name, ren),
+                    forward_light=_resalted(sp.forward_light, sp.forward_light.name, ren),
+                    backward=_resalted(sp.backward, sp.backward.name, ren))
+    return replace(first, name=name, forward=_resalted(first.forward, name, ren), split=split), kind
 
 
 def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
@@ -40,12 +101,16 @@ def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
 
 
 def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 48,
-        min_stages: int = 3, min_blocks: int = 12, backward_kept_only: bool = True) -> Blocks | None:
+        min_stages: int = 3, min_blocks: int = 12, backward_kept_only: bool = True,
+        cache: StageCache | None = None) -> Blocks | None:
     """Stages of ``forward: (params..., other args...) -> (loss, side outputs...)`` along the data
     input ``forward.params[data_index]``, or None when the graph has too few separators.
 
     ``backward_kept_only``: cut only at separators the backward keeps anyway (topped up to
-    ``min_blocks`` with others); otherwise at every separator (finer blocks, more to hold)."""
+    ``min_blocks`` with others); otherwise at every separator (finer blocks, more to hold).
+    Identical blocks (repeated layers) are differentiated once; ``cache`` shares them between cuts.
+    Time: linear in the forward's size plus, per stage, its slice (stages partition the body)."""
+    cache = {} if cache is None else cache
     if len(forward.blocks) != 1:
         return None
     body = forward.entry.instrs[:-1]
@@ -76,7 +141,8 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     kept = [s for s in seps if _kept_by_backward(s.results[0], consumers)] if backward_kept_only else list(seps)
     if len(kept) < min_blocks:
         # Too coarse: add evenly spaced other separators (each costs holding one activation longer).
-        rest = [s for s in seps if s not in set(kept)]
+        kept_set = set(kept)
+        rest = [s for s in seps if s not in kept_set]
         want = min(len(rest), min_blocks - len(kept))
         extra = [rest[round(i * (len(rest) - 1) / max(want - 1, 1))] for i in range(want)] if want else []
         kept = sorted(set(kept) | set(extra), key={ins: i for i, ins in enumerate(body)}.__getitem__)
@@ -117,25 +183,40 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     for j, v in enumerate(side):
         aux_of.setdefault(stage_for(v), []).append(j)
     others = [p for i, p in enumerate(forward.params) if i != data_index]
-    stages, leads, aux_order = [], [], []
+    stages, leads, aux_order, kinds = [], [], [], []
+    param_pos = {v: i for i, v in enumerate(forward.params)}
     for k in range(len(seps)):
         vin, vout = bounds[k], bounds[k + 1]
         results = [vout] + [side[j] for j in aux_of.get(k, [])]
-        try:
-            full = slice_function(f"stage{k + 1}", others + [vin], body, results)
-        except ValueError:
+        needed = ancestors(results, stop=[vin])
+        if any(isinstance(r, BlockArg) and r is not vin for r in results) or (
+                x is not vin and any(x in ins.operands for ins in needed)):
             return None  # a value crosses a boundary other than through a separator
-        used = _used_params(full)
-        lead_vals = [others[i] for i in range(len(others)) if i in used]
-        fn = slice_function(f"stage{k + 1}", lead_vals + [vin], body, results)
-        lead = [forward.params.index(v) for v in lead_vals]
+        used = {o for ins in needed for o in ins.operands if isinstance(o, BlockArg) and o is not vin}
+        lead_vals = [p for p in others if p in used]
+        fn = _slice(f"stage{k + 1}", lead_vals + [vin], pos, needed, results)
+        lead = [param_pos[v] for v in lead_vals]
         grad_pos = tuple(i for i, p in enumerate(lead) if p < n_trainable)
-        stage = make_stage(f"stage{k + 1}", fn, len(lead), grad_pos, diff_input=vin.type.dtype.is_float)
+        stage, kind = _stage(f"stage{k + 1}", fn, len(lead), grad_pos, vin.type.dtype.is_float, cache)
         stages.append(stage)
+        kinds.append(kind)
         leads.append(lead)
         aux_order += aux_of.get(k, [])
     binding = Binding(list(forward.param_types), leads, data_index, list(range(n_trainable)))
-    return Blocks(stages, binding, aux_order)
+    return Blocks(stages, binding, aux_order, kinds)
+
+
+def _slice(name: str, params: list[Value], pos: dict[Instruction, int], needed: set[Instruction],
+           results: list[Value]) -> Function:
+    """``slice_function`` with the needed instructions already known (copied in body order ``pos``),
+    so that slicing costs the stage's size, not the whole body's."""
+    f = Function(name, [p.type for p in params], [r.type for r in results])
+    vmap: dict[Value, Value] = dict(zip(params, f.params))
+    b = Builder(f.entry)
+    for ins in sorted(needed, key=pos.__getitem__):
+        clone_into(b, ins, vmap)
+    b.ret(*[vmap[r] for r in results])
+    return f
 
 
 def _kept_by_backward(v: Value, consumers: dict[Value, list[Instruction]]) -> bool:
@@ -152,12 +233,3 @@ def _kept_by_backward(v: Value, consumers: dict[Value, list[Instruction]]) -> bo
         if any(c.operands[i] is v for i in idx):
             return True
     return False
-
-
-def _used_params(fn: Function) -> set[int]:
-    used = set()
-    for ins in fn.entry.instrs:
-        for o in ins.operands:
-            if isinstance(o, BlockArg) and o.block is fn.entry:
-                used.add(o.index)
-    return used

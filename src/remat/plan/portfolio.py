@@ -96,9 +96,19 @@ def plan_step(p: StepProblem) -> Candidate:
         raise BudgetTooSmall(p.budget, min(minimums), "this training step")
     best = min(candidates, key=lambda c: c.overhead)
     best.notes = best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                               for c in candidates if c is not best]
+                               for c in candidates if c is not best] + _why_not_chain(chain)
     verify(Module([best.program]))
     return best
+
+
+def _why_not_chain(chain: Candidate | int | None) -> list[str]:
+    """The note saying why a chain of blocks did not win when it was no candidate."""
+    if chain is None:
+        return ["chain of blocks: not tried (the forward has too few separators to cut it into a chain)"]
+    if isinstance(chain, int):
+        return [f"chain of blocks: tried, infeasible: its smallest plan needs {format_bytes(chain)} "
+                f"(blocks too coarse for this budget: one block's tape and backward do not fit)"]
+    return []
 
 
 # ---------------------------------------------------------------- instruction level
@@ -168,7 +178,8 @@ def plan_blocks(p: StepProblem) -> Candidate | int | None:
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
     smallest minimum (bytes) when no plan fits, else the candidate."""
-    results = [r for r in (plan_cut(p, True), plan_cut(p, False)) if r is not None]
+    cache: dict = {}  # identical blocks are differentiated once, across both cuts
+    results = [r for r in (plan_cut(p, True, cache), plan_cut(p, False, cache)) if r is not None]
     if not results:
         return None
     ok = [r for r in results if isinstance(r, Candidate)]
@@ -177,14 +188,15 @@ def plan_blocks(p: StepProblem) -> Candidate | int | None:
     return min(results)
 
 
-def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
-    """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits."""
+def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None) -> Candidate | int | None:
+    """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits.
+    ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``)."""
     from .chain.planner import ChainPlanner
     from .chain.profile import chain_costs, profile_stages
     from .blocks import cut
 
     t0 = time.perf_counter()
-    blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse)
+    blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, cache=cache)
     if blocks is None:
         return None
     measure = p.example_args is not None
@@ -194,11 +206,10 @@ def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
         lead_args = [[args[i] for i in lead] for lead in blocks.binding.lead]
         x = args[blocks.binding.x]
         one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
-    profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure)
+    profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure,
+                              kinds=blocks.kinds)
     if not measure:
-        for prof, st in zip(profiles, blocks.stages):
-            prof.fwd_time = function_cost(st.split.forward)
-            prof.bwd_time = function_cost(st.split.backward)
+        _static_times(profiles, blocks)
     costs = chain_costs(profiles)
 
     def finish(fn: Function) -> Function:
@@ -210,10 +221,20 @@ def plan_cut(p: StepProblem, coarse: bool) -> Candidate | int | None:
         pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:
         return e.minimum
-    notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks in "
+    notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks "
+             f"({blocks.n_distinct} distinct, each differentiated and costed once) in "
              f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
              f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
     return Candidate(f"chain DP ({SOLVERS['chain'].method})", notes, pol.function, pol.plan.overhead(costs), pol.plan)
+
+
+def _static_times(profiles: list, blocks) -> None:
+    """Static forward/backward seconds of each stage, estimated once per distinct block."""
+    by_kind: dict[int, tuple[float, float]] = {}
+    for prof, st, kind in zip(profiles, blocks.stages, blocks.kinds):
+        if kind not in by_kind:
+            by_kind[kind] = (function_cost(st.split.forward), function_cost(st.split.backward))
+        prof.fwd_time, prof.bwd_time = by_kind[kind]
 
 
 def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:

@@ -172,7 +172,7 @@ class TrainStep:
         self._bind_torch(imp)
         n_params = len(imp.param_names)
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
-        joint = self._stage("passes", lambda: cleanup(graph))
+        self.joint = joint = self._stage("passes", lambda: cleanup(graph))  # forward + backward, before planning
         # (the "fuse" stage goes here: IR -> IR on the joint)
         unconstrained = self._make_step(joint, check=True)
         self.unconstrained_peak = predict_peak(unconstrained)

@@ -119,8 +119,9 @@ def sequential_binding(stages: list[ChainStage], upstream_is_param: bool) -> Bin
 
 def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str = "chain_step",
                      upstream_is_param: bool = True, return_output: bool = False,
-                     binding: Binding | None = None) -> Module:
-    """Build the program executing ``schedule``.
+                     binding: Binding | None = None, check: bool = True) -> Module:
+    """Build the program executing ``schedule`` (verified unless ``check`` is false: a planner probing
+    many schedules verifies only the one it keeps).
 
     Sequential layout (default): ``(params of every stage..., x[, gy]) -> ([y,] grad x, grad params...)``.
     With a ``binding``: ``(binding.param_types...) -> (y, side outputs..., grads of binding.grad_of...)``
@@ -260,5 +261,6 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
         outs = ([output] if return_output else []) + [gx] + gouts
     b.ret(*outs)
     m = Module([fn])
-    verify(m)
+    if check:
+        verify(m)
     return m

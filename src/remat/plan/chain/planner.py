@@ -50,7 +50,8 @@ class ChainPlanner:
                  upstream_is_param: bool = True, return_output: bool = False, what: str = "",
                  binding=None, finish=None):
         """``binding``: a general layout (see ``executor.Binding``); ``finish``: maps the compiled
-        chain function to the function whose peak must fit (e.g. a training step around it)."""
+        chain function to the function whose peak must fit (e.g. a training step around it). With a
+        ``finish`` the probed programs are not verified here: the caller verifies the one it keeps."""
         self.stages, self.costs, self.name = stages, costs, name
         self.upstream_is_param, self.return_output = upstream_is_param, return_output
         self.binding, self.finish = binding, finish
@@ -64,7 +65,7 @@ class ChainPlanner:
         if key not in self._compiled:
             prog = compile_schedule(self.stages, list(plan.schedule), name=self.name,
                                     upstream_is_param=self.upstream_is_param, return_output=self.return_output,
-                                    binding=self.binding)
+                                    binding=self.binding, check=self.finish is None)
             if self.finish is not None:
                 prog = Module([self.finish(prog[self.name])])
             fn = next(iter(prog))

@@ -8,7 +8,7 @@ accounting the VM measures.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, asdict
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -69,15 +69,21 @@ def _median_time(fn: Function, args: Sequence, repeats: int, dialects) -> tuple[
 
 
 def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_grad, repeats: int = 5,
-                   dialects=None, measure: bool = True) -> list[StageProfile]:
+                   dialects=None, measure: bool = True, kinds: Sequence[int] | None = None) -> list[StageProfile]:
     """Run every stage's forward (with tape) and backward on the VM and record its costs.
     With ``measure=False`` nothing runs: times are 0 (for a caller supplying its own estimates)
-    and bytes come from the IR as always."""
-    from ...ir.verifier import verify  # noqa: F401  (functions are verified when built)
-
+    and bytes come from the IR as always, computed once per kind when ``kinds`` says which stages
+    are the same block (``remat.plan.blocks.Blocks.kinds``)."""
     profiles: list[StageProfile] = []
     if not measure:
-        return [_profile(s, 0.0, 0.0) for s in stages]
+        if kinds is None:
+            return [_profile(s, 0.0, 0.0) for s in stages]
+        first: dict[int, StageProfile] = {}
+        for s, k in zip(stages, kinds):
+            if k not in first:
+                first[k] = _profile(s, 0.0, 0.0)
+            profiles.append(replace(first[k], name=s.name))
+        return profiles
     tapes, xs = [], []
     cur = x
     fwd_times = []
