@@ -193,7 +193,7 @@ class TrainStep:
         self.program = self._stage("lower", lambda: self.plan.program)
 
         def count(fn: Function) -> int:
-            return sum(1 for i in fn.entry.instrs if i.op.name not in ("free", "return"))
+            return sum(1 for i in fn.entry.instrs if not i.op.has("control"))
 
         # Counted on the lowered program: fusion merges instructions but recomputes nothing.
         self.instructions = count(self.program)
