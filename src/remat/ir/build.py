@@ -15,9 +15,11 @@ def clone_into(b: Builder, ins: Instruction, vmap: dict[Value, Value]) -> Instru
     """Insert at ``b`` a copy of the non-branching ``ins`` with its operands mapped through ``vmap``;
     record its results in ``vmap`` and return the copy."""
     new = b.create(ins.op.name, [vmap[o] for o in ins.operands], ins.attrs,
-                   result_types=[r.type for r in ins.results], dialect=ins.dialect)
+                   result_types=[r.type for r in ins.results], dialect=ins.dialect, loc=ins.loc)
     for r, nr in zip(ins.results, new.results):
         vmap[r] = nr
+    if ins.recomputes is not None:
+        new.recomputes = vmap.get(ins.recomputes)
     return new
 
 

@@ -38,6 +38,17 @@ bit-identical to the ops they replace and the pass never raises the peak, so the
 disk, so a second compile of the same model compiles nothing."""
 
 
+def recomputed_layers(fn: Function) -> dict[str, int]:
+    """Module path -> number of instructions of ``fn`` that recompute a value (their provenance),
+    in program order; instructions without a location count under "(unknown)"."""
+    out: dict[str, int] = {}
+    for ins in fn.instructions():
+        if ins.recomputes is not None:
+            path = "(unknown)" if ins.loc is None else ins.loc.path
+            out[path] = out.get(path, 0) + 1
+    return out
+
+
 @dataclass
 class Report:
     """What a compiled step planned and measured. Bytes and seconds.
@@ -65,6 +76,7 @@ class Report:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
+    recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
 
     def __str__(self) -> str:
         def b(v):
@@ -78,6 +90,8 @@ class Report:
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
+            ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
+             or "-"),
             ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}"),
             ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
              else f"{self.overhead:+.1%}"),
@@ -199,6 +213,7 @@ class TrainStep:
         self.instructions = count(self.program)
         self.recomputed = self.instructions - count(unconstrained)
         self._recomputes = self.program is not unconstrained
+        self.recomputed_layers = recomputed_layers(self.program)
         if "numba" in backends.resolve(self.dialects):
             from ..backends import numba_kernels
             from ..passes.fuse import fuse_function
@@ -389,7 +404,8 @@ class TrainStep:
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
-                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory())
+                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
+                      dict(self.recomputed_layers))
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
