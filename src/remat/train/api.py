@@ -17,7 +17,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..budget import parse_budget
-from ..distributed.group import DEFAULT_BUCKET_BYTES
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
@@ -148,7 +147,7 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int | None = None):
         import torch
 
         from ..distributed import setup
@@ -167,7 +166,7 @@ class TrainStep:
         if shown - set(STAGES):
             raise ValueError(f"print_after: unknown stage(s) {sorted(shown - set(STAGES))}; stages: {', '.join(STAGES)}")
         self._progress, self._shown = progress or (lambda msg: None), shown
-        self.dp = setup(data_parallel, bucket_bytes)  # None: one process
+        self.dp = setup(data_parallel) if bucket_bytes is None else setup(data_parallel, bucket_bytes)  # None: one process
         if self.dp is not None and (optimizer is None or keep_grads):
             raise ValueError(f"data_parallel={data_parallel!r} needs an optimizer and keep_grads off: the reduced "
                              "gradients are consumed by the (sharded) optimizer updates inside the step")
@@ -435,6 +434,6 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     the planned step). ``step.report()`` gives each stage's seconds.
     ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
     initialised ``torch.distributed`` process group, each rank passes its own shard of the batch and
-    the budget is per rank; ``bucket_bytes`` sizes the gradient buckets.
+    the budget is per rank; ``bucket_bytes`` sizes the gradient buckets (default ``remat.distributed.DEFAULT_BUCKET_BYTES``).
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
