@@ -1,5 +1,5 @@
 """Provenance: each instruction's source location and, for a recomputation, the value it
-recomputes, printed as a trailing loc(...) that parses back; IR without them prints unchanged."""
+recomputes, printed as a trailing  // loc(...) that parses back; IR without them prints unchanged."""
 from __future__ import annotations
 
 import pytest
@@ -7,10 +7,10 @@ import pytest
 from remat.ir import Loc, ParseError, parse, print_module
 
 TEXT = """func @f(%0: f32[2,3]) -> f32[2,3] {
-  %1 = exp %0 : f32[2,3] loc("layers.0.mlp", "model.py":12)
-  %2 = exp %0 : f32[2,3] loc("layers.0.mlp", "model.py":12, recompute=%1)
-  %3 = add %1, %2 : f32[2,3] loc("")
-  free %1 loc(recompute=%2)
+  %1 = exp %0 : f32[2,3]  // loc("layers.0.mlp", "model.py":12)
+  %2 = exp %0 : f32[2,3]  // loc("layers.0.mlp", "model.py":12, recompute=%1)
+  %3 = add %1, %2 : f32[2,3]  // loc("")
+  free %1  // loc(recompute=%2)
   return %3
 }
 """
@@ -33,8 +33,8 @@ def test_clone_keeps_provenance():
 
 
 def test_without_provenance_nothing_is_printed():
-    text = TEXT.replace(' loc("layers.0.mlp", "model.py":12, recompute=%1)', "").replace(
-        ' loc("layers.0.mlp", "model.py":12)', "").replace(' loc("")', "").replace(" loc(recompute=%2)", "")
+    text = TEXT.replace('  // loc("layers.0.mlp", "model.py":12, recompute=%1)', "").replace(
+        '  // loc("layers.0.mlp", "model.py":12)', "").replace('  // loc("")', "").replace("  // loc(recompute=%2)", "")
     assert "loc" not in print_module(parse(text)) and print_module(parse(text)) == text
 
 

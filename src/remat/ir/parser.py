@@ -24,7 +24,8 @@ class ParseError(ValueError):
 
 
 _TOKEN = re.compile(r"""
-    (?P<ws>[ \t\r]+|//[^\n]*)
+    (?P<ws>[ \t\r]+|//(?!\s*loc\()[^\n]*)
+  | (?P<locmark>//(?=\s*loc\())
   | (?P<nl>\n)
   | (?P<value>%[A-Za-z0-9_.$-]+)
   | (?P<func>@[A-Za-z_][A-Za-z0-9_.$]*)
@@ -57,7 +58,7 @@ def tokenize(text: str) -> list[Tok]:
         kind = m.lastgroup
         if kind == "nl":
             line, start = line + 1, m.end()
-        elif kind != "ws":
+        elif kind not in ("ws", "locmark"):  # '// loc(...)': provenance, read as a trailing loc(...)
             toks.append(Tok(kind, m.group(), line, pos - start + 1))
         pos = m.end()
     toks.append(Tok("eof", "<end of input>", line, pos - start + 1))

@@ -99,8 +99,9 @@ def format_instruction(ins: Instruction, names: Namer) -> str:
 
 
 def format_loc(ins: Instruction, names: "Namer") -> str:
-    """The trailing provenance of an instruction, ``loc("path", "file":line, recompute=%n)``
-    (each part only when known; empty without provenance, so such IR prints unchanged)."""
+    """The trailing provenance of an instruction, ``// loc("path", "file":line, recompute=%n)``
+    (each part only when known; empty without provenance, so such IR prints unchanged). It reads
+    as a comment to tools that skip comments; the parser reads it back."""
     parts = []
     if ins.loc is not None:
         parts.append(json.dumps(ins.loc.path))
@@ -108,7 +109,7 @@ def format_loc(ins: Instruction, names: "Namer") -> str:
             parts.append(f"{json.dumps(ins.loc.file)}:{ins.loc.line}")
     if ins.recomputes is not None and ins.recomputes in names.values:
         parts.append(f"recompute={names[ins.recomputes]}")
-    return f" loc({', '.join(parts)})" if parts else ""
+    return f"  // loc({', '.join(parts)})" if parts else ""
 
 
 def _result_sig(types) -> str:
