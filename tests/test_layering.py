@@ -1,5 +1,5 @@
 """Layering facts of the source tree, read from the code: the IR imports nothing else of remat,
-and there is exactly one ``BudgetTooSmall``."""
+and there is exactly one ``BudgetTooSmall`` and one simulator of record."""
 from __future__ import annotations
 
 import ast
@@ -23,12 +23,23 @@ def test_ir_imports_nothing_else_of_remat():
                 outside = (node.level > depth) or (node.level == 0 and (node.module or "").startswith("remat")
                                                    and not (node.module or "").startswith("remat.ir"))
                 assert not outside, f"{path.relative_to(SRC)}:{node.lineno} imports {'.' * node.level}{node.module}"
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    assert not (a.name.startswith("remat") and not a.name.startswith("remat.ir")), \
+                        f"{path.relative_to(SRC)}:{node.lineno} imports {a.name}"
 
 
 def test_exactly_one_budget_too_small():
     found = [f"{path.relative_to(SRC)}:{node.lineno}" for path, tree in _modules() for node in ast.walk(tree)
              if isinstance(node, ast.ClassDef) and node.name == "BudgetTooSmall"]
     assert found == ["errors.py:5"], found
+
+
+def test_exactly_one_simulator():
+    """One memory simulator of record (``plan.liveness.simulate``, behind ``predict_peak``)."""
+    found = [f"{path.relative_to(SRC)}" for path, tree in _modules() for node in ast.walk(tree)
+             if isinstance(node, ast.FunctionDef) and node.name in ("simulate", "predict_peak")]
+    assert sorted(found) == ["plan/liveness.py", "plan/liveness.py"], found
 
 
 def _package_imports(module_level_only: bool) -> dict[str, set[str]]:

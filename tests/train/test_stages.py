@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 import remat
 from remat.train.api import STAGES
@@ -47,3 +48,43 @@ def test_profiled_overhead_compares_step_programs():
     r = step.report()
     assert r.recomputed_instructions > 0 and r.unconstrained_step_seconds > 0
     assert r.overhead == pytest.approx(r.step_seconds / r.unconstrained_step_seconds - 1.0)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) + x
+
+
+class _Deep(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Residual() for _ in range(4)])
+        self.head = torch.nn.Linear(32, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_planned_ir_and_report_carry_provenance(capsys):
+    """The planned program names each instruction's layer and source line, each recomputation the
+    value it recomputes; the report names the recomputed layers by module path."""
+    torch.manual_seed(0)
+    model, x, y = _Deep(), torch.randn(256, 32), torch.randn(256, 2)
+    step = remat.compile(model, (x, y), torch.nn.functional.mse_loss, budget="70%", solver="greedy",
+                         print_after="plan")
+    out = capsys.readouterr().out
+    assert 'loc("layers.0.fc", "' in out and f'test_stages.py":' in out
+    assert "recompute=%" in out
+    r = step.report()
+    assert r.recomputed_instructions > 0
+    assert any(p.startswith("layers.") for p in r.recomputed_layers)
+    assert sum(r.recomputed_layers.values()) >= r.recomputed_instructions
+    assert "recomputed layers" in str(r) and "layers." in str(r)
+    unconstrained = remat.compile(model, (x, y), torch.nn.functional.mse_loss).report()
+    assert unconstrained.recomputed_layers == {}

@@ -8,8 +8,5 @@ DSL functions.
 from .transform import ADJOINT_POLICIES, DifferentiationError, differentiate, gradient_function, vjp_rule
 from .joint import joint
 
-STRUCTURAL_OPS = frozenset({"return", "br", "cond_br", "call", "free"})
-"""Ops the transformation handles itself (control flow, calls by inlining, frees dropped)."""
-
-__all__ = ["ADJOINT_POLICIES", "DifferentiationError", "STRUCTURAL_OPS", "differentiate", "gradient_function",
+__all__ = ["ADJOINT_POLICIES", "DifferentiationError", "differentiate", "gradient_function",
            "joint", "vjp_rule"]

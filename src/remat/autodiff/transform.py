@@ -290,7 +290,7 @@ class _Transform:
                     continue  # the return is replaced by the backward
                 ni = Instruction(ins.op, [vmap[v] for v in ins.operands], ins.attrs, [r.type for r in ins.results],
                                  [Successor(bmap[s.block], [vmap[v] for v in s.args]) for s in ins.successors],
-                                 ins.dialect)
+                                 ins.dialect, ins.loc)
                 nb.append(ni)
                 for r, nr in zip(ins.results, ni.results):
                     vmap[r] = nr
@@ -405,10 +405,13 @@ class _Transform:
         p = Primal(dict(ins.attrs), [v.type for v in ins.operands], [r.type for r in ins.results],
                    [self.avail[v] if i in xs else None for i, v in enumerate(ins.operands)],
                    [self.avail[r] if j in ys else None for j, r in enumerate(ins.results)])
+        outer, b.loc = b.loc, ins.loc  # the backward of an instruction comes from its source line
         try:  # single-result rules get the cotangent, multi-result rules the list (None: zero)
             cts = rule(b, p, gs[0] if len(ins.results) == 1 else gs)
         except NotImplementedError as e:
             raise DifferentiationError(f"{self.where}: cannot differentiate '{ins.op.name}': {e}") from None
+        finally:
+            b.loc = outer
         if len(cts) != len(ins.operands):
             raise DifferentiationError(f"{self.where}: VJP rule of '{ins.op.name}' returned {len(cts)} cotangents "
                                        f"for {len(ins.operands)} operands")

@@ -28,9 +28,6 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from ..ir import Instruction, Module, OPS
 
-# Ops the VM executes itself: they have no kernels.
-CONTROL_OPS = frozenset({"call", "br", "cond_br", "return", "free"})
-
 Checker = Callable[[Instruction], bool]
 
 
@@ -85,7 +82,7 @@ def kernel(op: str, dialect: str, checker: Checker | None = None, priority: int 
     def deco(fn: Callable) -> Callable:
         if op not in OPS:
             raise KeyError(f"kernel for unknown op '{op}' in dialect '{dialect}'")
-        if op in CONTROL_OPS:
+        if OPS[op].has("control"):
             raise ValueError(f"'{op}' is a control op run by the VM; it takes no kernel")
         d = _DIALECTS[dialect]
         impl = KernelImpl(op, dialect, fn, d.priority if priority is None else priority, checker or _always)
@@ -220,7 +217,7 @@ def assign_dialects(module: Module, enabled: Sequence[str] | str | None = None) 
     out = module.clone()
     for f in out:
         for ins in f.instructions():
-            if ins.op.name in CONTROL_OPS:
+            if ins.op.has("control"):
                 ins.dialect = None
             else:
                 ins.dialect = select(ins, names).dialect
@@ -242,5 +239,5 @@ except (ImportError, ValueError):  # pragma: no cover
 # Generated kernels for ``fused`` element-wise bodies (the only op it claims), above torch.
 register_dialect("numba", priority=20, available=_has_numba, why_unavailable="" if _has_numba else "numba is not installed")
 
-__all__ = ["CONTROL_OPS", "Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "dialects", "disable",
+__all__ = ["Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "dialects", "disable",
            "enable", "enabled", "kernel", "kernel_for", "only", "register_dialect", "reset", "resolve", "select"]

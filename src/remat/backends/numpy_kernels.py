@@ -632,8 +632,7 @@ def _write(dst: np.ndarray, value: np.ndarray) -> None:
 
 
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-             maximize=False):
+def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
     """torch.optim.SGD's single-tensor update; param and buf are updated in place and returned.
 
     ``step`` is 1-based; at step 1 the momentum buffer is initialised to the first update direction.
@@ -652,8 +651,7 @@ def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_dec
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.0, decoupled=False,
-              maximize=False):
+def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
     """torch.optim.Adam (AdamW when ``decoupled``), single-tensor form; updates param, m, v in place."""
     p, g = _up(param), _up(grad)
     if maximize:

@@ -421,8 +421,7 @@ def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
 
 # ---------------------------------------------------------------- optimizer updates (in place)
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-             maximize=False):
+def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
     """torch.optim.SGD's single-tensor update, in place on param and buf (step is 1-based)."""
     d = -grad if maximize else grad
     if weight_decay != 0:
@@ -438,8 +437,7 @@ def sgd_step(param, grad, buf, step, lr, momentum=0.0, dampening=0.0, weight_dec
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, lr, beta1=0.9, beta2=0.999, eps=1e-08, weight_decay=0.0, decoupled=False,
-              maximize=False):
+def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
     """torch.optim.Adam / AdamW single-tensor update, in place on param, m, v."""
     g = -grad if maximize else grad
     if weight_decay != 0:

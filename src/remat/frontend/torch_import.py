@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import operator
 import os
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -24,7 +25,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
+from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, verify
 from ..passes import run
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
@@ -35,6 +36,7 @@ _SEED = TensorType(DType.i64, ())
 # becomes the fused op (its backward is then the fused backward), and what that leaves dead goes.
 IMPORT_PASSES: list[str] = ["attention", "dce"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_CWD = os.getcwd() + os.sep  # source files under it are recorded relative to it
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -185,6 +187,18 @@ def _where(node: torch.fx.Node) -> tuple[str, str]:
 
 
 def _where_own(node: torch.fx.Node) -> tuple[str, str]:
+    """The submodule path and the innermost user source line (outside torch, else the innermost
+    frame) that produced a node, without looking at its neighbours."""
+    path, frame, code = _origin(node)
+    return path, (f"{frame}: {code}" if code else frame)
+
+
+_FRAME = re.compile(r'File "(?P<file>[^"]*)", line (?P<line>\d+)')
+
+
+def _origin(node: torch.fx.Node) -> tuple[str, str, str]:
+    """(submodule path, innermost user frame 'File "...", line N, in f' outside torch, its code); the
+    innermost frame of all when no user frame is outside torch."""
     stack = node.meta.get("nn_module_stack") or {}
     path = ""
     if stack:
@@ -192,17 +206,28 @@ def _where_own(node: torch.fx.Node) -> tuple[str, str]:
         path = "" if path == "model" else path
     trace = node.meta.get("stack_trace") or ""
     lines = trace.strip().splitlines()
-    source = innermost = ""
+    innermost = ("", "")
     for i in range(len(lines) - 1, -1, -1):  # frames: 'File "...", line N, in f' followed by the code
         s = lines[i].strip()
         if s.startswith("File "):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            here = f"{s}: {code}" if code else s
-            innermost = innermost or here
+            innermost = innermost if innermost[0] else (s, code)
             if _TORCH_DIR not in s and __file__ not in s:
-                source = here
-                break
-    return path, source or innermost
+                return path, s, code
+    return path, *innermost
+
+
+def _loc(node: torch.fx.Node) -> Loc:
+    """The IR location of a node: its submodule path and user source file (relative to the working
+    directory when inside it) and line."""
+    path, frame, _ = _origin(node)
+    m = _FRAME.match(frame)
+    if m is None:
+        return Loc(path)
+    file = m["file"]
+    if file.startswith(_CWD):
+        file = file[len(_CWD):]
+    return Loc(path, file, int(m["line"]))
 
 
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -371,6 +396,7 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
             path, src = _where(node)
             raise UnsupportedOpError(target, path, src)
         L.node = node
+        b.loc = _loc(node)
         try:
             args = lookup(node.args)
             kwargs = {k: lookup(v) for k, v in node.kwargs.items() if k not in ("device", "layout", "pin_memory", "memory_format")}
@@ -381,6 +407,7 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
         _check(node, result)
         env[node] = result
 
+    b.loc = None
     results = [env[u] for u in user_outs] + [env[a] for _, a in mutations]
     # The IR returns each value by type: results that alias a parameter unchanged are still returned.
     b.ret(*results)

@@ -19,9 +19,11 @@ def clone_into(b: Builder, ins: Instruction, vmap: dict[Value, Value]) -> Instru
     # A copy of a built instruction: its attributes are already checked and its result types known,
     # so the type rule and attribute coercion (most of ``Builder.create``'s time) are skipped.
     new = b._insert(Instruction(ins.op, [vmap[o] for o in ins.operands], ins.attrs,
-                                [r.type for r in ins.results], dialect=ins.dialect))
+                                [r.type for r in ins.results], dialect=ins.dialect, loc=ins.loc))
     for r, nr in zip(ins.results, new.results):
         vmap[r] = nr
+    if ins.recomputes is not None:
+        new.recomputes = vmap.get(ins.recomputes)
     return new
 
 

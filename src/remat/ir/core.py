@@ -12,6 +12,17 @@ from .opdef import OpDef, get_op
 from .types import TensorType
 
 
+@dataclass(frozen=True)
+class Loc:
+    """Where an instruction comes from in the user's program: the submodule path (``""`` at the
+    top level) and the source file and line (``""``/0 when unknown). Printed as a trailing
+    ``loc(...)``; the importer sets it and passes carry it along."""
+
+    path: str = ""
+    file: str = ""
+    line: int = 0
+
+
 class Value:
     """An SSA value: a block argument or an instruction result."""
 
@@ -71,13 +82,16 @@ class Instruction:
     """One operation: ``results = op(operands) {attrs}``, optionally with branch successors.
 
     ``dialect`` records the backend chosen to run it (None until dialects are assigned).
+    Provenance: ``loc`` is the source location it comes from (:class:`Loc`, or None), and
+    ``recomputes`` the value an earlier instruction of the function computed that this one
+    computes again (set by rematerialisation; None for a first computation).
     """
 
-    __slots__ = ("op", "operands", "attrs", "results", "successors", "dialect", "block")
+    __slots__ = ("op", "operands", "attrs", "results", "successors", "dialect", "block", "loc", "recomputes")
 
     def __init__(self, op: OpDef, operands: Sequence[Value], attrs: dict[str, Any],
                  result_types: Sequence[TensorType], successors: Sequence[Successor] = (),
-                 dialect: str | None = None):
+                 dialect: str | None = None, loc: Loc | None = None):
         self.op = op
         self.operands = list(operands)
         self.attrs = dict(attrs)
@@ -85,6 +99,8 @@ class Instruction:
         self.successors = list(successors)
         self.dialect = dialect
         self.block: Block | None = None
+        self.loc = loc
+        self.recomputes: Value | None = None
 
     @property
     def result(self) -> OpResult:
@@ -201,10 +217,12 @@ class Function:
                 ni = Instruction(ins.op, [vmap[v] for v in ins.operands], ins.attrs,
                                  [r.type for r in ins.results],
                                  [Successor(bmap[s.block], [vmap[v] for v in s.args]) for s in ins.successors],
-                                 ins.dialect)
+                                 ins.dialect, ins.loc)
                 for r, nr in zip(ins.results, ni.results):
                     vmap[r] = nr
                 nb.append(ni)
+                if ins.recomputes is not None:
+                    ni.recomputes = vmap.get(ins.recomputes)
         return f
 
     def __str__(self) -> str:
@@ -259,11 +277,14 @@ class Builder:
     """Appends instructions to a block, applying each op's attribute check and type rule.
 
     ``b.op("add", x, y)`` returns the result value (a tuple for multi-result ops).
+    ``loc`` is given to every instruction it creates (the importer and autodiff set it to the
+    source location being translated or differentiated).
     """
 
-    def __init__(self, block: Block, index: int | None = None):
+    def __init__(self, block: Block, index: int | None = None, loc: Loc | None = None):
         self.block = block
         self.index = index  # insertion position; None = append
+        self.loc = loc
 
     def _insert(self, instr: Instruction) -> Instruction:
         instr.block = self.block
@@ -276,8 +297,9 @@ class Builder:
 
     def create(self, name: str, operands: Sequence[Value], attrs: dict[str, Any] | None = None,
                successors: Sequence[Successor] = (), result_types: Sequence[TensorType] | None = None,
-               dialect: str | None = None) -> Instruction:
-        """Create and insert an instruction; result types come from the type rule unless given."""
+               dialect: str | None = None, loc: Loc | None = None) -> Instruction:
+        """Create and insert an instruction; result types come from the type rule unless given,
+        its location from ``loc`` or else the builder's."""
         op = get_op(name)
         for i, v in enumerate(operands):
             if not isinstance(v, Value):
@@ -286,7 +308,8 @@ class Builder:
         attrs = op.check_attrs(types, attrs or {})
         if result_types is None:
             result_types = op.result_types(types, attrs)
-        return self._insert(Instruction(op, operands, attrs, result_types, successors, dialect))
+        return self._insert(Instruction(op, operands, attrs, result_types, successors, dialect,
+                                        self.loc if loc is None else loc))
 
     def op(self, name: str, *operands: Value, **attrs: Any):
         ins = self.create(name, operands, attrs)

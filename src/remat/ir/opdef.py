@@ -35,6 +35,7 @@ TAGS = frozenset({
     "inplace",      # result reuses an operand's buffer (declared in ``aliases``)
     "shape",        # moves data without arithmetic
     "constant",     # no operands; value given by attributes
+    "control",      # run by the VM and the passes themselves (call, branches, return, free): no kernel, no VJP
 })
 
 

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core import Block, Function, GradientSpec, Instruction, Module, Successor, Value
+from .core import Block, Function, GradientSpec, Instruction, Loc, Module, Successor, Value
 from .opdef import OPS, get_op
 from .types import DType, TensorType
 
@@ -24,7 +24,8 @@ class ParseError(ValueError):
 
 
 _TOKEN = re.compile(r"""
-    (?P<ws>[ \t\r]+|//[^\n]*)
+    (?P<ws>[ \t\r]+|//(?!\s*loc\()[^\n]*)
+  | (?P<locmark>//(?=\s*loc\())
   | (?P<nl>\n)
   | (?P<value>%[A-Za-z0-9_.$-]+)
   | (?P<func>@[A-Za-z_][A-Za-z0-9_.$]*)
@@ -57,7 +58,7 @@ def tokenize(text: str) -> list[Tok]:
         kind = m.lastgroup
         if kind == "nl":
             line, start = line + 1, m.end()
-        elif kind != "ws":
+        elif kind not in ("ws", "locmark"):  # '// loc(...)': provenance, read as a trailing loc(...)
             toks.append(Tok(kind, m.group(), line, pos - start + 1))
         pos = m.end()
     toks.append(Tok("eof", "<end of input>", line, pos - start + 1))
@@ -75,6 +76,8 @@ class _RawInstr:
     types: list[TensorType]
     callee: str | None = None
     instr: Instruction | None = None
+    loc: Loc | None = None
+    recompute: Tok | None = None
 
 
 @dataclass
@@ -357,7 +360,42 @@ class _Parser:
                     break
             if len(types) != len(results):
                 raise self.error(f"{len(results)} result name(s) but {len(types)} result type(s)", results[0])
-        return _RawInstr(results, optok, dialect, operands, attrs, successors, types, callee)
+        raw = _RawInstr(results, optok, dialect, operands, attrs, successors, types, callee)
+        if self.at("loc") and self.toks[self.i + 1].text == "(":
+            self.location(raw)
+        return raw
+
+    def location(self, raw: _RawInstr) -> None:
+        """``loc(item, ...)``, items: the module path ``"..."``, the source line ``"file":INT``,
+        and ``recompute=VALUE`` (the value a recomputation computes again)."""
+        self.expect("loc")
+        self.expect("(")
+        path, file, line, seen = None, None, 0, False
+        while not self.at(")"):
+            if seen:
+                self.expect(",", "between the items of loc(...)")
+            seen = True
+            if self.tok.kind == "string":
+                tok = self.next()
+                text = json.loads(tok.text)
+                if self.accept(":"):
+                    if file is not None:
+                        raise self.error("loc(...) has two source locations", tok)
+                    file, line = text, int(self.expect_kind("number", "a line number after the file").text)
+                elif path is None and file is None:
+                    path = text
+                else:
+                    raise self.error("loc(...) takes one module path, before the source location", tok)
+            elif self.at("recompute") and raw.recompute is None:
+                self.next()
+                self.expect("=", "after 'recompute'")
+                raw.recompute = self.expect_kind("value", "the value recomputed, such as %3")
+            else:
+                raise self.error('expected a module path ("..."), a source location ("file":line) '
+                                 'or recompute=%value in loc(...)')
+        self.expect(")", "to close loc(...)")
+        if path is not None or file is not None:
+            raw.loc = Loc(path or "", file or "", line)
 
     def build(self, fname: str, params, results, raw_blocks: list[_RawBlock]) -> Function:
         f = Function(fname, [t for _, t in params], results)
@@ -380,7 +418,7 @@ class _Parser:
                 define(tok, b.add_arg(t))
             for ri in rb.instrs:
                 ri.instr = Instruction(OPS[ri.op.text.split(".")[-1] if ri.dialect else ri.op.text], [], {}, ri.types,
-                                       dialect=ri.dialect)
+                                       dialect=ri.dialect, loc=ri.loc)
                 for tok, r in zip(ri.results, ri.instr.results):
                     define(tok, r)
                 b.append(ri.instr)
@@ -394,6 +432,8 @@ class _Parser:
             for ri in rb.instrs:
                 ins = ri.instr
                 ins.operands = [use(t) for t in ri.operands]
+                if ri.recompute is not None:
+                    ins.recomputes = use(ri.recompute)
                 for label, args in ri.successors:
                     if label.text not in labels:
                         raise self.error(f"branch to undefined block {label.text} in @{fname}", label)

@@ -92,9 +92,24 @@ def format_instruction(ins: Instruction, names: Namer) -> str:
         if attrs:
             parts.append("{" + ", ".join(attrs) + "}")
         body = " ".join([head] + parts)
+    loc = format_loc(ins, names)
     if ins.results:
-        return f"{lhs} = {body} : {', '.join(str(r.type) for r in ins.results)}"
-    return body
+        return f"{lhs} = {body} : {', '.join(str(r.type) for r in ins.results)}{loc}"
+    return body + loc
+
+
+def format_loc(ins: Instruction, names: "Namer") -> str:
+    """The trailing provenance of an instruction, ``// loc("path", "file":line, recompute=%n)``
+    (each part only when known; empty without provenance, so such IR prints unchanged). It reads
+    as a comment to tools that skip comments; the parser reads it back."""
+    parts = []
+    if ins.loc is not None:
+        parts.append(json.dumps(ins.loc.path))
+        if ins.loc.file:
+            parts.append(f"{json.dumps(ins.loc.file)}:{ins.loc.line}")
+    if ins.recomputes is not None and ins.recomputes in names.values:
+        parts.append(f"recompute={names[ins.recomputes]}")
+    return f"  // loc({', '.join(parts)})" if parts else ""
 
 
 def _result_sig(types) -> str:

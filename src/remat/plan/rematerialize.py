@@ -102,7 +102,8 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
         if v in view_chain:
             ins = view_chain[v]
             src = value_of(ins.operands[0], cache)
-            nv = b.create(ins.op.name, [src], ins.attrs, result_types=[v.type], dialect=ins.dialect).results[0]
+            nv = b.create(ins.op.name, [src], ins.attrs, result_types=[v.type], dialect=ins.dialect,
+                          loc=ins.loc).results[0]
         else:
             node = low.node_of[v]
             if node not in current:
@@ -113,6 +114,7 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
 
     # Per original instruction: its latest execution and the results of it already handed out.
     latest: dict[Instruction, tuple[Instruction, set[int]]] = {}
+    first: dict[Instruction, Instruction] = {}  # provenance: the first execution of each instruction
     for step, i in schedule:
         if step == COMPUTE:
             ins, k = low.instr_of[i], low.result_of[i]
@@ -121,7 +123,11 @@ def from_schedule(low: Lowered, schedule, name: str | None = None, check: bool =
                 cache: dict[Value, Value] = {}
                 ops = [value_of(o, cache) for o in ins.operands]
                 new = b.create(ins.op.name, ops, ins.attrs, result_types=[r.type for r in ins.results],
-                               dialect=ins.dialect)
+                               dialect=ins.dialect, loc=ins.loc)
+                if ins in first:
+                    new.recomputes = first[ins].results[k]
+                else:
+                    first[ins] = new
                 run = latest[ins] = (new, set())
             run[1].add(k)
             current[i] = run[0].results[k]

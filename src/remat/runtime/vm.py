@@ -219,7 +219,7 @@ class VM:
         m = module.clone()
         for f in m:
             for ins in f.instructions():
-                if ins.op.name in backends.CONTROL_OPS:
+                if ins.op.has("control"):
                     ins.dialect = None
                 elif ins.dialect is None or ins.dialect not in self.dialects:
                     ins.dialect = backends.select(ins, self.dialects).dialect
@@ -255,7 +255,7 @@ class VM:
         p.param_expect = tuple(_expect(t, "numpy") for t in fn.param_types)
         p.blocks = []
         # Arguments are converted on entry (run) and at call sites to the first kernel's dialect.
-        p.arg_dialect = next((i.dialect for i in fn.instructions() if i.op.name not in backends.CONTROL_OPS), None)
+        p.arg_dialect = next((i.dialect for i in fn.instructions() if not i.op.has("control")), None)
         p.uses_torch = False
         p.instrs = tuple(fn.instructions())  # by step index (RunStats.peak_at)
         # The converter family every slot's value is known to be in (see _is_family): parameters

@@ -37,6 +37,17 @@ bit-identical to the ops they replace and the pass never raises the peak, so the
 disk, so a second compile of the same model compiles nothing."""
 
 
+def recomputed_layers(fn: Function) -> dict[str, int]:
+    """Module path -> number of instructions of ``fn`` that recompute a value (their provenance),
+    in program order; instructions without a location count under "(unknown)"."""
+    out: dict[str, int] = {}
+    for ins in fn.instructions():
+        if ins.recomputes is not None:
+            path = "(unknown)" if ins.loc is None else ins.loc.path
+            out[path] = out.get(path, 0) + 1
+    return out
+
+
 @dataclass
 class Report:
     """What a compiled step planned and measured. Bytes and seconds.
@@ -64,6 +75,7 @@ class Report:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
+    recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
 
     def __str__(self) -> str:
         def b(v):
@@ -77,6 +89,8 @@ class Report:
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
+            ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
+             or "-"),
             ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}"),
             ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
              else f"{self.overhead:+.1%}"),
@@ -152,7 +166,7 @@ class TrainStep:
         if shown - set(STAGES):
             raise ValueError(f"print_after: unknown stage(s) {sorted(shown - set(STAGES))}; stages: {', '.join(STAGES)}")
         self._progress, self._shown = progress or (lambda msg: None), shown
-        self.dp = setup(data_parallel, bucket_bytes)  # None: one process
+        self.dp = setup(data_parallel) if bucket_bytes is None else setup(data_parallel, bucket_bytes)  # None: one process
         if self.dp is not None and (optimizer is None or keep_grads):
             raise ValueError(f"data_parallel={data_parallel!r} needs an optimizer and keep_grads off: the reduced "
                              "gradients are consumed by the (sharded) optimizer updates inside the step")
@@ -192,12 +206,13 @@ class TrainStep:
         self.program = self._stage("lower", lambda: self.plan.program)
 
         def count(fn: Function) -> int:
-            return sum(1 for i in fn.entry.instrs if i.op.name not in ("free", "return"))
+            return sum(1 for i in fn.entry.instrs if not i.op.has("control"))
 
         # Counted on the lowered program: fusion merges instructions but recomputes nothing.
         self.instructions = count(self.program)
         self.recomputed = self.instructions - count(unconstrained)
         self._recomputes = self.program is not unconstrained
+        self.recomputed_layers = recomputed_layers(self.program)
         if "numba" in backends.resolve(self.dialects):
             from ..backends import numba_kernels
             from ..passes.fuse import fuse_function
@@ -388,7 +403,8 @@ class TrainStep:
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
-                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory())
+                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
+                      dict(self.recomputed_layers))
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
@@ -418,6 +434,6 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     the planned step). ``step.report()`` gives each stage's seconds.
     ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
     initialised ``torch.distributed`` process group, each rank passes its own shard of the batch and
-    the budget is per rank; ``bucket_bytes`` sizes the gradient buckets.
+    the budget is per rank; ``bucket_bytes`` sizes the gradient buckets (default ``remat.distributed.DEFAULT_BUCKET_BYTES``).
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..ir import Builder, DType, TensorType, Value
+from ..ir import Builder, DType, TensorType, Value, get_op
+from ..ir.opdef import REQUIRED
 
 
 @dataclass
@@ -21,10 +22,20 @@ class ParamUpdate:
     state_keys: tuple[str, ...]  # names in torch's optimizer.state[p]
 
 
+def _attrs_from_group(op: str, group, **given: Any) -> dict[str, Any]:
+    """The update op's attributes from a torch param group: ``given`` first, then the group's
+    entry of the same name, then the op's declared default (the one place defaults live)."""
+    out = {}
+    for a in get_op(op).attrs:
+        value = given[a.name] if a.name in given else group.get(a.name, a.default)
+        if value is REQUIRED:
+            raise ValueError(f"the optimizer's param group has no '{a.name}', which '{op}' requires")
+        out[a.name] = a.coerce(op, value)
+    return out
+
+
 def _sgd(group) -> ParamUpdate:
-    attrs = dict(lr=float(group["lr"]), momentum=float(group.get("momentum", 0.0)),
-                 dampening=float(group.get("dampening", 0.0)), weight_decay=float(group.get("weight_decay", 0.0)),
-                 nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)))
+    attrs = _attrs_from_group("sgd_step", group)
     return ParamUpdate("sgd_step", attrs, ("momentum_buffer",) if attrs["momentum"] != 0 else ())
 
 
@@ -32,9 +43,7 @@ def _adam(group, decoupled: bool) -> ParamUpdate:
     if group.get("amsgrad", False):
         raise ValueError("remat supports Adam/AdamW without amsgrad; set amsgrad=False")
     b1, b2 = group["betas"]
-    attrs = dict(lr=float(group["lr"]), beta1=float(b1), beta2=float(b2), eps=float(group["eps"]),
-                 weight_decay=float(group.get("weight_decay", 0.0)), decoupled=decoupled,
-                 maximize=bool(group.get("maximize", False)))
+    attrs = _attrs_from_group("adam_step", group, beta1=float(b1), beta2=float(b2), decoupled=decoupled)
     return ParamUpdate("adam_step", attrs, ("exp_avg", "exp_avg_sq"))
 
 

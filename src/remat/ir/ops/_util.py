@@ -57,3 +57,23 @@ def away_from(rng: np.random.Generator, *shape: int, gap: float = 0.2) -> np.nda
 
 def samples(*items: Sample) -> list[Sample]:
     return list(items)
+
+
+# ---------------------------------------------------------------- cost rules (``OpDef.flops``)
+# (operand types, result types, attributes) -> estimated floating-point operations.
+def max_numel(ins: Sequence[TensorType], outs: Sequence[TensorType], attrs) -> float:
+    """One operation per element of the largest operand or first result (elementwise, data movement)."""
+    return float(max([outs[0].numel] + [t.numel for t in ins]))
+
+
+def per_output(factor: float):
+    """``factor`` operations per element of the first result (transcendental-heavy ops)."""
+    def flops(ins: Sequence[TensorType], outs: Sequence[TensorType], attrs) -> float:
+        return factor * outs[0].numel
+
+    return flops
+
+
+def no_flops(ins: Sequence[TensorType], outs: Sequence[TensorType], attrs) -> float:
+    """No arithmetic: views, constants and control ops."""
+    return 0.0

@@ -3,16 +3,17 @@ is checked by the verifier, which knows the enclosing function and module."""
 from __future__ import annotations
 
 from ..opdef import Attr, OpDef, declare
+from ._util import no_flops
 
 
 def _no_results(types, attrs):
     return ()
 
 
-declare(OpDef("return", None, (), _no_results, frozenset({"terminator", "effect"}), num_results=0,
-              min_operands=0, doc="return values from the function"))
-declare(OpDef("br", 0, (), _no_results, frozenset({"terminator", "effect"}), num_results=0,
-              doc="jump to a block, passing its arguments"))
+declare(OpDef("return", None, (), _no_results, frozenset({"terminator", "effect", "control"}), num_results=0,
+              min_operands=0, flops=no_flops, doc="return values from the function"))
+declare(OpDef("br", 0, (), _no_results, frozenset({"terminator", "effect", "control"}), num_results=0,
+              flops=no_flops, doc="jump to a block, passing its arguments"))
 
 
 def _cond_br_infer(types, attrs):
@@ -22,15 +23,15 @@ def _cond_br_infer(types, attrs):
     return ()
 
 
-declare(OpDef("cond_br", 1, (), _cond_br_infer, frozenset({"terminator", "effect"}), num_results=0,
-              doc="jump to the first block if the condition holds, else the second"))
+declare(OpDef("cond_br", 1, (), _cond_br_infer, frozenset({"terminator", "effect", "control"}), num_results=0,
+              flops=no_flops, doc="jump to the first block if the condition holds, else the second"))
 
 
 def _call_infer(types, attrs):
     raise TypeError("'call' result types come from the callee's signature")
 
 
-declare(OpDef("call", None, (Attr("callee", "str"),), _call_infer, frozenset(), num_results=-1, min_operands=0,
-              doc="call a function of the module"))
-declare(OpDef("free", None, (), _no_results, frozenset({"effect"}), num_results=0,
-              doc="release the operands' buffers now (their last use)"))
+declare(OpDef("call", None, (Attr("callee", "str"),), _call_infer, frozenset({"control"}), num_results=-1, min_operands=0,
+              flops=no_flops, doc="call a function of the module"))
+declare(OpDef("free", None, (), _no_results, frozenset({"effect", "control"}), num_results=0,
+              flops=no_flops, doc="release the operands' buffers now (their last use)"))

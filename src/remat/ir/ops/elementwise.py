@@ -5,7 +5,7 @@ import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
-from ._util import away_from, bcast, expect_float, expect_same_dtype, rand
+from ._util import away_from, bcast, expect_float, expect_same_dtype, max_numel, per_output, rand
 
 # ---------------------------------------------------------------- unary
 _UNARY = {
@@ -44,7 +44,8 @@ def _unary_sample(fn):
 
 for _name, (_float, _sampler, _doc) in _UNARY.items():
     declare(OpDef(_name, 1, (), _unary_infer(_name, _float), frozenset({"elementwise", "unary"}),
-                  doc=_doc, nondiff=_name == "sign", sample=_unary_sample(_sampler)))
+                  doc=_doc, nondiff=_name == "sign", sample=_unary_sample(_sampler),
+                  flops=per_output(8.0) if _name == "erf" else max_numel))
 
 
 def _gelu_infer(types, attrs):
@@ -56,7 +57,7 @@ def _gelu_infer(types, attrs):
 
 
 declare(OpDef("gelu", 1, (Attr("approximate", "str", "none"),), _gelu_infer, frozenset({"elementwise", "unary"}),
-              doc="Gaussian error linear unit (exact with erf, or the tanh approximation)",
+              doc="Gaussian error linear unit (exact with erf, or the tanh approximation)", flops=per_output(8.0),
               sample=lambda r: [Sample([rand(r, 3, 4, low=-3, high=3)]),
                                 Sample([rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
 
@@ -101,7 +102,7 @@ def _not_infer(types, attrs):
     return t
 
 
-declare(OpDef("not", 1, (), _not_infer, frozenset({"elementwise", "unary"}), doc="logical not", nondiff=True,
+declare(OpDef("not", 1, (), _not_infer, frozenset({"elementwise", "unary"}), doc="logical not", nondiff=True, flops=max_numel,
               sample=lambda r: [Sample([r.random((3, 4)) > 0.5])]))
 
 # ---------------------------------------------------------------- binary
@@ -127,7 +128,7 @@ def _binary_infer(name: str):
 
 
 for _name, (_sampler, _doc) in _BINARY.items():
-    declare(OpDef(_name, 2, (), _binary_infer(_name), frozenset({"elementwise", "binary"}), doc=_doc,
+    declare(OpDef(_name, 2, (), _binary_infer(_name), frozenset({"elementwise", "binary"}), doc=_doc, flops=max_numel,
                   sample=(lambda s: lambda r: [Sample(s(r)), Sample([rand(r), rand(r, 2, 3)])])(_sampler)))
 
 
@@ -141,7 +142,7 @@ def _cmp_infer(name: str):
 
 for _name, _doc in {"eq": "a == b", "ne": "a != b", "lt": "a < b", "le": "a <= b", "gt": "a > b", "ge": "a >= b"}.items():
     declare(OpDef(_name, 2, (), _cmp_infer(_name), frozenset({"elementwise", "binary", "comparison"}), doc=_doc,
-                  nondiff=True, sample=lambda r: [Sample([np.round(rand(r, 3, 4)), np.round(rand(r, 4))])]))
+                  nondiff=True, flops=max_numel, sample=lambda r: [Sample([np.round(rand(r, 3, 4)), np.round(rand(r, 4))])]))
 
 
 def _logic_infer(name: str):
@@ -156,7 +157,7 @@ def _logic_infer(name: str):
 
 for _name in ("and", "or"):
     declare(OpDef(_name, 2, (), _logic_infer(_name), frozenset({"elementwise", "binary"}), doc=f"logical {_name}",
-                  nondiff=True, sample=lambda r: [Sample([r.random((3, 4)) > 0.5, r.random((4,)) > 0.5])]))
+                  nondiff=True, flops=max_numel, sample=lambda r: [Sample([r.random((3, 4)) > 0.5, r.random((4,)) > 0.5])]))
 
 
 def _select_infer(types, attrs):
@@ -167,7 +168,7 @@ def _select_infer(types, attrs):
     return TensorType(dt, bcast("select", types))
 
 
-declare(OpDef("select", 3, (), _select_infer, frozenset({"elementwise"}), doc="cond ? a : b, broadcasting",
+declare(OpDef("select", 3, (), _select_infer, frozenset({"elementwise"}), doc="cond ? a : b, broadcasting", flops=max_numel,
               sample=lambda r: [Sample([r.random((3, 4)) > 0.5, rand(r, 3, 4), rand(r, 4)])]))
 
 
@@ -177,7 +178,7 @@ def _cast_infer(types, attrs):
 
 
 declare(OpDef("cast", 1, (Attr("dtype", "dtype"),), _cast_infer, frozenset({"elementwise", "unary"}),
-              doc="convert element type",
+              doc="convert element type", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 3, 4)], {"dtype": DType.f32}),
                                 Sample([rand(r, 2, 2)], {"dtype": DType.f64})]))
 
@@ -187,7 +188,7 @@ def _copy_infer(types, attrs):
 
 
 declare(OpDef("copy", 1, (), _copy_infer, frozenset({"elementwise", "unary"}),
-              doc="a fresh copy of x (a new buffer)", sample=lambda r: [Sample([rand(r, 3, 4)])]))
+              doc="a fresh copy of x (a new buffer)", flops=max_numel, sample=lambda r: [Sample([rand(r, 3, 4)])]))
 
 
 # ================================================================ VJP rules (reverse mode)

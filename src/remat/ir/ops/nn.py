@@ -5,7 +5,7 @@ import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
-from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, norm_axis, rand
+from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, max_numel, norm_axis, per_output, rand
 
 
 # ---------------------------------------------------------------- reductions
@@ -36,7 +36,7 @@ def _reduce_norm(types, attrs):
 
 for _name, _doc in {"reduce_sum": "sum over axes", "reduce_mean": "mean over axes", "reduce_max": "max over axes"}.items():
     declare(OpDef(_name, 1, (ints("axes"), Attr("keepdims", "bool", False)), _reduce_infer(_name),
-                  frozenset({"reduction"}), normalize=_reduce_norm, doc=_doc,
+                  frozenset({"reduction"}), normalize=_reduce_norm, doc=_doc, flops=max_numel,
                   sample=lambda r: [Sample([rand(r, 3, 4, 5)], {"axes": (0, 2)}),
                                     Sample([rand(r, 3, 4)], {"axes": (1,), "keepdims": True}),
                                     Sample([rand(r, 6)], {"axes": (0,)})]))
@@ -79,7 +79,7 @@ def _axis_norm(types, attrs):
 
 for _name in ("softmax", "log_softmax"):
     declare(OpDef(_name, 1, (Attr("axis", "int"),), _softmax_infer(_name), frozenset(), normalize=_axis_norm,
-                  doc=f"{_name.replace('_', '-')} along an axis",
+                  doc=f"{_name.replace('_', '-')} along an axis", flops=per_output(8.0),
                   sample=lambda r: [Sample([rand(r, 3, 5, low=-3, high=3)], {"axis": 1}),
                                     Sample([rand(r, 2, 3, 4)], {"axis": 0})]))
 
@@ -276,8 +276,12 @@ def _conv_infer(types, attrs):
     return x.with_shape((x.shape[0], w.shape[0], oh, ow))
 
 
+def _conv_flops(ins, outs, attrs):
+    return 2.0 * outs[0].numel * _prod(ins[1].shape[1:])
+
+
 declare(OpDef("conv2d", 2, _CONV_ATTRS, _conv_infer, frozenset({"conv"}),
-              doc="2-d cross-correlation, NCHW input, OIHW weight",
+              doc="2-d cross-correlation, NCHW input, OIHW weight", flops=_conv_flops,
               sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
                                 Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
                                 Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)})]))
@@ -303,10 +307,12 @@ def _conv_w_grad_infer(types, attrs):
 
 declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _conv_in_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its input, from (grad_output, weight)",
+              flops=lambda ins, outs, attrs: 2.0 * ins[0].numel * _prod(ins[1].shape[1:]),
               sample=lambda r: [Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
                                 Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1), "groups": 2})]))
 declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS, _conv_w_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its weight, from (input, grad_output)",
+              flops=lambda ins, outs, attrs: 2.0 * ins[1].numel * _prod(outs[0].shape[1:]),
               sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 4, 6, 6)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1)}),
                                 Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1), "groups": 2})]))
 
@@ -336,12 +342,17 @@ def _pool_infer(name):
     return infer
 
 
+def _pool_flops(ins, outs, attrs):
+    return float(max(outs[0].numel, ins[0].numel) * _prod(attrs["kernel"]))
+
+
 _POOL_SAMPLES = lambda r: [Sample([rand(r, 2, 3, 6, 6)], {"kernel": (2, 2)}),  # noqa: E731
                            Sample([rand(r, 1, 2, 7, 5)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]
 declare(OpDef("max_pool2d", 1, _POOL_ATTRS, _pool_infer("max_pool2d"), frozenset(), normalize=_pool_norm,
-              doc="max over windows (padding never wins)", sample=_POOL_SAMPLES))
+              doc="max over windows (padding never wins)", sample=_POOL_SAMPLES, flops=_pool_flops))
 declare(OpDef("avg_pool2d", 1, _POOL_ATTRS, _pool_infer("avg_pool2d"), frozenset(), normalize=_pool_norm,
-              doc="mean over windows, padding counted as zeros", sample=_POOL_SAMPLES))
+              doc="mean over windows, padding counted as zeros", sample=_POOL_SAMPLES,
+              flops=_pool_flops))
 
 
 def _max_pool_idx_infer(types, attrs):
@@ -358,10 +369,6 @@ def _max_pool_index_grad_infer(types, attrs):
     if idx != TensorType(DType.i64, want.shape):
         raise TypeError(f"'max_pool2d_index_grad': indices must be i64{list(want.shape)}, got {idx}")
     return x
-
-
-def _pool_flops(ins, outs, attrs):
-    return float(max(outs[0].numel, ins[0].numel) * _prod(attrs["kernel"]))
 
 
 declare(OpDef("max_pool2d_with_indices", 1, _POOL_ATTRS, _max_pool_idx_infer, frozenset(), num_results=2,
@@ -412,10 +419,11 @@ def _avg_pool_grad_infer(types, attrs):
 
 declare(OpDef("max_pool2d_grad", 2, _POOL_ATTRS, _max_pool_grad_infer, frozenset(), normalize=_pool_norm,
               doc="gradient of max_pool2d from (input, grad_output): routed to the first maximum of each window",
+              flops=_pool_flops,
               sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 3, 3, 3)], {"kernel": (2, 2)}),
                                 Sample([rand(r, 1, 2, 7, 5), rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]))
 declare(OpDef("avg_pool2d_grad", 1, (ints("input_shape"),) + _POOL_ATTRS, _avg_pool_grad_infer, frozenset(),
-              normalize=_pool_norm, doc="gradient of avg_pool2d from grad_output",
+              normalize=_pool_norm, doc="gradient of avg_pool2d from grad_output", flops=_pool_flops,
               sample=lambda r: [Sample([rand(r, 2, 3, 3, 3)], {"kernel": (2, 2), "input_shape": (2, 3, 6, 6)}),
                                 Sample([rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1), "input_shape": (1, 2, 7, 5)})]))
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
-from ._util import expect_float, rand
+from ._util import expect_float, max_numel, per_output, rand
 
 STEP = TensorType(DType.i64, ())
 
@@ -39,7 +39,7 @@ declare(OpDef(
     (Attr("lr", "float"), Attr("momentum", "float", 0.0), Attr("dampening", "float", 0.0),
      Attr("weight_decay", "float", 0.0), Attr("nesterov", "bool", False), Attr("maximize", "bool", False)),
     _sgd_infer, frozenset({"inplace", "effect"}), num_results=2, aliases={0: 0, 1: 2}, nondiff=True,
-    doc="SGD with momentum on (param, grad, momentum_buffer, step): updates param and buffer in place",
+    doc="SGD with momentum on (param, grad, momentum_buffer, step): updates param and buffer in place", flops=max_numel,
     sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4), rand(r, 3, 4), np.array(3, dtype=np.int64)],
                              {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
                       Sample([rand(r, 5), rand(r, 5), np.zeros(5), np.array(1, dtype=np.int64)],
@@ -60,6 +60,7 @@ declare(OpDef(
      Attr("weight_decay", "float", 0.0), Attr("decoupled", "bool", False), Attr("maximize", "bool", False)),
     _adam_infer, frozenset({"inplace", "effect"}), num_results=3, aliases={0: 0, 1: 2, 2: 3}, nondiff=True,
     doc="Adam (decoupled=false) or AdamW (decoupled=true) on (param, grad, exp_avg, exp_avg_sq, step), in place",
+    flops=per_output(8.0),
     sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4), rand(r, 3, 4) * 0.1, rand(r, 3, 4, low=0.0, high=0.1),
                               np.array(2, dtype=np.int64)], {"lr": 0.01, "weight_decay": 0.01, "decoupled": True}),
                       Sample([rand(r, 4), rand(r, 4), np.zeros(4), np.zeros(4), np.array(1, dtype=np.int64)],
@@ -77,6 +78,7 @@ def _assign_infer(types, attrs):
 
 declare(OpDef(
     "assign", 2, (), _assign_infer, frozenset({"inplace", "effect"}), aliases={0: 0}, nondiff=True,
+    flops=max_numel,
     doc="overwrite a parameter in place with the first numel elements of a flat tensor (ZeRO writes the "
         "all-gathered shards back; trailing padding is dropped)",
     sample=lambda r: [Sample([rand(r, 2, 3), rand(r, 8)]), Sample([rand(r, 4), rand(r, 4)])]))

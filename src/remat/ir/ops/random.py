@@ -6,7 +6,7 @@ import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
-from ._util import ints
+from ._util import ints, max_numel
 
 SEED = TensorType(DType.i64, ())
 
@@ -33,11 +33,11 @@ def _seed(r):
 
 declare(OpDef("uniform", 1, (ints("shape"), Attr("dtype", "dtype", DType.f32), Attr("low", "float", 0.0),
                              Attr("high", "float", 1.0)), _float_random_infer("uniform"), frozenset({"random"}),
-              nondiff=True, doc="uniform samples in [low, high) from the seed",
+              nondiff=True, doc="uniform samples in [low, high) from the seed", flops=max_numel,
               sample=lambda r: [Sample([_seed(r)], {"shape": (3, 4)})]))
 declare(OpDef("normal", 1, (ints("shape"), Attr("dtype", "dtype", DType.f32), Attr("mean", "float", 0.0),
                             Attr("std", "float", 1.0)), _float_random_infer("normal"), frozenset({"random"}),
-              nondiff=True, doc="normal samples from the seed",
+              nondiff=True, doc="normal samples from the seed", flops=max_numel,
               sample=lambda r: [Sample([_seed(r)], {"shape": (2, 5), "std": 2.0})]))
 
 
@@ -49,7 +49,7 @@ def _bernoulli_infer(types, attrs):
 
 
 declare(OpDef("bernoulli", 1, (ints("shape"), Attr("p", "float")), _bernoulli_infer, frozenset({"random"}),
-              nondiff=True, doc="bool mask, true with probability p, from the seed (dropout masks)",
+              nondiff=True, doc="bool mask, true with probability p, from the seed (dropout masks)", flops=max_numel,
               sample=lambda r: [Sample([_seed(r)], {"shape": (4, 4), "p": 0.7})]))
 
 
@@ -59,5 +59,5 @@ def _fold_infer(types, attrs):
 
 
 declare(OpDef("fold_seed", 1, (Attr("salt", "int"),), _fold_infer, frozenset(), nondiff=True,
-              doc="derive an independent seed from a seed and a constant salt",
+              doc="derive an independent seed from a seed and a constant salt", flops=max_numel,
               sample=lambda r: [Sample([_seed(r)], {"salt": 7})]))

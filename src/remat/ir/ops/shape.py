@@ -8,7 +8,7 @@ import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
-from ._util import check_axis, expect_same_dtype, ints, norm_axis, rand
+from ._util import check_axis, expect_same_dtype, ints, max_numel, no_flops, norm_axis, rand
 
 
 def _transpose_infer(types, attrs):
@@ -24,7 +24,7 @@ def _transpose_norm(types, attrs):
 
 
 declare(OpDef("transpose", 1, (ints("perm"),), _transpose_infer, frozenset({"shape"}), normalize=_transpose_norm,
-              doc="permute axes (materialises a contiguous result)",
+              doc="permute axes (materialises a contiguous result)", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 2, 3, 4)], {"perm": (2, 0, 1)}), Sample([rand(r, 3, 4)], {"perm": (1, 0)})]))
 
 
@@ -37,7 +37,7 @@ def _reshape_infer(types, attrs):
 
 
 declare(OpDef("reshape", 1, (ints("shape"),), _reshape_infer, frozenset({"shape", "view"}), aliases={0: 0},
-              doc="same elements, new shape; shares the operand's storage",
+              doc="same elements, new shape; shares the operand's storage", flops=no_flops,
               sample=lambda r: [Sample([rand(r, 2, 6)], {"shape": (3, 4)}), Sample([rand(r, 4)], {"shape": (2, 1, 2)}),
                                 Sample([rand(r, 1, 1)], {"shape": ()})]))
 
@@ -52,7 +52,7 @@ def _broadcast_infer(types, attrs):
 
 
 declare(OpDef("broadcast", 1, (ints("shape"),), _broadcast_infer, frozenset({"shape"}),
-              doc="NumPy broadcast_to, materialised",
+              doc="NumPy broadcast_to, materialised", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 3, 1)], {"shape": (2, 3, 4)}), Sample([rand(r)], {"shape": (2, 2)})]))
 
 
@@ -76,7 +76,7 @@ def _slice_norm(types, attrs):
 
 
 declare(OpDef("slice", 1, (ints("start"), ints("stop"), ints("step", ())), _slice_infer, frozenset({"shape"}),
-              normalize=_slice_norm, doc="strided slice x[start:stop:step] per axis, materialised",
+              normalize=_slice_norm, doc="strided slice x[start:stop:step] per axis, materialised", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 4, 6)], {"start": (1, 0), "stop": (3, 6), "step": (1, 2)}),
                                 Sample([rand(r, 5)], {"start": (2,), "stop": (5,), "step": (1,)})]))
 
@@ -97,7 +97,7 @@ def _pad_norm(types, attrs):
 
 declare(OpDef("pad", 1, (ints("low"), ints("high"), ints("interior", ()), Attr("value", "float", 0.0)), _pad_infer,
               frozenset({"shape"}), normalize=_pad_norm,
-              doc="pad with a constant: low/high per axis, interior between elements (XLA's pad)",
+              doc="pad with a constant: low/high per axis, interior between elements (XLA's pad)", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 2, 3)], {"low": (1, 0), "high": (0, 2), "interior": (0, 1)}),
                                 Sample([rand(r, 3)], {"low": (2,), "high": (1,), "interior": (0,), "value": 0.5})]))
 
@@ -118,7 +118,7 @@ def _axis_norm(types, attrs):
 
 
 declare(OpDef("concat", None, (Attr("axis", "int"),), _concat_infer, frozenset({"shape"}), normalize=_axis_norm,
-              doc="join along an axis",
+              doc="join along an axis", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 2, 3), rand(r, 2, 1), rand(r, 2, 2)], {"axis": 1}),
                                 Sample([rand(r, 1, 2), rand(r, 3, 2)], {"axis": 0})]))
 
@@ -133,7 +133,7 @@ def _gather_infer(types, attrs):
 
 
 declare(OpDef("gather", 2, (Attr("axis", "int", 0),), _gather_infer, frozenset({"shape"}), normalize=_axis_norm,
-              doc="numpy take(table, indices, axis): embedding lookup when axis=0",
+              doc="numpy take(table, indices, axis): embedding lookup when axis=0", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 5, 3), r.integers(0, 5, size=(2, 4))]),
                                 Sample([rand(r, 2, 4), r.integers(0, 4, size=(3,))], {"axis": 1})]))
 
@@ -151,7 +151,7 @@ def _scatter_infer(types, attrs):
 
 
 declare(OpDef("scatter_add", 2, (ints("shape"), Attr("axis", "int", 0)), _scatter_infer, frozenset({"shape"}),
-              doc="zeros(shape) with updates added at indices along axis (the transpose of gather)",
+              doc="zeros(shape) with updates added at indices along axis (the transpose of gather)", flops=max_numel,
               sample=lambda r: [Sample([r.integers(0, 5, size=(2, 4)), rand(r, 2, 4, 3)], {"shape": (5, 3)}),
                                 Sample([r.integers(0, 4, size=(3,)), rand(r, 2, 3)], {"shape": (2, 4), "axis": 1})]))
 
@@ -161,7 +161,7 @@ def _constant_infer(types, attrs):
 
 
 declare(OpDef("constant", 0, (Attr("value", "scalar"), ints("shape", ()), Attr("dtype", "dtype", DType.f32)),
-              _constant_infer, frozenset({"constant"}), nondiff=True, doc="a tensor filled with one value",
+              _constant_infer, frozenset({"constant"}), nondiff=True, doc="a tensor filled with one value", flops=no_flops,
               sample=lambda r: [Sample([], {"value": 1.5, "shape": (2, 3), "dtype": DType.f32}),
                                 Sample([], {"value": 3, "shape": (), "dtype": DType.i64})]))
 
@@ -173,7 +173,7 @@ def _iota_infer(types, attrs):
 
 
 declare(OpDef("iota", 0, (ints("shape"), Attr("axis", "int", 0), Attr("dtype", "dtype", DType.i64)), _iota_infer,
-              frozenset({"constant"}), nondiff=True, doc="index along an axis, broadcast over the others (0, 1, 2, …)",
+              frozenset({"constant"}), nondiff=True, doc="index along an axis, broadcast over the others (0, 1, 2, …)", flops=no_flops,
               sample=lambda r: [Sample([], {"shape": (3, 4), "axis": 1}), Sample([], {"shape": (5,), "dtype": DType.f32})]))
 
 

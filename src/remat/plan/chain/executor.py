@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...ir import Builder, Function, Module, TensorType, Value, verify
+from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
 from ..partition import Split, split_joint
 from .schedule import B, F, FT, Free, Step
@@ -117,6 +117,44 @@ def sequential_binding(stages: list[ChainStage], upstream_is_param: bool) -> Bin
     return Binding(ptypes, lead, k, grad_of)
 
 
+def _structural_match(light: Function, full: Function) -> dict[Instruction, Instruction]:
+    """Each instruction of ``light`` to the instruction of ``full`` computing the same thing (same
+    op, attributes and matched operands; both slice one joint over the same parameters)."""
+    vmap: dict[Value, Value] = dict(zip(light.params, full.params))
+    by_key: dict[tuple, Instruction] = {}
+    for ins in full.entry.instrs[:-1]:
+        by_key.setdefault((ins.op.name, tuple(map(id, ins.operands)), repr(sorted(ins.attrs.items()))), ins)
+    out: dict[Instruction, Instruction] = {}
+    for ins in light.entry.instrs[:-1]:
+        key = (ins.op.name, tuple(id(vmap.get(o)) for o in ins.operands), repr(sorted(ins.attrs.items())))
+        match = by_key.get(key)
+        if match is None:
+            continue
+        out[ins] = match
+        for r, m in zip(ins.results, match.results):
+            vmap[r] = m
+    return out
+
+
+def _inline_marked(b: Builder, f: Function, args: list[Value], first: dict[Instruction, Instruction],
+                   match: dict[Instruction, Instruction] | None) -> list[Value]:
+    """``inline_body``, with provenance: an instruction whose source (through ``match``, for a
+    different slice of the same stage) already ran records the value it recomputes; the first
+    run of each source instruction is recorded in ``first``."""
+    n0 = len(b.block.instrs)
+    res = inline_body(b, f, args)
+    for src, new in zip(f.entry.instrs[:-1], b.block.instrs[n0:]):
+        key = src if match is None else match.get(src)
+        if key is None:
+            continue
+        done = first.get(key)
+        if done is None:
+            first[key] = new
+        elif done.results:
+            new.recomputes = done.results[0]
+    return res
+
+
 def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str = "chain_step",
                      upstream_is_param: bool = True, return_output: bool = False,
                      binding: Binding | None = None, check: bool = True) -> Module:
@@ -165,6 +203,8 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
     output: Value | None = None
     gx: Value | None = None
     keep: set[Value] = set()  # program outputs: never freed
+    first: dict[int, dict[Instruction, Instruction]] = {}  # per stage: first run of each forward instruction
+    light_match: dict[int, dict[Instruction, Instruction]] = {}
 
     def held(exclude: tuple[str, int]) -> set[Value]:
         out: set[Value] = set()
@@ -195,11 +235,14 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
                 raise ValueError(f"step {pos} {step}: f_{i - 1} is not live")
             xin = f_slot[i - 1][0]
             na = len(st.aux_types)
+            ran = first.setdefault(i, {})
             if isinstance(step, FT):
-                res = inline_body(b, st.split.forward, list(params[i - 1]) + [xin])
+                res = _inline_marked(b, st.split.forward, list(params[i - 1]) + [xin], ran, None)
                 tape_of[i] = res[1 + na:]
             else:
-                res = inline_body(b, st.split.forward_light, list(params[i - 1]) + [xin])
+                if i not in light_match:
+                    light_match[i] = _structural_match(st.split.forward_light, st.split.forward)
+                res = _inline_marked(b, st.split.forward_light, list(params[i - 1]) + [xin], ran, light_match[i])
                 tape_of.pop(i, None)
             f_slot[i] = [res[0]] + tape_of.get(i, [])
             if na and i not in aux:  # side outputs: the first computation is kept
