@@ -38,6 +38,27 @@ TAGS = frozenset({
 })
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int64(where: str, value: Any) -> int:
+    """``value`` as an int, refused (TypeError) outside the signed 64-bit range every dialect stores."""
+    v = int(value)
+    if not _INT64[0] <= v <= _INT64[1]:
+        shown = str(v) if v.bit_length() < 200 else f"an integer of {v.bit_length()} bits"
+        raise TypeError(f"{where} must fit in 64 bits ({_INT64[0]}..{_INT64[1]}), got {shown}")
+    return v
+
+
+def _float(where: str, value: Any) -> float:
+    """``value`` as a float, refused (TypeError) when an integer is too large for one (|x| > 1.8e308)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise TypeError(f"{where} must be a number within the float range (|x| <= 1.8e308), "
+                        f"got an integer of {int(value).bit_length()} bits") from None
+
+
 @dataclass(frozen=True)
 class Attr:
     """One attribute of an op: name, kind and default (``REQUIRED`` if none)."""
@@ -53,11 +74,11 @@ class Attr:
         if k == "int":
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{where} must be an integer, got {value!r}")
-            return int(value)
+            return _int64(where, value)
         if k == "float":
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{where} must be a number, got {value!r}")
-            return float(value)
+            return _float(where, value)
         if k == "bool":
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{where} must be true or false, got {value!r}")
@@ -76,7 +97,7 @@ class Attr:
             for v in items:
                 if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
                     raise TypeError(f"{where} must be a list of integers, got {value!r}")
-            return tuple(int(v) for v in items)
+            return tuple(_int64(where, v) for v in items)
         if k == "dtype":
             if isinstance(value, str):
                 try:
@@ -90,7 +111,7 @@ class Attr:
             if isinstance(value, (bool, np.bool_)):
                 return bool(value)
             if isinstance(value, (int, np.integer)):
-                return int(value)
+                return _int64(where, value)
             if isinstance(value, (float, np.floating)):
                 return float(value)
             raise TypeError(f"{where} must be a number or boolean, got {value!r}")
