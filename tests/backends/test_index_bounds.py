@@ -43,3 +43,26 @@ def test_ignore_index_is_allowed_even_out_of_range(dialect: str) -> None:
     logp = np.log(np.full((3, 5), 0.2, np.float32))
     (out,), _ = remat.run(f, logp, np.array([1, -7, 4]), dialects=dialect)
     assert np.allclose(np.asarray(out), -np.log(0.2))  # the mean over the two kept rows
+
+
+@pytest.mark.parametrize("dialect", ["numpy", "torch"])
+@pytest.mark.parametrize("op", sorted(n for n, d in remat.ir.OPS.items() if d.index_bounds is not None))
+def test_every_op_declaring_index_bounds_checks_them(op: str, dialect: str) -> None:
+    """Generated from the registry: each sample of an op with ``index_bounds``, its index set one
+    past the valid range, raises IndexError naming the op and the value in every dialect."""
+    from remat.ir import Builder, DType, Function, TensorType
+
+    opdef = remat.ir.OPS[op]
+    for sample in opdef.sample(np.random.default_rng(0)):
+        types = [TensorType(DType.from_numpy(np.asarray(a).dtype), np.shape(a)) for a in sample.args]
+        attrs = opdef.check_attrs(types, sample.attrs)
+        bounds = opdef.index_bounds(types, attrs)
+        args = [np.array(a, copy=True) for a in sample.args]
+        args[bounds.operand].reshape(-1)[0] = bounds.size
+        f = Function("f", types, list(opdef.result_types(types, attrs)))
+        b = Builder(f.entry)
+        out = b.op(op, *f.params, **sample.attrs)
+        b.ret(*(out if isinstance(out, tuple) else (out,)))
+        with pytest.raises(IndexError, match=rf"{dialect}\.{op}(?s:.*)'{op}': \w+.* {bounds.size} is out of range; "
+                                             rf"valid: \[0, {bounds.size}\)"):
+            remat.run(f, *args, dialects=dialect)

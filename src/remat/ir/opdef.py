@@ -118,6 +118,15 @@ class Attr:
         raise AssertionError(k)
 
 
+@dataclass(frozen=True)
+class IndexBounds:
+    """The valid values of an op's index operand: ``[0, size)``, plus ``ignore`` when not None."""
+
+    operand: int
+    size: int
+    ignore: int | None = None
+
+
 # A sample for generated per-op tests: operand arrays and attributes.
 @dataclass
 class Sample:
@@ -143,6 +152,9 @@ class OpDef:
     ``nondiff`` marks ops without a derivative (comparisons, …).
     ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
     attributes) to estimated floating-point operations (``remat.plan.costmodel``).
+    ``index_bounds``: for ops with an integer index operand that every dialect's kernel checks
+    (raising IndexError when out of range), (operand types, attributes) to :class:`IndexBounds`.
+    The training step places no in-place update before the first check of each index value.
     """
 
     name: str
@@ -160,6 +172,7 @@ class OpDef:
     vjp: Callable | None = None
     vjp_saves: Any = None
     flops: Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], float] | None = None
+    index_bounds: Callable[[Sequence[TensorType], Mapping[str, Any]], "IndexBounds"] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tags) - TAGS

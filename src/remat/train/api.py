@@ -23,7 +23,7 @@ from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
-from .optim import advance_steps, bind_state, init_state, steps_taken, updates_from_torch
+from .optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from .program import Layout, cleanup, step_program, training_graph
 
 
@@ -263,10 +263,10 @@ class TrainStep:
             args.append(np.array(self._seed + self._step, dtype=np.int64))
         return args
 
-    def _step_args(self, inputs: Sequence, copy: bool, step: int) -> list:
+    def _step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
         args = self._joint_args(inputs, copy)
         if self.updates:
-            for ts in self._state:
+            for ts in self._state if state is None else state:
                 args += [t.detach().clone() if copy else t.detach() for t in ts]
             args.append(np.array(step, dtype=np.int64))
         return args
@@ -282,18 +282,27 @@ class TrainStep:
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs):
-        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor)."""
+        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor).
+
+        Atomic for bad arguments and out-of-range indices (class targets, token ids): they raise
+        before anything is written, so parameters, gradients, buffers and ``optimizer.state_dict()``
+        stay exactly as they were, also on the first call (the optimizer's state is registered only
+        after a step succeeded). The program places no in-place update before the first check of
+        each index value (``train.program.last_new_index_check``); a kernel failing after the first
+        update (out of memory in the backward, say) is the one case that leaves updates applied."""
         torch = self.torch
         self._check_inputs(inputs)
-        opt_step = self._step
+        opt_step, state = self._step, None
         if self.updates:
             self._check_optimizer()
             # The optimizer's own step count and state (it may also have been stepped eagerly).
             opt_step = steps_taken(self.optimizer, self._params, self.updates)
-            self._state = bind_state(self.optimizer, self._params, self.updates, self._state)
-        args = self._step_args(inputs, copy=False, step=opt_step + 1)
+            state = current_state(self.optimizer, self._params, self.updates)
+        args = self._step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
         outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
+        if self.updates:  # the step succeeded: now the optimizer owns the state it updated
+            self._state = bind_state(self.optimizer, self._params, self.updates, state)
         self.last_seconds = time.perf_counter() - t0
         self.last_stats = stats
         self._step += 1

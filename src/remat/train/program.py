@@ -3,13 +3,14 @@
 ``training_joint`` differentiates an imported model's loss wrt its parameters with remat's own
 autodiff, keeping the other forward outputs (updated batch-norm statistics); ``step_program``
 adds the in-place optimizer updates, each placed right after its gradient is complete and its
-parameter's last read, so a gradient is consumed as soon as it exists.
+parameter's last read, so a gradient is consumed as soon as it exists, and after every first check
+of an index value (``last_new_index_check``), so a step failing on bad indices changes nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Function, GradientSpec, Module, TensorType, Value, verify
+from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from .optim import STEP_TYPE, ParamUpdate, emit_update
 
 
@@ -76,6 +77,26 @@ def training_joint(forward: Function, n_params: int) -> Function:
     return cleanup(training_graph(forward, n_params))
 
 
+def last_new_index_check(body: list[Instruction]) -> int:
+    """Position of the last instruction that checks an index value no earlier instruction checked
+    against the same bounds (``OpDef.index_bounds``), or -1. Out-of-range indices (class targets,
+    token ids) raise there; an update placed after it never runs on a step that fails that way.
+    A backward's re-check of the forward's indices (scatter_add after gather, nll_loss_grad after
+    nll_loss, a recomputed gather) is not new, so updates still follow their gradients closely."""
+    seen: set[tuple] = set()
+    last = -1
+    for i, ins in enumerate(body):
+        rule = ins.op.index_bounds
+        if rule is None:
+            continue
+        bounds = rule([v.type for v in ins.operands], ins.attrs)
+        key = (ins.operands[bounds.operand], bounds.size, bounds.ignore)
+        if key not in seen:
+            seen.add(key)
+            last = i
+    return last
+
+
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
                  check: bool = True) -> Function:
@@ -111,7 +132,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         if keep_grads:
             where = [len(body) - 1] * layout.n_params
         else:
-            where = [max(pos_of.get(grads[k], -1), last_read[joint.params[k]]) for k in range(layout.n_params)]
+            barrier = last_new_index_check(body)  # a step is atomic: no update before it
+            where = [max(pos_of.get(grads[k], -1), last_read[joint.params[k]], barrier) for k in range(layout.n_params)]
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
