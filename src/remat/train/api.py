@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -62,6 +62,9 @@ class Report:
     instructions: int = 0
     recomputed_instructions: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
+    predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
+    measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
 
     def __str__(self) -> str:
         def b(v):
@@ -72,6 +75,9 @@ class Report:
             ("predicted peak", b(self.predicted_peak)),
             ("measured peak (last step)", b(self.measured_peak)),
             ("unconstrained peak", b(self.unconstrained_peak)),
+            ("largest kernel workspace", b(self.workspace_bytes)),
+            ("allocator peak: predicted", b(self.predicted_allocator_peak)),
+            ("allocator peak: measured", b(self.measured_allocator_peak)),
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
@@ -126,7 +132,7 @@ class TrainStep:
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
-                 print_after: str | Sequence[str] | None = None):
+                 print_after: str | Sequence[str] | None = None, count_workspaces: bool = True):
         import torch
 
         from ..frontend.torch_import import import_module
@@ -153,6 +159,10 @@ class TrainStep:
         self.cost_model = cost_model
         self._step = 0
         self._seed = seed
+        self._count_workspaces = count_workspaces
+        self.workspace_bytes = 0                      # the largest kernel workspace (budgeted steps)
+        self.predicted_allocator_peak: int | None = None  # VM high-water marks + kernel workspaces
+        self.measured_allocator_peak: int | None = None   # profiler memory events of one run on copies
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
@@ -174,7 +184,7 @@ class TrainStep:
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
-        self.plan = self._stage("plan", lambda: plan_step(problem))
+        self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.predicted_overhead = self.plan.overhead
         self.program = self._stage("lower", lambda: self.plan.program)
@@ -231,6 +241,52 @@ class TrainStep:
     def _finish(self, joint: Function) -> Function:
         """A (rematerialised) joint -> the whole step program (updates placed after each gradient)."""
         return step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads, check=False)
+
+    def _plan_within_allocator(self, problem: StepProblem, unconstrained: Function) -> Candidate:
+        """Plan so that PyTorch's allocator, not only the VM's count of IR values, stays within the
+        budget. The VM counts IR values exactly, and kernels allocate workspaces beside them: each
+        kernel's workspace is measured once per kernel and shape (``runtime.allocator``) and enters
+        the graph solvers as the node's workspace (memory while it computes); the chosen program's
+        allocator peak is then measured on copies of the arguments, and should it exceed the budget
+        (the chain planner does not see workspaces; temporaries the per-kernel measurement missed),
+        planning repeats with the overshoot taken off the VM target, at most twice. Without a budget, or with ``count_workspaces=False``, this is
+        ``plan_step`` unchanged (the budget then bounds the VM's count only)."""
+        from ..plan.workspace import allocator_bound, workspace_margin
+        from ..runtime.allocator import measure_allocator_peak, workspaces
+
+        if self.budget is None or not self._count_workspaces:
+            return plan_step(problem)
+        ws = workspaces(unconstrained, self.dialects)
+        self.workspace_bytes = workspace_margin(unconstrained, ws)
+        problem = replace(problem, workspaces=workspaces(problem.joint, self.dialects))
+        target = self.budget
+        if allocator_bound(unconstrained, ws) > self.budget and predict_peak(unconstrained) <= self.budget:
+            target = self.budget - 1  # the unconstrained step fits the VM's count but not the allocator: plan
+        def measured(plan: Candidate) -> int:
+            args = self._step_args(self._example, copy=True, step=1)
+            return measure_allocator_peak(plan.program, args, self.dialects)
+
+        for attempt in range(3):
+            try:
+                plan = plan_step(replace(problem, budget=max(target, 1)))
+            except BudgetTooSmall as e:
+                # The minimum to report is what the allocator needs for the solvers' minimal plan.
+                least = plan_step(replace(problem, budget=e.minimum))
+                need = measured(least)
+                if need > self.budget:
+                    raise BudgetTooSmall(self.budget, need, "this training step",
+                                         detail=f"PyTorch's allocator peak of the least-memory plan; kernels' own "
+                                                f"workspaces take up to {format_bytes(self.workspace_bytes)}") from None
+                plan = least  # the minimal plan fits after all
+            self.predicted_allocator_peak = allocator_bound(plan.program, workspaces(plan.program, self.dialects))
+            self.measured_allocator_peak = measured(plan)
+            if self.measured_allocator_peak <= self.budget or attempt == 2:
+                break
+            target -= self.measured_allocator_peak - self.budget  # temporaries the model missed: plan tighter
+        if self.measured_allocator_peak > self.budget:
+            plan.notes = plan.notes + [f"the allocator's measured peak {format_bytes(self.measured_allocator_peak)} "
+                                       f"exceeds the budget after 3 attempts"]
+        return plan
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -337,7 +393,19 @@ class TrainStep:
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
-                      dict(self.stage_seconds))
+                      dict(self.stage_seconds), self.workspace_bytes, self.predicted_allocator_peak,
+                      self.measured_allocator_peak)
+
+    def measure_allocator_peak(self, *inputs) -> int:
+        """The peak of PyTorch's allocator during one run of the step program on copies of the
+        parameters, optimizer state and ``inputs`` (bytes; profiler memory events, arguments
+        counted as the VM counts them). The model is not modified. Shown by ``report()``."""
+        from ..runtime.allocator import measure_allocator_peak
+
+        self._check_inputs(inputs)
+        args = self._step_args(inputs, copy=True, step=1)
+        self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects)
+        return self.measured_allocator_peak
 
 
 def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
@@ -355,6 +423,9 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     per-instruction times), ``solver`` ("auto", "greedy", "milp"), ``dialects``, ``seed``, ``keep_grads``,
     ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names),
     ``print_after`` (a stage name of ``STAGES``, or several: print the IR after it; "plan" prints
-    the planned step). ``step.report()`` gives each stage's seconds.
+    the planned step), ``count_workspaces`` (default True: under a budget, kernels' own workspaces
+    are measured and kept within the budget too, so PyTorch's allocator peak stays within it;
+    False: the budget bounds the VM's count of IR values only). ``step.report()`` gives each
+    stage's seconds, the VM's peak and the allocator's.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
