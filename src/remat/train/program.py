@@ -84,13 +84,24 @@ def last_new_index_check(body: list[Instruction]) -> int:
     A backward's re-check of the forward's indices (scatter_add after gather, nll_loss_grad after
     nll_loss, a recomputed gather) is not new, so updates still follow their gradients closely."""
     seen: set[tuple] = set()
+    memo: dict[Value, object] = {}
+
+    def structural(v: Value) -> object:
+        """The same key for a recomputed value as for the original (an index recomputed from
+        the same inputs, e.g. positions from ``iota``, is checked already)."""
+        if v not in memo:
+            ins = getattr(v, "instr", None)
+            memo[v] = v if ins is None else (ins.op.name, repr(sorted(ins.attrs.items())), v.index,
+                                             tuple(structural(o) for o in ins.operands))
+        return memo[v]
+
     last = -1
     for i, ins in enumerate(body):
         rule = ins.op.index_bounds
         if rule is None:
             continue
         bounds = rule([v.type for v in ins.operands], ins.attrs)
-        key = (ins.operands[bounds.operand], bounds.size, bounds.ignore)
+        key = (structural(ins.operands[bounds.operand]), bounds.size, bounds.ignore)
         if key not in seen:
             seen.add(key)
             last = i
