@@ -22,12 +22,12 @@ not seen, for any method alike.
 from __future__ import annotations
 
 import gc
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from remat.runtime.allocator import allocation_trace, peak_of_trace  # noqa: F401  (one definition, shared)
 
 
 @dataclass(frozen=True)
@@ -82,32 +82,6 @@ def resident_bytes(model: torch.nn.Module | None = None, optimizer: torch.optim.
     if optimizer is not None:
         items.append([dict(s) for s in optimizer.state.values()])
     return tensor_bytes(items)
-
-
-def allocation_trace(fn: Callable[[], Any]) -> tuple[Any, list[tuple[int, int]]]:
-    """Run ``fn()`` under the profiler; return its result and the allocator events
-    ``[(time_ns, delta_bytes), ...]`` in time order (positive: allocation, negative: free)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False) as prof:
-            result = fn()
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = [(e.start_ns(), int(e.nbytes())) for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == cpu]
-    events.sort(key=lambda t: t[0])  # stable: ties keep the recording order
-    return result, events
-
-
-def peak_of_trace(events: list[tuple[int, int]]) -> tuple[int, int, int]:
-    """``(peak_net, end_net, allocated)`` in bytes of a time-ordered event list. ``peak_net`` is at
-    least 0 (the moment before the first event)."""
-    net = peak = allocated = 0
-    for _, delta in events:
-        net += delta
-        if delta > 0:
-            allocated += delta
-        peak = max(peak, net)
-    return peak, net, allocated
 
 
 def measure_peak(fn: Callable[[], Any], resident: int = 0) -> MemoryMeasurement:

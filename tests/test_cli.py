@@ -84,7 +84,7 @@ def test_opt_delegates_to_the_ir_driver(tmp_path, capsys):
     assert main(["opt", str(f), "--passes", "cse"]) == 0
     out = capsys.readouterr().out
     assert out.count("add ") == 1 and "mul " in out
-    assert main(["opt", str(f), "--passes", "no-such-pass"]) == 1
+    assert main(["opt", str(f), "--passes", "no-such-pass"]) == 2
     assert "no-such-pass" in capsys.readouterr().err
 
 

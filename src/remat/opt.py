@@ -1,8 +1,9 @@
 """``python -m remat.opt FILE [--passes a,b,c] [--print-after-all] [--no-verify] [--timing]``
 
 The IR driver, in the spirit of ``mlir-opt``: parse a module (``-`` reads stdin), verify it, run the
-named passes in order and print the resulting canonical IR on stdout. Errors (parse, verification,
-unknown pass, a failing pass) go to stderr with exit code 1, so stdout only ever holds IR.
+named passes in order and print the resulting canonical IR on stdout. Errors go to stderr as
+``error: ...`` (never a traceback), so stdout only ever holds IR: bad input (an unreadable file,
+text that does not parse or verify, an unknown pass) exits with code 2, a failing pass with code 1.
 Diagnostics (``--print-after-all``, ``--timing``) go to stderr too, as ``//`` comments.
 """
 from __future__ import annotations
@@ -13,6 +14,9 @@ import time
 from typing import Sequence, TextIO
 
 from .ir import Module, ParseError, VerificationError, parse, verify
+
+
+BAD_INPUT, PASS_FAILED = 2, 1  # exit codes
 
 
 def _count(m: Module) -> int:
@@ -39,13 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None,
         stderr: TextIO | None = None) -> int:
-    """Run the driver with ``argv`` (without the program name); return the exit code (0 or 1)."""
+    """Run the driver with ``argv`` (without the program name); return the exit code: 0, 1 (a pass
+    failed) or 2 (bad input)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     args = build_parser().parse_args(argv)
 
-    def fail(msg: str) -> int:
+    def fail(msg: str, code: int = BAD_INPUT) -> int:
         stderr.write(f"error: {msg.rstrip()}\n")
-        return 1
+        return code
 
     from .pipeline import get_pass, run_pipeline
 
@@ -61,15 +66,19 @@ def run(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: 
         text = stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
     except OSError as e:
         return fail(f"cannot read {where}: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        return fail(f"cannot read {where}: not UTF-8 text (byte {e.start}: {e.reason})")
     try:
         module = parse(text)
+        if not args.no_verify:
+            verify(module)
     except ParseError as e:
         return fail(f"{where}: {e}")
-    if not args.no_verify:
-        try:
-            verify(module)
-        except VerificationError as e:
-            return fail(f"{where}: the input does not verify\n{e}")
+    except VerificationError as e:
+        return fail(f"{where}: the input does not verify\n{e}")
+    except Exception as e:  # never a traceback for bad input; the fuzz tests keep this branch unreached
+        return fail(f"{where}: internal error while reading the input (a bug in remat, please report it): "
+                    f"{type(e).__name__}: {e}")
 
     records: list[tuple[str, int, int, float]] = []  # (pass, instructions before, after, seconds)
     for name in names:
@@ -78,9 +87,9 @@ def run(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: 
         try:
             module = run_pipeline(module, [name], verify_each=not args.no_verify).module
         except VerificationError as e:
-            return fail(f"the IR after pass '{name}' does not verify (a bug in the pass)\n{e}")
+            return fail(f"the IR after pass '{name}' does not verify (a bug in the pass)\n{e}", PASS_FAILED)
         except Exception as e:  # a crashing pass: say which one, keep the traceback's gist
-            return fail(f"pass '{name}' failed: {type(e).__name__}: {e}")
+            return fail(f"pass '{name}' failed: {type(e).__name__}: {e}", PASS_FAILED)
         seconds = time.perf_counter() - t0
         records.append((name, before, _count(module), seconds))
         if args.print_after_all:

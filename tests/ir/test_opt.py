@@ -1,4 +1,4 @@
-"""``python -m remat.opt``: parse, verify, run passes, print; errors on stderr with exit code 1."""
+"""``python -m remat.opt``: parse, verify, run passes, print; errors on stderr with exit code 2 for bad input, 1 for a failing pass."""
 from __future__ import annotations
 
 import io
@@ -107,7 +107,7 @@ def test_timing(test_passes) -> None:
 
 def test_unknown_pass_lists_the_available_ones() -> None:
     code, out, err = opt("-", "--passes", "nope", stdin=SRC)
-    assert code == 1 and out == ""
+    assert code == 2 and out == ""
     assert err.startswith("error: unknown pass 'nope'; available passes: ")
     listed = err.split("available passes: ")[1].strip().split(", ")
     assert listed == sorted(PASSES)
@@ -115,19 +115,19 @@ def test_unknown_pass_lists_the_available_ones() -> None:
 
 def test_unknown_pass_is_reported_before_reading_input(tmp_path) -> None:
     code, _, err = opt(str(tmp_path / "missing.ir"), "--passes", "nope")
-    assert code == 1 and "unknown pass 'nope'" in err
+    assert code == 2 and "unknown pass 'nope'" in err
 
 
 def test_parse_error() -> None:
     code, out, err = opt("-", stdin="func @f(%0: f32[2]) -> f32[2] {\n  %1 = ad %0, %0 : f32[2]\n  return %1\n}\n")
-    assert (code, out) == (1, "")
+    assert (code, out) == (2, "")
     assert err.startswith("error: <stdin>: line 2, column 8: unknown op 'ad'; did you mean")
 
 
 def test_input_that_does_not_verify_and_no_verify() -> None:
     bad = "func @f(%0: f32[2]) -> f32[3] {\n  %1 = add %0, %0 : f32[3]\n  return %1\n}\n"
     code, out, err = opt("-", stdin=bad)
-    assert (code, out) == (1, "")
+    assert (code, out) == (2, "")
     assert err.startswith("error: <stdin>: the input does not verify\nIR verification failed:\nin @f, entry block, instruction 'add'")
     assert opt("-", "--no-verify", stdin=bad) == (0, bad, "")
 
@@ -147,7 +147,7 @@ def test_crashing_pass_is_named(test_passes) -> None:
 
 def test_missing_file(tmp_path) -> None:
     code, out, err = opt(str(tmp_path / "missing.ir"))
-    assert (code, out) == (1, "")
+    assert (code, out) == (2, "")
     assert err.startswith(f"error: cannot read {tmp_path / 'missing.ir'}: ")
 
 
@@ -157,4 +157,4 @@ def test_module_entry_point() -> None:
     assert (p.returncode, p.stdout, p.stderr) == (0, CANON, "")
     p = subprocess.run([sys.executable, "-m", "remat.opt", "-", "--passes", "nope"], input=SRC, capture_output=True,
                        text=True, timeout=120)
-    assert p.returncode == 1 and p.stdout == "" and "unknown pass 'nope'" in p.stderr
+    assert p.returncode == 2 and p.stdout == "" and "unknown pass 'nope'" in p.stderr

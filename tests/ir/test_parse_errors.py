@@ -98,3 +98,50 @@ def test_valid_text_parses() -> None:
     """Control: the template the negative cases are built from is itself valid."""
     m = parse(F.format(body="  %1 = add %0, %0 : f32[2]\n  return %1"))
     remat.verify(m)
+
+
+# Inputs a fuzzer found escaping as the wrong exception (issue 15): every one is a ParseError now.
+HARDENING = [
+    ("dimension of 4301 digits", "func @f(%0: f32[" + "9" * 4301 + "]) -> f32[] {\n  return\n}\n",
+     1, 17, ["dimension", "out of range", "valid: 0..9223372036854775807"]),
+    ("dimension past int64", "func @f(%0: f32[9223372036854775808]) -> f32[] {\n  return\n}\n",
+     1, 17, ["dimension 9223372036854775808 is out of range"]),
+    ("wrt index of 4301 digits", "func @g = gradient @f wrt " + "1" * 4301 + "\n",
+     1, 27, ["parameter index", "out of range"]),
+    ("integer attribute of 4301 digits", F.format(body="  %1 = softmax %0 {axis=" + "7" * 4301 + "} : f32[2]\n  return %1"),
+     2, 25, ["integer", "out of range"]),
+    ("int list attribute past int64", "func @f(%0: f32[2]) -> f32[] {\n  %1 = reduce_sum %0 {axes=[-9223372036854775809]} : f32[]\n  return %1\n}\n",
+     2, 29, ["integer -9223372036854775809 is out of range"]),
+    ("float attribute given a 310-digit integer", F.format(body="  %1 = pad %0 {low=[0], high=[0], value=" + "9" * 310 + "} : f32[2]\n  return %1"),
+     2, 41, ["integer", "out of range"]),
+    ("invalid escape", F.format(body="  %1 = gelu %0 {approximate=\"\\q\"} : f32[2]\n  return %1"),
+     2, 30, ["invalid escape", "\\u followed by 4 hex digits"]),
+    ("short unicode escape", F.format(body="  %1 = gelu %0 {approximate=\"\\u12\"} : f32[2]\n  return %1"),
+     2, 30, ["invalid escape"]),
+    ("control character in a string", F.format(body="  %1 = gelu %0 {approximate=\"a\tb\"} : f32[2]\n  return %1"),
+     2, 31, ["control character U+0009", "\\u0009"]),
+    ("non-ASCII digit", "func @f(%0: f32[\u0663]) -> f32[] {\n  return\n}\n",
+     1, 17, ["unexpected character", "ASCII digits 0-9"]),
+]
+
+
+@pytest.mark.parametrize("text,line,col,fragments", [c[1:] for c in HARDENING], ids=[c[0] for c in HARDENING])
+def test_hardening_inputs_raise_parse_error(text: str, line: int, col: int, fragments: list[str]) -> None:
+    with pytest.raises(remat.ir.ParseError) as e:
+        parse(text)
+    assert (e.value.line, e.value.column) == (line, col), str(e.value)
+    for frag in fragments:
+        assert frag in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("op,attr,value,fragment", [
+    ("pad", "value", 10**310, "must be a number within the float range"),
+    ("softmax", "axis", 2**63, "must fit in 64 bits"),
+    ("reduce_sum", "axes", (0, -(2**63) - 1), "must fit in 64 bits"),
+])
+def test_attr_coerce_refuses_out_of_range_numbers(op: str, attr: str, value, fragment: str) -> None:
+    """Attributes given from Python (not only parsed text) are bounded with a TypeError naming them."""
+    from remat.ir.opdef import OPS
+
+    with pytest.raises(TypeError, match=f"attribute '{attr}' of '{op}' {fragment}"):
+        OPS[op].attr(attr).coerce(op, value)

@@ -270,7 +270,8 @@ def test_kernel_failure_names_the_instruction():
 }
 """
     f = parse(text)["f"]
-    with pytest.raises(RuntimeError, match=r"(?s)numpy\.gather.*instruction 0.*index out of range"):
+    with pytest.raises(IndexError, match=r"(?s)numpy\.gather.*instruction 0.*'gather': index \(axis 0\) 9 is out of range; "
+                                         r"valid: \[0, 5\)"):
         remat.run(f, np.zeros((5, 3), np.float32), np.array([0, 9]), dialects="numpy")
 
 

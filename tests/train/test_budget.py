@@ -162,9 +162,11 @@ def test_zoo_model_under_fractional_budget(zoo_base, name, fraction):
 
 
 def test_unet_fits_half_its_unconstrained_peak(zoo_base):
-    """A regression guard for the test above: the activation-heavy U-Net must not need the minimum."""
+    """A regression guard for the test above: the activation-heavy U-Net must not need the minimum
+    of the VM's count. (Its convolutions' own workspaces, which the allocator sees, make 50% of
+    the VM's count infeasible for the allocator: tests/train/test_allocator_budget.py.)"""
     model, inputs, loss_fn, base, base_loss, base_grads = zoo_base("unet")
-    step, loss, grads = _compiled_grads(model, inputs, loss_fn, budget="50%", solver="greedy")
+    step, loss, grads = _compiled_grads(model, inputs, loss_fn, budget="50%", solver="greedy", count_workspaces=False)
     _assert_fits_and_identical(step, loss, grads, base_loss, base_grads)
 
 

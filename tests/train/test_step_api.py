@@ -136,3 +136,107 @@ def test_changed_learning_rate_is_refused_without_side_effects(mlp_step):
     finally:
         opt.param_groups[0]["lr"] = lr
     step(x, y)
+
+
+# ---------------------------------------------------------------- bad indices: an error, and nothing changes
+class _Classifier(torch.nn.Module):
+    """A classifier, optionally with a parameter the loss never reads: its gradient is a constant
+    zero, so without the index barrier its (weight-decayed) update would run before the loss is
+    checked. (Under a budget the chain planner refuses such a parameter today: "no stage produces
+    the gradient of program parameter 0", a separate limitation.)"""
+
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                                        torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 10))
+        if unused:
+            self.unused = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+_OPTIMIZERS = {"sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+               "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
+
+
+@pytest.mark.parametrize("budget", [None, 0.85])
+@pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
+def test_out_of_range_targets_raise_and_change_nothing(opt_name, budget):
+    torch.manual_seed(0)
+    model = _Classifier(unused=budget is None)
+    opt = _OPTIMIZERS[opt_name](model.parameters())
+    x, y = torch.randn(256, 8), torch.randint(0, 10, (256,))
+    step = remat.compile(model, (x, y), torch.nn.functional.cross_entropy, optimizer=opt, budget=budget)
+    assert budget is None or step.recomputed > 0
+    for k in range(2):  # on the first call (no optimizer state yet), then after a successful step
+        before = snapshot(model, opt)
+        for bad in (99, -5, 10):
+            yb = y.clone()
+            yb[3] = bad
+            with pytest.raises(IndexError, match=rf"'nll_loss': target {bad} is out of range; valid: \[0, 10\) "
+                                                 r"or equal ignore_index \(-100\)"):
+                step(x, yb)
+            assert_snapshot_equal(snapshot(model, opt), before)
+        step(x, y)
+    if budget is None:
+        assert not torch.equal(model.unused, torch.ones(3))  # weight decay reached it: good steps update it
+
+
+def test_out_of_range_token_id_raises_naming_gather_and_changes_nothing():
+    model, (tokens, targets), loss_fn = make("gpt")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = remat.compile(model, (tokens, targets), loss_fn, optimizer=opt)
+    before = snapshot(model, opt)
+    bad = tokens.clone()
+    bad[0, 1] = 10**6
+    with pytest.raises(IndexError, match=r"'gather': index \(axis 0\) 1000000 is out of range; valid: \[0, \d+\)"):
+        step(bad, targets)
+    assert_snapshot_equal(snapshot(model, opt), before)
+    step(tokens, targets)
+
+
+def test_ignore_index_matches_eager():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 10))
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(5, 8), torch.tensor([1, 3, 3, 7, 3])
+
+    def loss_fn(out, t):
+        return torch.nn.functional.cross_entropy(out, t, ignore_index=3)
+
+    step = remat.compile(model, (x, y), loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.5))
+    eopt = torch.optim.SGD(eager.parameters(), lr=0.5)
+    for _ in range(2):
+        loss = step(x, y)
+        eopt.zero_grad()
+        want = loss_fn(eager(x), y)
+        want.backward()
+        eopt.step()
+        assert torch.allclose(loss, want, atol=1e-6)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_no_update_runs_before_the_first_check_of_an_index():
+    """A gradient complete before the loss (a parameter the loss does not read) still gets its
+    update after the targets were checked; a backward re-check (nll_loss_grad) is no barrier."""
+    from remat.ir import DType, TensorType, parse
+    from remat.train.optim import updates_from_torch
+    from remat.train.program import Layout, last_new_index_check, step_program
+
+    joint = parse("""func @train_joint(%0: f32[3], %1: f32[4,5], %2: i64[4]) -> (f32[], f32[3]) {
+  %3 = constant {value=0.0, shape=[3]} : f32[3]
+  %4 = nll_loss %1, %2 : f32[]
+  %5 = constant {value=1.0} : f32[]
+  %6 = nll_loss_grad %5, %2 {num_classes=5} : f32[4,5]
+  return %4, %3
+}
+""")["train_joint"]
+    assert last_new_index_check(joint.entry.instrs[:-1]) == 1
+    p = torch.nn.Parameter(torch.ones(3))
+    updates = updates_from_torch(torch.optim.SGD([p], lr=0.1, momentum=0.9), [p])
+    fn = step_program(joint, Layout(1, 1, 2, False, 0), updates, [[TensorType(DType.f32, (3,))]], keep_grads=False)
+    names = [ins.op.name for ins in fn.entry.instrs]
+    assert names.index("sgd_step") > names.index("nll_loss"), names
+    assert names.index("sgd_step") < names.index("nll_loss_grad"), names  # not held back by the re-check

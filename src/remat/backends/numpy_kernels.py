@@ -216,16 +216,37 @@ def gelu_grad(g, x, approximate="none"):
     return _fresh(_up(g) * gelu_derivative(_up(x), approximate), x.dtype)
 
 
+def _min_max(idx) -> tuple[int, int]:
+    """The smallest and largest element of a non-empty index array (NumPy) or tensor (torch: one
+    ``aminmax`` pass, one synchronisation)."""
+    if isinstance(idx, np.ndarray):
+        return int(idx.min()), int(idx.max())
+    lo, hi = idx.aminmax()
+    return int(lo), int(hi)
+
+
+def check_indices(op: str, idx, n: int, what: str = "index", ignore_index: int | None = None) -> None:
+    """Raise IndexError naming ``op``, the first offending value and the valid range when an
+    element of ``idx`` is outside [0, n) (and is not ``ignore_index``). Cheap when all are in range:
+    one min/max reduction; only a failing check looks for the offending element. Works on NumPy
+    arrays and torch tensors alike; every dialect's index-carrying kernels call it before writing."""
+    size = idx.numel() if callable(getattr(idx, "numel", None)) else idx.size
+    if size == 0:
+        return
+    lo, hi = _min_max(idx)
+    if lo >= 0 and hi < n:
+        return
+    bad = idx[(idx < 0) | (idx >= n)] if ignore_index is None else idx[((idx < 0) | (idx >= n)) & (idx != ignore_index)]
+    if len(bad.reshape(-1)):
+        also = "" if ignore_index is None else f" or equal ignore_index ({ignore_index})"
+        raise IndexError(f"'{op}': {what} {int(bad.reshape(-1)[0])} is out of range; valid: [0, {n}){also} "
+                         f"(min {lo}, max {hi} over {size} values)")
+
+
 def check_targets(op: str, target, num_classes: int, ignore_index: int) -> None:
     """Raise IndexError naming ``op`` when a class target (other than ``ignore_index``) is outside
-    [0, num_classes); works on NumPy arrays and torch tensors alike."""
-    size = target.numel() if callable(getattr(target, "numel", None)) else target.size
-    if size == 0 or (int(target.min()) >= 0 and int(target.max()) < num_classes):
-        return
-    bad = target[((target < 0) | (target >= num_classes)) & (target != ignore_index)]
-    if len(bad):
-        raise IndexError(f"'{op}': target {int(bad[0])} is out of range; class targets must be in "
-                         f"[0, {num_classes}) or equal ignore_index ({ignore_index})")
+    [0, num_classes) (PyTorch's nll_loss/cross_entropy rule)."""
+    check_indices(op, target, num_classes, "target", ignore_index)
 
 
 def _nll_rows(target, ignore_index):
@@ -506,17 +527,13 @@ def concat(*xs, axis):
 @k("gather")
 def gather(table, idx, axis=0):
     """numpy.take; indices must lie in [0, n) (negative or out-of-range indices are errors)."""
-    n = table.shape[axis]
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"'gather': index out of range [0, {n}) along axis {axis}: min {idx.min()}, max {idx.max()}")
+    check_indices("gather", idx, table.shape[axis], f"index (axis {axis})")
     return _fresh(np.take(table, idx, axis=axis))
 
 
 @k("scatter_add")
 def scatter_add(idx, upd, shape, axis=0):
-    n = shape[axis]
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise IndexError(f"'scatter_add': index out of range [0, {n}) along axis {axis}: min {idx.min()}, max {idx.max()}")
+    check_indices("scatter_add", idx, shape[axis], f"index (axis {axis})")
     acc = np.float32 if upd.dtype in _LOWP else upd.dtype
     out = np.zeros(tuple(shape), dtype=acc)
     om = np.moveaxis(out, axis, 0)

@@ -349,18 +349,14 @@ def concat(*xs, axis):
 
 @k("gather")
 def gather(table, idx, axis=0):
-    n = table.shape[axis]
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-        raise IndexError(f"'gather': index out of range [0, {n}) along axis {axis}")
+    npk.check_indices("gather", idx, table.shape[axis], f"index (axis {axis})")
     out_shape = tuple(table.shape[:axis]) + tuple(idx.shape) + tuple(table.shape[axis + 1:])
     return _fresh(torch.index_select(table, axis, idx.reshape(-1).to(torch.int64)).reshape(out_shape))
 
 
 @k("scatter_add")
 def scatter_add(idx, upd, shape, axis=0):
-    n = shape[axis]
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
-        raise IndexError(f"'scatter_add': index out of range [0, {n}) along axis {axis}")
+    npk.check_indices("scatter_add", idx, shape[axis], f"index (axis {axis})")
     out = torch.zeros(tuple(shape), dtype=upd.dtype, device=upd.device)
     src = upd.reshape(tuple(shape[:axis]) + (-1,) + tuple(shape[axis + 1:]))
     return out.index_add_(axis, idx.reshape(-1).to(torch.int64), src)

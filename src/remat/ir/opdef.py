@@ -39,6 +39,27 @@ TAGS = frozenset({
 })
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int64(where: str, value: Any) -> int:
+    """``value`` as an int, refused (TypeError) outside the signed 64-bit range every dialect stores."""
+    v = int(value)
+    if not _INT64[0] <= v <= _INT64[1]:
+        shown = str(v) if v.bit_length() < 200 else f"an integer of {v.bit_length()} bits"
+        raise TypeError(f"{where} must fit in 64 bits ({_INT64[0]}..{_INT64[1]}), got {shown}")
+    return v
+
+
+def _float(where: str, value: Any) -> float:
+    """``value`` as a float, refused (TypeError) when an integer is too large for one (|x| > 1.8e308)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise TypeError(f"{where} must be a number within the float range (|x| <= 1.8e308), "
+                        f"got an integer of {int(value).bit_length()} bits") from None
+
+
 @dataclass(frozen=True)
 class Attr:
     """One attribute of an op: name, kind and default (``REQUIRED`` if none)."""
@@ -54,11 +75,11 @@ class Attr:
         if k == "int":
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"{where} must be an integer, got {value!r}")
-            return int(value)
+            return _int64(where, value)
         if k == "float":
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise TypeError(f"{where} must be a number, got {value!r}")
-            return float(value)
+            return _float(where, value)
         if k == "bool":
             if not isinstance(value, (bool, np.bool_)):
                 raise TypeError(f"{where} must be true or false, got {value!r}")
@@ -77,7 +98,7 @@ class Attr:
             for v in items:
                 if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
                     raise TypeError(f"{where} must be a list of integers, got {value!r}")
-            return tuple(int(v) for v in items)
+            return tuple(_int64(where, v) for v in items)
         if k == "dtype":
             if isinstance(value, str):
                 try:
@@ -91,11 +112,20 @@ class Attr:
             if isinstance(value, (bool, np.bool_)):
                 return bool(value)
             if isinstance(value, (int, np.integer)):
-                return int(value)
+                return _int64(where, value)
             if isinstance(value, (float, np.floating)):
                 return float(value)
             raise TypeError(f"{where} must be a number or boolean, got {value!r}")
         raise AssertionError(k)
+
+
+@dataclass(frozen=True)
+class IndexBounds:
+    """The valid values of an op's index operand: ``[0, size)``, plus ``ignore`` when not None."""
+
+    operand: int
+    size: int
+    ignore: int | None = None
 
 
 # A sample for generated per-op tests: operand arrays and attributes.
@@ -123,6 +153,9 @@ class OpDef:
     ``nondiff`` marks ops without a derivative (comparisons, …).
     ``flops`` is the op's cost rule for the static cost model: (operand types, result types,
     attributes) to estimated floating-point operations (``remat.plan.costmodel``).
+    ``index_bounds``: for ops with an integer index operand that every dialect's kernel checks
+    (raising IndexError when out of range), (operand types, attributes) to :class:`IndexBounds`.
+    The training step places no in-place update before the first check of each index value.
     """
 
     name: str
@@ -140,6 +173,7 @@ class OpDef:
     vjp: Callable | None = None
     vjp_saves: Any = None
     flops: Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], float] | None = None
+    index_bounds: Callable[[Sequence[TensorType], Mapping[str, Any]], "IndexBounds"] | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tags) - TAGS

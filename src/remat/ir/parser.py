@@ -19,8 +19,11 @@ class ParseError(ValueError):
 
     def __init__(self, message: str, line: int, column: int, token: str, source_line: str = ""):
         self.message, self.line, self.column, self.token = message, line, column, token
-        caret = f"\n  {source_line}\n  {' ' * (column - 1)}^" if source_line else ""
-        super().__init__(f"line {line}, column {column}: {message} (at {token!r}){caret}")
+        shown = token if len(token) <= 40 else token[:36] + "…"  # a long token is shown by its start
+        lo = max(0, column - 61)  # a long line is shown around the column
+        src = ("…" if lo else "") + source_line[lo:column + 60] + ("…" if len(source_line) > column + 60 else "")
+        caret = f"\n  {src}\n  {' ' * (column - 1 - lo + (1 if lo else 0))}^" if source_line else ""
+        super().__init__(f"line {line}, column {column}: {message} (at {shown!r}){caret}")
 
 
 _TOKEN = re.compile(r"""
@@ -30,12 +33,39 @@ _TOKEN = re.compile(r"""
   | (?P<value>%[A-Za-z0-9_.$-]+)
   | (?P<func>@[A-Za-z_][A-Za-z0-9_.$]*)
   | (?P<block>\^[A-Za-z_][A-Za-z0-9_.$]*)
-  | (?P<number>-?(?:\d+\.\d*(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+|\d+)|-?inf\b)
-  | (?P<string>"(?:[^"\\\n]|\\.)*")
+  | (?P<number>-?(?:[0-9]+\.[0-9]*(?:[eE][+-]?[0-9]+)?|[0-9]+[eE][+-]?[0-9]+|[0-9]+)|-?inf\b)
+  | (?P<string>"(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*")
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<arrow>->)
   | (?P<punct>[()\[\]{},:=])
 """, re.VERBOSE)
+
+
+_ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
+
+# Integers of the text format fit in a signed 64-bit integer (what every dialect stores); anything
+# longer is refused before Python converts it (its int() refuses more than 4,300 digits anyway).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+
+
+def _string_error(text: str, pos: int) -> tuple[str, int]:
+    """Why the string starting at ``pos`` is not a token (a JSON string on one line): the message
+    and the position of the offending character."""
+    k = pos + 1
+    while k < len(text) and text[k] != '"':
+        c = text[k]
+        if c == "\\":
+            if not _ESCAPE.match(text, k):
+                return ("invalid escape in a string; valid: \\\" \\\\ \\/ \\b \\f \\n \\r \\t "
+                        "and \\u followed by 4 hex digits"), k
+            k += 6 if text[k + 1] == "u" else 2
+            continue
+        if c == "\n":
+            break
+        if ord(c) < 0x20:
+            return f"control character U+{ord(c):04X} in a string; write it as an escape (\\u{ord(c):04x})", k
+        k += 1
+    return "unterminated string (a string closes with '\"' on the same line)", pos
 
 
 @dataclass
@@ -52,7 +82,11 @@ def tokenize(text: str) -> list[Tok]:
         m = _TOKEN.match(text, pos)
         if not m:
             src = text.splitlines()[line - 1] if text.splitlines() else ""
-            msg = ("unterminated string (a string closes with '\"' on the same line)" if text[pos] == '"'
+            if text[pos] == '"':
+                msg, at = _string_error(text, pos)
+                bad = text[at:at + (6 if text.startswith("\\u", at) else 2 if text[at] == "\\" else 1)]
+                raise ParseError(msg, line, at - start + 1, bad, src)
+            msg = ("unexpected character (numbers are written with the ASCII digits 0-9)" if text[pos].isdigit()
                    else "unexpected character")
             raise ParseError(msg, line, pos - start + 1, text[pos], src)
         kind = m.lastgroup
@@ -136,6 +170,14 @@ class _Parser:
             raise self.missing(f"expected {what}")
         return self.next()
 
+    def integer(self, tok: Tok, what: str, lo: int = INT_MIN, hi: int = INT_MAX) -> int:
+        """The value of an integer token, refused with a ParseError outside ``[lo, hi]``."""
+        digits = tok.text.lstrip("-").lstrip("0")
+        if len(digits) > 19 or not lo <= int(tok.text) <= hi:  # 19 digits hold any int64
+            raise self.error(f"{what} {tok.text if len(tok.text) <= 24 else tok.text[:20] + '…'} is out of range; "
+                             f"valid: {lo}..{hi}", tok)
+        return int(tok.text)
+
     def at_block_header(self) -> bool:
         """Whether the current '^label' token starts a block (``^bb1:`` or ``^bb1(%3: ...``)."""
         def text(k: int) -> str:
@@ -165,9 +207,9 @@ class _Parser:
         if not self.at("]"):
             while True:
                 d = self.expect_kind("number", "a dimension (a non-negative integer)")
-                if not re.fullmatch(r"\d+", d.text):
+                if not re.fullmatch(r"[0-9]+", d.text):
                     raise self.error("dimensions must be non-negative integers", d)
-                dims.append(int(d.text))
+                dims.append(self.integer(d, "dimension", 0))
                 if not self.accept(","):
                     break
         self.expect("]", "to close the shape")
@@ -190,9 +232,9 @@ class _Parser:
             idx = []
             while True:
                 t = self.expect_kind("number", "a parameter index")
-                if not t.text.isdigit():
+                if not re.fullmatch(r"[0-9]+", t.text):
                     raise self.error("parameter indices are non-negative integers", t)
-                idx.append(int(t.text))
+                idx.append(self.integer(t, "parameter index", 0))
                 if not self.accept(","):
                     break
             return Function(fname, gradient=GradientSpec(of, tuple(idx), kind.text == "value_and_gradient"))
@@ -246,8 +288,8 @@ class _Parser:
         t = self.tok
         if t.kind == "number":
             self.next()
-            if re.fullmatch(r"-?\d+", t.text):
-                return int(t.text)
+            if re.fullmatch(r"-?[0-9]+", t.text):
+                return self.integer(t, "integer")
             return float(t.text)
         if t.kind == "string":
             self.next()
@@ -267,9 +309,9 @@ class _Parser:
             if not self.at("]"):
                 while True:
                     n = self.expect_kind("number", "an integer")
-                    if not re.fullmatch(r"-?\d+", n.text):
+                    if not re.fullmatch(r"-?[0-9]+", n.text):
                         raise self.error("list attributes hold integers", n)
-                    items.append(int(n.text))
+                    items.append(self.integer(n, "integer"))
                     if not self.accept(","):
                         break
             self.expect("]")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from .core import Block, Function, Instruction, Module, Value, BlockArg, OpResult
+from .core import Block, Function, Instruction, Module, Value
+from .dominance import DominatorTree, dominators, predecessors, reachable  # noqa: F401 (re-exported)
 
 
 class VerificationError(ValueError):
@@ -18,63 +19,39 @@ class VerificationError(ValueError):
         super().__init__("IR verification failed:\n" + "\n\n".join(errors))
 
 
-def _context(f: Function, ins: Instruction | None, radius: int = 2, block: Block | None = None) -> str:
-    """The printed function around ``ins`` (or, without one, around ``block``'s label), marked ``-->``."""
-    from .printer import function_lines
+class _Context:
+    """The printed function, made once on the first error, so that each message shows the
+    offending line with its neighbours (marked ``-->``) in time independent of the function's size."""
 
-    lines, where, names = function_lines(f)
-    if ins is not None and ins in where:
-        k = where[ins]
-    elif ins is None and block is not None and names is not None and block in names.blocks:
-        label = names.blocks[block]
-        k = 0 if block is f.entry else next(
-            (i for i, line in enumerate(lines) if line.startswith(label + ":") or line.startswith(label + "(")), -1)
-        if k < 0:
+    def __init__(self, f: Function):
+        self.f = f
+        self._lines: tuple | None = None
+        self._labels: dict[Block, int] | None = None
+
+    def __call__(self, ins: Instruction | None, block: Block | None = None, radius: int = 2) -> str:
+        from .printer import function_lines
+
+        if self._lines is None:
+            self._lines = function_lines(self.f)
+        lines, where, names = self._lines
+        if ins is not None and ins in where:
+            k = where[ins]
+        elif ins is None and block is not None and names is not None and block in names.blocks:
+            if self._labels is None:  # line of each block's header (the entry's is the signature)
+                by_label = {label: b for b, label in names.blocks.items()}
+                self._labels = {self.f.entry: 0}
+                for i, line in enumerate(lines):
+                    if line.startswith("^"):  # block headers are the only unindented '^' lines
+                        b = by_label.get(line.split("(")[0].rstrip(":"))
+                        if b is not None:
+                            self._labels[b] = i
+            k = self._labels.get(block, -1)
+            if k < 0:
+                return ""
+        else:
             return ""
-    else:
-        return ""
-    lo, hi = max(0, k - radius), min(len(lines), k + radius + 1)
-    return "\n".join(("--> " if i == k else "    ") + lines[i] for i in range(lo, hi))
-
-
-def dominators(f: Function) -> dict[Block, set[Block]]:
-    """Dominator sets of the reachable blocks (iterative data-flow)."""
-    preds = predecessors(f)
-    reach = reachable(f)
-    blocks = [b for b in f.blocks if b in reach]
-    dom = {b: set(blocks) for b in blocks}
-    dom[f.entry] = {f.entry}
-    changed = True
-    while changed:
-        changed = False
-        for b in blocks[1:]:
-            ps = [dom[p] for p in preds[b] if p in reach]
-            new = set.intersection(*ps) | {b} if ps else {b}
-            if new != dom[b]:
-                dom[b], changed = new, True
-    return dom
-
-
-def predecessors(f: Function) -> dict[Block, list[Block]]:
-    preds: dict[Block, list[Block]] = {b: [] for b in f.blocks}
-    for b in f.blocks:
-        t = b.terminator
-        for s in t.successors if t else ():
-            if s.block in preds:
-                preds[s.block].append(b)
-    return preds
-
-
-def reachable(f: Function) -> set[Block]:
-    seen, stack = set(), [f.entry] if f.blocks else []
-    while stack:
-        b = stack.pop()
-        if b in seen:
-            continue
-        seen.add(b)
-        t = b.terminator
-        stack.extend(s.block for s in (t.successors if t else ()))
-    return seen
+        lo, hi = max(0, k - radius), min(len(lines), k + radius + 1)
+        return "\n".join(("--> " if i == k else "    ") + lines[i] for i in range(lo, hi))
 
 
 # Names the text format can write back (the parser's FUNC and dialect tokens): a module whose
@@ -127,11 +104,13 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
     bname = {b: ("entry block" if i == 0 else f"block ^bb{i}") for i, b in enumerate(f.blocks)}
     defs: dict[Value, tuple[Block, int]] = {}
 
+    context = _Context(f)
+
     def err(b: Block, ins: Instruction | None, msg: str) -> None:
         where = f"in @{f.name}, {bname[b]}"
         if ins is not None:
             where += f", instruction '{ins.op.name}'"
-        ctx = _context(f, ins, block=b)
+        ctx = context(ins, block=b)
         errs.append(f"{where}: {msg}" + (f"\n{ctx}" if ctx else ""))
 
     # Definitions (single definition, ownership).
@@ -150,20 +129,19 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
                     err(b, ins, "value defined twice (SSA values have one definition)")
                 defs[r] = (b, i)
 
-    dom = dominators(f)
-    reach = set(dom)
+    dom = DominatorTree(f)
 
     def check_use(b: Block, i: int, ins: Instruction, v: Value, what: str) -> None:
         if v not in defs:
             err(b, ins, f"{what} is not defined in @{f.name} (a value from another function or a deleted instruction)")
             return
         db, di = defs[v]
-        if b not in reach:
+        if b not in dom:  # unreachable: no path to check
             return
         if db is b:
             if di >= i:
                 err(b, ins, f"{what} ({printed(v)}) is used before its definition")
-        elif db not in dom[b]:
+        elif not dom.dominates(db, b):
             err(b, ins, f"{what} ({printed(v)}) is defined in {bname[db]}, which does not dominate its use")
 
     namer = []  # built on the first error only: the printed names of values

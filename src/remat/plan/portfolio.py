@@ -51,6 +51,7 @@ class StepProblem:
     milp_time_limit: float = 10.0
     example_args: list | None = None  # the joint's arguments, to measure block times ("profiled"); None: static
     dialects: tuple[str, ...] | None = None
+    workspaces: dict[Instruction, int] | None = None  # kernels' own bytes per joint instruction (graph solvers)
 
 
 def uses_milp(solver: str, n_nodes: int) -> bool:
@@ -74,7 +75,7 @@ def plan_step(p: StepProblem) -> Candidate:
     from .rematerialize import to_graph
     from .scheduling import memory_aware_order
 
-    low = to_graph(p.joint, p.costs)
+    low = to_graph(p.joint, p.costs, workspaces=p.workspaces)
     order = memory_aware_order(low.graph)
     n_nodes = len(low.graph.compute_nodes)
     candidates: list[Candidate] = []

@@ -38,7 +38,8 @@ def _is_view(ins: Instruction) -> bool:
     return 0 in ins.op.aliases and ins.op.has("view")
 
 
-def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_args: bool = True) -> Lowered:
+def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_args: bool = True,
+             workspaces: dict[Instruction, int] | None = None) -> Lowered:
     """Lower ``fn`` (one block, no calls) to a Graph. ``costs``: seconds per instruction
     (default: 1 per element produced, a stand-in proportional to memory traffic)."""
     if len(fn.blocks) != 1:
@@ -74,7 +75,9 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
         for k, r in enumerate(ins.results):
             cost = costs.get(ins, 0.0) if costs is not None else float(ins.results[0].type.numel)
             name = f"%{n}:{ins.op.name}" + (f"#{k}" if len(ins.results) > 1 else "")
-            idx = g.add_node(name, cost, r.type.nbytes, inputs, is_output=r in out_roots, recomputable=recomputable)
+            ws = workspaces.get(ins, 0) if workspaces is not None and k == 0 else 0  # bytes, while it computes
+            idx = g.add_node(name, cost, r.type.nbytes, inputs, is_output=r in out_roots, recomputable=recomputable,
+                             workspace=ws)
             low.node_of[r] = idx
             low.instr_of[idx] = ins
             low.result_of[idx] = k

@@ -464,8 +464,11 @@ class VM:
                             out = st.fn(*[frame[s] if c is None else c(frame[s])
                                           for s, c in zip(st.ins_slots, st.convs)], **st.attrs)
                     except Exception as e:
-                        raise RuntimeError(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
-                                           f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
+                        # An out-of-range index is the caller's data, not a kernel bug: it stays an
+                        # IndexError (as in eager PyTorch), with the instruction as context.
+                        kind = IndexError if isinstance(e, IndexError) else RuntimeError
+                        raise kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
+                                   f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
                     if st.fast:
                         # The contract of _store for the common case, inlined (same checks, same
                         # accounting): a plain CPU tensor of the result's dtype and shape that is

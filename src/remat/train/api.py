@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
-from .optim import advance_steps, bind_state, init_state, steps_taken, updates_from_torch
+from .optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from .program import Layout, cleanup, step_program, training_graph
 
 
@@ -76,6 +76,9 @@ class Report:
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
     recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
+    workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
+    predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
+    measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
 
     def __str__(self) -> str:
         def b(v):
@@ -86,6 +89,9 @@ class Report:
             ("predicted peak", b(self.predicted_peak)),
             ("measured peak (last step)", b(self.measured_peak)),
             ("unconstrained peak", b(self.unconstrained_peak)),
+            ("largest kernel workspace", b(self.workspace_bytes)),
+            ("allocator peak: predicted", b(self.predicted_allocator_peak)),
+            ("allocator peak: measured", b(self.measured_allocator_peak)),
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
@@ -147,7 +153,7 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int | None = None):
+                 bucket_bytes: int | None = None, count_workspaces: bool = False):
         import torch
 
         from ..distributed import setup  # distributed builds on train.program: imported on use
@@ -179,6 +185,10 @@ class TrainStep:
         self.cost_model = cost_model
         self._step = 0
         self._seed = seed
+        self._count_workspaces = count_workspaces
+        self.workspace_bytes = 0                      # the largest kernel workspace (budgeted steps)
+        self.predicted_allocator_peak: int | None = None  # VM high-water marks + kernel workspaces
+        self.measured_allocator_peak: int | None = None   # profiler memory events of one run on copies
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
@@ -200,7 +210,7 @@ class TrainStep:
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
-        self.plan = self._stage("plan", lambda: plan_step(problem))
+        self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.predicted_overhead = self.plan.overhead
         self.program = self._stage("lower", lambda: self.plan.program)
@@ -290,6 +300,52 @@ class TrainStep:
             return self.dp.steps
         return steps_taken(self.optimizer, self._params, self.updates) if self.updates else 0
 
+    def _plan_within_allocator(self, problem: StepProblem, unconstrained: Function) -> Candidate:
+        """Plan so that PyTorch's allocator, not only the VM's count of IR values, stays within the
+        budget. The VM counts IR values exactly, and kernels allocate workspaces beside them: each
+        kernel's workspace is measured once per kernel and shape (``runtime.allocator``) and enters
+        the graph solvers as the node's workspace (memory while it computes); the chosen program's
+        allocator peak is then measured on copies of the arguments, and should it exceed the budget
+        (the chain planner does not see workspaces; temporaries the per-kernel measurement missed),
+        planning repeats with the overshoot taken off the VM target, at most twice. Without a budget, or with ``count_workspaces=False``, this is
+        ``plan_step`` unchanged (the budget then bounds the VM's count only)."""
+        from ..plan.workspace import allocator_bound, workspace_margin
+        from ..runtime.allocator import measure_allocator_peak, workspaces
+
+        if self.budget is None or not self._count_workspaces:
+            return plan_step(problem)
+        ws = workspaces(unconstrained, self.dialects)
+        self.workspace_bytes = workspace_margin(unconstrained, ws)
+        problem = replace(problem, workspaces=workspaces(problem.joint, self.dialects))
+        target = self.budget
+        if allocator_bound(unconstrained, ws) > self.budget and predict_peak(unconstrained) <= self.budget:
+            target = self.budget - 1  # the unconstrained step fits the VM's count but not the allocator: plan
+        def measured(plan: Candidate) -> int:
+            args = self._step_args(self._example, copy=True, step=1)
+            return measure_allocator_peak(plan.program, args, self.dialects)
+
+        for attempt in range(3):
+            try:
+                plan = plan_step(replace(problem, budget=max(target, 1)))
+            except BudgetTooSmall as e:
+                # The minimum to report is what the allocator needs for the solvers' minimal plan.
+                least = plan_step(replace(problem, budget=e.minimum))
+                need = measured(least)
+                if need > self.budget:
+                    raise BudgetTooSmall(self.budget, need, "this training step",
+                                         detail=f"PyTorch's allocator peak of the least-memory plan; kernels' own "
+                                                f"workspaces take up to {format_bytes(self.workspace_bytes)}") from None
+                plan = least  # the minimal plan fits after all
+            self.predicted_allocator_peak = allocator_bound(plan.program, workspaces(plan.program, self.dialects))
+            self.measured_allocator_peak = measured(plan)
+            if self.measured_allocator_peak <= self.budget or attempt == 2:
+                break
+            target -= self.measured_allocator_peak - self.budget  # temporaries the model missed: plan tighter
+        if self.measured_allocator_peak > self.budget:
+            plan.notes = plan.notes + [f"the allocator's measured peak {format_bytes(self.measured_allocator_peak)} "
+                                       f"exceeds the budget after 3 attempts"]
+        return plan
+
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
         return sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
@@ -321,10 +377,10 @@ class TrainStep:
             args.append(np.array(self._seed + self._step, dtype=np.int64))
         return args
 
-    def _step_args(self, inputs: Sequence, copy: bool, step: int) -> list:
+    def _step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
         args = self._joint_args(inputs, copy)
         if self.updates:
-            for ts in self._state:
+            for ts in self._state if state is None else state:
                 args += [t.detach().clone() if copy else t.detach() for t in ts]
             args.append(np.array(step, dtype=np.int64))
         return args
@@ -340,19 +396,28 @@ class TrainStep:
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs):
-        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor)."""
+        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor).
+
+        Atomic for bad arguments and out-of-range indices (class targets, token ids): they raise
+        before anything is written, so parameters, gradients, buffers and ``optimizer.state_dict()``
+        stay exactly as they were, also on the first call (the optimizer's state is registered only
+        after a step succeeded). The program places no in-place update before the first check of
+        each index value (``train.program.last_new_index_check``); a kernel failing after the first
+        update (out of memory in the backward, say) is the one case that leaves updates applied."""
         torch = self.torch
         self._check_inputs(inputs)
-        opt_step = self._step
+        opt_step, state = self._step, None
         if self.updates:
             self._check_optimizer()
             # The optimizer's own step count and state (it may also have been stepped eagerly).
             opt_step = self._optimizer_steps()
             if self.dp is None or not self.dp.shards_state:
-                self._state = bind_state(self.optimizer, self._params, self.updates, self._state)
-        args = self._step_args(inputs, copy=False, step=opt_step + 1)
+                state = current_state(self.optimizer, self._params, self.updates)
+        args = self._step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
         outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
+        if state is not None:  # the step succeeded: now the optimizer owns the state it updated
+            self._state = bind_state(self.optimizer, self._params, self.updates, state)
         self.last_seconds = time.perf_counter() - t0
         self.last_stats = stats
         self._step += 1
@@ -404,7 +469,8 @@ class TrainStep:
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
                       dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
-                      dict(self.recomputed_layers))
+                      dict(self.recomputed_layers), self.workspace_bytes, self.predicted_allocator_peak,
+                      self.measured_allocator_peak)
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
@@ -414,6 +480,17 @@ class TrainStep:
         first = self.layout.n_args
         bd = breakdown(self.program, self.layout.n_params, range(first, first + n_state))
         return None if bd is None else bd.at_peak
+
+    def measure_allocator_peak(self, *inputs) -> int:
+        """The peak of PyTorch's allocator during one run of the step program on copies of the
+        parameters, optimizer state and ``inputs`` (bytes; profiler memory events, arguments
+        counted as the VM counts them). The model is not modified. Shown by ``report()``."""
+        from ..runtime.allocator import measure_allocator_peak
+
+        self._check_inputs(inputs)
+        args = self._step_args(inputs, copy=True, step=1)
+        self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects)
+        return self.measured_allocator_peak
 
 
 def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
@@ -435,5 +512,10 @@ def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, op
     ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
     initialised ``torch.distributed`` process group, each rank passes its own shard of the batch and
     the budget is per rank; ``bucket_bytes`` sizes the gradient buckets (default ``remat.distributed.DEFAULT_BUCKET_BYTES``).
+    ``count_workspaces`` (default False: the budget bounds the VM's exact count of IR values; True:
+    kernels' own workspaces are measured per kernel and shape and planned for, and the planned step's
+    allocator peak is measured at compile time (on copies) and re-planned when over the budget, at
+    most twice — not yet a guarantee, see README). ``step.report()`` gives each
+    stage's seconds, the VM's peak and the allocator's.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

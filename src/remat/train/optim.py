@@ -115,6 +115,14 @@ def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
     return next(iter(counts.values()), 0)
 
 
+def current_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
+    """The state tensors the next step updates in place: the optimizer's own, and fresh zeros
+    for those it has not created yet. Nothing is registered in the optimizer: a step that fails
+    must leave ``optimizer.state_dict()`` as it was; :func:`bind_state` registers them after
+    the step succeeded (torch too creates its state during the first step)."""
+    return init_state(optimizer, params, updates)
+
+
 def bind_state(optimizer, params: list, updates: list[ParamUpdate], fallback: list[list]) -> list[list]:
     """The live state tensors for the next step, registering ``fallback`` tensors (from
     :func:`init_state`) for any the optimizer does not have yet, so that ``optimizer.state`` and

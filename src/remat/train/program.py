@@ -4,13 +4,14 @@
 autodiff (:func:`remat.autodiff.joint`), keeping the other forward outputs (updated batch-norm
 statistics), and ``cleanup`` makes it one straight-line function; ``step_program``
 adds the in-place optimizer updates, each placed right after its gradient is complete and its
-parameter's last read, so a gradient is consumed as soon as it exists.
+parameter's last read, so a gradient is consumed as soon as it exists, and after every first check
+of an index value (``last_new_index_check``), so a step failing on bad indices changes nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Builder, Function, Module, TensorType, Value, verify
+from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from ..ir.build import clone_into
 from .optim import STEP_TYPE, ParamUpdate, emit_update
 
@@ -57,7 +58,8 @@ def cleanup(m: Module) -> Function:
 
 def update_points(joint: Function, layout: Layout) -> list[int]:
     """For each parameter, the body position after which its update can go: once its gradient is
-    defined and its last read is done (-1: before the first instruction)."""
+    defined, its last read is done and every index bound has been checked (a step is atomic: no
+    update before the last check of a new index; -1: before the first instruction)."""
     body = joint.entry.instrs[:-1]
     grads = joint.entry.instrs[-1].operands[1 + layout.n_buffers_out:]
     pos_of: dict[object, int] = {}
@@ -68,7 +70,39 @@ def update_points(joint: Function, layout: Layout) -> list[int]:
         for o in ins.operands:
             if o in last_read:
                 last_read[o] = i
-    return [max(pos_of.get(grads[k], -1), last_read[joint.params[k]]) for k in range(layout.n_params)]
+    barrier = last_new_index_check(body)
+    return [max(pos_of.get(grads[k], -1), last_read[joint.params[k]], barrier) for k in range(layout.n_params)]
+
+
+def last_new_index_check(body: list[Instruction]) -> int:
+    """Position of the last instruction that checks an index value no earlier instruction checked
+    against the same bounds (``OpDef.index_bounds``), or -1. Out-of-range indices (class targets,
+    token ids) raise there; an update placed after it never runs on a step that fails that way.
+    A backward's re-check of the forward's indices (scatter_add after gather, nll_loss_grad after
+    nll_loss, a recomputed gather) is not new, so updates still follow their gradients closely."""
+    seen: set[tuple] = set()
+    memo: dict[Value, object] = {}
+
+    def structural(v: Value) -> object:
+        """The same key for a recomputed value as for the original (an index recomputed from
+        the same inputs, e.g. positions from ``iota``, is checked already)."""
+        if v not in memo:
+            ins = getattr(v, "instr", None)
+            memo[v] = v if ins is None else (ins.op.name, repr(sorted(ins.attrs.items())), v.index,
+                                             tuple(structural(o) for o in ins.operands))
+        return memo[v]
+
+    last = -1
+    for i, ins in enumerate(body):
+        rule = ins.op.index_bounds
+        if rule is None:
+            continue
+        bounds = rule([v.type for v in ins.operands], ins.attrs)
+        key = (structural(ins.operands[bounds.operand]), bounds.size, bounds.ignore)
+        if key not in seen:
+            seen.add(key)
+            last = i
+    return last
 
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..opdef import Attr, OpDef, Sample, declare
+from ..opdef import Attr, IndexBounds, OpDef, Sample, declare
 from ..types import DType, TensorType
 from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, max_numel, norm_axis, per_output, rand
 
@@ -161,6 +161,7 @@ def _targets(r, n, c, ignore):
 
 _NLL_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100))
 declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset(),
+              index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: float(ins[1].numel),
               doc="-logp[n, target[n]] reduced over rows whose target is not ignore_index (mean: divided by "
                   "their count); targets out of [0, C) are an error",
@@ -170,6 +171,7 @@ declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset(),
                                 Sample([rand(r, 5, 3, low=-3, high=0), _targets(r, 5, 3, -1)],
                                        {"reduction": "none", "ignore_index": -1})]))
 declare(OpDef("nll_loss_grad", 2, (Attr("num_classes", "int"),) + _NLL_ATTRS, _nll_grad_infer, frozenset(),
+              index_bounds=lambda types, attrs: IndexBounds(1, attrs["num_classes"], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: float(outs[0].numel),
               doc="gradient of nll_loss wrt the log-probabilities [N, num_classes], from (grad_output, target)",
               sample=lambda r: [Sample([rand(r), _targets(r, 4, 5, -100)], {"num_classes": 5}),

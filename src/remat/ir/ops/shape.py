@@ -6,7 +6,7 @@ from math import prod
 
 import numpy as np
 
-from ..opdef import Attr, OpDef, Sample, declare
+from ..opdef import Attr, IndexBounds, OpDef, Sample, declare
 from ..types import DType, TensorType
 from ._util import check_axis, expect_same_dtype, ints, max_numel, no_flops, norm_axis, rand
 
@@ -133,6 +133,7 @@ def _gather_infer(types, attrs):
 
 
 declare(OpDef("gather", 2, (Attr("axis", "int", 0),), _gather_infer, frozenset({"shape"}), normalize=_axis_norm,
+              index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[attrs["axis"]]),
               doc="numpy take(table, indices, axis): embedding lookup when axis=0", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 5, 3), r.integers(0, 5, size=(2, 4))]),
                                 Sample([rand(r, 2, 4), r.integers(0, 4, size=(3,))], {"axis": 1})]))
@@ -151,6 +152,7 @@ def _scatter_infer(types, attrs):
 
 
 declare(OpDef("scatter_add", 2, (ints("shape"), Attr("axis", "int", 0)), _scatter_infer, frozenset({"shape"}),
+              index_bounds=lambda types, attrs: IndexBounds(0, attrs["shape"][attrs["axis"]]),
               doc="zeros(shape) with updates added at indices along axis (the transpose of gather)", flops=max_numel,
               sample=lambda r: [Sample([r.integers(0, 5, size=(2, 4)), rand(r, 2, 4, 3)], {"shape": (5, 3)}),
                                 Sample([r.integers(0, 4, size=(3,)), rand(r, 2, 3)], {"shape": (2, 4), "axis": 1})]))
