@@ -187,6 +187,7 @@ class TrainStep:
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
+        self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         self.plan = self._stage("plan", lambda: plan_step(problem))
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.predicted_overhead = self.plan.overhead
