@@ -21,6 +21,7 @@ import torch
 import remat
 from remat import zoo
 from remat.ir import print_function
+from remat.plan.frontier import forget_plans
 
 GOLDEN = pathlib.Path(__file__).with_name("plans.golden.json")
 UPDATE = os.environ.get("REMAT_UPDATE_GOLDEN") == "1"
@@ -40,6 +41,7 @@ def _plans(name: str, size: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def compile_at(budget):
+        forget_plans()  # each entry is what a fresh process plans at that budget
         return remat.compile(model, inputs, loss_fn, optimizer=opt, budget=budget)
 
     base = compile_at(None)

@@ -56,7 +56,19 @@ def budget_sweep(step, budgets: Sequence[int], repeats: int = 3,
                  progress: Callable[[int, int], None] | None = None) -> list[SweepRow]:
     """Plan ``step`` (a compiled :class:`~remat.train.api.TrainStep`) at each budget, smallest
     first, and run each plan ``repeats`` times on the VM (on copies of its arguments), alternating
-    with the unconstrained step so both see the same machine load; each time is the fastest run."""
+    with the unconstrained step so both see the same machine load; each time is the fastest run.
+    PyTorch runs on one thread meanwhile: the VM's many small kernels only contend for more."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _sweep(step, budgets, repeats, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, int], None] | None) -> list[SweepRow]:
     from ..runtime.vm import VM
 
     args = step._step_args(step._example, copy=True, step=1)
