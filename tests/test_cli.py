@@ -72,10 +72,24 @@ def test_curve_random_chain_writes_png_and_csv(tmp_path, capsys):
 
 
 def test_curve_profiles_the_mlp_chain(tmp_path, capsys):
-    code = main(["curve", "--model", "mlp", "--size", "tiny", "--out", str(tmp_path), "--points", "4", "--no-progress"])
+    code = main(["curve", "--chain", "--model", "mlp", "--size", "tiny", "--out", str(tmp_path), "--points", "4",
+                 "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "MLP, 5 stages" in out and (tmp_path / "curve.png").exists()
+
+
+def test_curve_sweeps_a_models_training_step(tmp_path, capsys):
+    code = main(["curve", "--model", "unet", "--size", "tiny", "--out", str(tmp_path), "--points", "3",
+                 "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    with open(tmp_path / "curve.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 3 and (tmp_path / "curve.png").exists() and rows[-1]["solver"] == "none"
+    for r in rows:
+        assert int(r["measured_peak"]) == int(r["predicted_peak"]) <= int(r["budget"])
+    assert "0 rise(s) of the predicted overhead" in out
 
 
 def test_opt_delegates_to_the_ir_driver(tmp_path, capsys):
@@ -93,7 +107,8 @@ def test_opt_delegates_to_the_ir_driver(tmp_path, capsys):
     (["train", "--budget", "40 apples"], "memory budget '40 apples' is not valid"),
     (["train", "--budget", "140%"], "must be in (0, 1]"),
     (["train", "--steps", "0"], "positive whole number"),
-    (["curve", "--model", "resnet"], "chain of stateless layers"),
+    (["curve", "--chain", "--model", "resnet"], "chain of stateless layers"),
+    (["curve", "--model", "gpt", "--depth", "3"], "--depth sizes the --chain mlp"),
     (["curve", "--random", "5", "--model", "gpt"], "either --random N or --model"),
     ([], "required: <command>"),
     (["fly"], "invalid choice: 'fly'"),

@@ -1,7 +1,8 @@
 """The ``remat`` command line.
 
     remat train --model gpt --size tiny --budget 40% --steps 50     # train a zoo model under a budget
-    remat curve --model mlp --depth 16 --out curve/                  # thesis Fig. 4.1 trade-off (PNG + CSV)
+    remat curve --model unet --size small --out curve/               # a training step's budget sweep (PNG + CSV)
+    remat curve --chain --model mlp --depth 16                       # thesis Fig. 4.1 chain trade-off
     remat curve --random 20                                          # ... for a random heterogeneous chain
     remat opt FILE --passes canonicalize,cse                         # the IR driver (remat.opt)
 
@@ -98,23 +99,25 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     cu = sub.add_parser(
-        "curve", help="draw the compute-memory trade-off of a chain (thesis Fig. 4.1)",
-        description="Profile a chain of layers with remat.plan.chain.SequentialCheckpointer (or draw random "
-                    "heterogeneous costs) and solve it at budgets from the minimum to the no-recompute "
-                    "peak with the uniform, precise (thesis DP), extended and sqrt(N) strategies; write "
-                    "curve.png and curve.csv (overhead = compute cost / no-recompute cost).")
-    cu.add_argument("--model", choices=MODELS, default="mlp",
-                    help="model whose layers form the chain: only mlp is a chain of stateless layers "
-                         "(default: mlp)")
+        "curve", help="sweep a model's training step over budgets (or draw a chain's trade-off)",
+        description="Compile a training step of a zoo model (no optimizer) once and plan it at budgets from the "
+                    "minimum to the unconstrained peak, running each plan on the VM: predicted and measured peak "
+                    "and predicted/measured overhead, written as curve.png and curve.csv. With --chain (mlp) "
+                    "or --random N: the thesis Fig. 4.1 trade-off of a chain of layers instead, solved with the "
+                    "uniform, precise (thesis DP), extended and sqrt(N) strategies.")
+    cu.add_argument("--model", choices=MODELS, default="mlp", help="zoo model (default: mlp)")
     cu.add_argument("--size", choices=SIZES, default="small", help="model size (default: small)")
+    cu.add_argument("--chain", action="store_true",
+                    help="profile the mlp's layers as a chain and draw the chain solvers' trade-off")
     cu.add_argument("--depth", type=_positive_int, default=None,
-                    help="hidden layers of the mlp (each Linear and ReLU is a stage; default: the size's)")
+                    help="hidden layers of the --chain mlp (each Linear and ReLU is a stage; default: the size's)")
     cu.add_argument("--batch-size", type=_positive_int, default=None, help="batch of the profiled input")
     cu.add_argument("--random", type=_positive_int, default=None, metavar="N",
                     help="use a random heterogeneous chain of N layers (ChainCosts.random) instead of a model")
     cu.add_argument("--seed", type=int, default=0, help="seed of --random and of the model (default: 0)")
     cu.add_argument("--out", default="remat-curve", metavar="DIR", help="output folder (default: remat-curve)")
-    cu.add_argument("--points", type=_positive_int, default=40, metavar="N", help="budgets per method (default: 40)")
+    cu.add_argument("--points", type=_positive_int, default=None, metavar="N",
+                    help="budgets (default: 10 for a model's step, 40 per method for a chain)")
     cu.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sub.add_parser("opt", add_help=False, help="parse, verify and transform IR (see 'remat opt --help')",
@@ -201,9 +204,9 @@ def _chain_costs(args: argparse.Namespace):
         why = {"gpt": "its blocks hold a causal-mask buffer and dropout",
                "resnet": "it has batch norm (running statistics are state) and residual branches",
                "unet": "it has batch norm and long skip connections"}[args.model]
-        raise UsageError(f"curve needs a chain of stateless layers; --model {args.model} is not one ({why}). "
-                         "Use --model mlp (with --depth for a longer chain) or --random N; "
-                         f"'remat train --model {args.model}' plans any model as a graph")
+        raise UsageError(f"--chain needs a chain of stateless layers; --model {args.model} is not one ({why}). "
+                         "Use --chain --model mlp (with --depth for a longer chain) or --random N; "
+                         f"'remat curve --model {args.model}' (without --chain) sweeps its whole training step")
     import torch
 
     from .plan.chain import SequentialCheckpointer
@@ -226,20 +229,52 @@ def _chain_costs(args: argparse.Namespace):
     return chk.costs(), f"MLP, {len(layers)} stages, batch {batch}"
 
 
+def _model_curve(args: argparse.Namespace) -> int:
+    """The budget sweep of a zoo model's training step (``remat.train.curve``)."""
+    import remat
+
+    from . import zoo
+    from .train.curve import budget_sweep, default_budgets, format_table, write_sweep
+
+    if args.depth is not None:
+        raise UsageError("--depth sizes the --chain mlp; give --chain, or --size for a model's step")
+    t0 = time.perf_counter()
+    model, example, loss_fn = zoo.make(args.model, args.size, seed=args.seed, batch=args.batch_size)
+    step = remat.compile(model, example, loss_fn)
+    budgets = default_budgets(step, args.points or 10)
+    print(f"{args.model} ({args.size}), no optimizer: unconstrained peak {format_bytes(step.unconstrained_peak)} "
+          f"({step.unconstrained_peak:,} B), minimum budget {format_bytes(budgets[0])} ({budgets[0]:,} B); "
+          f"planning {len(budgets)} budgets", flush=True)
+    show = None if args.no_progress else (lambda k, n: print(f"  budget {k + 1}/{n} ...", flush=True))
+    rows = budget_sweep(step, budgets, progress=show)
+    os.makedirs(args.out, exist_ok=True)
+    png, csv_path = os.path.join(args.out, "curve.png"), os.path.join(args.out, "curve.csv")
+    write_sweep(rows, png, csv_path, f"remat: {args.model} ({args.size}) training step over budgets")
+    print(format_table(rows))
+    bad = [r for r in rows if not r.measured_peak == r.predicted_peak <= r.budget]
+    rising = [b for a, b in zip(rows, rows[1:]) if b.predicted_overhead > a.predicted_overhead]
+    print(f"wrote {png} and {csv_path} ({len(rows)} rows) in {time.perf_counter() - t0:.1f} s; "
+          f"{len(bad)} budget(s) with measured != predicted or over budget, "
+          f"{len(rising)} rise(s) of the predicted overhead")
+    return EXIT_FAILED if bad or rising else EXIT_OK
+
+
 def _curve(args: argparse.Namespace) -> int:
     from .plan.chain import curve_main
     from .plan.chain.solvers import minimum_budget, no_recompute_peak
 
     if args.random is not None and args.model != "mlp":
         raise UsageError("give either --random N or --model, not both")
-    if args.points < 2:
+    if args.points is not None and args.points < 2:
         raise UsageError(f"--points must be at least 2, got {args.points}")
+    if args.random is None and not args.chain:
+        return _model_curve(args)
     t0 = time.perf_counter()
     costs, what = _chain_costs(args)
     lo, hi = minimum_budget(costs, 1), no_recompute_peak(costs)
     print(f"chain: {what}; no-recompute peak {format_bytes(hi)} ({hi:,} B), minimum budget "
           f"{format_bytes(lo)} ({lo:,} B)")
-    png, csv_path = curve_main(costs, args.out, args.points, progress=not args.no_progress)
+    png, csv_path = curve_main(costs, args.out, args.points or 40, progress=not args.no_progress)
     import csv
 
     with open(csv_path, newline="") as fh:

@@ -4,7 +4,10 @@ Input is IR alone (a :class:`StepProblem`: the forward, the training joint, the 
 program, the budget, per-instruction costs), so the policy is testable without torch. Every
 planner yields a :class:`Candidate` (its program already lowered, so its exact peak is known);
 the cheapest candidate whose program fits wins. Overhead means one thing everywhere:
-recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none).
+recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
+on one cost model for every planner (:mod:`.frontier`). Candidates lowered for one budget are kept
+(:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
+budget never gets a costlier plan than a smaller one did in the same process.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import numpy as np
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction, Module, verify
 from .costmodel import function_cost
+from .frontier import CostModel, frontier_for, program_overhead
 from .graph import Graph, GraphPlan
 from .liveness import predict_peak
 from .milp import MILP_MAX_NODES
@@ -32,6 +36,7 @@ class Candidate:
     program: Function           # the whole training step, rematerialised, with frees
     overhead: float             # predicted recompute cost / unconstrained compute cost
     plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
+    peak: int | None = None     # predict_peak(program), bytes (set by plan_step)
 
 
 @dataclass
@@ -64,40 +69,48 @@ def plan_step(p: StepProblem) -> Candidate:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
-    over blocks cut at separators runs, and the instruction-level solvers run too when there is
-    no useful cut or the graph is small. Raises ``BudgetTooSmall`` with the smallest minimum found."""
+    over blocks cut at separators and the instruction-level solvers run; their candidates, and
+    those lowered earlier for other budgets of this step (:func:`~.frontier.frontier_for`), are
+    scored on one cost model and the cheapest that fits wins. Raises ``BudgetTooSmall`` with the
+    smallest minimum found."""
     check_option(p.solver)
     peak = predict_peak(p.unconstrained)
     if p.budget is None or peak <= p.budget:
         why = ("no budget given" if p.budget is None else
                f"the unconstrained step ({format_bytes(peak)}) fits the budget")
-        return Candidate("none", [why + ": no recomputation"], p.unconstrained, 0.0)
+        return Candidate("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak)
     from .rematerialize import to_graph
     from .scheduling import memory_aware_order
 
+    frontier = frontier_for(p)
+    earlier = frontier.best(p.budget)
+    model = CostModel(p.costs)
+    base = model.program_cost(p.unconstrained)
     low = to_graph(p.joint, p.costs, workspaces=p.workspaces)
     order = memory_aware_order(low.graph)
-    n_nodes = len(low.graph.compute_nodes)
-    candidates: list[Candidate] = []
+    lowered: list[Candidate] = []
     minimums: list[int] = []
-    chain = plan_blocks(p)
-    if isinstance(chain, Candidate):
-        candidates.append(chain)
-    elif chain is not None:
+    chain = plan_blocks(p, lowered)
+    if isinstance(chain, int):
         minimums.append(chain)
-    if not isinstance(chain, Candidate) or small_for_exact(n_nodes):
-        try:
-            graph_plan = plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate))
-        except BudgetTooSmall as e:
-            minimums.append(e.minimum)
-        else:
-            if graph_plan is not None:
-                candidates.append(graph_plan)
-    if not candidates:
-        raise BudgetTooSmall(p.budget, min(minimums), "this training step")
-    best = min(candidates, key=lambda c: c.overhead)
-    best.notes = best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                               for c in candidates if c is not best] + _why_not_chain(chain)
+    try:
+        plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate) and earlier is None,
+                   lowered=lowered)
+    except BudgetTooSmall as e:
+        minimums.append(e.minimum)
+    for c in lowered:  # one cost model for every planner's program
+        c.peak = predict_peak(c.program) if c.peak is None else c.peak
+        c.overhead = program_overhead(model, c.program, base)
+        c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
+    frontier.add_all(lowered)
+    best = frontier.best(p.budget)
+    if best is None:
+        known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
+        raise BudgetTooSmall(p.budget, min(known), "this training step")
+    others = [c for c in lowered if c is not best and c.peak <= p.budget]
+    best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
+                                                for c in others], best.program.clone(), best.overhead, best.plan,
+                     best.peak)
     verify(Module([best.program]))
     return best
 
@@ -122,15 +135,22 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0) -> Candidate | None:
+               max_overhead: float = 2.0, lowered: list[Candidate] | None = None) -> Candidate | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
-    and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true."""
+    and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
+    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
     from .greedy import greedy_min_budget, solve_greedy
     from .rematerialize import from_schedule
 
+    notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
+
     def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
         prog = p.finish(from_schedule(low, plan.schedule, check=False))
-        return plan, prog, predict_peak(prog)
+        peak = predict_peak(prog)
+        if lowered is not None:
+            lowered.append(Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog,
+                                     plan.overhead or 0.0, plan, peak))
+        return plan, prog, peak
 
     # The graph model keeps every gradient to the end and leaves out the optimizer state; the
     # step program adds the state and consumes gradients early, so a plan peaking at
@@ -167,23 +187,25 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand
-    plan, prog, _ = best
-    notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
-    return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan)
+    plan, prog, peak = best
+    return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan, peak)
 
 
 # ---------------------------------------------------------------- chain of blocks
-def plan_blocks(p: StepProblem) -> Candidate | int | None:
+def plan_blocks(p: StepProblem, lowered: list[Candidate] | None = None) -> Candidate | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
-    smallest minimum (bytes) when no plan fits, else the candidate."""
+    smallest minimum (bytes) when no plan fits, else the candidate. Feasible plans are also
+    appended to ``lowered``."""
     cache: dict = {}  # identical blocks are differentiated once, across both cuts
     results = [r for r in (plan_cut(p, True, cache), plan_cut(p, False, cache)) if r is not None]
     if not results:
         return None
     ok = [r for r in results if isinstance(r, Candidate)]
+    if lowered is not None:
+        lowered.extend(ok)
     if ok:
         return min(ok, key=lambda c: c.overhead)
     return min(results)

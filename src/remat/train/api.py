@@ -210,6 +210,7 @@ class TrainStep:
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
+        self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.predicted_overhead = self.plan.overhead

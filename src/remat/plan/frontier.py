@@ -1,0 +1,119 @@
+"""The plans already lowered for a training step, kept across budgets so a larger budget never gets
+a costlier plan than a smaller one did.
+
+Every candidate a planner lowers has an exact peak (``predict_peak`` of its program) and an
+overhead on one cost model (:func:`program_overhead`), whichever planner made it. A
+:class:`Frontier` keeps the Pareto-minimal ones in (peak, overhead); planning the same step at
+another budget reuses any of them whose peak fits. Frontiers live in a small per-process cache
+keyed by the step's printed program and its costs (:func:`frontier_for`); :func:`forget_plans`
+empties it (a fresh process plans the same).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Iterable
+
+from ..ir import Function, Instruction, print_function
+from .costmodel import instruction_cost
+
+if TYPE_CHECKING:
+    from .portfolio import Candidate, StepProblem
+
+MAX_STEPS = 8
+"""Training steps whose frontiers the cache keeps (least recently planned dropped first)."""
+
+
+def _signature(ins: Instruction) -> tuple:
+    """What makes two instructions cost the same: op, operand and result types, attributes."""
+    return (ins.op.name, tuple(str(o.type) for o in ins.operands), tuple(str(r.type) for r in ins.results),
+            repr(sorted(ins.attrs.items())))
+
+
+class CostModel:
+    """Seconds per instruction of any program of one step: the step's own per-instruction costs
+    (estimated or measured on the joint), looked up by signature for recomputed copies, and the
+    static estimate for instructions the joint lacks (the optimizer updates, the same in every plan)."""
+
+    def __init__(self, costs: dict[Instruction, float]):
+        self.by_signature: dict[tuple, float] = {}
+        for ins, sec in costs.items():
+            self.by_signature.setdefault(_signature(ins), sec)
+        self.base = sum(costs.values())  # the joint's compute seconds: the overhead's denominator
+
+    def program_cost(self, fn: Function) -> float:
+        """Seconds of one run of ``fn``."""
+        total = 0.0
+        for b in fn.blocks:
+            for ins in b.instrs:
+                if ins.op.name in ("free", "return") or ins.op.has("view"):
+                    continue
+                sec = self.by_signature.get(_signature(ins))
+                total += instruction_cost(ins) if sec is None else sec
+        return total
+
+
+def program_overhead(model: CostModel, program: Function, unconstrained: float) -> float:
+    """Recompute seconds of ``program`` over the joint's compute seconds (0.1 = +10%); never below 0.
+    ``unconstrained``: ``model.program_cost`` of the unconstrained step program."""
+    return max(0.0, (model.program_cost(program) - unconstrained) / model.base) if model.base > 0 else 0.0
+
+
+class Frontier:
+    """Lowered plans of one training step, Pareto-minimal in (exact peak bytes, overhead)."""
+
+    def __init__(self) -> None:
+        self.plans: list[Candidate] = []
+
+    def add(self, cand: Candidate) -> None:
+        """Keep ``cand`` unless a kept plan peaks no higher and costs no more; drop those it beats."""
+        for q in self.plans:
+            if q.peak <= cand.peak and q.overhead <= cand.overhead:
+                return
+        self.plans = [q for q in self.plans if not (cand.peak <= q.peak and cand.overhead <= q.overhead)]
+        self.plans.append(cand)
+        self.plans.sort(key=lambda q: q.peak)
+
+    def add_all(self, cands: Iterable[Candidate]) -> None:
+        for c in cands:
+            self.add(c)
+
+    def best(self, budget: int) -> Candidate | None:
+        """The cheapest kept plan whose peak fits ``budget`` (the lower peak on a tie), or None."""
+        fits = [q for q in self.plans if q.peak <= budget]
+        return min(fits, key=lambda q: (q.overhead, q.peak)) if fits else None
+
+    def minimum(self) -> int | None:
+        """The lowest peak of a kept plan (bytes), or None when none is kept."""
+        return self.plans[0].peak if self.plans else None
+
+
+_CACHE: OrderedDict[str, Frontier] = OrderedDict()
+
+
+def step_key(p: StepProblem) -> str:
+    """A hash of what decides the plans of a step: its printed program (round-trips, so equal text
+    means equal IR), the costs, the solver option and the step's extra bytes."""
+    h = hashlib.sha256(print_function(p.unconstrained).encode())
+    h.update(print_function(p.joint).encode())
+    h.update(repr([p.costs.get(i) for b in p.joint.blocks for i in b.instrs]).encode())
+    h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.example_args is not None)).encode())
+    return h.hexdigest()
+
+
+def frontier_for(p: StepProblem) -> Frontier:
+    """The frontier of plans lowered so far for this step in this process (a new one if none)."""
+    key = step_key(p)
+    f = _CACHE.pop(key, None) or Frontier()
+    _CACHE[key] = f
+    while len(_CACHE) > MAX_STEPS:
+        _CACHE.popitem(last=False)
+    return f
+
+
+def forget_plans() -> None:
+    """Empty the cache: the next plans are those a fresh process makes."""
+    _CACHE.clear()
+
+
+__all__ = ["CostModel", "Frontier", "MAX_STEPS", "forget_plans", "frontier_for", "program_overhead", "step_key"]
