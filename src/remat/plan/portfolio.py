@@ -109,14 +109,16 @@ def plan_step(p: StepProblem) -> Candidate:
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
     best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                                for c in others], best.program.clone(), best.overhead, best.plan,
-                     best.peak)
+                                                for c in others] + _why_not_chain(chain, p.budget),
+                     best.program.clone(), best.overhead, best.plan, best.peak)
     verify(Module([best.program]))
     return best
 
 
-def _why_not_chain(chain: Candidate | int | None) -> list[str]:
-    """The note saying why a chain of blocks did not win when it was no candidate."""
+def _why_not_chain(chain: Candidate | int | None, budget: int) -> list[str]:
+    """The note saying why a chain of blocks did not win when it was no candidate that fits."""
+    if isinstance(chain, Candidate) and chain.peak is not None and chain.peak > budget:
+        return [f"chain of blocks: planned, but its program peaks at {format_bytes(chain.peak)}, over the budget"]
     if chain is None:
         return ["chain of blocks: not tried (the forward has too few separators to cut it into a chain)"]
     if isinstance(chain, int):
