@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -127,7 +127,7 @@ class TrainStep:
     """A compiled training step. Call it with the inputs and targets; it runs forward, backward
     and the optimizer update on the model's own tensors and returns the loss."""
 
-    def __init__(self, model, example_inputs: Sequence, loss_fn: Callable | None, optimizer=None, budget=None, *,
+    def __init__(self, model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, optimizer=None, budget=None, *,
                  num_targets: int | None = None, solver: str = "auto", dialects: Sequence[str] | None = None,
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
                  cost_model: str = "static", milp_time_limit: float = 10.0,
@@ -137,7 +137,7 @@ class TrainStep:
         import torch
 
         from ..distributed import setup  # distributed builds on train.program: imported on use
-        from ..frontend.torch_import import import_module
+        from ..frontend.torch_import import import_module, keyword_inputs
         from ..runtime.vm import VM
 
         t_setup = time.perf_counter()
@@ -160,7 +160,8 @@ class TrainStep:
         self.model, self.optimizer = model, optimizer
         self.dialects = tuple(dialects) if dialects else None
         self.keep_grads = (optimizer is None) if keep_grads is None else keep_grads
-        example_inputs = tuple(example_inputs)
+        # Keyword inputs (Hugging Face style) become positional, in the order of their names.
+        self._input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
         self._example = example_inputs
         self.cost_model = cost_model
         self._step = 0
@@ -168,7 +169,7 @@ class TrainStep:
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
-            model, example_inputs, loss_fn, train=model.training, num_targets=num_targets))
+            model, self._keywords(example_inputs), loss_fn, train=model.training, num_targets=num_targets))
         self._bind_torch(imp)
         n_params = len(imp.param_names)
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
@@ -314,19 +315,42 @@ class TrainStep:
             args.append(np.array(step, dtype=np.int64))
         return args
 
+    def _keywords(self, inputs: tuple) -> tuple | dict[str, Any]:
+        """The step's tensors as compiled: positional, or keyword (``self._input_names``)."""
+        return inputs if self._input_names is None else dict(zip(self._input_names, inputs))
+
+    def _positional(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple:
+        """The step's tensors in compiled order: positional as compiled, or by the compiled keywords."""
+        names = self._input_names
+        if names is None:
+            if kwargs:
+                raise TypeError(f"the step was compiled with positional inputs; got keywords {sorted(kwargs)}: "
+                                "compile with a dict of keyword inputs to call it with keywords")
+            return inputs
+        if inputs or set(kwargs) != set(names):
+            missing, extra = [n for n in names if n not in kwargs], sorted(set(kwargs) - set(names))
+            raise TypeError(f"the step was compiled with keyword inputs {', '.join(names)}; call it with exactly "
+                            f"those keywords" + (f" (missing: {', '.join(missing)})" if missing else "")
+                            + (f" (unexpected: {', '.join(extra)})" if extra else "")
+                            + (f" and no positional inputs (got {len(inputs)})" if inputs else ""))
+        return tuple(kwargs[n] for n in names)
+
     def _check_inputs(self, inputs: Sequence) -> None:
         if len(inputs) != len(self._example_types):
             raise TypeError(f"the step takes {len(self._example_types)} tensor(s) (inputs then targets), got {len(inputs)}")
         for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)):
             if not hasattr(t, "shape") or tuple(t.shape) != shape or getattr(t, "dtype", None) != dtype:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
-                raise TypeError(f"argument {k} of the training step: expected {dtype}{list(shape)} (as compiled), "
+                arg = f"argument {k}" if self._input_names is None else f"input {self._input_names[k]}="
+                raise TypeError(f"{arg} of the training step: expected {dtype}{list(shape)} (as compiled), "
                                 f"got {got}; compile again for other shapes")
 
     # ------------------------------------------------------------------ run
-    def __call__(self, *inputs):
-        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor)."""
+    def __call__(self, *inputs, **keyword_inputs):
+        """One training step on ``inputs`` (model inputs then targets, or the keywords compiled
+        with); returns the loss (a 0-d tensor)."""
         torch = self.torch
+        inputs = self._positional(inputs, keyword_inputs)
         self._check_inputs(inputs)
         opt_step = self._step
         if self.updates:
@@ -400,12 +424,17 @@ class TrainStep:
         return None if bd is None else bd.at_peak
 
 
-def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
+def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None = None, optimizer=None, budget=None,
             **options: Any) -> TrainStep:
     """Compile a training step of ``model`` (a vanilla ``torch.nn.Module``) under ``budget``.
 
     ``example_inputs``: the model's inputs followed by the loss's targets (shapes are fixed by them).
     ``loss_fn(output, *targets)``: the loss (omit it if the model returns the loss).
+    Hugging Face conventions: ``example_inputs`` may be a dict of keyword inputs of the model
+    (``dict(input_ids=x, labels=y)``; the step is then called with the same keywords). A model
+    returning a ``ModelOutput`` or dict gives its own ``loss`` when ``loss_fn`` is None, else
+    ``loss_fn`` is applied to its ``logits``; with keyword inputs, the loss's targets are the
+    entries named after its parameters (``F.cross_entropy``: ``target=``).
     ``optimizer``: a ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` over ``model.parameters()``; its
     state tensors are updated in place. Without one, the step leaves gradients in ``.grad``.
     ``budget``: bytes, a size such as "1.5GiB", a percentage "40%" or a fraction in (0, 1] of
