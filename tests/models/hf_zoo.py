@@ -71,17 +71,17 @@ def _vit():
 def _resnet():
     import transformers as tf
 
-    cfg = tf.ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic",
+    cfg = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[16, 32], depths=[3, 2], layer_type="basic",
                           num_labels=10)
-    return tf.ResNetForImageClassification(cfg), dict(pixel_values=torch.randn(8, 3, 32, 32), labels=_ids(10, 8))
+    return tf.ResNetForImageClassification(cfg), dict(pixel_values=torch.randn(8, 3, 64, 64), labels=_ids(10, 8))
 
 
 def _convnext():
     import transformers as tf
 
-    cfg = tf.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=10,
+    cfg = tf.ConvNextConfig(num_channels=3, num_stages=2, hidden_sizes=[16, 32], depths=[2, 2], num_labels=10,
                             drop_path_rate=0.0)
-    return tf.ConvNextForImageClassification(cfg), dict(pixel_values=torch.randn(8, 3, 32, 32), labels=_ids(10, 8))
+    return tf.ConvNextForImageClassification(cfg), dict(pixel_values=torch.randn(8, 3, 64, 64), labels=_ids(10, 8))
 
 
 def _seeded(make: Callable) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
