@@ -62,7 +62,7 @@ def _t5():
 def _vit():
     import transformers as tf
 
-    cfg = tf.ViTConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    cfg = tf.ViTConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=4,
                        num_attention_heads=4, intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
                        attention_probs_dropout_prob=0.0)
     return tf.ViTForImageClassification(cfg), dict(pixel_values=torch.randn(4, 3, 32, 32), labels=_ids(10, 4))
