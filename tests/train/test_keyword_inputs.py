@@ -76,8 +76,8 @@ def test_keyword_step_errors_name_what_was_compiled():
         step(x=x, labels=y, scale=s)
     with pytest.raises(TypeError, match=r"no positional inputs \(got 2\)"):
         step(x, y)
-    with pytest.raises(TypeError, match=r"input x= of the training step: expected torch.float32\[5, 6\]"):
-        step(x=torch.randn(4, 6), labels=y)
+    with pytest.raises(TypeError, match=r"input x= of the training step: expected torch.float32\[5, 6\] \(as compiled"):
+        step(x=torch.randn(5, 6, dtype=torch.float64), labels=y)
     positional = remat.compile(model, (x, y), F.cross_entropy, keep_grads=True)
     with pytest.raises(TypeError, match=r"compiled with positional inputs; got keywords \['x'\]"):
         positional(x=x)
@@ -99,3 +99,14 @@ def test_unsupported_conventions_are_refused_clearly():
 
     with pytest.raises(ModelOutputError, match=r"without 'logits' \(fields: hidden\)"):
         remat.compile(NoLogits(), (x, y), F.cross_entropy)
+
+
+def test_keyword_step_compiles_other_shapes_too():
+    torch.manual_seed(0)
+    model = DictOut()
+    x, _, y = _data()
+    step = remat.compile(model, dict(x=x, labels=y), keep_grads=True, progress=lambda m: None)
+    x3, y3 = torch.randn(3, 6), torch.randint(0, 3, (3,))
+    got = step(labels=y3, x=x3)
+    assert step.report().shapes_cached == 2
+    assert abs(float(got) - float(model(x3, labels=y3)["loss"].detach())) <= 1e-6

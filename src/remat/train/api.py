@@ -10,6 +10,7 @@ measured peak memory stays within a byte budget out (RAF's 2–3 line change).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -64,6 +65,7 @@ class Report:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
+    shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
 
     def __str__(self) -> str:
         def b(v):
@@ -88,6 +90,8 @@ class Report:
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        if self.shapes_cached > 1:
+            lines.insert(2, f"{'input shapes cached':<{w}}  {self.shapes_cached} (this report: the example's shapes)")
         if self.data_parallel is not None:
             lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
         if self.memory is not None:
@@ -134,6 +138,9 @@ class TrainStep:
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
                  bucket_bytes: int | None = None):
+        # The options, to compile this step again for other input shapes (``_step_for_shapes``).
+        self._options = {k: v for k, v in locals().items()
+                         if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
         import torch
 
         from ..distributed import setup  # distributed builds on train.program: imported on use
@@ -157,7 +164,9 @@ class TrainStep:
             raise ValueError(f"data_parallel={data_parallel!r} needs an optimizer and keep_grads off: the reduced "
                              "gradients are consumed by the (sharded) optimizer updates inside the step")
         self.stage_seconds: dict[str, float] = {}
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self._loss_fn = model, optimizer, loss_fn
+        self._shape_steps: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes
+        self._announce = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.dialects = tuple(dialects) if dialects else None
         self.keep_grads = (optimizer is None) if keep_grads is None else keep_grads
         # Keyword inputs (Hugging Face style) become positional, in the order of their names.
@@ -339,11 +348,11 @@ class TrainStep:
         if len(inputs) != len(self._example_types):
             raise TypeError(f"the step takes {len(self._example_types)} tensor(s) (inputs then targets), got {len(inputs)}")
         for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)):
-            if not hasattr(t, "shape") or tuple(t.shape) != shape or getattr(t, "dtype", None) != dtype:
+            if not hasattr(t, "shape") or len(t.shape) != len(shape) or getattr(t, "dtype", None) != dtype:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
                 arg = f"argument {k}" if self._input_names is None else f"input {self._input_names[k]}="
-                raise TypeError(f"{arg} of the training step: expected {dtype}{list(shape)} (as compiled), "
-                                f"got {got}; compile again for other shapes")
+                raise TypeError(f"{arg} of the training step: expected {dtype}{list(shape)} (as compiled; other sizes "
+                                f"of the same dtype and rank get a plan of their own), got {got}")
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs, **keyword_inputs):
@@ -351,6 +360,8 @@ class TrainStep:
         with); returns the loss (a 0-d tensor)."""
         torch = self.torch
         inputs = self._positional(inputs, keyword_inputs)
+        if self._other_shapes(inputs):
+            return self._call_other_shapes(inputs)
         self._check_inputs(inputs)
         opt_step = self._step
         if self.updates:
@@ -377,6 +388,39 @@ class TrainStep:
         elif self.updates:
             advance_steps(self.optimizer, self._params, self.updates)
         return loss
+
+    # ------------------------------------------------------------------ other shapes
+    def _other_shapes(self, inputs: Sequence) -> bool:
+        """Whether ``inputs`` are the compiled tensors with other shapes (a new batch size or
+        sequence length): same count, dtypes and ranks."""
+        return (len(inputs) == len(self._example_types)
+                and all(hasattr(t, "shape") and getattr(t, "dtype", None) == dtype and len(t.shape) == len(shape)
+                        for t, (shape, dtype) in zip(inputs, self._example_types))
+                and any(tuple(t.shape) != shape for t, (shape, _) in zip(inputs, self._example_types)))
+
+    def _call_other_shapes(self, inputs: Sequence):
+        """One step on inputs of other shapes: with the plan cached for them, compiled on first
+        sight under the same byte budget (the model, optimizer and options are this step's)."""
+        key = tuple(tuple(t.shape) for t in inputs)
+        sub = self._shape_steps.get(key)
+        if sub is None:
+            if self.dp is not None:
+                raise TypeError(f"a data-parallel step runs one compiled shape ({[list(s) for s, _ in self._example_types]}); "
+                                f"got {[list(k) for k in key]}: compile a step per shape (all ranks alike)")
+            budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
+            self._announce(f"remat: new input shapes {', '.join(str(list(k)) for k in key)}: compiling a plan for "
+                           f"them ({budget}, as for the first shapes); {len(self._shape_steps) + 1} shape(s) cached so far")
+            sub = TrainStep(self.model, self._keywords(tuple(inputs)), self._loss_fn, self.optimizer, self.budget,
+                            **self._options)
+            self._shape_steps[key] = sub
+        sub._step = self._step  # one step count (and dropout seed sequence) across shapes
+        loss = sub(*inputs) if self._input_names is None else sub(**self._keywords(tuple(inputs)))
+        self._step = sub._step
+        return loss
+
+    def shapes_cached(self) -> int:
+        """How many input shapes have a compiled plan: the example's, and each other one met."""
+        return 1 + len(self._shape_steps)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -412,7 +456,8 @@ class TrainStep:
         return Report(self.budget, self.predicted_peak, measured, self.unconstrained_peak, overhead,
                       self.predicted_overhead, self.solver, list(self.notes), self.plan_seconds, self.setup_seconds,
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
-                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory())
+                      dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
+                      self.shapes_cached())
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
