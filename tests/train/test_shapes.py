@@ -70,3 +70,13 @@ def test_other_dtypes_or_ranks_are_still_refused():
         step(x.int(), y)
     with pytest.raises(TypeError, match=r"argument 0 .*got torch.int64\[24\]"):
         step(x.reshape(-1), y)
+
+
+def test_shapes_the_model_cannot_take_are_a_type_error_naming_them():
+    model = Seq()
+    step = remat.compile(model, _batch(4, 6), _ce, keep_grads=True, progress=lambda m: None)
+    x, y = _batch(4, 6)
+    with pytest.raises(TypeError, match=r"argument 0: expected torch.int64\[4, 6\] \(as compiled\), got torch.int64"
+                                        r"\[3, 6\]\) and compiling a plan for them failed"):
+        step(x[:3], y)  # inputs and targets disagree on the batch
+    assert step.report().shapes_cached == 1

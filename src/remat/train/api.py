@@ -344,14 +344,16 @@ class TrainStep:
                             + (f" and no positional inputs (got {len(inputs)})" if inputs else ""))
         return tuple(kwargs[n] for n in names)
 
+    def _arg_name(self, k: int) -> str:
+        return f"argument {k}" if self._input_names is None else f"input {self._input_names[k]}="
+
     def _check_inputs(self, inputs: Sequence) -> None:
         if len(inputs) != len(self._example_types):
             raise TypeError(f"the step takes {len(self._example_types)} tensor(s) (inputs then targets), got {len(inputs)}")
         for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)):
             if not hasattr(t, "shape") or len(t.shape) != len(shape) or getattr(t, "dtype", None) != dtype:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
-                arg = f"argument {k}" if self._input_names is None else f"input {self._input_names[k]}="
-                raise TypeError(f"{arg} of the training step: expected {dtype}{list(shape)} (as compiled; other sizes "
+                raise TypeError(f"{self._arg_name(k)} of the training step: expected {dtype}{list(shape)} (as compiled; other sizes "
                                 f"of the same dtype and rank get a plan of their own), got {got}")
 
     # ------------------------------------------------------------------ run
@@ -410,8 +412,18 @@ class TrainStep:
             budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
             self._announce(f"remat: new input shapes {', '.join(str(list(k)) for k in key)}: compiling a plan for "
                            f"them ({budget}, as for the first shapes); {len(self._shape_steps) + 1} shape(s) cached so far")
-            sub = TrainStep(self.model, self._keywords(tuple(inputs)), self._loss_fn, self.optimizer, self.budget,
-                            **self._options)
+            try:
+                sub = TrainStep(self.model, self._keywords(tuple(inputs)), self._loss_fn, self.optimizer, self.budget,
+                                **self._options)
+            except BudgetTooSmall:
+                raise
+            except Exception as e:  # noqa: BLE001  shapes the model cannot take (e.g. inputs and targets disagree)
+                differ = "; ".join(
+                    f"{self._arg_name(k)}: expected {dtype}{list(shape)} (as compiled), got {t.dtype}{list(t.shape)}"
+                    for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)) if tuple(t.shape) != shape)
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise TypeError(f"the training step got other shapes ({differ}) and compiling a plan for them failed: "
+                                f"{type(e).__name__}: {first}") from e
             self._shape_steps[key] = sub
         sub._step = self._step  # one step count (and dropout seed sequence) across shapes
         loss = sub(*inputs) if self._input_names is None else sub(**self._keywords(tuple(inputs)))
