@@ -381,11 +381,13 @@ def _assertion(L: Lowerer, *args, **kwargs):
 
 # ---------------------------------------------------------------- creation
 @lower("scalar_tensor.default", "full.default", "full_like.default", "zeros_like.default", "ones_like.default",
-       "zeros.default", "ones.default")
+       "zeros.default", "ones.default", "empty.memory_format", "empty_like.default", "empty_permuted.default")
 def _full(L: Lowerer, *args, **kwargs):
+    """Constant tensors; ``empty*`` (contents unspecified, written before being read) as zeros."""
     t = L.out_type()
     name = L.node.target.__name__.split(".")[0]
-    value = {"zeros_like": 0, "ones_like": 1, "zeros": 0, "ones": 1}.get(name)
+    value = {"zeros_like": 0, "ones_like": 1, "zeros": 0, "ones": 1, "empty": 0, "empty_like": 0,
+             "empty_permuted": 0}.get(name)
     if value is None:
         value = args[0] if name == "scalar_tensor" else args[1]
     return L.const(value, t.dtype, t.shape)

@@ -138,7 +138,7 @@ class TrainStep:
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
                  bucket_bytes: int | None = None):
-        # The options, to compile this step again for other input shapes (``_step_for_shapes``).
+        # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
         import torch
@@ -353,8 +353,8 @@ class TrainStep:
         for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)):
             if not hasattr(t, "shape") or len(t.shape) != len(shape) or getattr(t, "dtype", None) != dtype:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
-                raise TypeError(f"{self._arg_name(k)} of the training step: expected {dtype}{list(shape)} (as compiled; other sizes "
-                                f"of the same dtype and rank get a plan of their own), got {got}")
+                raise TypeError(f"{self._arg_name(k)} of the training step: expected {dtype}{list(shape)} (as "
+                                f"compiled; other sizes of the same dtype and rank get a plan of their own), got {got}")
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs, **keyword_inputs):
