@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The local CPU build of torch first, so nothing later pulls a CUDA build.
+	# The local CPU build of torch first, so nothing later pulls a CUDA build (the dev extra's
+	# transformers, for tests/models, needs no torch of its own).
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)

@@ -359,6 +359,15 @@ def _to_copy(L: Lowerer, x, **kwargs):
     return L.cast(x, L.out_type().dtype)
 
 
+@lower("copy.default")
+def _copy(L: Lowerer, dst, src, non_blocking=False):
+    """Functional ``dst.copy_(src)`` (from in-place writes such as T5's ``_shift_right``): ``src``
+    converted to ``dst``'s dtype and broadcast to its shape; ``dst``'s values are unused."""
+    t = L.out_type()
+    v = L.cast(src, t.dtype)
+    return v if v.type.shape == t.shape else L.op("broadcast", v, shape=t.shape)
+
+
 @lower("clone.default", "alias.default", "lift_fresh_copy.default", "detach.default", "contiguous.default")
 def _identity(L: Lowerer, x, **kwargs):
     return x
@@ -372,11 +381,13 @@ def _assertion(L: Lowerer, *args, **kwargs):
 
 # ---------------------------------------------------------------- creation
 @lower("scalar_tensor.default", "full.default", "full_like.default", "zeros_like.default", "ones_like.default",
-       "zeros.default", "ones.default")
+       "zeros.default", "ones.default", "empty.memory_format", "empty_like.default", "empty_permuted.default")
 def _full(L: Lowerer, *args, **kwargs):
+    """Constant tensors; ``empty*`` (contents unspecified, written before being read) as zeros."""
     t = L.out_type()
     name = L.node.target.__name__.split(".")[0]
-    value = {"zeros_like": 0, "ones_like": 1, "zeros": 0, "ones": 1}.get(name)
+    value = {"zeros_like": 0, "ones_like": 1, "zeros": 0, "ones": 1, "empty": 0, "empty_like": 0,
+             "empty_permuted": 0}.get(name)
     if value is None:
         value = args[0] if name == "scalar_tensor" else args[1]
     return L.const(value, t.dtype, t.shape)
@@ -487,6 +498,21 @@ def _slice_tensor(L: Lowerer, x, dim=0, start=None, end=None, step=1):
         raise LoweringError(f"slice step {step} is not supported; steps must be >= 1")
     e = max(e, s)
     return _slice(L, x, dim, s, e, st)
+
+
+@lower("slice_scatter.default")
+def _slice_scatter(L: Lowerer, x, src, dim=0, start=None, end=None, step=1):
+    """``x`` with ``x[start:end]`` along ``dim`` replaced by ``src`` (functional slice assignment,
+    e.g. ``y[..., 1:] = x[..., :-1]``): the kept parts of ``x`` around ``src``, concatenated."""
+    dim = _axis(dim, x.type.rank)
+    n = x.type.shape[dim]
+    s, e, st = slice(start, end, step).indices(n)
+    e = max(e, s)
+    if st != 1:
+        raise LoweringError(f"slice_scatter with step {step} is not supported; only step 1")
+    src = L.cast(src, x.type.dtype)
+    parts = ([_slice(L, x, dim, 0, s)] if s > 0 else []) + [src] + ([_slice(L, x, dim, e, n)] if e < n else [])
+    return parts[0] if len(parts) == 1 else L.op("concat", *parts, axis=dim)
 
 
 @lower("select.int", "select_copy.int")

@@ -20,7 +20,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, verif
 from ..passes import run
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
-__all__ = ["ImportedModel", "UnsupportedOpError", "import_module", "supported_ops"]
+__all__ = ["ImportedModel", "ModelOutputError", "UnsupportedOpError", "import_module", "keyword_inputs",
+           "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
 # Passes that clean up the imported forward before anything differentiates it: explicit attention
@@ -68,6 +69,11 @@ class CaptureError(RuntimeError):
         super().__init__(f"importing the model failed at {stage}: {hint}\n{shown}")
 
 
+class ModelOutputError(TypeError):
+    """The model's output does not hold what the step needs: a ``ModelOutput`` or dict without
+    ``loss`` (no loss function given) or without ``logits`` (a loss function given)."""
+
+
 class TranslationError(RuntimeError):
     """A translation rule produced a value whose type differs from PyTorch's: a bug in remat."""
 
@@ -90,6 +96,7 @@ class ImportedModel:
     has_seed: bool
     output_names: list[str]
     constant_names: list[str] = field(default_factory=list)
+    input_names: tuple[str, ...] | None = None  # keyword names of the inputs, in order (None: positional)
     _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     @property
@@ -129,17 +136,83 @@ def _to_numpy(t: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 class _WithLoss(torch.nn.Module):
-    """``loss_fn(model(*inputs), *targets)`` as one module, so that export sees the whole step."""
+    """``loss_fn(model(*inputs), *targets)`` as one module, so that export sees the whole step.
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_inputs: int):
+    Hugging Face conventions: with ``input_names`` the model's inputs are passed as keywords; a
+    ``ModelOutput`` or dict output gives its ``loss`` (no ``loss_fn``) or its ``logits`` (to ``loss_fn``)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_inputs: int,
+                 input_names: Sequence[str] | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.n_inputs = n_inputs
+        self.input_names = None if input_names is None else tuple(input_names)[:n_inputs]
 
     def forward(self, *args: torch.Tensor) -> Any:
-        out = self.model(*args[:self.n_inputs])
+        model_args = args[:self.n_inputs]
+        if self.input_names is None:
+            out = self.model(*model_args)
+        else:
+            out = self.model(**dict(zip(self.input_names, model_args)))
+        out = _loss_or_logits(out, want_loss=self.loss_fn is None)
         return out if self.loss_fn is None else self.loss_fn(out, *args[self.n_inputs:])
+
+
+def _loss_or_logits(out: Any, want_loss: bool) -> Any:
+    """A ``ModelOutput``/dict's ``loss`` (the model computes its own loss) or ``logits`` (for a
+    loss function); any other output is returned as it is."""
+    if not isinstance(out, Mapping):
+        return out
+    key = "loss" if want_loss else "logits"
+    if out.get(key) is not None:
+        return out[key]
+    fields = ", ".join(k for k, v in out.items() if v is not None) or "none"
+    kind = type(out).__name__
+    if want_loss:
+        raise ModelOutputError(f"the model returned a {kind} without 'loss' (fields: {fields}) and no loss_fn was "
+                               "given: pass the targets as keyword inputs the model takes (e.g. labels=...) so that "
+                               "it computes its own loss, or give a loss_fn (applied to its 'logits')")
+    raise ModelOutputError(f"the model returned a {kind} without 'logits' (fields: {fields}); a loss_fn is applied "
+                           "to 'logits': give no loss_fn and let the model compute its own 'loss' (e.g. labels=...)")
+
+
+def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., Any] | None,
+                   num_targets: int | None = None) -> tuple[tuple[str, ...] | None, tuple, int | None]:
+    """``(names, tensors, num_targets)`` of positional or keyword example inputs.
+
+    Positional inputs come back unchanged with ``names`` None. A mapping ``{name: tensor}`` gives
+    the model's keyword inputs (such as ``input_ids=``, ``attention_mask=``, ``labels=``); with a
+    ``loss_fn``, the entries named after its target parameters (``loss_fn(output, target)``:
+    ``target=``) are its targets. The tensors are ordered model inputs first, then targets in the
+    loss's parameter order; ``names`` follows the same order."""
+    if not isinstance(example_inputs, Mapping):
+        return None, tuple(example_inputs), num_targets
+    bad = [k for k in example_inputs if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise TypeError(f"keyword example inputs need identifier names, got {bad!r}")
+    targets: list[str] = []
+    if loss_fn is not None:
+        try:
+            params = list(inspect.signature(loss_fn).parameters.values())
+        except (TypeError, ValueError):
+            raise TypeError("cannot read the loss function's signature to find its targets among the keyword "
+                            "inputs; pass the inputs positionally with num_targets=") from None
+        names = [p.name for p in params[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        targets = [n for n in names if n in example_inputs]
+        if not targets:
+            raise TypeError(f"keyword example inputs with a loss_fn: name its target(s) after the loss's parameters "
+                            f"({', '.join(names) or 'it has none after the output'}), e.g. "
+                            f"{{'input_ids': x, {names[0] if names else 'target'!r}: y}}; got keys "
+                            f"{list(example_inputs)}. Or give no loss_fn and pass labels= for the model's own loss")
+        if num_targets is not None and int(num_targets) != len(targets):
+            raise TypeError(f"num_targets={num_targets} but the keyword inputs name {len(targets)} target(s) of the "
+                            f"loss: {targets}")
+    model_keys = [k for k in example_inputs if k not in targets]
+    if not model_keys:
+        raise TypeError("keyword example inputs name no input of the model")
+    order = model_keys + targets
+    return tuple(order), tuple(example_inputs[k] for k in order), (len(targets) if loss_fn is not None else None)
 
 
 _PREFIX = "model."
@@ -230,7 +303,7 @@ def _loc(node: torch.fx.Node) -> Loc:
     return Loc(path, file, int(m["line"]))
 
 
-def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                   loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool = True,
                   num_targets: int | None = None, name: str = "forward") -> ImportedModel:
     """Translate ``model`` (and ``loss_fn`` if given) into a remat module.
@@ -238,19 +311,21 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     ``example_inputs`` are the model's inputs followed, when ``loss_fn`` is given, by its targets:
     the function computes ``loss_fn(model(*inputs), *targets)``, the number of targets being
     ``num_targets`` or else the loss function's positional parameters after the output.
+    A mapping passes the model's inputs as keywords (:func:`keyword_inputs`); a model returning a
+    ``ModelOutput`` or dict contributes its ``loss`` (no ``loss_fn``) or its ``logits`` (to ``loss_fn``).
     ``train`` selects training-mode semantics (batch statistics and running-stat updates in batch
     norm, active dropout) or eval mode. Shapes are static: those of ``example_inputs``.
     Raises :class:`UnsupportedOpError` naming the op, the submodule and the source line when an op
     has no translation.
     """
-    example_inputs = tuple(example_inputs)
+    input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
     n_targets = 0
     if loss_fn is not None:
         n_targets = _count_targets(loss_fn) if num_targets is None else int(num_targets)
     n_inputs = len(example_inputs) - n_targets
     if n_inputs < 0:
         raise TypeError(f"the loss function takes {n_targets} target(s) but only {len(example_inputs)} example inputs were given")
-    wrapper = _WithLoss(model, loss_fn, n_inputs)
+    wrapper = _WithLoss(model, loss_fn, n_inputs, input_names)
     was_training = [m.training for m in model.modules()]
     wrapper.train(train)
     try:
@@ -260,7 +335,9 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     finally:
         for m, t in zip(model.modules(), was_training):
             m.training = t
-    return _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
+    imported = _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
+    imported.input_names = input_names
+    return imported
 
 
 def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.ExportedProgram":
@@ -268,6 +345,8 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
     in turn; a failure raises :class:`CaptureError` naming the stage (and every table tried)."""
     try:
         exported = torch.export.export(wrapper, example_inputs)
+    except ModelOutputError:
+        raise  # the user's call, not the capture: its message says what to change
     except Exception as e:
         raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"]) from e
     failures = []

@@ -10,9 +10,10 @@ measured peak memory stays within a byte budget out (RAF's 2–3 line change).
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -79,6 +80,7 @@ class Report:
     workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
     predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
     measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
+    shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
 
     def __str__(self) -> str:
         def b(v):
@@ -108,6 +110,8 @@ class Report:
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        if self.shapes_cached > 1:
+            lines.insert(2, f"{'input shapes cached':<{w}}  {self.shapes_cached} (this report: the example's shapes)")
         if self.data_parallel is not None:
             lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
         if self.memory is not None:
@@ -147,17 +151,20 @@ class TrainStep:
     """A compiled training step. Call it with the inputs and targets; it runs forward, backward
     and the optimizer update on the model's own tensors and returns the loss."""
 
-    def __init__(self, model, example_inputs: Sequence, loss_fn: Callable | None, optimizer=None, budget=None, *,
+    def __init__(self, model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, optimizer=None, budget=None, *,
                  num_targets: int | None = None, solver: str = "auto", dialects: Sequence[str] | None = None,
                  seed: int = 0, keep_grads: bool | None = None, profile_repeats: int = 2,
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
                  bucket_bytes: int | None = None, count_workspaces: bool = False):
+        # The options, to compile this step again for other input shapes (``_call_other_shapes``).
+        self._options = {k: v for k, v in locals().items()
+                         if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
         import torch
 
         from ..distributed import setup  # distributed builds on train.program: imported on use
-        from ..frontend.torch_import import import_module
+        from ..frontend.torch_import import import_module, keyword_inputs
         from ..runtime.vm import VM
 
         t_setup = time.perf_counter()
@@ -177,10 +184,13 @@ class TrainStep:
             raise ValueError(f"data_parallel={data_parallel!r} needs an optimizer and keep_grads off: the reduced "
                              "gradients are consumed by the (sharded) optimizer updates inside the step")
         self.stage_seconds: dict[str, float] = {}
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self._loss_fn = model, optimizer, loss_fn
+        self._shape_steps: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes
+        self._announce = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.dialects = tuple(dialects) if dialects else None
         self.keep_grads = (optimizer is None) if keep_grads is None else keep_grads
-        example_inputs = tuple(example_inputs)
+        # Keyword inputs (Hugging Face style) become positional, in the order of their names.
+        self._input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
         self._example = example_inputs
         self.cost_model = cost_model
         self._step = 0
@@ -192,7 +202,7 @@ class TrainStep:
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
-            model, example_inputs, loss_fn, train=model.training, num_targets=num_targets))
+            model, self._keywords(example_inputs), loss_fn, train=model.training, num_targets=num_targets))
         self._bind_torch(imp)
         n_params = len(imp.param_names)
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
@@ -386,18 +396,43 @@ class TrainStep:
             args.append(np.array(step, dtype=np.int64))
         return args
 
+    def _keywords(self, inputs: tuple) -> tuple | dict[str, Any]:
+        """The step's tensors as compiled: positional, or keyword (``self._input_names``)."""
+        return inputs if self._input_names is None else dict(zip(self._input_names, inputs))
+
+    def _positional(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple:
+        """The step's tensors in compiled order: positional as compiled, or by the compiled keywords."""
+        names = self._input_names
+        if names is None:
+            if kwargs:
+                raise TypeError(f"the step was compiled with positional inputs; got keywords {sorted(kwargs)}: "
+                                "compile with a dict of keyword inputs to call it with keywords")
+            return inputs
+        if inputs or set(kwargs) != set(names):
+            missing, extra = [n for n in names if n not in kwargs], sorted(set(kwargs) - set(names))
+            raise TypeError(f"the step was compiled with keyword inputs {', '.join(names)}; call it with exactly "
+                            f"those keywords" + (f" (missing: {', '.join(missing)})" if missing else "")
+                            + (f" (unexpected: {', '.join(extra)})" if extra else "")
+                            + (f" and no positional inputs (got {len(inputs)})" if inputs else ""))
+        return tuple(kwargs[n] for n in names)
+
+    def _arg_name(self, k: int) -> str:
+        return f"argument {k}" if self._input_names is None else f"input {self._input_names[k]}="
+
     def _check_inputs(self, inputs: Sequence) -> None:
         if len(inputs) != len(self._example_types):
             raise TypeError(f"the step takes {len(self._example_types)} tensor(s) (inputs then targets), got {len(inputs)}")
         for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)):
-            if not hasattr(t, "shape") or tuple(t.shape) != shape or getattr(t, "dtype", None) != dtype:
+            if not hasattr(t, "shape") or len(t.shape) != len(shape) or getattr(t, "dtype", None) != dtype:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
-                raise TypeError(f"argument {k} of the training step: expected {dtype}{list(shape)} (as compiled), "
-                                f"got {got}; compile again for other shapes")
+                raise TypeError(f"{self._arg_name(k)} of the training step: expected {dtype}{list(shape)} (as "
+                                f"compiled; other sizes of the same dtype and rank get a plan of their own), got {got}")
 
     # ------------------------------------------------------------------ run
-    def __call__(self, *inputs):
-        """One training step on ``inputs`` (model inputs then targets); returns the loss (a 0-d tensor).
+    def __call__(self, *inputs, **keyword_inputs):
+        """One training step on ``inputs`` (model inputs then targets, or the keywords compiled
+        with); returns the loss (a 0-d tensor). Other sizes of the same dtypes and ranks compile
+        (once) a plan of their own under the same budget.
 
         Atomic for bad arguments and out-of-range indices (class targets, token ids): they raise
         before anything is written, so parameters, gradients, buffers and ``optimizer.state_dict()``
@@ -406,6 +441,9 @@ class TrainStep:
         each index value (``train.program.last_new_index_check``); a kernel failing after the first
         update (out of memory in the backward, say) is the one case that leaves updates applied."""
         torch = self.torch
+        inputs = self._positional(inputs, keyword_inputs)
+        if self._other_shapes(inputs):
+            return self._call_other_shapes(inputs)
         self._check_inputs(inputs)
         opt_step, state = self._step, None
         if self.updates:
@@ -434,6 +472,49 @@ class TrainStep:
         elif self.updates:
             advance_steps(self.optimizer, self._params, self.updates)
         return loss
+
+    # ------------------------------------------------------------------ other shapes
+    def _other_shapes(self, inputs: Sequence) -> bool:
+        """Whether ``inputs`` are the compiled tensors with other shapes (a new batch size or
+        sequence length): same count, dtypes and ranks."""
+        return (len(inputs) == len(self._example_types)
+                and all(hasattr(t, "shape") and getattr(t, "dtype", None) == dtype and len(t.shape) == len(shape)
+                        for t, (shape, dtype) in zip(inputs, self._example_types))
+                and any(tuple(t.shape) != shape for t, (shape, _) in zip(inputs, self._example_types)))
+
+    def _call_other_shapes(self, inputs: Sequence):
+        """One step on inputs of other shapes: with the plan cached for them, compiled on first
+        sight under the same byte budget (the model, optimizer and options are this step's)."""
+        key = tuple(tuple(t.shape) for t in inputs)
+        sub = self._shape_steps.get(key)
+        if sub is None:
+            if self.dp is not None:
+                raise TypeError(f"a data-parallel step runs one compiled shape ({[list(s) for s, _ in self._example_types]}); "
+                                f"got {[list(k) for k in key]}: compile a step per shape (all ranks alike)")
+            budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
+            self._announce(f"remat: new input shapes {', '.join(str(list(k)) for k in key)}: compiling a plan for "
+                           f"them ({budget}, as for the first shapes); {len(self._shape_steps) + 1} shape(s) cached so far")
+            try:
+                sub = TrainStep(self.model, self._keywords(tuple(inputs)), self._loss_fn, self.optimizer, self.budget,
+                                **self._options)
+            except BudgetTooSmall:
+                raise
+            except Exception as e:  # noqa: BLE001  shapes the model cannot take (e.g. inputs and targets disagree)
+                differ = "; ".join(
+                    f"{self._arg_name(k)}: expected {dtype}{list(shape)} (as compiled), got {t.dtype}{list(t.shape)}"
+                    for k, (t, (shape, dtype)) in enumerate(zip(inputs, self._example_types)) if tuple(t.shape) != shape)
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise TypeError(f"the training step got other shapes ({differ}) and compiling a plan for them failed: "
+                                f"{type(e).__name__}: {first}") from e
+            self._shape_steps[key] = sub
+        sub._step = self._step  # one step count (and dropout seed sequence) across shapes
+        loss = sub(*inputs) if self._input_names is None else sub(**self._keywords(tuple(inputs)))
+        self._step = sub._step
+        return loss
+
+    def shapes_cached(self) -> int:
+        """How many input shapes have a compiled plan: the example's, and each other one met."""
+        return 1 + len(self._shape_steps)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -471,7 +552,8 @@ class TrainStep:
                       step_s, self.unconstrained_step_seconds, self.instructions, self.recomputed,
                       dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
                       dict(self.recomputed_layers), self.workspace_bytes, self.predicted_allocator_peak,
-                      self.measured_allocator_peak)
+                      self.measured_allocator_peak,
+                      self.shapes_cached())
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
@@ -494,12 +576,17 @@ class TrainStep:
         return self.measured_allocator_peak
 
 
-def compile(model, example_inputs: Sequence, loss_fn: Callable | None = None, optimizer=None, budget=None,
+def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None = None, optimizer=None, budget=None,
             **options: Any) -> TrainStep:
     """Compile a training step of ``model`` (a vanilla ``torch.nn.Module``) under ``budget``.
 
     ``example_inputs``: the model's inputs followed by the loss's targets (shapes are fixed by them).
     ``loss_fn(output, *targets)``: the loss (omit it if the model returns the loss).
+    Hugging Face conventions: ``example_inputs`` may be a dict of keyword inputs of the model
+    (``dict(input_ids=x, labels=y)``; the step is then called with the same keywords). A model
+    returning a ``ModelOutput`` or dict gives its own ``loss`` when ``loss_fn`` is None, else
+    ``loss_fn`` is applied to its ``logits``; with keyword inputs, the loss's targets are the
+    entries named after its parameters (``F.cross_entropy``: ``target=``).
     ``optimizer``: a ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` over ``model.parameters()``; its
     state tensors are updated in place. Without one, the step leaves gradients in ``.grad``.
     ``budget``: bytes, a size such as "1.5GiB", a percentage "40%" or a fraction in (0, 1] of
