@@ -17,12 +17,7 @@ from _train_util import make
 ZOO = {"mlp": 64, "resnet": 8, "gpt": 4, "unet": 8}  # as tests/train/test_budget.py: activations matter
 
 
-ALLOCATOR_OVER = pytest.mark.xfail(strict=True, reason=(
-    "known gap (issue 15): zoo resnet's measured allocator peak exceeds the per-kernel workspace "
-    "prediction by ~5% and two re-plans do not close it"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=ALLOCATOR_OVER) if n == "resnet" else n for n in sorted(ZOO)])
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_allocator_peak_of_a_budgeted_zoo_step_is_within_the_budget(name):
     model, inputs, loss_fn = make(name, batch=ZOO[name])
 
