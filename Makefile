@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 # Two CPU ranks (gloo) train the demo GPT with ZeRO-2 under a per-rank budget.
 demo-ddp: $(STAMP)
-	$(BIN)/torchrun --nproc_per_node 2 -m remat.distributed.demo
+	$(BIN)/torchrun --nproc_per_node 2 -m remat.demo_ddp
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 tests

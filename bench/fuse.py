@@ -21,7 +21,7 @@ from remat import zoo
 from remat.backends import numba_kernels as nk
 from remat.ir import Module
 from remat.plan.liveness import predict_peak
-from remat.passes.fuse import FuseStats, fuse
+from remat.lower.fuse import FuseStats, fuse
 from remat.runtime.vm import VM
 
 

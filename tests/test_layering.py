@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 
 
@@ -64,8 +66,10 @@ def _package_imports(module_level_only: bool) -> dict[str, set[str]]:
     return edges
 
 
-def test_no_import_cycle_between_packages_at_import_time():
-    edges = _package_imports(module_level_only=True)
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["at-import-time", "inside-functions-too"])
+def test_no_import_cycle_between_packages(module_level_only: bool):
+    """Not even through an import deferred into a function body: the packages form layers."""
+    edges = _package_imports(module_level_only)
     state: dict[str, int] = {}
 
     def visit(n: str, stack: list[str]) -> None:

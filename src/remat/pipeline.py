@@ -1,6 +1,6 @@
 """The pass registry: every pass of remat by name, and the named pipelines.
 
-It sits above ``passes/``, ``autodiff/`` and ``plan/`` and imports them explicitly, so a broken
+It sits above ``passes/``, ``autodiff/``, ``plan/`` and ``lower/`` and imports them explicitly, so a broken
 import fails here with its own traceback instead of reading as an unknown pass, and no package
 below imports back up.
 """
@@ -10,12 +10,13 @@ from typing import Callable, Sequence
 
 from .autodiff.transform import grad_pass
 from .ir import Module
+from .lower.fuse import fuse_pass
 from .passes import CLEANUP, PASSES as _LOCAL
 from .passes.pipeline import PassFn, PipelineResult, lookup, run_passes
 from .plan.liveness import insert_frees_pass
 
-PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert_frees_pass}
-"""Every pass by name: those of :mod:`remat.passes`, differentiation and explicit frees."""
+PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert_frees_pass, "fuse": fuse_pass}
+"""Every pass by name: those of :mod:`remat.passes`, differentiation, explicit frees and fusion."""
 
 PIPELINES: dict[str, list[str]] = {
     "cleanup": CLEANUP,

@@ -10,7 +10,7 @@ from remat.plan.liveness import predict_peak
 from remat.plan.milp import MILP_MAX_NODES
 from remat.plan.portfolio import Candidate, StepProblem, plan_step, uses_milp
 from remat.plan.costmodel import static_costs
-from remat.train.program import Layout, cleanup, step_program, training_graph
+from remat.step.program import Layout, cleanup, step_program, training_graph
 
 DEPTH, WIDTH, BATCH = 6, 32, 64
 

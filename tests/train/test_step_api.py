@@ -222,8 +222,8 @@ def test_no_update_runs_before_the_first_check_of_an_index():
     """A gradient complete before the loss (a parameter the loss does not read) still gets its
     update after the targets were checked; a backward re-check (nll_loss_grad) is no barrier."""
     from remat.ir import DType, TensorType, parse
-    from remat.train.optim import updates_from_torch
-    from remat.train.program import Layout, last_new_index_check, step_program
+    from remat.step.optim import updates_from_torch
+    from remat.step.program import Layout, last_new_index_check, step_program
 
     joint = parse("""func @train_joint(%0: f32[3], %1: f32[4,5], %2: i64[4]) -> (f32[], f32[3]) {
   %3 = constant {value=0.0, shape=[3]} : f32[3]

@@ -63,7 +63,7 @@ def load_state_dict(step, sd: dict[str, Any]) -> None:
             own[n].copy_(t)
         if step.updates:
             if dp is None or not dp.shards_state:
-                from ..train.optim import bind_state
+                from ..step.optim import bind_state
 
                 step._state = bind_state(step.optimizer, step._params, step.updates, step._state)
                 for p, u in zip(step._params, step.updates):

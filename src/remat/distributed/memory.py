@@ -69,7 +69,7 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
 
 def breakdown(fn: Function, n_params: int, state_args: range) -> Breakdown | None:
     """Per-kind bytes of ``fn`` (None when it is not straight-line code without calls)."""
-    from ..plan.liveness import liveness
+    from ..ir.liveness import liveness
 
     if len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
         return None

@@ -1,7 +1,7 @@
 """Data parallelism as a pass over the training IR (RAF §3.1.3).
 
 ``data_parallel_step`` turns a (possibly rematerialised) joint ``(args...) -> (loss, buffers...,
-grads...)`` into one rank's training step, like ``remat.train.program.step_program`` but with the
+grads...)`` into one rank's training step, like ``remat.step.program.step_program`` but with the
 collectives of the chosen mode inserted:
 
 * ``ddp``: gradients are grouped into buckets in the order they become complete; as soon as a
@@ -20,8 +20,8 @@ concatenated batch only when every rank's shard of the batch has the same size.
 from __future__ import annotations
 
 from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..train.optim import STEP_TYPE, ParamUpdate, emit_update
-from ..train.program import Layout, update_points
+from ..step.optim import STEP_TYPE, ParamUpdate, emit_update
+from ..step.program import Layout, update_points
 from .group import DataParallel, Shard
 
 

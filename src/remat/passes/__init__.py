@@ -1,7 +1,7 @@
 """IR -> IR passes (simplify, fold, cse, dce, …), listed by name, and the pipelines made of them.
 
 ``PASSES`` names the passes of this package; :mod:`remat.pipeline` adds the passes of the packages
-above (``grad``, ``insert-frees``) and is the registry users and ``remat opt`` see.
+above (``grad``, ``insert-frees``, ``fuse``) and is the registry users and ``remat opt`` see.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from .attention import attention_pass
 from .cse import cse
 from .dce import dce
 from .fold import fold
-from .fuse import fuse_pass
 from .inline import inline
 from .pipeline import PassFn, PassRecord, PipelineResult, lookup, run_passes
 from .simplify import simplify
@@ -24,7 +23,6 @@ PASSES: dict[str, PassFn] = {
     "cse": cse,
     "dce": dce,
     "attention": attention_pass,
-    "fuse": fuse_pass,
 }
 """The passes of this package by name."""
 

@@ -9,7 +9,7 @@ reused under it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,6 +19,16 @@ except ImportError:  # pragma: no cover
     _torch = None
 
 StorageKey = Any  # an int (CPU address) or a (device type, device index, address) tuple
+
+
+class TimelineEntry(NamedTuple):
+    """After executing the instruction at ``index`` (its position in ``fn.instructions()``):
+    live bytes, and the high-water mark during it (outputs allocated, operands still live)."""
+
+    index: int
+    live_bytes: int
+    high_water: int
+
 
 
 def storage_of(x: Any) -> tuple[StorageKey, int, Any]:

@@ -1,7 +1,7 @@
 """The VM: runs IR functions instruction by instruction with exact memory accounting.
 
 Kernels come from the dialect assigned to each instruction (``remat.backends``); values are
-released at the points computed by ``remat.plan.liveness`` (after their last use; results never
+released at the points computed by ``remat.ir.liveness`` (after their last use; results never
 used right after they are produced; on CFG edges for values that die there), and every storage is
 counted by :class:`~remat.runtime.memory.MemoryTracker`. ``remat.plan.liveness.predict_peak``
 replays the same accounting from types and equals the measured ``peak_bytes`` on straight-line code.
@@ -40,9 +40,9 @@ from .. import backends
 from ..errors import format_bytes
 from ..ir import Function, Instruction, Module, TensorType, verify
 from ..ir.printer import Namer, format_instruction
+from ..ir.liveness import liveness
 from ..ir.types import DType
-from ..plan.liveness import TimelineEntry, liveness
-from .memory import MemoryTracker, storage_of
+from .memory import MemoryTracker, TimelineEntry, storage_of
 
 _K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)
 RECORD_LEVELS = ("full", "peak")

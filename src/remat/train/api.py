@@ -24,8 +24,8 @@ from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
-from .optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
-from .program import Layout, cleanup, step_program, training_graph
+from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
+from ..step.program import Layout, cleanup, step_program, training_graph
 
 
 STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "fuse", "kernel compilation",
@@ -163,7 +163,7 @@ class TrainStep:
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
         import torch
 
-        from ..distributed import setup  # distributed builds on train.program: imported on use
+        from ..distributed import setup  # imported on use (torch.distributed)
         from ..frontend.torch_import import import_module, keyword_inputs
         from ..runtime.vm import VM
 
@@ -236,7 +236,7 @@ class TrainStep:
         self.recomputed_layers = recomputed_layers(self.program)
         if "numba" in backends.resolve(self.dialects):
             from ..backends import numba_kernels
-            from ..passes.fuse import fuse_function
+            from ..lower.fuse import fuse_function
 
             self.program = self._stage("fuse", lambda: fuse_function(self.program))
             self._stage("kernel compilation", lambda: numba_kernels.prepare(Module([self.program])))
@@ -438,7 +438,7 @@ class TrainStep:
         before anything is written, so parameters, gradients, buffers and ``optimizer.state_dict()``
         stay exactly as they were, also on the first call (the optimizer's state is registered only
         after a step succeeded). The program places no in-place update before the first check of
-        each index value (``train.program.last_new_index_check``); a kernel failing after the first
+        each index value (``step.program.last_new_index_check``); a kernel failing after the first
         update (out of memory in the backward, say) is the one case that leaves updates applied."""
         torch = self.torch
         inputs = self._positional(inputs, keyword_inputs)

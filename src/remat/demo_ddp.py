@@ -1,4 +1,4 @@
-"""The data-parallel demo: ``torchrun --nproc_per_node 2 -m remat.distributed.demo`` (``make demo-ddp``).
+"""The data-parallel demo: ``torchrun --nproc_per_node 2 -m remat.demo_ddp`` (``make demo-ddp``).
 
 Each rank trains the demo GPT on its half of every batch with ZeRO-2 (or ``--mode``) under a
 per-rank budget, and rank 0 prints the per-rank memory report and the loss.
@@ -12,19 +12,19 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .group import MODES
+from .distributed import MODES
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node 2 -m remat.distributed.demo")
+    ap = argparse.ArgumentParser(prog="torchrun --nproc_per_node 2 -m remat.demo_ddp")
     ap.add_argument("--mode", default="zero2", choices=MODES)
     ap.add_argument("--budget", default="60%", help="per-rank budget (default: 60%% of a rank's unconstrained peak)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
     import remat
-    from ..data import CharCorpus
-    from ..demo import DEMO, build_gpt
-    from ..zoo import lm_loss
+    from .data import CharCorpus
+    from .demo import DEMO, build_gpt
+    from .zoo import lm_loss
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

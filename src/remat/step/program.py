@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..autodiff import joint
 from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from ..ir.build import clone_into
+from ..pipeline import run_pipeline
 from .optim import STEP_TYPE, ParamUpdate, emit_update
 
 
@@ -34,9 +36,6 @@ class Layout:
 def training_graph(forward: Function, n_params: int) -> Module:
     """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
     calling the forward and the gradient of its loss (differentiated, not yet cleaned up)."""
-    from ..autodiff import joint
-    from ..pipeline import run_pipeline
-
     # Simplify before differentiating, so that the backward is built from the simplified forward
     # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
     # not a cotangent transposed back by a materialised copy).
@@ -49,8 +48,6 @@ def training_graph(forward: Function, n_params: int) -> Module:
 
 def cleanup(m: Module) -> Function:
     """``train_joint`` of a training graph after the ``cleanup`` pipeline: one straight-line function."""
-    from ..pipeline import run_pipeline
-
     out = run_pipeline(m, "cleanup").module["train_joint"].clone()
     verify(Module([out]))
     return out

@@ -24,6 +24,7 @@ from typing import Callable
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.ops.fused import Body, Node, fusible_node_op
 from ..ir.types import DType, broadcast_shapes
+from ..plan.liveness import simulate
 
 Supports = Callable[[str, tuple[DType, ...], dict], bool]
 
@@ -296,8 +297,6 @@ def _rewrite(fn: Function, groups: list[Group]) -> tuple[Function, dict[int, tup
 
 def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseStats | None = None) -> Function:
     """Fuse ``fn`` (single-block functions; others are returned as a copy), never raising its peak."""
-    from ..plan.liveness import simulate
-
     if fn.is_declaration or len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
         return fn.clone()
     groups = find_groups(fn, supports)

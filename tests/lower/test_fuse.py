@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from remat.ir import Module, parse, verify
+from remat.lower.fuse import FuseStats, find_groups, fuse
 from remat.plan.liveness import predict_peak
-from remat.passes.fuse import FuseStats, find_groups, fuse
 from remat.pipeline import get_pass
 from remat.runtime.vm import VM
 

@@ -1,0 +1,11 @@
+"""The training step as IR: the training graph (forward + loss + backward, RAF §3.1) and the
+optimizer updates generated in it, laid out as one function ``(params, state, inputs) -> ...``.
+
+``remat.train`` compiles and runs such a step for a user's model; ``remat.distributed`` rewrites
+it for data parallelism.
+"""
+from .optim import STEP_TYPE, ParamUpdate, emit_update
+from .program import Layout, cleanup, step_program, training_graph, update_points
+
+__all__ = ["Layout", "ParamUpdate", "STEP_TYPE", "cleanup", "emit_update", "step_program", "training_graph",
+           "update_points"]
