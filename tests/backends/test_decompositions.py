@@ -11,6 +11,7 @@ import torch
 import remat
 from remat import backends
 from remat.ir import OPS, Builder, DType, Function, Module, TensorType, verify
+from remat.passes.dce import dce
 from remat.passes.decompose import decompose, decompose_unclaimed
 from remat.pipeline import get_pass
 from remat.runtime.vm import VM
@@ -35,6 +36,10 @@ def one_op(name: str, args: list[np.ndarray], attrs: dict) -> Module:
     return Module([f])
 
 
+def _count(m: Module) -> int:
+    return sum(1 for _ in m["f"].instructions())
+
+
 def test_the_composites_declare_their_decompositions():
     assert COMPOSITES <= set(DECOMPOSED), f"composites without a decomposition: {sorted(COMPOSITES - set(DECOMPOSED))}"
 
@@ -47,6 +52,7 @@ def test_decomposition_matches_the_op(name):
         m = one_op(name, s.args, s.attrs)
         d = decompose(m)
         verify(d)
+        assert _count(dce(d)) == _count(d), f"{name}: its decomposition emits dead instructions"
         left = sorted({i.op.name for i in d["f"].instructions() if i.op.decompose is not None})
         assert not left, f"{name}: composites left after decomposing: {left}"
         want, _ = VM(m, dialects="numpy").run("f", *[a.copy() for a in s.args])

@@ -223,13 +223,13 @@ def _masked_scores(b, q, k, mask, attrs):
     """q @ kᵀ · scale, -inf where masked out (bool mask, causal) or plus an additive mask (as ``reference_scores``)."""
     dt = q.type.dtype
     s = b.op("mul", b.op("matmul", q, k, transpose_b=True), _const(b, attrs["scale"], dt))
-    neg_inf = _const(b, float("-inf"), dt)
     if attrs["is_causal"]:
         t, n = s.type.shape[-2:]
         keep = b.op("ge", b.op("iota", shape=(t, n), axis=0), b.op("iota", shape=(t, n), axis=1))
-        s = b.op("select", keep, s, neg_inf)
+        s = b.op("select", keep, s, _const(b, float("-inf"), dt))
     if mask is not None:
-        s = b.op("select", mask, s, neg_inf) if mask.type.dtype == DType.bool else b.op("add", s, mask)
+        s = (b.op("select", mask, s, _const(b, float("-inf"), dt)) if mask.type.dtype == DType.bool
+             else b.op("add", s, mask))
     return s
 
 

@@ -871,11 +871,12 @@ def _avg_pool2d_grad_decomp(b, xs, attrs):
 def _first_max_hits(b, wins, y):
     """Per window offset, whether it holds the window's first maximum (row-major order), as bool masks."""
     hits, taken = [], None
-    for w in wins:
+    for k, w in enumerate(wins):
         hit = b.op("eq", w, y)
         if taken is not None:
             hit = b.op("and", hit, b.op("not", taken))
-        taken = hit if taken is None else b.op("or", taken, hit)
+        if k + 1 < len(wins):
+            taken = hit if taken is None else b.op("or", taken, hit)
         hits.append(hit)
     return hits
 

@@ -370,10 +370,10 @@ def _batch_norm_decomp(b, xs, attrs):
         y = b.op("add", b.op("mul", y, _channel(b, w, rank)), _channel(b, bias, rank))
     if not attrs["training"]:
         return [y]
-    mean, var = b.op("reshape", mean, shape=(c,)), b.op("reshape", var, shape=(c,))
+    mean = b.op("reshape", mean, shape=(c,))
     outs = [y, mean, b.op("reshape", rstd, shape=(c,))]
     if running:  # (1 − m) running + m · batch statistic, the variance unbiased
-        m, n = attrs["momentum"], x.type.numel // c
+        m, n, var = attrs["momentum"], x.type.numel // c, b.op("reshape", var, shape=(c,))
         keep = _c(b, 1.0 - m, mean)
         outs.append(b.op("add", b.op("mul", keep, running[0]), b.op("mul", _c(b, m, mean), mean)))
         unbiased = b.op("mul", b.op("mul", _c(b, m, var), var), _c(b, n / max(n - 1, 1), var))
