@@ -71,13 +71,15 @@ def render_table() -> str:
         groups.setdefault(_section(op), []).append(op)
     order = [k for k in SECTIONS if k in groups] + sorted(k for k in groups if k not in SECTIONS)
     out = [f"{len(OPS)} ops. Attributes: `name`: kind, `= default` when optional (omitted from canonical text "
-           "when equal to it). Tags: see `remat.ir.opdef.TAGS`. *nondiff*: no derivative.", ""]
+           "when equal to it). Tags: see `remat.ir.opdef.TAGS`. *nondiff*: no derivative. *decomposes*: a composite "
+           "with a decomposition into other ops, run by a dialect without a kernel for it (the `decompose` pass).", ""]
     for key in order:
         out += [f"#### {SECTIONS.get(key, key)}", "",
                 "| op | operands | results | attributes | tags | description |",
                 "|----|----------|---------|------------|------|-------------|"]
         for op in groups[key]:
-            tags = ", ".join(sorted(op.tags) + (["*nondiff*"] if op.nondiff else []))
+            tags = ", ".join(sorted(op.tags) + (["*nondiff*"] if op.nondiff else [])
+                             + (["*decomposes*"] if op.decompose is not None else []))
             out.append(f"| `{op.name}` | {_operands(op)} | {_results(op)} | {_cell(_attrs(op))} | {tags or '—'} | {_cell(op.doc)} |")
         out.append("")
     return "\n".join(out)

@@ -198,8 +198,19 @@ def select(instr: Instruction, dialects_: Sequence[str]) -> KernelImpl:
         raise NoKernelError(
             f"no enabled dialect can run '{name}' ({types}); enabled dialects: {', '.join(dialects_) or 'none'}; "
             f"dialects with a '{name}' kernel: {', '.join(have) or 'none'}"
-            + ("" if not have else " (their checkers may refuse this dtype or these attributes)"))
+            + ("" if not have else " (their checkers may refuse this dtype or these attributes)")
+            + ("" if instr.op.decompose is None else
+               f"; '{name}' has a decomposition into other ops: run the program through "
+               "remat.passes.decompose.decompose_unclaimed (remat.compile and the DSL do)"))
     return best
+
+
+def claims(instr: Instruction, dialects_: Sequence[str]) -> bool:
+    """Whether one of ``dialects_`` has an implementation that accepts ``instr`` (composites that
+    none claims run through their decomposition: ``remat.passes.decompose``)."""
+    _load()
+    name = instr.op.name
+    return any(impl.accepts(instr) for d in dialects_ for impl in _DIALECTS[d].kernels.get(name, ()))
 
 
 def kernel_for(instr: Instruction, dialect: str) -> KernelImpl:
@@ -239,5 +250,5 @@ except (ImportError, ValueError):  # pragma: no cover
 # Generated kernels for ``fused`` element-wise bodies (the only op it claims), above torch.
 register_dialect("numba", priority=20, available=_has_numba, why_unavailable="" if _has_numba else "numba is not installed")
 
-__all__ = ["Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "dialects", "disable",
+__all__ = ["Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "claims", "dialects", "disable",
            "enable", "enabled", "kernel", "kernel_for", "only", "register_dialect", "reset", "resolve", "select"]

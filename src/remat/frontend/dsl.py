@@ -92,9 +92,11 @@ class _Spec:
         """The VM prepared for this module and ``dialects`` (built once, then reused)."""
         key = tuple(dialects) if isinstance(dialects, (list, tuple)) else dialects
         if key not in self._vms:
+            from ..passes.decompose import decompose_unclaimed
             from ..runtime.vm import VM
 
-            self._vms[key] = VM(self.module, dialects=dialects)
+            # composites that none of the dialects has a kernel for run through their decompositions
+            self._vms[key] = VM(decompose_unclaimed(self.module, dialects), dialects=dialects)
         return self._vms[key]
 
 

@@ -29,7 +29,7 @@ from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, verif
 from ..passes import run
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
-__all__ = ["ImportedModel", "ModelOutputError", "UnsupportedOpError", "import_module", "keyword_inputs",
+__all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpError", "import_module", "keyword_inputs",
            "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
@@ -38,22 +38,81 @@ _SEED = TensorType(DType.i64, ())
 IMPORT_PASSES: list[str] = ["attention", "dce"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CWD = os.getcwd() + os.sep  # source files under it are recorded relative to it
+_SKIPPED = object()  # the value of a node not translated (unsupported, or computed from one)
+
+
+class _MissingOutput(Exception):
+    """A node reads an output of ``node`` that its translation does not compute."""
+
+    def __init__(self, node: "torch.fx.Node"):
+        super().__init__(str(node.target))
+        self.node = node
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """One untranslatable node: the ATen op, the submodule it came from, the user source line, and
+    why (empty: remat has no translation for the op at all)."""
+
+    op: str
+    module_path: str
+    source: str
+    reason: str = ""
 
 
 class UnsupportedOpError(NotImplementedError):
-    """The model uses an ATen op (or an op's variant) that remat cannot translate.
+    """The model uses ATen ops (or ops' variants) that remat cannot translate: all of them at once.
 
-    ``op`` is the ATen overload, ``module_path`` the submodule it came from, ``source`` the user
-    source line; the message lists the supported ops.
+    ``problems`` lists every untranslatable node (:class:`Unsupported`), in graph order; ``ops`` the
+    distinct ops. ``op``, ``module_path`` and ``source`` are the first problem's. The message groups
+    the problems by op with their counts and places (at most :attr:`MAX_OPS` ops and
+    :attr:`MAX_PLACES` places per op are spelled out), then lists the supported ops.
     """
 
-    def __init__(self, op: str, module_path: str, source: str, reason: str = ""):
-        self.op, self.module_path, self.source = op, module_path, source
-        where = f"in module '{module_path}'" if module_path else "at the top level of the model"
-        why = f": {reason}" if reason else " (remat has no translation for it)"
+    MAX_OPS = 20
+    MAX_PLACES = 3
+
+    def __init__(self, op: str = "", module_path: str = "", source: str = "", reason: str = "", *,
+                 problems: Sequence[Unsupported] = ()):
+        self.problems = list(problems) or [Unsupported(op, module_path, source, reason)]
+        first = self.problems[0]
+        self.op, self.module_path, self.source = first.op, first.module_path, first.source
+        self.ops = list(dict.fromkeys(p.op for p in self.problems))
+        super().__init__(self._message())
+
+    def _message(self) -> str:
         supported = ", ".join(s.removeprefix("aten.") for s in SUPPORTED)
-        super().__init__(f"unsupported PyTorch op {op} {where}{why}\n  from: {source or '(source unknown)'}\n"
-                         f"Supported ATen ops: {supported}")
+        by_op: dict[str, list[Unsupported]] = {}
+        for p in self.problems:
+            by_op.setdefault(p.op, []).append(p)
+        if len(self.problems) == 1:
+            p = self.problems[0]
+            lines = [f"unsupported PyTorch op {p.op} {_place(p.module_path)}{_why(p.reason)}",
+                     f"  from: {p.source or '(source unknown)'}"]
+        else:
+            lines = [f"the model uses {len(by_op)} PyTorch op{'s' if len(by_op) > 1 else ''} that remat cannot "
+                     f"translate, at {len(self.problems)} places:"]
+            for op, ps in list(by_op.items())[: self.MAX_OPS]:
+                reasons = list(dict.fromkeys(p.reason for p in ps))
+                why = _why(reasons[0]) if len(reasons) == 1 else ": " + "; ".join(r or "no translation" for r in reasons[:3])
+                lines.append(f"  {op}: {len(ps)} use{'s' if len(ps) > 1 else ''}{why}")
+                for p in ps[: self.MAX_PLACES]:
+                    lines.append(f"    {_place(p.module_path)}, from: {p.source or '(source unknown)'}")
+                if len(ps) > self.MAX_PLACES:
+                    more = len(ps) - self.MAX_PLACES
+                    lines.append(f"    ... and {more} more place{'s' if more > 1 else ''}")
+            if len(by_op) > self.MAX_OPS:
+                rest = list(by_op)[self.MAX_OPS:]
+                lines.append(f"  ... and {len(rest)} more ops: {', '.join(rest)}")
+        return "\n".join(lines) + f"\nSupported ATen ops: {supported}"
+
+
+def _place(module_path: str) -> str:
+    return f"in module '{module_path}'" if module_path else "at the top level of the model"
+
+
+def _why(reason: str) -> str:
+    return f": {reason}" if reason else " (remat has no translation for it)"
 
 
 class CaptureError(RuntimeError):
@@ -446,12 +505,29 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
         k, t = kinds[n.name]
         env[n] = next(in_iter) if k == "input" else f.params[slot[f"{k}:{t}"]]
 
+    # Every untranslatable node is collected (one error lists them all); the nodes computed from
+    # one are skipped silently (``_SKIPPED``): their failure is a consequence, not another problem.
+    problems: list[Unsupported] = []
+
+    def unsupported(node: torch.fx.Node, op: str, reason: str = "") -> None:
+        path, src = _where(node)
+        problems.append(Unsupported(op, path, src, reason))
+        env[node] = _SKIPPED
+
+    def skipped(a: Any) -> bool:
+        if isinstance(a, torch.fx.Node):
+            return env.get(a) is _SKIPPED
+        if isinstance(a, (list, tuple)):
+            return any(skipped(x) for x in a)
+        if isinstance(a, dict):
+            return any(skipped(x) for x in a.values())
+        return False
+
     def lookup(a: Any) -> Any:
         if isinstance(a, torch.fx.Node):
             v = env[a]
             if v is None:
-                path, src = _where(a)
-                raise UnsupportedOpError(str(a.target), path, src, "this output of the op is not supported")
+                raise _MissingOutput(a)
             return v
         if isinstance(a, (list, tuple)):
             return type(a)(lookup(x) for x in a)
@@ -462,18 +538,24 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
             continue
         if node.target is operator.getitem:
             src, i = node.args
+            if env[src] is _SKIPPED:
+                env[node] = _SKIPPED
+                continue
             v = env[src][i]
             if v is None:
-                path, s = _where(node)
-                raise UnsupportedOpError(f"{src.target} (output {i})", path, s,
-                                         "remat computes only the outputs of this op that training models use")
+                unsupported(node, f"{src.target} (output {i})",
+                            "remat computes only the outputs of this op that training models use")
+                continue
             env[node] = v
             continue
         target = str(node.target)
         rule = LOWERINGS.get(target.removeprefix("aten.")) if target.startswith("aten.") else None
         if rule is None:
-            path, src = _where(node)
-            raise UnsupportedOpError(target, path, src)
+            unsupported(node, target)
+            continue
+        if skipped(node.args) or skipped(node.kwargs):
+            env[node] = _SKIPPED
+            continue
         L.node = node
         b.loc = _loc(node)
         try:
@@ -481,10 +563,16 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
             kwargs = {k: lookup(v) for k, v in node.kwargs.items() if k not in ("device", "layout", "pin_memory", "memory_format")}
             result = rule(L, *args, **kwargs)
         except LoweringError as e:
-            path, src = _where(node)
-            raise UnsupportedOpError(str(node.target), path, src, str(e)) from None
+            unsupported(node, target, str(e))
+            continue
+        except _MissingOutput as e:
+            unsupported(e.node, str(e.node.target), "this output of the op is not supported")
+            env[node] = _SKIPPED
+            continue
         _check(node, result)
         env[node] = result
+    if problems:
+        raise UnsupportedOpError(problems=problems)
 
     b.loc = None
     results = [env[u] for u in user_outs] + [env[a] for _, a in mutations]

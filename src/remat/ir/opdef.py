@@ -1,17 +1,20 @@
-"""Op declarations: one place per op (attributes, type rule, tags, VJP, test samples).
+"""Op declarations: one place per op (attributes, type rule, tags, cost, VJP, decomposition, test samples).
 
 Every op of the IR is an :class:`OpDef` in :data:`OPS`. Backends key their kernels by the op
-name, autodiff reads ``vjp``/``vjp_saves``, passes read ``tags``, and the generated per-op tests
-read ``sample``. Declarations live in ``remat.ir.ops.*``.
+name, autodiff reads ``vjp``/``vjp_saves``, passes read ``tags``, the ``decompose`` pass reads
+``decompose``, and the generated per-op tests read ``sample``. Declarations live in ``remat.ir.ops.*``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from .types import DType, TensorType
+
+if TYPE_CHECKING:  # core imports this module
+    from .core import Builder, Value
 
 # Attribute kinds and the Python values they hold.
 #   int: int        float: float        bool: bool        str: str
@@ -135,6 +138,7 @@ class Sample:
     attrs: dict[str, Any] = field(default_factory=dict)
 
 
+DecomposeFn = Callable[["Builder", Sequence["Value"], Mapping[str, Any]], Sequence["Value"]]
 InferFn = Callable[[Sequence[TensorType], Mapping[str, Any]], "TensorType | tuple[TensorType, ...]"]
 
 
@@ -156,6 +160,11 @@ class OpDef:
     ``index_bounds``: for ops with an integer index operand that every dialect's kernel checks
     (raising IndexError when out of range), (operand types, attributes) to :class:`IndexBounds`.
     The training step places no in-place update before the first check of each index value.
+    ``decompose``: for a composite op (one with a native kernel that other ops can express), the
+    same computation in other ops of the registry: ``(builder, operands, attributes)`` to one value
+    per result, emitted through the builder. A dialect without a kernel for the op runs it through
+    this (``remat.passes.decompose``); the generated tests check it against the op's kernel.
+    Attached beside the declaration with :func:`def_decomposition`.
     """
 
     name: str
@@ -174,6 +183,7 @@ class OpDef:
     vjp_saves: Any = None
     flops: Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], float] | None = None
     index_bounds: Callable[[Sequence[TensorType], Mapping[str, Any]], "IndexBounds"] | None = None
+    decompose: "DecomposeFn | None" = None
 
     def __post_init__(self) -> None:
         unknown = set(self.tags) - TAGS
@@ -264,6 +274,24 @@ def def_vjp(name: str, saves: Any):
             raise ValueError(f"op '{name}' has two VJP rules")
         op.vjp = fn
         op.vjp_saves = saves
+        return fn
+
+    return deco
+
+
+def def_decomposition(name: str):
+    """Attach a decomposition to an op declaration (used beside the declaration, as ``def_vjp``).
+
+    The rule is ``rule(b: Builder, xs: list[Value], attrs: dict) -> list[Value]``: it emits through
+    ``b`` the op's computation on the operands ``xs`` in other ops of the registry and returns one
+    value per result, of exactly the result types the op's type rule gives.
+    """
+
+    def deco(fn):
+        op = OPS[name]
+        if op.decompose is not None:
+            raise ValueError(f"op '{name}' has two decompositions")
+        op.decompose = fn
         return fn
 
     return deco

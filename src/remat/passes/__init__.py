@@ -11,6 +11,7 @@ from ..ir import Module
 from .attention import attention_pass
 from .cse import cse
 from .dce import dce
+from .decompose import decompose_pass
 from .fold import fold
 from .inline import inline
 from .pipeline import PassFn, PassRecord, PipelineResult, lookup, run_passes
@@ -23,6 +24,7 @@ PASSES: dict[str, PassFn] = {
     "cse": cse,
     "dce": dce,
     "attention": attention_pass,
+    "decompose": decompose_pass,
 }
 """The passes of this package by name."""
 

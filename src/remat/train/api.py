@@ -21,6 +21,7 @@ from ..budget import parse_budget
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
+from ..passes.decompose import decompose_unclaimed
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
@@ -206,7 +207,9 @@ class TrainStep:
         self._bind_torch(imp)
         n_params = len(imp.param_names)
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
-        self.joint = joint = self._stage("passes", lambda: cleanup(graph))  # forward + backward, before planning
+        # Forward + backward, before planning; composites no chosen dialect has a kernel for are
+        # expanded into their decompositions first (so the plan is made for the program that runs).
+        self.joint = joint = self._stage("passes", lambda: cleanup(decompose_unclaimed(graph, self.dialects)))
         # (the "fuse" stage goes here: IR -> IR on the joint)
         unconstrained = self._make_step(joint, check=True)
         self.unconstrained_peak = predict_peak(unconstrained)

@@ -212,3 +212,52 @@ def _attention_vjp(b, p, g):
 def _attention_grad_vjp(b, p, g):
     raise NotImplementedError("second-order differentiation through attention is not supported "
                               "(attention_grad has no VJP rule)")
+
+
+# ================================================================ decompositions (composites in primitives)
+# rule(b, xs, attrs) -> one value per result; see remat.ir.opdef.def_decomposition.
+from ..opdef import def_decomposition  # noqa: E402
+
+
+def _masked_scores(b, q, k, mask, attrs):
+    """q @ kᵀ · scale, -inf where masked out (bool mask, causal) or plus an additive mask (as ``reference_scores``)."""
+    dt = q.type.dtype
+    s = b.op("mul", b.op("matmul", q, k, transpose_b=True), _const(b, attrs["scale"], dt))
+    if attrs["is_causal"]:
+        t, n = s.type.shape[-2:]
+        keep = b.op("ge", b.op("iota", shape=(t, n), axis=0), b.op("iota", shape=(t, n), axis=1))
+        s = b.op("select", keep, s, _const(b, float("-inf"), dt))
+    if mask is not None:
+        s = (b.op("select", mask, s, _const(b, float("-inf"), dt)) if mask.type.dtype == DType.bool
+             else b.op("add", s, mask))
+    return s
+
+
+@def_decomposition("attention")
+def _attention_decomp(b, xs, attrs):
+    q, k, v = xs[:3]
+    s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
+    last = s.type.rank - 1
+    m = b.op("reduce_max", s, axes=[last], keepdims=True)
+    zero = _const(b, 0.0, m.type.dtype)
+    m = b.op("select", b.op("eq", m, _const(b, float("-inf"), m.type.dtype)), zero, m)  # a fully masked row
+    e = b.op("exp", b.op("sub", s, m))
+    tot = b.op("reduce_sum", e, axes=[last], keepdims=True)
+    out = b.op("matmul", b.op("div", e, tot), v)
+    lse = b.op("reshape", b.op("add", m, b.op("log", tot)), shape=s.type.shape[:-1])
+    want = lse_dtype(q.type.dtype)
+    return [out, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)]
+
+
+@def_decomposition("attention_grad")
+def _attention_grad_decomp(b, xs, attrs):
+    g, q, k, v, out, lse = xs[:6]
+    dt = q.type.dtype
+    s = _masked_scores(b, q, k, xs[6] if len(xs) == 7 else None, attrs)
+    lse = b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse
+    p = b.op("exp", b.op("sub", s, b.op("reshape", lse, shape=lse.type.shape + (1,))))
+    dv = b.op("matmul", p, g, transpose_a=True)
+    rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    ds = b.op("mul", p, b.op("sub", b.op("matmul", g, v, transpose_b=True), rows))
+    scale = _const(b, attrs["scale"], dt)
+    return [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]

@@ -400,3 +400,55 @@ def _select_vjp(b, p, g):
     zero = _c(b, 0, g)
     return [None, _unb(b, b.op("select", c, g, zero), p.in_types[1].shape),
             _unb(b, b.op("select", c, zero, g), p.in_types[2].shape)]
+
+
+# ================================================================ decompositions (composites in primitives)
+# rule(b, xs, attrs) -> one value per result; see remat.ir.opdef.def_decomposition.
+from math import pi as _pi, sqrt as _sqrt  # noqa: E402
+
+from ..opdef import def_decomposition  # noqa: E402
+
+_GELU_K, _GELU_A = _sqrt(2.0 / _pi), 0.044715  # the tanh approximation's constants
+
+
+def _gelu_tanh(b, x):
+    """tanh(k (x + a x³)) of gelu's tanh approximation."""
+    x3 = b.op("mul", b.op("mul", x, x), x)
+    return b.op("tanh", b.op("mul", _c(b, _GELU_K, x), b.op("add", x, b.op("mul", _c(b, _GELU_A, x), x3))))
+
+
+def _gelu_cdf(b, x):
+    """Φ(x) = (1 + erf(x / √2)) / 2."""
+    return b.op("mul", _c(b, 0.5, x), b.op("add", _c(b, 1.0, x), b.op("erf", b.op("div", x, _c(b, _sqrt(2.0), x)))))
+
+
+@def_decomposition("gelu")
+def _gelu_decomp(b, xs, attrs):
+    (x,) = xs
+    if attrs["approximate"] == "tanh":
+        half_x = b.op("mul", _c(b, 0.5, x), x)
+        return [b.op("mul", half_x, b.op("add", _c(b, 1.0, x), _gelu_tanh(b, x)))]
+    return [b.op("mul", x, _gelu_cdf(b, x))]
+
+
+@def_decomposition("gelu_grad")
+def _gelu_grad_decomp(b, xs, attrs):
+    g, x = xs
+    if attrs["approximate"] == "tanh":
+        # ½(1 + t) + ½ x (1 − t²) k (1 + 3a x²)
+        t = _gelu_tanh(b, x)
+        one = _c(b, 1.0, x)
+        left = b.op("mul", _c(b, 0.5, x), b.op("add", one, t))
+        inner = b.op("add", one, b.op("mul", _c(b, 3 * _GELU_A, x), b.op("mul", x, x)))
+        right = b.op("mul", b.op("mul", _c(b, 0.5 * _GELU_K, x), x),
+                     b.op("mul", b.op("sub", one, b.op("mul", t, t)), inner))
+        return [b.op("mul", g, b.op("add", left, right))]
+    # Φ(x) + x φ(x), φ(x) = exp(−x²/2) / √(2π)
+    pdf = b.op("div", b.op("exp", b.op("mul", _c(b, -0.5, x), b.op("mul", x, x))), _c(b, _sqrt(2.0 * _pi), x))
+    return [b.op("mul", g, b.op("add", _gelu_cdf(b, x), b.op("mul", x, pdf)))]
+
+
+@def_decomposition("relu_grad")
+def _relu_grad_decomp(b, xs, attrs):
+    g, y = xs
+    return [b.op("select", b.op("le", y, _c(b, 0, y)), _c(b, 0, g), g)]

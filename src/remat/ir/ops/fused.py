@@ -223,3 +223,17 @@ def _declare() -> None:
 
 
 _declare()
+
+
+# ---------------------------------------------------------------- decomposition: the body, node by node
+from ..opdef import def_decomposition  # noqa: E402
+
+
+@def_decomposition("fused")
+def _fused_decomp(b, xs, attrs):
+    body = parse_body(attrs["body"])
+    vals = list(xs)
+    for n in body.nodes:
+        vals.append(b.op(n.op, *[vals[a] for a in n.args], **n.attr_dict))
+    full = _infer([v.type for v in xs], attrs)[0].shape  # every result has the iteration shape
+    return [v if v.type.shape == full else b.op("broadcast", v, shape=full) for v in (vals[o] for o in body.outputs)]

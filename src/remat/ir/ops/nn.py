@@ -683,3 +683,244 @@ def _max_pool2d_grad_vjp(b, p, g):
     mask = b.op("max_pool2d_grad", p.x[0], _const(b, 1, gy_t.dtype, gy_t.shape), **a)
     pooled = b.op("avg_pool2d", b.op("mul", g, mask), **a)
     return [None, b.op("mul", pooled, _c(b, float(a["kernel"][0] * a["kernel"][1]), g))]
+
+
+# ================================================================ decompositions (composites in primitives)
+# rule(b, xs, attrs) -> one value per result; see remat.ir.opdef.def_decomposition.
+from ..opdef import def_decomposition  # noqa: E402
+from ._vjp import const as _k  # noqa: E402
+
+
+def _lit(b, value: float, like):
+    """A rank-0 constant of ``like``'s dtype (element-wise ops broadcast it)."""
+    return _k(b, value, like.type.dtype)
+
+
+@def_decomposition("linear")
+def _linear_decomp(b, xs, attrs):
+    x, w, bias = xs
+    if x.type.rank == 1:  # one row: matmul takes rank >= 2
+        y = b.op("matmul", b.op("reshape", x, shape=(1, x.type.shape[0])), w, transpose_b=True)
+        y = b.op("reshape", y, shape=(w.type.shape[0],))
+    else:
+        y = b.op("matmul", x, w, transpose_b=True)
+    return [b.op("add", y, bias)]
+
+
+@def_decomposition("softmax")
+def _softmax_decomp(b, xs, attrs):
+    (x,) = xs
+    ax = [attrs["axis"]]
+    e = b.op("exp", b.op("sub", x, b.op("reduce_max", x, axes=ax, keepdims=True)))
+    return [b.op("div", e, b.op("reduce_sum", e, axes=ax, keepdims=True))]
+
+
+@def_decomposition("log_softmax")
+def _log_softmax_decomp(b, xs, attrs):
+    (x,) = xs
+    ax = [attrs["axis"]]
+    z = b.op("sub", x, b.op("reduce_max", x, axes=ax, keepdims=True))
+    return [b.op("sub", z, b.op("log", b.op("reduce_sum", b.op("exp", z), axes=ax, keepdims=True)))]
+
+
+@def_decomposition("softmax_grad")
+def _softmax_grad_decomp(b, xs, attrs):
+    g, y = xs
+    s = b.op("reduce_sum", b.op("mul", g, y), axes=[attrs["axis"]], keepdims=True)
+    return [b.op("mul", y, b.op("sub", g, s))]
+
+
+@def_decomposition("log_softmax_grad")
+def _log_softmax_grad_decomp(b, xs, attrs):
+    g, y = xs
+    s = b.op("reduce_sum", g, axes=[attrs["axis"]], keepdims=True)
+    return [b.op("sub", g, b.op("mul", b.op("exp", y), s))]
+
+
+def _nll_rows_ir(b, target, num_classes: int, ignore_index: int):
+    """(kept rows [N] bool, one-hot of the targets [N, C] bool) of an nll_loss.
+
+    The targets pass through ``gather`` from ``iota(C)``: an identity on valid targets whose index
+    check raises IndexError, as nll_loss's own kernels do, when a kept target is outside [0, C).
+    """
+    n, dt = target.type.shape[0], target.type.dtype
+    keep = b.op("ne", target, _k(b, ignore_index, dt))
+    t = b.op("select", keep, target, _k(b, 0, dt))
+    t = b.op("gather", b.op("iota", shape=(num_classes,), dtype=dt), t, axis=0)
+    onehot = b.op("eq", b.op("iota", shape=(n, num_classes), axis=1, dtype=dt), b.op("reshape", t, shape=(n, 1)))
+    return keep, onehot
+
+
+def _kept_count(b, keep, like):
+    return b.op("reduce_sum", b.op("cast", keep, dtype=like.type.dtype), axes=[0])
+
+
+@def_decomposition("nll_loss")
+def _nll_loss_decomp(b, xs, attrs):
+    logp, target = xs
+    keep, onehot = _nll_rows_ir(b, target, logp.type.shape[1], attrs["ignore_index"])
+    zero = _lit(b, 0.0, logp)
+    picked = b.op("reduce_sum", b.op("select", onehot, logp, zero), axes=[1])
+    per_row = b.op("select", keep, b.op("neg", picked), zero)
+    if attrs["reduction"] == "none":
+        return [per_row]
+    total = b.op("reduce_sum", per_row, axes=[0])
+    if attrs["reduction"] == "mean":
+        total = b.op("div", total, _kept_count(b, keep, logp))
+    return [total]
+
+
+@def_decomposition("nll_loss_grad")
+def _nll_loss_grad_decomp(b, xs, attrs):
+    g, target = xs
+    n = target.type.shape[0]
+    keep, onehot = _nll_rows_ir(b, target, attrs["num_classes"], attrs["ignore_index"])
+    if attrs["reduction"] == "none":
+        g = b.op("reshape", g, shape=(n, 1))
+    elif attrs["reduction"] == "mean":
+        g = b.op("div", g, _kept_count(b, keep, g))
+    hit = b.op("and", onehot, b.op("reshape", keep, shape=(n, 1)))
+    return [b.op("select", hit, b.op("neg", g), _lit(b, 0.0, g))]
+
+
+# ---------------------------------------------------------------- pooling through strided slices
+def _pool_geometry(x_shape, attrs):
+    """(padding, (out_h, out_w)) of a pooling window over an [N, C, H, W] input."""
+    return attrs["padding"], conv_out_hw("pool", x_shape[2:], attrs["kernel"], attrs)
+
+
+def _pad_hw(b, x, padding, value: float):
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    return b.op("pad", x, low=(0, 0, ph, pw), high=(0, 0, ph, pw), value=value)
+
+
+def _window(b, xp, i: int, j: int, out_hw, stride):
+    """The input entries at window offset (i, j) of every window: xp[:, :, i::sh, j::sw] cut to the output."""
+    n, c = xp.type.shape[:2]
+    (oh, ow), (sh, sw) = out_hw, stride
+    return b.op("slice", xp, start=(0, 0, i, j), stop=(n, c, i + sh * (oh - 1) + 1, j + sw * (ow - 1) + 1),
+                step=(1, 1, sh, sw))
+
+
+def _unwindow(b, v, i: int, j: int, padded_hw, stride):
+    """The transpose of ``_window``: ``v`` [N, C, OH, OW] placed at offset (i, j), stride apart, in
+    zeros of the padded input's shape (a pad with interior padding)."""
+    (hp, wp), (sh, sw) = padded_hw, stride
+    oh, ow = v.type.shape[2:]
+    return b.op("pad", v, low=(0, 0, i, j), high=(0, 0, hp - i - sh * (oh - 1) - 1, wp - j - sw * (ow - 1) - 1),
+                interior=(0, 0, sh - 1, sw - 1))
+
+
+def _crop(b, xp, padding, shape):
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return xp
+    n, c, h, w = shape
+    return b.op("slice", xp, start=(0, 0, ph, pw), stop=(n, c, ph + h, pw + w))
+
+
+def _offsets(attrs):
+    kh, kw = attrs["kernel"]
+    return [(i, j) for i in range(kh) for j in range(kw)]  # row-major: the order ties are broken in
+
+
+def _max_pool_ir(b, x, attrs):
+    padding, out_hw = _pool_geometry(x.type.shape, attrs)
+    xp = _pad_hw(b, x, padding, float("-inf"))  # padding never wins
+    wins = [_window(b, xp, i, j, out_hw, attrs["stride"]) for i, j in _offsets(attrs)]
+    y = wins[0]
+    for w in wins[1:]:
+        y = b.op("maximum", y, w)
+    return xp, wins, y
+
+
+@def_decomposition("max_pool2d")
+def _max_pool2d_decomp(b, xs, attrs):
+    return [_max_pool_ir(b, xs[0], attrs)[2]]
+
+
+@def_decomposition("avg_pool2d")
+def _avg_pool2d_decomp(b, xs, attrs):
+    (x,) = xs
+    padding, out_hw = _pool_geometry(x.type.shape, attrs)
+    xp = _pad_hw(b, x, padding, 0.0)  # padding counts as zeros (count_include_pad)
+    total = None
+    for i, j in _offsets(attrs):
+        w = _window(b, xp, i, j, out_hw, attrs["stride"])
+        total = w if total is None else b.op("add", total, w)
+    kh, kw = attrs["kernel"]
+    return [b.op("div", total, _lit(b, float(kh * kw), x))]
+
+
+@def_decomposition("avg_pool2d_grad")
+def _avg_pool2d_grad_decomp(b, xs, attrs):
+    (gy,) = xs
+    shape = attrs["input_shape"]
+    (ph, pw), kernel = attrs["padding"], attrs["kernel"]
+    share = b.op("div", gy, _lit(b, float(kernel[0] * kernel[1]), gy))
+    padded = (shape[2] + 2 * ph, shape[3] + 2 * pw)
+    total = None
+    for i, j in _offsets(attrs):
+        part = _unwindow(b, share, i, j, padded, attrs["stride"])
+        total = part if total is None else b.op("add", total, part)
+    return [_crop(b, total, (ph, pw), shape)]
+
+
+def _first_max_hits(b, wins, y):
+    """Per window offset, whether it holds the window's first maximum (row-major order), as bool masks."""
+    hits, taken = [], None
+    for k, w in enumerate(wins):
+        hit = b.op("eq", w, y)
+        if taken is not None:
+            hit = b.op("and", hit, b.op("not", taken))
+        if k + 1 < len(wins):
+            taken = hit if taken is None else b.op("or", taken, hit)
+        hits.append(hit)
+    return hits
+
+
+@def_decomposition("max_pool2d_grad")
+def _max_pool2d_grad_decomp(b, xs, attrs):
+    x, gy = xs
+    xp, wins, y = _max_pool_ir(b, x, attrs)
+    zero = _lit(b, 0.0, gy)
+    total = None
+    for (i, j), hit in zip(_offsets(attrs), _first_max_hits(b, wins, y)):
+        part = _unwindow(b, b.op("select", hit, gy, zero), i, j, xp.type.shape[2:], attrs["stride"])
+        total = part if total is None else b.op("add", total, part)
+    return [_crop(b, total, attrs["padding"], x.type.shape)]
+
+
+@def_decomposition("max_pool2d_with_indices")
+def _max_pool2d_with_indices_decomp(b, xs, attrs):
+    (x,) = xs
+    _, wins, y = _max_pool_ir(b, x, attrs)
+    (ph, pw), (sh, sw), w_in = attrs["padding"], attrs["stride"], x.type.shape[3]
+    out = y.type.shape
+    rows = b.op("iota", shape=out, axis=2)
+    cols = b.op("iota", shape=out, axis=3)
+    index = None
+    for (i, j), hit in zip(_offsets(attrs), _first_max_hits(b, wins, y)):
+        # flat index (row * W + col) in the unpadded input of offset (i, j) of each window
+        r = b.op("add", b.op("mul", rows, _k(b, sh, DType.i64)), _k(b, i - ph, DType.i64))
+        c = b.op("add", b.op("mul", cols, _k(b, sw, DType.i64)), _k(b, j - pw, DType.i64))
+        flat = b.op("add", b.op("mul", r, _k(b, w_in, DType.i64)), c)
+        index = flat if index is None else b.op("select", hit, flat, index)  # the hits are exclusive
+    return [y, index]
+
+
+@def_decomposition("max_pool2d_index_grad")
+def _max_pool2d_index_grad_decomp(b, xs, attrs):
+    gy, idx = xs
+    n, c, h, w = attrs["input_shape"]
+    out = idx.type.shape
+    # one scatter over the flattened input: plane (n, c) starts at (n * C + c) * H * W
+    plane = b.op("add", b.op("mul", b.op("iota", shape=out, axis=0), _k(b, c, DType.i64)),
+                 b.op("iota", shape=out, axis=1))
+    flat = b.op("add", b.op("mul", plane, _k(b, h * w, DType.i64)), idx)
+    size = _prod(out)
+    gx = b.op("scatter_add", b.op("reshape", flat, shape=(size,)), b.op("reshape", gy, shape=(size,)),
+              shape=(n * c * h * w,))
+    return [b.op("reshape", gx, shape=(n, c, h, w))]

@@ -305,3 +305,91 @@ def _no_second_order(name: str):
 
 def_vjp("layer_norm_grad", saves="none")(_no_second_order("layer_norm"))
 def_vjp("batch_norm_grad", saves="none")(_no_second_order("batch_norm"))
+
+
+# ================================================================ decompositions (composites in primitives)
+# rule(b, xs, attrs) -> one value per result; see remat.ir.opdef.def_decomposition.
+from ..opdef import def_decomposition  # noqa: E402
+
+
+def _moments(b, x, axes: list[int], eps: float):
+    """(x − mean, mean, rstd) over ``axes`` (dims kept): the biased variance, as the native kernels."""
+    mean = b.op("reduce_mean", x, axes=axes, keepdims=True)
+    xc = b.op("sub", x, mean)
+    var = b.op("reduce_mean", b.op("mul", xc, xc), axes=axes, keepdims=True)
+    return xc, mean, b.op("rsqrt", b.op("add", var, _c(b, eps, var))), var
+
+
+def _norm_grad_x(b, gh, xhat, rstd, axes: list[int]):
+    """grad_x of a normalisation over ``axes`` from ĝ = gy · weight: rstd (ĝ − mean ĝ − x̂ mean(ĝ x̂))."""
+    m1 = b.op("reduce_mean", gh, axes=axes, keepdims=True)
+    m2 = b.op("reduce_mean", b.op("mul", gh, xhat), axes=axes, keepdims=True)
+    return b.op("mul", rstd, b.op("sub", b.op("sub", gh, m1), b.op("mul", xhat, m2)))
+
+
+def _affine_grads(b, gy, xhat, axes: list[int]):
+    return [b.op("reduce_sum", b.op("mul", gy, xhat), axes=axes), b.op("reduce_sum", gy, axes=axes)]
+
+
+@def_decomposition("layer_norm")
+def _layer_norm_decomp(b, xs, attrs):
+    x, *affine = xs
+    xc, mean, rstd, _ = _moments(b, x, list(range(attrs["axis"], x.type.rank)), attrs["eps"])
+    y = b.op("mul", xc, rstd)
+    if affine:
+        y = b.op("mul", y, affine[0])
+    if len(affine) > 1:
+        y = b.op("add", y, affine[1])
+    return [y, mean, rstd]
+
+
+@def_decomposition("layer_norm_grad")
+def _layer_norm_grad_decomp(b, xs, attrs):
+    gy, x, mean, rstd, *w = xs
+    axis = attrs["axis"]
+    xhat = b.op("mul", b.op("sub", x, mean), rstd)
+    gh = b.op("mul", gy, w[0]) if w else gy
+    gx = _norm_grad_x(b, gh, xhat, rstd, list(range(axis, x.type.rank)))
+    return [gx] + (_affine_grads(b, gy, xhat, list(range(axis))) if w else [])
+
+
+@def_decomposition("batch_norm")
+def _batch_norm_decomp(b, xs, attrs):
+    x, rank, c = xs[0], xs[0].type.rank, xs[0].type.shape[1]
+    affine = attrs["affine"]
+    w, bias = (xs[1], xs[2]) if affine else (None, None)
+    running = xs[1 + 2 * affine:]
+    axes = [0] + list(range(2, rank))
+    if attrs["training"]:
+        xc, mean, rstd, var = _moments(b, x, axes, attrs["eps"])
+    else:
+        xc = b.op("sub", x, _channel(b, running[0], rank))
+        rstd = b.op("rsqrt", b.op("add", _channel(b, running[1], rank), _c(b, attrs["eps"], x)))
+    y = b.op("mul", xc, rstd)
+    if affine:
+        y = b.op("add", b.op("mul", y, _channel(b, w, rank)), _channel(b, bias, rank))
+    if not attrs["training"]:
+        return [y]
+    mean = b.op("reshape", mean, shape=(c,))
+    outs = [y, mean, b.op("reshape", rstd, shape=(c,))]
+    if running:  # (1 − m) running + m · batch statistic, the variance unbiased
+        m, n, var = attrs["momentum"], x.type.numel // c, b.op("reshape", var, shape=(c,))
+        keep = _c(b, 1.0 - m, mean)
+        outs.append(b.op("add", b.op("mul", keep, running[0]), b.op("mul", _c(b, m, mean), mean)))
+        unbiased = b.op("mul", b.op("mul", _c(b, m, var), var), _c(b, n / max(n - 1, 1), var))
+        outs.append(b.op("add", b.op("mul", keep, running[1]), unbiased))
+    return outs
+
+
+@def_decomposition("batch_norm_grad")
+def _batch_norm_grad_decomp(b, xs, attrs):
+    gy, x, s1, s2, *w = xs
+    rank = x.type.rank
+    axes = [0] + list(range(2, rank))
+    rstd = _channel(b, s2, rank)
+    if not attrs["training"]:  # s2 is the running variance
+        rstd = b.op("rsqrt", b.op("add", rstd, _c(b, attrs["eps"], rstd)))
+    xhat = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), rstd)
+    gh = b.op("mul", gy, _channel(b, w[0], rank)) if w else gy
+    gx = _norm_grad_x(b, gh, xhat, rstd, axes) if attrs["training"] else b.op("mul", gh, rstd)
+    return [gx] + (_affine_grads(b, gy, xhat, axes) if w else [])
