@@ -162,6 +162,36 @@ def test_gpt_train_mode_dropout_loss_is_finite_and_seeded():
     assert abs(a - ref) / ref < 0.2  # dropout perturbs, does not wreck, the loss
 
 
+class _DropPath(nn.Module):
+    """Stochastic depth as timm and transformers write it: ``floor(keep + rand)`` per sample."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p, self.fc = p, nn.Linear(8, 8)
+
+    def forward(self, x):
+        keep = 1.0 - self.p
+        mask = torch.floor(keep + torch.rand((x.shape[0], 1), dtype=x.dtype))
+        return x + self.fc(x) / keep * mask
+
+
+def test_stochastic_depth_rand_and_floor_are_seeded():
+    p = 0.4
+    x = torch.ones(4096, 8, dtype=torch.float64)
+    net = _DropPath(p).double()
+    im = import_module(net, (x,), train=True)
+    assert im.has_seed
+    ops = [i.op.name for i in im.function.instructions()]
+    assert "uniform" in ops and "floor" in ops
+    (y,) = evaluate(im, x, seed=3)
+    branch = net.fc(x).detach().numpy() / (1 - p)
+    dropped = np.isclose(y, 1.0).all(axis=1)
+    np.testing.assert_allclose(y[~dropped], 1.0 + branch[~dropped], rtol=1e-12)  # kept rows: whole residual
+    assert abs(dropped.mean() - p) < 0.03  # 4096 rows, std ≈ 0.008
+    np.testing.assert_array_equal(y, evaluate(im, x, seed=3)[0])
+    assert not np.array_equal(y, evaluate(im, x, seed=4)[0])
+
+
 class _Flip(nn.Module):
     def __init__(self):
         super().__init__()

@@ -51,6 +51,7 @@ for _n, _f in _FLOAT_UNARY.items():
 k("neg")(_float_unary(np.negative))
 k("abs")(_float_unary(np.abs))
 k("sign")(_float_unary(np.sign))
+k("floor")(_float_unary(np.floor))
 k("relu")(_float_unary(lambda x: np.maximum(x, np.zeros((), x.dtype))))
 
 

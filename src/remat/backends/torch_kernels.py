@@ -74,7 +74,7 @@ def _fresh(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- unary
 for _n, _f in {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh,
                "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "erf": torch.erf,
-               "neg": torch.neg, "abs": torch.abs, "sign": torch.sign}.items():
+               "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "floor": torch.floor}.items():
     k(_n)(_f)
 
 

@@ -251,7 +251,8 @@ def _pow_base(L: Lowerer, base, e):
 
 
 _UNARY = {"neg": "neg", "abs": "abs", "sign": "sign", "relu": "relu", "exp": "exp", "log": "log", "sqrt": "sqrt",
-          "rsqrt": "rsqrt", "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "erf": "erf"}
+          "rsqrt": "rsqrt", "tanh": "tanh", "sigmoid": "sigmoid", "sin": "sin", "cos": "cos", "erf": "erf",
+          "floor": "floor"}
 
 
 def _unary(name: str):
@@ -1019,6 +1020,17 @@ def _dropout(L: Lowerer, x: Value, p: float, train: bool | None) -> tuple[Value,
     mask = L.op("bernoulli", L.seed(), shape=x.type.shape, p=1.0 - p)
     y = L.op("select", mask, L.op("mul", x, L.const(1.0 / (1.0 - p), dt)), L.const(0, dt))
     return y, mask
+
+
+@lower("rand.default", "rand_like.default")
+def _rand(L: Lowerer, *args, **kwargs):
+    """Uniform samples in [0, 1) (e.g. stochastic depth's keep mask ``floor(keep + rand)``), drawn
+    from a seed folded from the function's seed parameter, like dropout: a recomputation replays the
+    same values, which differ from torch's generator."""
+    t = L.out_type()
+    if not t.dtype.is_float:
+        raise LoweringError(f"rand produces floats, got {t}")
+    return L.op("uniform", L.seed(), shape=t.shape, dtype=t.dtype)
 
 
 @lower("native_dropout.default")

@@ -23,6 +23,7 @@ _UNARY = {
     "sin": (True, lambda r: rand(r, 3, 4), "sine"),
     "cos": (True, lambda r: rand(r, 3, 4), "cosine"),
     "erf": (True, lambda r: rand(r, 3, 4), "error function"),
+    "floor": (True, lambda r: away_from(r, 3, 4) * 3.0, "largest integer <= x (zero gradient)"),
 }
 
 
@@ -44,7 +45,7 @@ def _unary_sample(fn):
 
 for _name, (_float, _sampler, _doc) in _UNARY.items():
     declare(OpDef(_name, 1, (), _unary_infer(_name, _float), frozenset({"elementwise", "unary"}),
-                  doc=_doc, nondiff=_name == "sign", sample=_unary_sample(_sampler),
+                  doc=_doc, nondiff=_name in ("sign", "floor"), sample=_unary_sample(_sampler),
                   flops=per_output(8.0) if _name == "erf" else max_numel))
 
 
