@@ -11,7 +11,8 @@ round; reported per executed instruction (µs) and as the ratio VM / plain loop.
 
 The plain loop's arguments are captured from one VM run (each kernel wrapped once to record the
 operands it received, already converted to its dialect). Each VM variant is timed: recording
-``full`` (timeline and per-instruction times) and ``peak`` (bytes only), and with ``--baseline REV``
+``full`` (timeline and per-instruction times), ``peak`` (bytes only) and ``peak+kinds`` (``peak`` with
+bytes by kind, ``run(..., by_kind=True)``: what a training step records), and with ``--baseline REV``
 the VM of git revision REV too (its ``vm.py`` and ``memory.py`` loaded under private module names;
 the kernels are this checkout's), so before/after comparisons come from one process. ``--steps``
 also times whole training steps (``TrainStep.__call__``) of the zoo models with each VM swapped in.
@@ -94,6 +95,8 @@ def runner(vm: Any, name: str, record: str | None) -> Callable[..., Any]:
     """``vm.run`` with a recording level (None: the VM's default; for VMs without the option)."""
     if record is None:
         return lambda *a, **kw: vm.run(name, *a, **kw)
+    if record == "peak+kinds":
+        return lambda *a, **kw: vm.run(name, *a, record="peak", by_kind=True, **kw)
     return lambda *a, **kw: vm.run(name, *a, record=record, **kw)
 
 
@@ -173,7 +176,14 @@ class _Recording:
         self.vm, self.record = vm, record
 
     def run(self, *a, **kw):
-        return self.vm.run(*a, **kw) if self.record is None else self.vm.run(*a, record=self.record, **kw)
+        kw.pop("record", None)
+        if self.record is None:  # a baseline VM: no by_kind
+            kw.pop("by_kind", None)
+            return self.vm.run(*a, **kw)
+        if self.record == "peak+kinds":
+            return self.vm.run(*a, record="peak", by_kind=True, **kw)
+        kw.pop("by_kind", None)
+        return self.vm.run(*a, record=self.record, **kw)
 
 
 def step_row(label: str, step: Any, ex: tuple, vms: dict[str, tuple[Any, str | None]], rounds: int) -> dict:
@@ -218,13 +228,20 @@ def main() -> None:
     models = opts.models.split(",")
     lean = "record" in vm_mod.VM.run.__code__.co_varnames
 
-    def variants_for(module: Module | Function, dialects=None) -> dict[str, tuple[Any, str | None]]:
+    def variants_for(module: Module | Function, dialects=None, kinds=None) -> dict[str, tuple[Any, str | None]]:
+        """The VMs to time; ``kinds``: labels of the module's one function for ``peak+kinds``
+        (None: every value one kind)."""
         out: dict[str, tuple[Any, str | None]] = {}
         if opts.baseline:
             out["baseline"] = (base_mod.VM(module, dialects=dialects), None)
         if lean:
             out["full"] = (vm_mod.VM(module, dialects=dialects), "full")
             out["peak"] = (vm_mod.VM(module, dialects=dialects), "peak")
+            if hasattr(vm_mod.VM, "set_kinds"):
+                vm = vm_mod.VM(module, dialects=dialects)
+                fn = next(iter(module)) if isinstance(module, Module) else module
+                vm.set_kinds(fn, kinds if kinds is not None else {v: "values" for v in fn.params})
+                out["peak+kinds"] = (vm, "peak+kinds")
         else:
             out["current"] = (vm_mod.VM(module, dialects=dialects), None)
         return out
@@ -243,7 +260,7 @@ def main() -> None:
         for m in models:
             step, ex = zoo_step(m, size)
             args = step._step_args(ex, copy=True, step=1)
-            vms = variants_for(Module([step.program]), step.dialects)
+            vms = variants_for(Module([step.program]), step.dialects, step._kinds)
             rows.append(overhead_row(f"zoo/{m}/{size}", vms, step.program.name, args,
                                      rounds if size == "tiny" else max(3, rounds // 2), outputs="torch"))
             print(rows[-1], flush=True)

@@ -107,6 +107,8 @@ def test_opt_delegates_to_the_ir_driver(tmp_path, capsys):
     (["train", "--budget", "40 apples"], "memory budget '40 apples' is not valid"),
     (["train", "--budget", "140%"], "must be in (0, 1]"),
     (["train", "--steps", "0"], "positive whole number"),
+    (["train", "--data-parallel", "zero2"], "needs several ranks: pass --nproc 2"),
+    (["train", "--data-parallel", "zero3"], "invalid choice: 'zero3'"),
     (["curve", "--chain", "--model", "resnet"], "chain of stateless layers"),
     (["curve", "--model", "gpt", "--depth", "3"], "--depth sizes the --chain mlp"),
     (["curve", "--random", "5", "--model", "gpt"], "either --random N or --model"),
@@ -122,3 +124,17 @@ def test_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(c in out for c in ("train", "curve", "opt"))
+
+
+def test_train_two_ranks_with_torchrun(capfd):
+    """``--nproc 2`` launches 2 ranks with torchrun; each trains its half of every batch (the loss
+    printed is the whole batch's) and rank 0 reports its bytes by kind."""
+    code = main(["train", "--model", "mlp", "--nproc", "2", "--data-parallel", "zero1", "--steps", "2",
+                 "--batch-size", "16", "--budget", "none", "--no-progress"])
+    out = capfd.readouterr().out
+    assert code == 0, out
+    assert "launching 2 ranks with torchrun" in out and "2 ranks (zero1), 8 examples each" in out
+    assert re.search(r"^data parallel\s+zero1 \(bytes are per rank\)", out, re.M)
+    assert _bytes(out, "at peak: optimizer state") > 0
+    assert out.count("remat training step") == 1 and out.rstrip().splitlines()[-1].startswith("OK:")
+    assert _bytes(out, "measured peak (last step)") == _bytes(out, "predicted peak")

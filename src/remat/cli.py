@@ -1,6 +1,7 @@
 """The ``remat`` command line.
 
     remat train --model gpt --size tiny --budget 40% --steps 50     # train a zoo model under a budget
+    remat train --nproc 2 --budget 60% --steps 30                   # ... on 2 data-parallel ranks (torchrun)
     remat curve --model unet --size small --out curve/               # a training step's budget sweep (PNG + CSV)
     remat curve --chain --model mlp --depth 16                       # thesis Fig. 4.1 chain trade-off
     remat curve --random 20                                          # ... for a random heterogeneous chain
@@ -20,6 +21,7 @@ import time
 from typing import Sequence
 
 from .budget import parse_budget
+from .distributed.group import MODES as DP_MODES
 from .errors import BudgetTooSmall, format_bytes
 
 MODELS = ("gpt", "mlp", "resnet", "unet")
@@ -97,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--threads", type=_positive_int, default=1,
                     help="PyTorch intra-op threads (default: 1; the VM runs many small kernels)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.add_argument("--nproc", type=_positive_int, default=1,
+                    help="data-parallel ranks (default: 1): N > 1 launches N processes on this machine with "
+                         "torchrun (torch.distributed.run, gloo); each trains on its 1/N of every batch, and "
+                         "--budget is per rank. Under torchrun itself, 'remat train' is one rank of WORLD_SIZE")
+    tr.add_argument("--data-parallel", choices=DP_MODES, default=None,
+                    help="with several ranks: ddp, zero1 or zero2 (the default; see remat.compile)")
 
     cu = sub.add_parser(
         "curve", help="sweep a model's training step over budgets (or draw a chain's trade-off)",
@@ -142,11 +150,83 @@ def _synthetic_batch(model, example, loss_fn, batch_size: int | None, seed: int)
     return x2, y2
 
 
-def _train(args: argparse.Namespace) -> int:
+def _torchrun_world() -> int:
+    """The number of ranks when this process is one rank started by torchrun, else 0."""
+    return int(os.environ["WORLD_SIZE"]) if "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ else 0
+
+
+def _launch(argv: list[str], nproc: int) -> int:
+    """``remat train --nproc N``: run ``remat train`` as N ranks with torchrun (``torch.distributed.run``,
+    rendezvous on this machine); the ranks find their place in torchrun's environment."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    rest, skip = [], False
+    for a in argv[1:]:  # the ranks' arguments: without --nproc (torchrun's own parser would claim it)
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    print(f"remat train: launching {nproc} ranks with torchrun (torch.distributed.run) on this machine", flush=True)
+    targs = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "remat.cli",
+                                          "train", *rest])
+    try:
+        run(targs)
+    except ChildFailedError as e:
+        codes = sorted({f.exitcode for f in e.failures.values()})
+        print(f"remat train: rank(s) {sorted(f.local_rank for f in e.failures.values())} exited with {codes}",
+              file=sys.stderr)
+        return EXIT_USAGE if codes == [EXIT_USAGE] else EXIT_FAILED
+    return EXIT_OK
+
+
+class _MeanLoss:
+    """A data-parallel step whose call returns the loss averaged over the ranks (the whole batch's)."""
+
+    def __init__(self, step, world: int) -> None:
+        self.step, self.world = step, world
+
+    def __call__(self, *batch):
+        import torch.distributed as dist
+
+        loss = self.step(*batch).detach().clone()
+        dist.all_reduce(loss)
+        return loss / self.world
+
+    @property
+    def last_stats(self):
+        return self.step.last_stats
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
+    world = _torchrun_world()
+    if args.nproc > 1 and not world:
+        return _launch(argv, args.nproc)
+    if args.nproc > 1 and args.nproc != world:
+        raise UsageError(f"--nproc {args.nproc} under torchrun with WORLD_SIZE={world}; leave --nproc out under torchrun")
+    if args.data_parallel is not None and world < 2:
+        raise UsageError(f"--data-parallel {args.data_parallel} needs several ranks: pass --nproc 2 (or more)")
+    if world < 2:
+        return _train_one(args, 0, 1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return _train_one(args, dist.get_rank(), world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_one(args: argparse.Namespace, rank: int, world: int) -> int:
+    """Train in this process: alone (``world`` 1), or as ``rank`` of ``world`` on its 1/world of
+    every batch; only rank 0 writes, and every rank returns the same exit code."""
     import torch
 
     from . import demo, zoo
 
+    say = print if rank == 0 else (lambda *a, **k: None)
     lr = args.lr if args.lr is not None else (3e-3 if args.optimizer == "adamw" else 0.05)
     t0 = time.perf_counter()
     if args.model == "gpt":
@@ -167,29 +247,48 @@ def _train(args: argparse.Namespace) -> int:
         batches = [fixed] * args.steps
         what = f"{args.model} ({args.size}) on one fixed synthetic batch of {fixed[0].shape[0]}"
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"remat train: {what}; {n_params:,} parameters; {args.optimizer}, lr {lr:g}; {args.steps} steps")
+    options = {}
+    if world > 1:
+        n = batches[0][0].shape[0]
+        if n % world:
+            raise UsageError(f"a batch of {n} does not split into {world} equal shards; pass --batch-size a "
+                             f"multiple of {world}")
+        part = n // world  # this rank's rows: views into the whole batch (the step counts its copy)
+        batches = [tuple(t[rank * part:(rank + 1) * part] for t in b) for b in batches]
+        options["data_parallel"] = args.data_parallel or "zero2"
+        what += f"; {world} ranks ({options['data_parallel']}), {part} examples each"
+    say(f"remat train: {what}; {n_params:,} parameters; {args.optimizer}, lr {lr:g}; {args.steps} steps")
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=lr)
     try:
         step, note = demo.compile_step(model, batches[0], loss_fn, optimizer, args.budget,
-                                       fallback=args.fit_minimum, seed=args.seed)
+                                       fallback=args.fit_minimum, seed=args.seed, write=say, **options)
     except BudgetTooSmall as e:
-        print(f"error: {e}\nhint: pass --budget {int(e.minimum)} (or --fit-minimum) to train at the minimum",
-              file=sys.stderr)
+        if rank == 0:
+            print(f"error: {e}\nhint: pass --budget {int(e.minimum)} (or --fit-minimum) to train at the minimum",
+                  file=sys.stderr)
         return EXIT_USAGE
     if note:
-        print(f"note: {note}")
-    res = demo.train_loop(step, lambda i: batches[i - 1], args.steps, args.log_every or max(1, args.steps // 10),
-                          progress=not args.no_progress)
-    print(step.report())
+        say(f"note: {note}")
+    run = step if world == 1 else _MeanLoss(step, world)
+    res = demo.train_loop(run, lambda i: batches[i - 1], args.steps, args.log_every or max(1, args.steps // 10),
+                          write=say, progress=not args.no_progress and rank == 0)
+    say(step.report())
     max_peak = max(res.peaks)
-    ok_loss = res.loss_decreased()
+    ok_loss = res.loss_decreased()  # with several ranks, the whole batch's loss: the same on every rank
     ok_peak = step.budget is None or max_peak <= step.budget
+    if world > 1:
+        import torch.distributed as dist
+
+        flag = torch.tensor(int(ok_peak))
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # every rank within its budget
+        ok_peak = bool(flag)
     budget = "no budget" if step.budget is None else f"budget {format_bytes(step.budget)}"
-    print(f"{'OK' if ok_loss and ok_peak else 'FAILED'}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}"
-          f"{'' if ok_loss else ' (did not decrease)'}; measured peak {format_bytes(max_peak)} "
-          f"({max_peak / step.unconstrained_peak:.1%} of unconstrained), {budget}"
-          f"{'' if ok_peak else ' (EXCEEDED)'}; {time.perf_counter() - t0:.1f} s")
+    each = " (rank 0's; every rank within its budget)" if world > 1 and ok_peak else ""
+    say(f"{'OK' if ok_loss and ok_peak else 'FAILED'}: loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}"
+        f"{'' if ok_loss else ' (did not decrease)'}; measured peak {format_bytes(max_peak)} "
+        f"({max_peak / step.unconstrained_peak:.1%} of unconstrained), {budget}"
+        f"{'' if ok_peak else ' (EXCEEDED)'}{each}; {time.perf_counter() - t0:.1f} s")
     return EXIT_OK if ok_loss and ok_peak else EXIT_FAILED
 
 
@@ -317,7 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         threads = torch.get_num_threads()
         torch.set_num_threads(args.threads)
         try:
-            return _train(args)
+            return _train(args, argv)
         finally:
             torch.set_num_threads(threads)
     except UsageError as e:

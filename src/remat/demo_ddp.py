@@ -1,4 +1,5 @@
-"""The data-parallel demo: ``torchrun --nproc_per_node 2 -m remat.demo_ddp`` (``make demo-ddp``).
+"""The data-parallel demo: ``torchrun --nproc_per_node 2 -m remat.demo_ddp`` (``make demo-ddp``;
+``remat train --nproc 2`` is the command-line equivalent, for any zoo model).
 
 Each rank trains the demo GPT on its half of every batch with ZeRO-2 (or ``--mode``) under a
 per-rank budget, and rank 0 prints the per-rank memory report and the loss.
@@ -35,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gen = torch.Generator().manual_seed(1)
         half = DEMO.batch // world
         batches = [corpus.batch(DEMO.batch, DEMO.seq_len, gen) for _ in range(args.steps)]
-        mine = [tuple(t[rank * half:(rank + 1) * half].clone() for t in b) for b in batches]
+        mine = [tuple(t[rank * half:(rank + 1) * half] for t in b) for b in batches]  # views: the step counts its copy
         step = remat.compile(model, mine[0], lm_loss, optimizer=torch.optim.AdamW(model.parameters(), lr=6e-3),
                              budget=args.budget, data_parallel=args.mode)
         losses = []

@@ -223,6 +223,46 @@ def test_non_contiguous_argument_is_copied_once():
         assert st.peak_bytes == 4000 and o.shape == (1000,)
 
 
+@pytest.mark.parametrize("dialect", ["numpy", "torch"])
+def test_a_view_into_a_larger_buffer_counts_its_own_bytes(dialect):
+    """A rank's slice of the whole batch: the step's own copy is counted, as predicted, not the
+    caller's whole buffer; an argument written in place is the caller's buffer itself."""
+    f = exp_exp_add()
+    big = np.linspace(-1, 1, 4 * N).astype(np.float32)
+    for whole in (big, torch.from_numpy(big)):
+        view = whole[N:2 * N]  # contiguous, at an offset into a 4x larger buffer
+        (out,), st = remat.run(f, view, dialects=dialect)
+        assert st.peak_bytes == predict_peak(f) == 16000 and st.argument_bytes == 4000
+        np.testing.assert_allclose(out, np.exp(big[N:2 * N]) + np.exp(np.exp(big[N:2 * N])), rtol=1e-6)
+    g = Function("g", [F(N), F(N)], [F(N)])
+    b = Builder(g.entry)
+    p, v = g.params
+    b.ret(b.op("assign", p, b.op("neg", v)))
+    Module([g])
+    buf = torch.zeros(4 * N)
+    _, st = remat.run(g, buf[N:2 * N], torch.ones(N), dialects=dialect)
+    assert torch.equal(buf[N:2 * N], -torch.ones(N)) and buf[:N].abs().sum() == 0  # written where it lives
+    assert st.argument_bytes == 4 * N * 4 + 4000  # its whole buffer: it cannot be copied
+
+
+def test_bytes_by_kind_measured_as_predicted():
+    """``run(..., by_kind=True)`` splits the bytes by the labels of ``set_kinds``, as ``simulate`` does."""
+    f = exp_exp_add()
+    x, (y, z, w) = f.params[0], [i.results[0] for i in f.entry.instrs[:3]]
+    labels = {x: "inputs", y: "activations", z: "activations"}  # w unlabelled: "other"
+    vm = remat.VM(f.module, dialects="torch")
+    with pytest.raises(ValueError, match="set_kinds"):
+        vm.run("f", np.zeros(N, np.float32), by_kind=True)
+    vm.set_kinds(f, labels)
+    for record in ("full", "peak"):
+        _, st = vm.run("f", np.zeros(N, np.float32), record=record, by_kind=True)
+        assert st.by_kind.at_peak == {"other": 4000, "inputs": 4000, "activations": 8000}
+        assert st.by_kind.peaks == {"other": 4000, "inputs": 4000, "activations": 8000}
+        assert st.by_kind.allocated == {"other": 4000, "inputs": 4000, "activations": 8000}
+        assert st.by_kind == simulate(f, kinds=labels).by_kind
+    assert vm.run("f", np.zeros(N, np.float32), record="peak")[1].by_kind is None
+
+
 def test_kernel_output_type_mismatch_names_the_instruction():
     vm = remat.VM(exp_exp_add().module, dialects="numpy")
     vm._plans["f"].blocks[0].steps[1].fn = lambda x: np.exp(x).astype(np.float64)

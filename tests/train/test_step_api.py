@@ -240,3 +240,30 @@ def test_no_update_runs_before_the_first_check_of_an_index():
     names = [ins.op.name for ins in fn.entry.instrs]
     assert names.index("sgd_step") > names.index("nll_loss"), names
     assert names.index("sgd_step") < names.index("nll_loss_grad"), names  # not held back by the re-check
+
+
+def test_slices_of_a_larger_batch_are_counted_as_predicted():
+    """Inputs that are views into a larger batch (``x[k * n:(k + 1) * n]``, not cloned): the VM counts
+    the step's copy of each, so measured == predicted; its bytes by kind (measured on the first step)
+    are the simulator's, and the training is that of cloned inputs."""
+    from remat.distributed.memory import predicted
+
+    model, (x, y), loss_fn = make("mlp")
+    twin = copy.deepcopy(model)
+    big_x, big_y = torch.cat([x, x.flip(0), x * 0.5]), torch.cat([y, y.flip(0), y])
+    n = x.shape[0]
+    steps = [remat.compile(m, (x, y), loss_fn, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))
+             for m in (model, twin)]
+    for k in range(3):
+        steps[0](big_x[k * n:(k + 1) * n], big_y[k * n:(k + 1) * n])
+        steps[1](big_x[k * n:(k + 1) * n].clone(), big_y[k * n:(k + 1) * n].clone())
+        assert steps[0].last_stats.peak_bytes == steps[0].predicted_peak == steps[1].last_stats.peak_bytes
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    s = steps[0]
+    first, n_state = s.layout.n_args, sum(len(ts) for ts in s._state_types)
+    want = predicted(s.program, s.layout.n_params, range(first, first + n_state))
+    assert s.kind_stats == want and s.last_stats.by_kind is None  # later steps record the peak only
+    assert s.kind_stats.at_peak["inputs"] >= big_x[:n].nbytes + big_y[:n].nbytes
+    assert s.kind_stats.at_peak["optimizer state"] == sum(2 * p.numel() * p.element_size() for p in model.parameters())
+    assert s.report().memory == s.kind_stats.at_peak

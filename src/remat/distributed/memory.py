@@ -1,14 +1,15 @@
-"""What a rank's step holds, by kind: parameters, gradients, optimizer state, activations, ...
+"""What a step holds, by kind: parameters, gradients, optimizer state, activations, ...
 
-``breakdown`` replays the VM's accounting (storages counted once, outputs allocated before the
-dying operands are released; ``remat.plan.liveness``) with a kind on every storage, so its totals
-are the VM's measured bytes and the split says where they go.
+``kinds`` labels every value of a training step from its layout (which arguments are parameters
+and optimizer state) and the roles of the values (what flows into a collective or an update's
+gradient operand). The VM measures bytes by these labels (``VM.set_kinds``, ``run(...,
+by_kind=True)``: ``RunStats.by_kind``); ``predicted`` gives the same split from the simulator of
+record, and the two agree byte for byte.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from ..ir import Function
+from ..runtime.memory import KindBytes
 
 KINDS = ("parameters", "gradients", "reduced gradients", "optimizer state", "activations", "communication", "inputs")
 """``gradients``: the backward's (this rank's batch); ``reduced gradients``: what the collectives
@@ -19,16 +20,6 @@ that exist only to be communicated (padded or sharded parameters, all-gathered p
 
 _COMM = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 _MOVES = frozenset({"reshape", "pad", "slice"})
-
-
-@dataclass
-class Breakdown:
-    """Bytes per kind: live at the step's peak, and each kind's own peak over the step."""
-
-    at_peak: dict[str, int] = field(default_factory=dict)
-    peaks: dict[str, int] = field(default_factory=dict)
-    peak_bytes: int = 0
-    allocated: dict[str, int] = field(default_factory=dict)  # fresh storages over the step (arguments included)
 
 
 def kinds(fn: Function, n_params: int, state_args: range) -> dict:
@@ -67,60 +58,11 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
     return out
 
 
-def breakdown(fn: Function, n_params: int, state_args: range) -> Breakdown | None:
-    """Per-kind bytes of ``fn`` (None when it is not straight-line code without calls)."""
-    from ..ir.liveness import liveness
+def predicted(fn: Function, n_params: int, state_args: range) -> KindBytes | None:
+    """Per-kind bytes of ``fn`` predicted by the simulator of record (``remat.plan.liveness.simulate``),
+    which the VM measures with ``run(..., by_kind=True)`` (None when ``fn`` is not straight-line)."""
+    from ..plan.liveness import simulate
 
-    if len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
+    if len(fn.blocks) != 1:
         return None
-    kind_of = kinds(fn, n_params, state_args)
-    lv = liveness(fn)
-    sid: dict = {}
-    storages: dict[int, list] = {}  # id -> [refs, bytes, kind]
-    live = {k: 0 for k in KINDS}
-    res = Breakdown({k: 0 for k in KINDS}, {k: 0 for k in KINDS}, 0, {k: 0 for k in KINDS})
-
-    def ref(s: int) -> None:
-        storages[s][0] += 1
-
-    def new(v) -> None:
-        s = len(storages)
-        storages[s] = [1, v.type.nbytes, kind_of[v]]
-        live[kind_of[v]] += v.type.nbytes
-        res.allocated[kind_of[v]] += v.type.nbytes
-        sid[v] = s
-
-    def release(v) -> None:
-        s = sid.pop(v)
-        e = storages[s]
-        e[0] -= 1
-        if e[0] == 0:
-            live[e[2]] -= e[1]
-
-    def note() -> None:
-        total = sum(live.values())
-        for k in KINDS:
-            res.peaks[k] = max(res.peaks[k], live[k])
-        if total > res.peak_bytes:
-            res.peak_bytes, res.at_peak = total, dict(live)
-
-    for p in fn.params:
-        new(p)
-    note()
-    params = set(fn.params)
-    for ins in fn.entry.instrs:
-        if ins.op.name == "return":
-            break
-        if ins.op.name != "free":
-            for k, r in enumerate(ins.results):
-                if k in ins.op.aliases:
-                    s = sid[ins.operands[ins.op.aliases[k]]]
-                    ref(s)
-                    sid[r] = s
-                else:
-                    new(r)
-        note()
-        for v in lv.dies_at.get(ins, ()):
-            if v not in params and v in sid:
-                release(v)
-    return res
+    return simulate(fn, kinds=kinds(fn, n_params, state_args)).by_kind

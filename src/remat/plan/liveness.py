@@ -16,14 +16,18 @@ replays the VM's accounting from IR types alone, so the two agree byte for byte:
   there), then the values dying at that instruction are released;
 * function parameters belong to the caller and stay live for the whole run unless donated; a
   callee's parameters are references that die at their last use inside the callee.
+
+``simulate(fn, kinds=...)`` also splits the bytes by the kinds given to the values, as the VM
+measures them with ``run(..., by_kind=True)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 from ..ir import Block, Builder, Function, Instruction, Module, Successor, Value
 from ..ir.liveness import Liveness, liveness
-from ..runtime.memory import TimelineEntry
+from ..runtime.memory import OTHER, KindBytes, TimelineEntry
 
 
 # ---------------------------------------------------------------- explicit frees
@@ -99,24 +103,45 @@ class MemoryPrediction:
     timeline: list[TimelineEntry]
     live_bytes_at_end: int
     peak_index: int | None  # instruction index where the peak is first reached (None: at entry)
+    by_kind: KindBytes | None = None  # simulate(..., kinds=...): as the VM's RunStats.by_kind
 
 
 class _Sim:
     """Reference-counted storages, as ``remat.runtime.memory.MemoryTracker`` but from types."""
 
-    def __init__(self) -> None:
-        self.refs: dict[int, list[int]] = {}
+    def __init__(self, kinds: Mapping[Value, str] | None = None) -> None:
+        self.refs: dict[int, list] = {}
         self.live = 0
         self.peak = 0
         self.next = 0
+        # By kind (as remat.runtime.memory.KindTracker): None unless kinds were given.
+        self.kinds = kinds
+        self.kind_live: dict[str, int] = {}
+        self.kind_peaks: dict[str, int] = {}
+        self.kind_allocated: dict[str, int] = {}
+        self.top = 0
+        self.at_top: dict[str, int] = {}
 
-    def new(self, nbytes: int) -> int:
+    def new(self, nbytes: int, value: Value | None = None) -> int:
         sid = self.next
         self.next += 1
-        self.refs[sid] = [1, nbytes]
+        kind = None if self.kinds is None else self.kinds.get(value, OTHER)
+        self.refs[sid] = [1, nbytes, kind]
         self.live += nbytes
         self.peak = max(self.peak, self.live)
+        if kind is not None:
+            kl = self.kind_live
+            kl[kind] = kl.get(kind, 0) + nbytes
+            self.kind_allocated[kind] = self.kind_allocated.get(kind, 0) + nbytes
+            self.kind_peaks[kind] = max(self.kind_peaks.get(kind, 0), kl[kind])
+            if self.live > self.top:
+                self.top, self.at_top = self.live, dict(kl)
         return sid
+
+    def by_kind(self) -> KindBytes:
+        names = [OTHER] + sorted(set(self.kinds.values()) - {OTHER})
+        return KindBytes({k: self.at_top.get(k, 0) for k in names}, {k: self.kind_peaks.get(k, 0) for k in names},
+                         {k: self.kind_allocated.get(k, 0) for k in names})
 
     def ref(self, sid: int) -> None:
         self.refs[sid][0] += 1
@@ -127,6 +152,8 @@ class _Sim:
         if e[0] == 0:
             del self.refs[sid]
             self.live -= e[1]
+            if e[2] is not None:
+                self.kind_live[e[2]] -= e[1]
 
 
 def _straight_line(fn: Function) -> None:
@@ -149,7 +176,7 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
     top = arg_sids is None
     for i, p in enumerate(fn.params):
         if top:
-            env[p] = sim.new(p.type.nbytes)
+            env[p] = sim.new(p.type.nbytes, p)
         else:
             sim.ref(arg_sids[i])
             env[p] = arg_sids[i]
@@ -188,7 +215,7 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
                     sim.ref(s)
                     env[r] = s
                 else:
-                    env[r] = sim.new(r.type.nbytes)
+                    env[r] = sim.new(r.type.nbytes, r)
         for v in lv.dies_at.get(ins, ()):
             if v not in keep and v in env:
                 sim.release(env.pop(v))
@@ -198,12 +225,14 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
     raise ValueError(f"@{fn.name} does not end with return")
 
 
-def simulate(fn: Function, donate: bool = False) -> MemoryPrediction:
+def simulate(fn: Function, donate: bool = False, kinds: Mapping[Value, str] | None = None) -> MemoryPrediction:
     """Simulate the VM's memory accounting of ``fn`` from IR types (straight-line code, calls inlined).
 
     Assumes each argument is a dense buffer of its parameter type, distinct from the others.
+    ``kinds``: labels of ``fn``'s values (as given to ``VM.set_kinds``; values of callees and
+    unlabelled ones are ``"other"``) to split the bytes by kind (``MemoryPrediction.by_kind``).
     """
-    sim = _Sim()
+    sim = _Sim(kinds)
     timeline: list[TimelineEntry] = []
     _simulate(fn, sim, None, donate, timeline)
     peak = max([sim.live] + [t.high_water for t in timeline]) if timeline else sim.live
@@ -212,7 +241,7 @@ def simulate(fn: Function, donate: bool = False) -> MemoryPrediction:
     at = next((t.index for t in timeline if t.high_water == peak), None)
     if at is not None and args == peak:
         at = None
-    return MemoryPrediction(peak, timeline, sim.live, at)
+    return MemoryPrediction(peak, timeline, sim.live, at, None if kinds is None else sim.by_kind())
 
 
 def predict_peak(fn: Function, donate: bool = False) -> int:

@@ -9,7 +9,8 @@ reused under it.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -51,12 +52,28 @@ def storage_of(x: Any) -> tuple[StorageKey, int, Any]:
     raise TypeError(f"cannot account memory of {type(x).__name__}; expected a numpy array or torch tensor")
 
 
+@dataclass
+class KindBytes:
+    """Bytes by kind of storage (the kinds a caller gave the values, e.g. parameters, gradients,
+    optimizer state; ``OTHER`` for values it did not label). A storage has the kind of the value
+    that allocated it (views and in-place results share it)."""
+
+    at_peak: dict[str, int]    # live when the run's peak was first reached
+    peaks: dict[str, int]      # each kind's own high-water mark over the run
+    allocated: dict[str, int]  # fresh storages over the run (arguments included)
+
+
+OTHER = "other"
+"""The kind of values no label was given for (index 0 of every kind list)."""
+
+
 class MemoryTracker:
     """Reference counts per storage; ``live_bytes`` is the sum of the bytes of storages in use (bytes).
 
     ``acquire`` adds one reference (a VM slot now holds the value) and returns the storage key,
     ``release`` drops one. ``peak_bytes`` is the high-water mark of ``live_bytes`` since the last
-    ``reset_peak``.
+    ``reset_peak``. ``kind`` arguments (an index into the caller's kind list) are stored with the
+    storage and ignored here; :class:`KindTracker` counts by them.
     """
 
     __slots__ = ("_refs", "live_bytes", "peak_bytes")
@@ -68,16 +85,16 @@ class MemoryTracker:
         self.live_bytes = 0
         self.peak_bytes = 0
 
-    def acquire(self, x: Any) -> StorageKey:
+    def acquire(self, x: Any, kind: int = 0) -> StorageKey:
         key, nbytes, owner = storage_of(x)
-        self.add(key, nbytes, owner)
+        self.add(key, nbytes, owner, kind)
         return key
 
-    def add(self, key: StorageKey, nbytes: int, owner: Any) -> None:
+    def add(self, key: StorageKey, nbytes: int, owner: Any, kind: int = 0) -> None:
         """``acquire`` for a storage already looked up with :func:`storage_of`."""
         e = self._refs.get(key)
         if e is None:
-            self._refs[key] = [1, nbytes, owner]
+            self._refs[key] = [1, nbytes, owner, kind]
             self.live_bytes += nbytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
@@ -111,3 +128,54 @@ class MemoryTracker:
 
     def __repr__(self) -> str:
         return f"<MemoryTracker live={self.live_bytes} B in {len(self._refs)} storages, peak={self.peak_bytes} B>"
+
+
+class KindTracker(MemoryTracker):
+    """A :class:`MemoryTracker` that also counts bytes by kind: live, each kind's peak, the split
+    at the first moment of the overall peak, and bytes allocated. Used only when a run asks for
+    it (``VM.run(..., by_kind=True)``), so the plain tracker stays as cheap as it was."""
+
+    __slots__ = ("names", "kind_live", "kind_peaks", "kind_allocated", "top", "at_top")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        super().__init__()
+        self.names = tuple(names)
+        n = len(self.names)
+        self.kind_live = [0] * n
+        self.kind_peaks = [0] * n
+        self.kind_allocated = [0] * n
+        # The overall high-water mark, kept apart from ``peak_bytes`` (which a recorder may reset
+        # per instruction), and the per-kind split when it was first reached.
+        self.top = 0
+        self.at_top = [0] * n
+
+    def add(self, key: StorageKey, nbytes: int, owner: Any, kind: int = 0) -> None:
+        e = self._refs.get(key)
+        if e is None:
+            self._refs[key] = [1, nbytes, owner, kind]
+            live = self.live_bytes = self.live_bytes + nbytes
+            if live > self.peak_bytes:
+                self.peak_bytes = live
+            kl = self.kind_live
+            v = kl[kind] = kl[kind] + nbytes
+            self.kind_allocated[kind] += nbytes
+            if v > self.kind_peaks[kind]:
+                self.kind_peaks[kind] = v
+            if live > self.top:
+                self.top = live
+                self.at_top = kl.copy()
+        else:
+            e[0] += 1
+
+    def release(self, key: StorageKey) -> None:
+        e = self._refs[key]
+        e[0] -= 1
+        if e[0] == 0:
+            del self._refs[key]
+            self.live_bytes -= e[1]
+            self.kind_live[e[3]] -= e[1]
+
+    def by_kind(self) -> KindBytes:
+        """The measurement so far."""
+        return KindBytes(dict(zip(self.names, self.at_top)), dict(zip(self.names, self.kind_peaks)),
+                         dict(zip(self.names, self.kind_allocated)))

@@ -9,7 +9,9 @@ replays the same accounting from types and equals the measured ``peak_bytes`` on
 Contracts the VM enforces at run time:
 
 * arguments are checked against the parameter types (``TypeError`` naming the index);
-  non-contiguous or read-only arguments are copied once (the copy is what is counted);
+  non-contiguous or read-only arguments are copied once (the copy is what is counted), and so is
+  an argument that is a view into a larger buffer (a slice of the caller's batch) unless the
+  function writes it in place: the VM then counts exactly the bytes of its type, as predicted;
 * every kernel output must have the IR result dtype and shape (``RuntimeError`` naming the
   instruction);
 * a result the op does not alias to an operand must be a fresh buffer: an output that shares
@@ -24,7 +26,9 @@ each slot (results are stored in their dialect's own array type, so a torch kern
 result calls it as is). ``run(..., record="full")`` (the default) also records a timeline entry
 and the time of every instruction; ``record="peak"`` records only the peak and where it was
 reached, for repeated runs such as training steps; both check every contract above on every
-result (``bench/vm_overhead.py`` measures the per-instruction cost of each).
+result (``bench/vm_overhead.py`` measures the per-instruction cost of each). With
+``by_kind=True`` (after :meth:`VM.set_kinds`), either level also measures bytes by kind
+(parameters, gradients, ... as the caller labelled the values; ``RunStats.by_kind``).
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ from ..ir import Function, Instruction, Module, TensorType, verify
 from ..ir.printer import Namer, format_instruction
 from ..ir.liveness import liveness
 from ..ir.types import DType
-from .memory import MemoryTracker, TimelineEntry, storage_of
+from .memory import OTHER, KindBytes, KindTracker, MemoryTracker, TimelineEntry, storage_of
 
 _K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)
 RECORD_LEVELS = ("full", "peak")
@@ -138,6 +142,7 @@ class RunStats:
     live_bytes_at_end: int
     argument_bytes: int
     record: str = "full"
+    by_kind: KindBytes | None = None  # run(..., by_kind=True): bytes by the kinds of VM.set_kinds
 
     def time_by_op(self) -> dict[str, float]:
         """Seconds per op name, largest first (empty for a ``record="peak"`` run)."""
@@ -176,7 +181,7 @@ class _Step:
 
     __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "family", "attrs", "ins_slots", "out_slots",
                  "alias", "expect", "single", "rel", "rel_top", "targets", "callee", "cond", "get", "nargs",
-                 "convs", "fast")
+                 "convs", "fast", "kinds", "kind0")
 
 
 class _Target:
@@ -188,7 +193,8 @@ class _BlockPlan:
 
 
 class _FnPlan:
-    __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs")
+    __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs",
+                 "param_written", "param_kinds", "tagged")
 
 
 def _expect(t: TensorType, dialect: str):
@@ -224,6 +230,7 @@ class VM:
                 elif ins.dialect is None or ins.dialect not in self.dialects:
                     ins.dialect = backends.select(ins, self.dialects).dialect
         self.module = m
+        self.kind_names: list[str] = [OTHER]  # kind index -> name (set_kinds); 0: unlabelled values
         self._plans: dict[str, _FnPlan] = {}
         for f in m:
             if not f.is_declaration:
@@ -258,6 +265,9 @@ class VM:
         p.arg_dialect = next((i.dialect for i in fn.instructions() if not i.op.has("control")), None)
         p.uses_torch = False
         p.instrs = tuple(fn.instructions())  # by step index (RunStats.peak_at)
+        p.param_written = _written_params(fn)
+        p.param_kinds = (0,) * len(fn.params)
+        p.tagged = False
         # The converter family every slot's value is known to be in (see _is_family): parameters
         # (converted on entry), kernel results (converted by _store). Block arguments and call
         # results may come from several places: unknown (None), converted at each use.
@@ -287,6 +297,8 @@ class VM:
                 st.get = _getter(st.ins_slots)
                 st.nargs = len(st.ins_slots)
                 st.fast = False
+                st.kinds = (0,) * len(ins.results)  # kind index per result (set_kinds)
+                st.kind0 = 0
                 st.alias = tuple(ins.op.aliases.get(k, -1) for k in range(len(ins.results)))
                 st.expect = ()
                 name = st.name
@@ -331,14 +343,49 @@ class VM:
             p.blocks.append(bp)
         return p
 
+    def set_kinds(self, fn: str | Function, kind_of: dict) -> None:
+        """Label the values of ``fn`` with kinds (names such as "parameters", "gradients") for
+        ``run(..., by_kind=True)``. ``kind_of`` maps values of ``fn`` (the function given to the VM
+        or this VM's copy of it: values are matched by position) to kind names; values left out
+        are counted as ``"other"``."""
+        name = fn.name if isinstance(fn, Function) else fn
+        plan = self._plans.get(name)
+        if plan is None:
+            raise KeyError(f"no runnable function @{name} in this VM; it has {', '.join('@' + n for n in self._plans)}")
+        mine = self.module[name]
+        src = fn if isinstance(fn, Function) else mine
+
+        def values(f: Function) -> list:
+            return list(f.params) + [r for ins in f.instructions() for r in ins.results]
+
+        theirs, ours = values(src), values(mine)
+        if len(theirs) != len(ours):
+            raise ValueError(f"set_kinds: @{name} given has {len(theirs)} values, the VM's copy {len(ours)}; "
+                             "pass the function this VM was built from")
+        names = self.kind_names
+
+        def index(v) -> int:
+            k = kind_of.get(v, OTHER)
+            if k not in names:
+                names.append(k)
+            return names.index(k)
+
+        at = dict(zip(ours, map(index, theirs)))
+        plan.param_kinds = tuple(at[p] for p in mine.params)
+        for bp in plan.blocks:
+            for st in bp.steps:
+                st.kinds = tuple(at[r] for r in st.ins.results)
+                st.kind0 = st.kinds[0] if st.kinds else 0
+        plan.tagged = True
+
     # -------------------------------------------------------------- running
     def function(self, name: str | Function) -> Function:
         """The prepared (dialect-assigned) copy of a function of the module."""
         return self.module[name.name if isinstance(name, Function) else name]
 
     def run(self, fn: str | Function, *args: Any, donate: bool = False, outputs: str = "numpy",
-            on_step: Callable[[TimelineEntry], None] | None = None, record: str = "full"
-            ) -> tuple[tuple[Any, ...], RunStats]:
+            on_step: Callable[[TimelineEntry], None] | None = None, record: str = "full",
+            by_kind: bool = False) -> tuple[tuple[Any, ...], RunStats]:
         """Run ``fn`` on NumPy arrays / torch tensors; returns (results, :class:`RunStats`).
 
         ``donate``: the arguments become the VM's and are released at their last use (by
@@ -350,6 +397,8 @@ class VM:
         cross-checks); "peak" only the live and peak bytes and where the peak was reached, for
         repeated runs such as training steps. Both check every kernel contract and measure bytes
         from the real storages alike.
+        ``by_kind``: also measure bytes by the kinds given to :meth:`set_kinds` (``RunStats.by_kind``;
+        a few list updates per allocation and release, only when asked).
         """
         if outputs not in ("numpy", "torch"):
             raise ValueError(f"outputs must be 'numpy' or 'torch', got {outputs!r}")
@@ -361,18 +410,20 @@ class VM:
         if name not in self._plans:
             raise KeyError(f"no runnable function @{name} in this VM; it has {', '.join('@' + n for n in self._plans)}")
         plan = self._plans[name]
-        xs = self._arguments(plan, args)
+        if by_kind and not plan.tagged:
+            raise ValueError(f"by_kind=True needs the values of @{name} labelled first: call VM.set_kinds")
+        xs, stor = self._arguments(plan, args)
 
-        tracker = MemoryTracker()
+        tracker = KindTracker(self.kind_names) if by_kind else MemoryTracker()
         rec = _Recorder(on_step) if record == "full" else _PeakRecorder()
         t0 = time.perf_counter()
         # IEEE semantics: NaN and inf are values, not errors (NumPy would warn; torch does not).
         with np.errstate(all="ignore"):
             if self._uses_torch:
                 with _torch().no_grad():
-                    res = self._exec(plan, xs, None, tracker, donate, rec)
+                    res = self._exec(plan, xs, stor, tracker, donate, rec)
             else:
-                res = self._exec(plan, xs, None, tracker, donate, rec)
+                res = self._exec(plan, xs, stor, tracker, donate, rec)
         total = time.perf_counter() - t0
         outs, _ = res
         if outputs == "numpy":
@@ -384,11 +435,13 @@ class VM:
             outs = tuple(_to_torch(o) for o in outs)
         at = rec.peak_index
         stats = RunStats(name, rec.peak, rec.timeline, rec.times, total,
-                         None if at is None else plan.instrs[at], at, tracker.live_bytes, rec.arg_bytes, record)
+                         None if at is None else plan.instrs[at], at, tracker.live_bytes, rec.arg_bytes, record,
+                         tracker.by_kind() if by_kind else None)
         return outs, stats
 
-    def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> list:
-        """Check the arguments against the parameter types; dense copies where needed; convert."""
+    def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> tuple[list, list]:
+        """Check the arguments against the parameter types; dense copies where needed; convert.
+        Returns the arguments and their storages (:func:`storage_of`)."""
         f = plan.fn
         ptypes = f.param_types
         if len(args) != len(ptypes):
@@ -396,8 +449,9 @@ class VM:
         conv = _CONVERT[plan.arg_dialect] if plan.arg_dialect else None
         tensor = sys.modules["torch"].Tensor if "torch" in sys.modules else None
         same = conv is _to_torch and _cpu_torch()  # to_torch(a) is a for a plain CPU tensor
-        xs = []
-        for i, (a, (npdt, tdt, shape, _)) in enumerate(zip(args, plan.param_expect)):
+        xs, stor = [], []
+        written = plan.param_written
+        for i, (a, (npdt, tdt, shape, nbytes)) in enumerate(zip(args, plan.param_expect)):
             if type(a) is np.ndarray:
                 ok = a.dtype == npdt and a.shape == shape
             elif tensor is not None and type(a) is tensor:
@@ -412,20 +466,32 @@ class VM:
                 a = _dense_copy(a)
             if conv is not None and not (same and type(a) is tensor and a.is_cpu):
                 a = conv(a)
+            st = storage_of(a)
+            if st[1] != nbytes and not written[i]:
+                # A view into a larger buffer (``x[rank * n:(rank + 1) * n]``): the buffer is the
+                # caller's; the step reads its own copy, which holds exactly the predicted bytes.
+                # (An argument written in place cannot be copied: its whole buffer is counted.)
+                a = _dense_copy(a)
+                st = storage_of(a)
             xs.append(a)
-        return xs
+            stor.append(st)
+        return xs, stor
 
-    def _exec(self, plan: _FnPlan, xs: list, keys_in: list | None, tracker: MemoryTracker, donate: bool,
-              rec: "_Recorder | _PeakRecorder | None"):
-        """Execute one frame. ``keys_in`` None: top level (arguments are acquired fresh)."""
+    def _exec(self, plan: _FnPlan, xs: list, stor: list | None, tracker: MemoryTracker, donate: bool,
+              rec: "_Recorder | _PeakRecorder | None", keys_in: list | None = None):
+        """Execute one frame. ``stor``: the arguments' storages at top level (acquired fresh);
+        None in a callee, whose arguments are the caller's ``keys_in``."""
         frame: list = [None] * plan.nslots
         keys: list = [None] * plan.nslots
         top = keys_in is None
         release = tracker.release
+        pkinds = plan.param_kinds
         for i, s in enumerate(plan.param_slots):
             frame[s] = xs[i]
             if top:
-                keys[s] = tracker.acquire(xs[i])
+                key, nbytes, owner = stor[i]
+                tracker.add(key, nbytes, owner, pkinds[i])
+                keys[s] = key
             else:
                 keys[s] = keys_in[i]
                 tracker.acquire_key(keys_in[i])
@@ -489,7 +555,7 @@ class VM:
                             a = st.alias[0]
                             if a < 0:
                                 if key not in refs and sto.nbytes() == nbytes and out.is_contiguous():
-                                    tracker.add(key, nbytes, sto)
+                                    tracker.add(key, nbytes, sto, st.kind0)
                                     s = st.out_slots[0]
                                     frame[s] = out
                                     keys[s] = key
@@ -516,7 +582,7 @@ class VM:
                     xs_ = [frame[s] for s in st.ins_slots]
                     if cconv is not None:  # callee parameters are of its argument dialect (see _plan)
                         xs_ = [cconv(x) for x in xs_]
-                    outs, okeys = self._exec(callee, xs_, [keys[s] for s in st.ins_slots], tracker, True, None)
+                    outs, okeys = self._exec(callee, xs_, None, tracker, True, None, [keys[s] for s in st.ins_slots])
                     for s, o, k in zip(st.out_slots, outs, okeys):
                         frame[s] = o
                         keys[s] = k  # the callee took this reference on our behalf
@@ -608,12 +674,28 @@ class VM:
             # Contract: a fresh, contiguous buffer owning exactly its bytes; otherwise copy it.
             if size != nbytes or tracker.is_live(key) or not _is_contig(o):
                 o = _dense_copy(o)
-                key = tracker.acquire(o)
+                key = tracker.acquire(o, st.kinds[r])
             else:
-                tracker.add(key, size, owner)
+                tracker.add(key, size, owner, st.kinds[r])
         s = st.out_slots[r]
         frame[s] = o
         keys[s] = key
+
+
+def _written_params(fn: Function) -> tuple[bool, ...]:
+    """For each parameter of ``fn``: whether an in-place op writes its buffer (directly or
+    through views of it), so the VM must hand the kernels the caller's buffer itself."""
+    root = {p: p for p in fn.params}
+    written: set = set()
+    for ins in fn.instructions():
+        for k, a in ins.op.aliases.items():
+            r = root.get(ins.operands[a])
+            if r is None:
+                continue
+            root[ins.results[k]] = r
+            if ins.op.has("inplace"):
+                written.add(r)
+    return tuple(p in written for p in fn.params)
 
 
 def _is_contig(x: Any) -> bool:

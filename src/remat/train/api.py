@@ -76,7 +76,7 @@ class Report:
     recomputed_instructions: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
-    memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
+    memory: dict[str, int] | None = None  # bytes by kind live at the peak: measured (first step), else predicted
     recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
     workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
     predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
@@ -249,9 +249,15 @@ class TrainStep:
 
             check_same_collectives(self.program, self.dp)
         self._vm = self._stage("prepare VM", lambda: VM(Module([self.program]), dialects=self.dialects))
+        self._kinds = self._value_kinds()
+        self._vm.set_kinds(self.program, self._kinds)
         self.plan_seconds = self.stage_seconds["plan"]
         self.setup_seconds = time.perf_counter() - t_setup
         self.last_stats = None
+        # Bytes by kind (parameters, gradients, optimizer state, ...) as the VM measured them on
+        # this step's first run (RunStats.by_kind; later runs record the peak only, to stay lean:
+        # the program and so the split are the same at every step).
+        self.kind_stats = None
         self.last_seconds = None
         self.torch = torch
 
@@ -457,11 +463,14 @@ class TrainStep:
                 state = current_state(self.optimizer, self._params, self.updates)
         args = self._step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
-        outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
+        outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak",
+                                   by_kind=self.kind_stats is None)
         if state is not None:  # the step succeeded: now the optimizer owns the state it updated
             self._state = bind_state(self.optimizer, self._params, self.updates, state)
         self.last_seconds = time.perf_counter() - t0
         self.last_stats = stats
+        if stats.by_kind is not None:
+            self.kind_stats = stats.by_kind
         self._step += 1
         loss = outs[0]
         with torch.no_grad():
@@ -558,14 +567,28 @@ class TrainStep:
                       self.measured_allocator_peak,
                       self.shapes_cached())
 
-    def _memory(self) -> dict[str, int] | None:
-        """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
-        from ..distributed.memory import breakdown
+    def _value_kinds(self) -> dict:
+        """The kind of every value of the step program (``remat.distributed.memory.kinds``)."""
+        from ..distributed.memory import kinds
 
         n_state = sum(len(ts) for ts in self._state_types) if self.updates else 0
         first = self.layout.n_args
-        bd = breakdown(self.program, self.layout.n_params, range(first, first + n_state))
-        return None if bd is None else bd.at_peak
+        return kinds(self.program, self.layout.n_params, range(first, first + n_state))
+
+    def _memory(self) -> dict[str, int] | None:
+        """Bytes by kind (parameters, gradients, optimizer state, ...) live at the peak: measured by
+        the VM on the first step, predicted (the same bytes) before it."""
+        from ..distributed.memory import KINDS
+
+        if self.kind_stats is not None:
+            split = self.kind_stats.at_peak
+        else:
+            from ..plan.liveness import simulate
+
+            if len(self.program.blocks) != 1:
+                return None
+            split = simulate(self.program, kinds=self._kinds).by_kind.at_peak
+        return {k: split[k] for k in KINDS + ("other",) if k in split}
 
     def measure_allocator_peak(self, *inputs) -> int:
         """The peak of PyTorch's allocator during one run of the step program on copies of the
