@@ -113,7 +113,7 @@ class Pattern:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-_GEN_VERSION = 1  # bump when the generated code changes
+_GEN_VERSION = 2  # bump when the generated code changes
 
 
 def collapse(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
@@ -178,10 +178,14 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
             consts[n_in + k] = f"c{n_in + k}"
             lines.append(f"    c{n_in + k} = {_const(a['value'], a['dtype'])}")
     zero = {DType.f32: "np.float32(0.0)", DType.f64: "np.float64(0.0)"}
+    # Rows lo:hi as views indexed from 0: a loop starting at 0 lets LLVM drop the negative-index
+    # wrap-around and vectorise (a loop over range(lo, hi) runs ~8x slower on f32).
+    for a in outs + [ins[k] for k in range(n_in) if p.full[k][0]]:
+        lines.append(f"    {a} = {a}[lo:hi]")
     lines.append(f"    {', '.join(f'n{d}' for d in range(rank))}, = {outs[0]}.shape")
     ind = "    "
     for d in range(rank):
-        lines.append(f"{ind}for j{d} in " + ("range(lo, hi):" if d == 0 else f"range(n{d}):"))
+        lines.append(f"{ind}for j{d} in range(n{d}):")
         ind += "    "
     names: dict[int, str] = dict(consts)
     for k in range(n_in):
