@@ -153,3 +153,32 @@ def test_second_process_compiles_nothing(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
     assert [r.stdout.split()[-1] for r in runs] == ["1", "0"]
     assert len(list((tmp_path / "kernels").glob("k_*.py"))) == 1
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (7,), (3, 5, 9), (4, 64, 65)])
+@pytest.mark.parametrize("p", [0.0, 1e-9, 0.3, 0.9, 1.0])
+def test_numba_dropout_mask_has_the_reference_bits(shape: tuple, p: float) -> None:
+    """The numba dialect's bernoulli draws exactly numpy_kernels.sample_bernoulli's bits (odd and even
+    sizes, the probabilities at the ends), and the VM picks it over torch's."""
+    from remat.backends import numpy_kernels as npk
+
+    seed = np.array(-(2 ** 62) + 12345, dtype=np.int64)
+    got = nk.bernoulli(seed, shape, p)
+    want = npk.sample_bernoulli(int(seed), shape, p)
+    assert got.dtype == np.bool_ and got.shape == shape and np.array_equal(got, want)
+    f = Function("f", [TensorType(DType.i64, ())], [TensorType(DType.bool, shape)])
+    b = Builder(f.entry)
+    b.ret(b.op("bernoulli", f.params[0], shape=shape, p=p))
+    vm = VM(Module([f]))
+    assert vm.function("f").entry.instrs[0].dialect == "numba"
+    (out,), _ = vm.run("f", seed)
+    assert np.array_equal(out, want)
+
+
+def test_bernoulli_words_are_splitmix64() -> None:
+    """Word j of the mask stream is the splitmix64 generator's j-th output from the seed."""
+    from remat.backends import numpy_kernels as npk
+
+    seed = 2 ** 64 - 3
+    words = npk.splitmix64_words(seed, 5)
+    assert [int(w) for w in words] == [npk.splitmix64((seed + j * npk.SPLITMIX_GAMMA) & npk._M64) for j in range(5)]

@@ -1,4 +1,4 @@
-"""The ``numba`` dialect: generated loop kernels for ``fused`` element-wise bodies.
+"""The ``numba`` dialect: generated loop kernels for ``fused`` element-wise bodies, and dropout masks.
 
 One kernel per *pattern* (body, operand dtypes, how each operand broadcasts, serial or parallel):
 its Python source is written to the kernel cache directory (``$REMAT_CACHE_DIR``, default
@@ -322,6 +322,61 @@ def _pool():
     return _executor
 
 
+# ---------------------------------------------------------------- dropout masks
+def _mask_py(seed, threshold, out):  # pragma: no cover (compiled by numba; checked against the reference)
+    """``out[i] = half i % 2 of SplitMix64 word i // 2 < threshold`` (numpy_kernels.sample_bernoulli)."""
+    gamma = np.uint64(0x9E3779B97F4A7C15)
+    c1 = np.uint64(0xBF58476D1CE4E5B9)
+    c2 = np.uint64(0x94D049BB133111EB)
+    low = np.uint64(0xFFFFFFFF)
+    n = out.shape[0]
+    m = n // 2
+    for j in range(m):  # branch-free, so LLVM vectorises it
+        z = np.uint64(j + 1) * gamma + seed
+        z = (z ^ (z >> np.uint64(30))) * c1
+        z = (z ^ (z >> np.uint64(27))) * c2
+        z = z ^ (z >> np.uint64(31))
+        out[2 * j] = np.uint32(z & low) < threshold
+        out[2 * j + 1] = np.uint32(z >> np.uint64(32)) < threshold
+    if n % 2:  # the last word of an odd n gives its low half only
+        z = np.uint64(m + 1) * gamma + seed
+        z = (z ^ (z >> np.uint64(30))) * c1
+        z = (z ^ (z >> np.uint64(27))) * c2
+        z = z ^ (z >> np.uint64(31))
+        out[n - 1] = np.uint32(z & low) < threshold
+
+
+_mask_fn: Callable | None = None
+
+
+def _mask_kernel() -> Callable:
+    """The compiled mask loop (compiled on first use, then loaded from Numba's on-disk cache)."""
+    global _mask_fn, _compiled
+    if _mask_fn is None:
+        import numba
+
+        with _lock:
+            if _mask_fn is None:
+                fn = numba.njit("void(uint64, uint32, boolean[::1])", cache=True, nogil=True)(_mask_py)
+                if sum(fn.stats.cache_misses.values()):
+                    _compiled += 1
+                _mask_fn = fn
+    return _mask_fn
+
+
+@kernel("bernoulli", "numba")
+def bernoulli(seed, shape, p):
+    """The reference's bits (``numpy_kernels.sample_bernoulli``), ~10x faster: one pass, no temporaries."""
+    from .numpy_kernels import _M64, bernoulli_threshold
+
+    out = np.empty(tuple(shape), dtype=np.bool_)
+    if p <= 0.0 or p >= 1.0:
+        out.fill(p >= 1.0)
+        return out
+    _mask_kernel()(np.uint64(int(seed) & _M64), np.uint32(bernoulli_threshold(p)), out.reshape(-1))
+    return out
+
+
 def prepare(module: Module) -> float:
     """Compile (or load from the disk cache) the kernel of every ``fused`` instruction the numba dialect
     accepts in ``module``; returns the seconds spent. Run it before the first step so kernel
@@ -329,6 +384,8 @@ def prepare(module: Module) -> float:
     t0 = time.perf_counter()
     for f in module:
         for ins in f.instructions():
+            if ins.op.name == "bernoulli":
+                _mask_kernel()
             if ins.op.name == "fused" and _check(ins):
                 shapes = tuple(v.type.shape for v in ins.operands)
                 dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)
