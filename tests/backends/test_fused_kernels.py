@@ -182,3 +182,35 @@ def test_bernoulli_words_are_splitmix64() -> None:
     seed = 2 ** 64 - 3
     words = npk.splitmix64_words(seed, 5)
     assert [int(w) for w in words] == [npk.splitmix64((seed + j * npk.SPLITMIX_GAMMA) & npk._M64) for j in range(5)]
+
+
+@pytest.mark.parametrize("dt", [DType.f32, DType.f64], ids=str)
+@pytest.mark.parametrize("case", [((3, 4, 32, 32), (3, 3), (2, 2), (1, 1)), ((2, 3, 7, 9), (2, 2), (2, 2), (0, 0)),
+                                  ((2, 3, 8, 8), (3, 3), (1, 1), (1, 1)), ((2, 2, 9, 7), (3, 2), (2, 1), (1, 0))])
+def test_numba_max_pool_is_torch_bit_for_bit(case: tuple, dt: DType) -> None:
+    """Forward values and backward routing equal torch's CPU kernels bit for bit: ties (small integers)
+    go to the first maximum, NaN wins (the last NaN of a window), -inf and padding never win over a
+    real value; the VM picks the numba kernels."""
+    import torch
+
+    from remat.backends import torch_kernels as tk
+
+    shape, k, s, p = case
+    rng = np.random.default_rng(len(shape) + k[0] + s[1])
+    x = rng.integers(-3, 3, shape).astype(dt.numpy)
+    x[rng.random(shape) < 0.05] = np.nan
+    x[rng.random(shape) < 0.05] = -np.inf
+    gy = rng.standard_normal(nk._pool_out_shape(shape, k, s, p)).astype(dt.numpy)
+    want_y = tk.max_pool2d(torch.from_numpy(x), k, s, p).numpy()
+    want_gx = tk.max_pool2d_grad(torch.from_numpy(x), torch.from_numpy(gy), k, s, p).numpy()
+    assert same_bits(nk.max_pool2d(x, k, s, p), want_y)
+    assert same_bits(nk.max_pool2d_grad(x, gy, k, s, p), want_gx)
+    f = Function("f", [TensorType(dt, shape), TensorType(dt, gy.shape)], [TensorType(dt, gy.shape), TensorType(dt, shape)])
+    b = Builder(f.entry)
+    y = b.op("max_pool2d", f.params[0], kernel=k, stride=s, padding=p)
+    gx = b.op("max_pool2d_grad", f.params[0], f.params[1], kernel=k, stride=s, padding=p)
+    b.ret(y, gx)
+    vm = VM(Module([f]))
+    assert {i.dialect for i in vm.function("f").entry.instrs if i.op.name != "return"} == {"numba"}
+    (got_y, got_gx), _ = vm.run("f", x, gy)
+    assert same_bits(got_y, want_y) and same_bits(got_gx, want_gx)

@@ -1,4 +1,4 @@
-"""The ``numba`` dialect: generated loop kernels for ``fused`` element-wise bodies, and dropout masks.
+"""The ``numba`` dialect: generated loop kernels for ``fused`` element-wise bodies; dropout masks and max pooling.
 
 One kernel per *pattern* (body, operand dtypes, how each operand broadcasts, serial or parallel):
 its Python source is written to the kernel cache directory (``$REMAT_CACHE_DIR``, default
@@ -377,6 +377,113 @@ def bernoulli(seed, shape, p):
     return out
 
 
+# ---------------------------------------------------------------- max pooling
+# torch's CPU rule (aten/src/ATen/native/cpu/MaxPoolKernel.cpp), exactly: per window in row-major order
+# a value wins when it is greater than the best so far or NaN, starting from -inf at the window's first
+# element; the backward adds each output gradient into its window's winner in output raster order per
+# plane, as max_pool2d_with_indices_backward does, so results are bit-identical without saving indices.
+def _max_pool_fwd_py(x, out, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
+    planes, h, w = x.shape
+    oh_n, ow_n = out.shape[1], out.shape[2]
+    for q in range(planes):
+        for oh in range(oh_n):
+            h0 = oh * sh - ph
+            h1 = min(h0 + kh, h)
+            h0 = max(h0, 0)
+            for ow in range(ow_n):
+                w0 = ow * sw - pw
+                w1 = min(w0 + kw, w)
+                w0 = max(w0, 0)
+                m = x.dtype.type(-np.inf)
+                for ih in range(h0, h1):
+                    for iw in range(w0, w1):
+                        v = x[q, ih, iw]
+                        m = v if (v > m) | (v != v) else m  # a select, not a branch
+                out[q, oh, ow] = m
+
+
+def _max_pool_bwd_py(x, gy, gx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
+    planes, h, w = x.shape
+    oh_n, ow_n = gy.shape[1], gy.shape[2]
+    gx[:] = 0
+    for q in range(planes):
+        gq = gx[q]
+        for oh in range(oh_n):
+            h0 = oh * sh - ph
+            h1 = min(h0 + kh, h)
+            h0 = max(h0, 0)
+            for ow in range(ow_n):
+                w0 = ow * sw - pw
+                w1 = min(w0 + kw, w)
+                w0 = max(w0, 0)
+                m = x.dtype.type(-np.inf)
+                best = h0 * w + w0
+                for ih in range(h0, h1):
+                    for iw in range(w0, w1):
+                        v = x[q, ih, iw]
+                        c = (v > m) | (v != v)
+                        m = v if c else m
+                        best = ih * w + iw if c else best
+                gq.flat[best] += gy[q, oh, ow]
+
+
+_pool_fns: dict[str, Callable] = {}
+
+
+def _pool_kernel(which: str) -> Callable:
+    """The compiled forward or backward pooling loop for f32 and f64 (compiled on first use, then cached)."""
+    global _compiled
+    fn = _pool_fns.get(which)
+    if fn is None:
+        import numba
+
+        with _lock:
+            fn = _pool_fns.get(which)
+            if fn is None:
+                ints = ", ".join(["int64"] * 6)
+                arrays = 2 if which == "fwd" else 3
+                sigs = [f"void({', '.join([f'{t}[:, :, ::1]'] * arrays)}, {ints})" for t in ("float32", "float64")]
+                py = _max_pool_fwd_py if which == "fwd" else _max_pool_bwd_py
+                fn = numba.njit(sigs, cache=True, nogil=True, error_model="numpy")(py)
+                if sum(fn.stats.cache_misses.values()):
+                    _compiled += 1
+                _pool_fns[which] = fn
+    return fn
+
+
+def _pool_check(ins: Instruction) -> bool:
+    x = ins.operands[0].type
+    return x.dtype in FLOATS and len(x.shape) == 4 and all(v.type.dtype == x.dtype for v in ins.operands)
+
+
+def _planes(a: np.ndarray) -> np.ndarray:
+    """``a`` (N, C, H, W) as (N*C, H, W), C-contiguous and writeable (a view when it already is)."""
+    if not (a.flags.c_contiguous and a.flags.writeable):
+        a = np.array(a, order="C", copy=True)
+    return a.reshape(-1, a.shape[2], a.shape[3])
+
+
+def _pool_out_shape(x_shape, kernel, stride, padding) -> tuple[int, ...]:
+    n, c, h, w = x_shape
+    return (n, c, (h + 2 * padding[0] - kernel[0]) // stride[0] + 1, (w + 2 * padding[1] - kernel[1]) // stride[1] + 1)
+
+
+@kernel("max_pool2d", "numba", checker=_pool_check)
+def max_pool2d(x, kernel, stride, padding=(0, 0)):
+    """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
+    out = np.empty(_pool_out_shape(x.shape, kernel, stride, padding), dtype=x.dtype)
+    _pool_kernel("fwd")(_planes(x), out.reshape(-1, out.shape[2], out.shape[3]), *kernel, *stride, *padding)
+    return out
+
+
+@kernel("max_pool2d_grad", "numba", checker=_pool_check)
+def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
+    """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
+    gx = np.empty(x.shape, dtype=x.dtype)
+    _pool_kernel("bwd")(_planes(x), _planes(gy), gx.reshape(-1, x.shape[2], x.shape[3]), *kernel, *stride, *padding)
+    return gx
+
+
 def prepare(module: Module) -> float:
     """Compile (or load from the disk cache) the kernel of every ``fused`` instruction the numba dialect
     accepts in ``module``; returns the seconds spent. Run it before the first step so kernel
@@ -386,6 +493,8 @@ def prepare(module: Module) -> float:
         for ins in f.instructions():
             if ins.op.name == "bernoulli":
                 _mask_kernel()
+            elif ins.op.name in ("max_pool2d", "max_pool2d_grad") and _pool_check(ins):
+                _pool_kernel("fwd" if ins.op.name == "max_pool2d" else "bwd")
             if ins.op.name == "fused" and _check(ins):
                 shapes = tuple(v.type.shape for v in ins.operands)
                 dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)
