@@ -72,7 +72,7 @@ BODIES = [
     # (body, operand shapes (dtype-generic), operand kinds: f float, b bool, i int)
     ("%3 = mul(%0, %1) %4 = add(%3, %2) -> %4", [(33, 17), (33, 17), (17,)], "fff"),  # a*b+c: no FMA
     ("%3 = sub(%0, %1) %4 = div(%3, %2) %5 = neg(%4) %6 = abs(%5) -> %4, %6", [(5, 1, 7), (1, 6, 7), (5, 6, 1)], "fff"),
-    ("%2 = relu(%0) %3 = div(%1, %0) %4 = mul(%2, %3) -> %2, %4", [(300, 600), (600,)], "ff"),  # threaded
+    ("%2 = relu(%0) %3 = div(%1, %0) %4 = mul(%2, %3) -> %2, %4", [(1100, 1000), (1000,)], "ff"),  # threaded
     ("%2 = constant() {value=0.0} %3 = gt(%0, %2) %4 = select(%3, %1, %2) -> %4", [(64, 128), (64, 128)], "ff"),
     ("%3 = lt(%0, %1) %4 = ge(%0, %1) %5 = eq(%0, %1) %6 = ne(%0, %1) %7 = le(%0, %1) %8 = and(%3, %6) "
      "%9 = or(%5, %4) %10 = not(%7) %11 = select(%8, %0, %2) %12 = select(%9, %11, %1) %13 = select(%10, %12, %2) "
@@ -90,6 +90,9 @@ def test_numba_bitwise_equals_torch_op_by_op(case: int, dt: DType) -> None:
     if "constant" in body:
         body = body.replace("constant() {value=", f"constant() {{dtype={dt.value}, value=")
     types = [TensorType(dt if k == "f" else DType.bool, s) for k, s in zip(kinds, shapes)]
+    if max(int(np.prod(s, dtype=np.int64)) for s in shapes) >= nk.PARALLEL_MIN_ELEMENTS and nk.THREADS > 1:
+        # this case takes the threaded path (the rows split over the pool)
+        assert len(nk._plan(body, tuple(shapes), tuple(np.dtype(t.dtype.numpy) for t in types)).bounds) > 1
     fused, ref = programs(body, types)
     rng = np.random.default_rng(case)
     for _ in range(3):
