@@ -72,7 +72,7 @@ BODIES = [
     # (body, operand shapes (dtype-generic), operand kinds: f float, b bool, i int)
     ("%3 = mul(%0, %1) %4 = add(%3, %2) -> %4", [(33, 17), (33, 17), (17,)], "fff"),  # a*b+c: no FMA
     ("%3 = sub(%0, %1) %4 = div(%3, %2) %5 = neg(%4) %6 = abs(%5) -> %4, %6", [(5, 1, 7), (1, 6, 7), (5, 6, 1)], "fff"),
-    ("%2 = relu(%0) %3 = div(%1, %0) %4 = mul(%2, %3) -> %2, %4", [(300, 600), (600,)], "ff"),  # threaded
+    ("%2 = relu(%0) %3 = div(%1, %0) %4 = mul(%2, %3) -> %2, %4", [(1100, 1000), (1000,)], "ff"),  # threaded
     ("%2 = constant() {value=0.0} %3 = gt(%0, %2) %4 = select(%3, %1, %2) -> %4", [(64, 128), (64, 128)], "ff"),
     ("%3 = lt(%0, %1) %4 = ge(%0, %1) %5 = eq(%0, %1) %6 = ne(%0, %1) %7 = le(%0, %1) %8 = and(%3, %6) "
      "%9 = or(%5, %4) %10 = not(%7) %11 = select(%8, %0, %2) %12 = select(%9, %11, %1) %13 = select(%10, %12, %2) "
@@ -90,6 +90,9 @@ def test_numba_bitwise_equals_torch_op_by_op(case: int, dt: DType) -> None:
     if "constant" in body:
         body = body.replace("constant() {value=", f"constant() {{dtype={dt.value}, value=")
     types = [TensorType(dt if k == "f" else DType.bool, s) for k, s in zip(kinds, shapes)]
+    if max(int(np.prod(s, dtype=np.int64)) for s in shapes) >= nk.PARALLEL_MIN_ELEMENTS and nk.THREADS > 1:
+        # this case takes the threaded path (the rows split over the pool)
+        assert len(nk._plan(body, tuple(shapes), tuple(np.dtype(t.dtype.numpy) for t in types)).bounds) > 1
     fused, ref = programs(body, types)
     rng = np.random.default_rng(case)
     for _ in range(3):
@@ -153,3 +156,64 @@ def test_second_process_compiles_nothing(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
     assert [r.stdout.split()[-1] for r in runs] == ["1", "0"]
     assert len(list((tmp_path / "kernels").glob("k_*.py"))) == 1
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,), (7,), (3, 5, 9), (4, 64, 65)])
+@pytest.mark.parametrize("p", [0.0, 1e-9, 0.3, 0.9, 1.0])
+def test_numba_dropout_mask_has_the_reference_bits(shape: tuple, p: float) -> None:
+    """The numba dialect's bernoulli draws exactly numpy_kernels.sample_bernoulli's bits (odd and even
+    sizes, the probabilities at the ends), and the VM picks it over torch's."""
+    from remat.backends import numpy_kernels as npk
+
+    seed = np.array(-(2 ** 62) + 12345, dtype=np.int64)
+    got = nk.bernoulli(seed, shape, p)
+    want = npk.sample_bernoulli(int(seed), shape, p)
+    assert got.dtype == np.bool_ and got.shape == shape and np.array_equal(got, want)
+    f = Function("f", [TensorType(DType.i64, ())], [TensorType(DType.bool, shape)])
+    b = Builder(f.entry)
+    b.ret(b.op("bernoulli", f.params[0], shape=shape, p=p))
+    vm = VM(Module([f]))
+    assert vm.function("f").entry.instrs[0].dialect == "numba"
+    (out,), _ = vm.run("f", seed)
+    assert np.array_equal(out, want)
+
+
+def test_bernoulli_words_are_splitmix64() -> None:
+    """Word j of the mask stream is the splitmix64 generator's j-th output from the seed."""
+    from remat.backends import numpy_kernels as npk
+
+    seed = 2 ** 64 - 3
+    words = npk.splitmix64_words(seed, 5)
+    assert [int(w) for w in words] == [npk.splitmix64((seed + j * npk.SPLITMIX_GAMMA) & npk._M64) for j in range(5)]
+
+
+@pytest.mark.parametrize("dt", [DType.f32, DType.f64], ids=str)
+@pytest.mark.parametrize("case", [((3, 4, 32, 32), (3, 3), (2, 2), (1, 1)), ((2, 3, 7, 9), (2, 2), (2, 2), (0, 0)),
+                                  ((2, 3, 8, 8), (3, 3), (1, 1), (1, 1)), ((2, 2, 9, 7), (3, 2), (2, 1), (1, 0))])
+def test_numba_max_pool_is_torch_bit_for_bit(case: tuple, dt: DType) -> None:
+    """Forward values and backward routing equal torch's CPU kernels bit for bit: ties (small integers)
+    go to the first maximum, NaN wins (the last NaN of a window), -inf and padding never win over a
+    real value; the VM picks the numba kernels."""
+    import torch
+
+    from remat.backends import torch_kernels as tk
+
+    shape, k, s, p = case
+    rng = np.random.default_rng(len(shape) + k[0] + s[1])
+    x = rng.integers(-3, 3, shape).astype(dt.numpy)
+    x[rng.random(shape) < 0.05] = np.nan
+    x[rng.random(shape) < 0.05] = -np.inf
+    gy = rng.standard_normal(nk._pool_out_shape(shape, k, s, p)).astype(dt.numpy)
+    want_y = tk.max_pool2d(torch.from_numpy(x), k, s, p).numpy()
+    want_gx = tk.max_pool2d_grad(torch.from_numpy(x), torch.from_numpy(gy), k, s, p).numpy()
+    assert same_bits(nk.max_pool2d(x, k, s, p), want_y)
+    assert same_bits(nk.max_pool2d_grad(x, gy, k, s, p), want_gx)
+    f = Function("f", [TensorType(dt, shape), TensorType(dt, gy.shape)], [TensorType(dt, gy.shape), TensorType(dt, shape)])
+    b = Builder(f.entry)
+    y = b.op("max_pool2d", f.params[0], kernel=k, stride=s, padding=p)
+    gx = b.op("max_pool2d_grad", f.params[0], f.params[1], kernel=k, stride=s, padding=p)
+    b.ret(y, gx)
+    vm = VM(Module([f]))
+    assert {i.dialect for i in vm.function("f").entry.instrs if i.op.name != "return"} == {"numba"}
+    (got_y, got_gx), _ = vm.run("f", x, gy)
+    assert same_bits(got_y, want_y) and same_bits(got_gx, want_gx)

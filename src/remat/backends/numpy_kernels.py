@@ -454,16 +454,36 @@ def sample_normal(seed: int, shape, dtype: DType, mean: float, std: float) -> np
     return _fresh(mean + std * z, dtype.numpy)
 
 
+SPLITMIX_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (see splitmix64 above)
+
+
+def splitmix64_words(seed: int, n: int) -> np.ndarray:
+    """The first ``n`` outputs of SplitMix64 started at ``seed``: word j is the splitmix64 finaliser of
+    ``seed + (j + 1) * gamma``. Counter-based (each word depends on its index alone), so a generated
+    kernel computes the same words in any order, in parallel, without state."""
+    z = np.arange(1, n + 1, dtype=np.uint64) * np.uint64(SPLITMIX_GAMMA) + np.uint64(int(seed) & _M64)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def bernoulli_threshold(p: float) -> int:
+    """``p`` quantised to 2**-32: an element is True when its 32-bit word is below this."""
+    return min(round(p * 2.0 ** 32), 2 ** 32 - 1)
+
+
 def sample_bernoulli(seed: int, shape, p: float) -> np.ndarray:
-    """True with probability ``p`` (quantised to 2**-32): 32-bit halves of the Philox stream's raw
-    64-bit words compared with ``p * 2**32``, 2.4x faster than drawing doubles (dropout masks are
-    drawn every step)."""
+    """True with probability ``p`` (quantised to 2**-32): element i compares half ``i % 2`` (low half
+    first) of SplitMix64 word ``i // 2`` (:func:`splitmix64_words`) with ``p * 2**32``. The reference
+    of every dialect's dropout masks (the numba dialect draws the same bits several times faster)."""
     n = int(np.prod(shape, dtype=np.int64))
     if p <= 0.0 or p >= 1.0:
         return np.full(tuple(shape), p >= 1.0, dtype=np.bool_)
-    words = generator(seed).bit_generator.random_raw((n + 1) // 2).astype("<u8", copy=False).view("<u4")
-    threshold = np.uint32(min(round(p * 2.0 ** 32), 2 ** 32 - 1))
-    return _fresh((words[:n] < threshold).reshape(tuple(shape)))
+    words = splitmix64_words(seed, (n + 1) // 2).astype("<u8", copy=False).view("<u4")
+    return _fresh((words[:n] < np.uint32(bernoulli_threshold(p))).reshape(tuple(shape)))
 
 
 @k("uniform")

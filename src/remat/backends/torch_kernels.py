@@ -1,8 +1,9 @@
 """The ``torch`` dialect: PyTorch kernels (CPU; CUDA when ``torch.cuda.is_available()``).
 
 Operands arrive as torch tensors on :data:`DEVICE` (the VM converts NumPy arrays zero-copy on
-CPU). Random ops draw from the same NumPy Philox stream as the numpy dialect and convert the
-result, so both dialects give bit-identical samples. Checkers refuse what torch cannot do here
+CPU). Random ops draw with the numpy dialect's own samplers (Philox for uniform/normal, the
+SplitMix64 counter stream for bernoulli masks) and convert the result, so both dialects give
+bit-identical samples. Checkers refuse what torch cannot do here
 (e.g. integer or bool matmul), so those instructions fall back to the numpy dialect.
 """
 from __future__ import annotations
@@ -283,7 +284,7 @@ def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
                                                      False, True, None))
 
 
-# ---------------------------------------------------------------- random: the numpy Philox stream, converted
+# ---------------------------------------------------------------- random: the numpy samplers, converted
 def _from_np(a: np.ndarray) -> torch.Tensor:
     return to_torch(a)
 
