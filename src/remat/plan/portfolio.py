@@ -24,7 +24,8 @@ from .frontier import CostModel, frontier_for, program_overhead
 from .graph import Graph, GraphPlan
 from .liveness import predict_peak
 from .milp import MILP_MAX_NODES
-from .registry import SOLVER_OPTIONS, SOLVERS, check_option, graph_solver, small_for_exact
+from .registry import (NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
+                       improves_neighbourhood, small_for_exact)
 
 
 @dataclass
@@ -90,12 +91,13 @@ def plan_step(p: StepProblem) -> Candidate:
     order = memory_aware_order(low.graph)
     lowered: list[Candidate] = []
     minimums: list[int] = []
+    remarks: list[str] = []
     chain = plan_blocks(p, lowered)
     if isinstance(chain, int):
         minimums.append(chain)
     try:
         plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate) and earlier is None,
-                   lowered=lowered)
+                   lowered=lowered, remarks=remarks)
     except BudgetTooSmall as e:
         minimums.append(e.minimum)
     for c in lowered:  # one cost model for every planner's program
@@ -108,8 +110,10 @@ def plan_step(p: StepProblem) -> Candidate:
         known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
+    if remarks:  # the neighbourhood MILP ran: say which solver's plan won
+        remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%}")
     best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                                for c in others] + _why_not_chain(chain, p.budget),
+                                                for c in others] + _why_not_chain(chain, p.budget) + remarks,
                      best.program.clone(), best.overhead, best.plan, best.peak)
     verify(Module([best.program]))
     return best
@@ -137,10 +141,13 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0, lowered: list[Candidate] | None = None) -> Candidate | None:
+               max_overhead: float = 2.0, lowered: list[Candidate] | None = None,
+               remarks: list[str] | None = None) -> Candidate | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
-    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
+    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier). A greedy
+    plan that recomputes much (near the floor) is improved by the MILP on its neighbourhood
+    (:func:`.milp.improve_in_windows`); what that search did is appended to ``remarks``."""
     from .greedy import greedy_min_budget, solve_greedy
     from .rematerialize import from_schedule
 
@@ -189,8 +196,35 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand
+    better = _improve_near_floor(p, low, best, lower, remarks)
+    if better is not None and better[2] <= p.budget and better[0].cost < best[0].cost:
+        best = better
     plan, prog, peak = best
     return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan, peak)
+
+
+def _improve_near_floor(p: StepProblem, low, best: tuple[GraphPlan, Function, int], lower,
+                        remarks: list[str] | None) -> tuple[GraphPlan, Function, int] | None:
+    """The MILP on the neighbourhood of a greedy plan that recomputes much (registry's
+    ``improves_neighbourhood``), under a small time limit, peaking no higher in the graph model;
+    its plan lowered (``lower``) or None. Says what it did in ``remarks``."""
+    from .milp import improve_in_windows
+
+    plan = best[0]
+    if plan.solver != "greedy" or not improves_neighbourhood(p.solver, plan.overhead or 0.0):
+        return None
+    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
+    what = (f"near the floor (greedy's predicted overhead {plan.overhead:+.1%}): MILP on its neighbourhood, "
+            f"{len(search.statuses)} windows, status {search.status}")
+    if search.plan is None:
+        if remarks is not None:
+            remarks.append(what + ", no cheaper plan found")
+        return None
+    out = lower(search.plan)
+    if remarks is not None:
+        remarks.append(what + f", graph-model overhead {search.plan.overhead:+.1%}"
+                       + ("" if out[2] <= p.budget else ", but its program peaks over the budget"))
+    return out
 
 
 # ---------------------------------------------------------------- chain of blocks
