@@ -51,7 +51,6 @@ from .graph import (
     BudgetTooSmall,
     Graph,
     GraphPlan,
-    InvalidSchedule,
     check_order,
     eager_frees,
     make_plan,
@@ -516,6 +515,10 @@ WINDOW_STAGES = 4
 MAX_WINDOWS = 8
 """Windows one :func:`improve_in_windows` solves at most (costliest recomputation first)."""
 
+WINDOW_MAX_VARS: tuple[int, ...] = (300, 1500)
+"""Per pass of :func:`improve_in_windows`, the variables a window's MILP may have before its
+stages are halved: first small windows (solved to optimality in milliseconds), then wider ones."""
+
 
 @dataclass
 class WindowSearch:
@@ -575,11 +578,14 @@ def _live_at_stages(g: Graph, seq: Sequence[int], ends: Sequence[int]) -> list[f
 
 def improve_in_windows(graph: Graph, plan: GraphPlan, cap: int, *, time_limit: float = 3.0,
                        window_stages: int = WINDOW_STAGES, max_windows: int = MAX_WINDOWS,
-                       window_time_share: float = 0.5) -> WindowSearch:
-    """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of
-    ``window_stages`` consecutive stages of its schedule is re-solved optimally with everything
-    before and after it fixed, peak <= ``cap`` bytes, windows with the costliest recomputation
-    first, each improvement kept. Stages follow the order of ``plan``'s first computations.
+                       window_time_share: float = 0.5, max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
+    """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of at
+    most ``window_stages`` consecutive stages of its schedule is re-solved by HiGHS with
+    everything before and after it fixed, peak <= ``cap`` bytes, the window of the costliest
+    recomputation first, each improvement kept. Stages follow the order of ``plan``'s first
+    computations. One pass per entry of ``max_vars``, each of at most ``max_windows`` windows:
+    a window's stages are halved until its model has at most that many variables (small models
+    are solved to optimality in milliseconds; the later, larger ones may stop at the time limit).
     ``time_limit`` (seconds) bounds the whole search; one window's HiGHS gets at most
     ``window_time_share`` of it (or its even share of what is left, if more)."""
     t0 = time.perf_counter()
@@ -587,58 +593,61 @@ def improve_in_windows(graph: Graph, plan: GraphPlan, cap: int, *, time_limit: f
     g, back = graph.permuted(list(dict.fromkeys(v for v in computes if not graph[v].is_input)))
     new_of_old = {o: k for k, o in enumerate(back)}
     seq = [new_of_old[v] for v in computes]
-    cur = make_plan(g, seq, solver="greedy", status="heuristic", solve_time=0.0, prune=False)
+    cost = evaluate(g, eager_frees(g, seq))[0]
     T = len(g.compute_nodes)
-    comp = g.compute_nodes
+    nodes = g.nodes
     statuses: list[str] = []
     improved = 0
-    visited: set[int] = set()
-    nodes = g.nodes
-    while len(statuses) < max_windows and time.perf_counter() - t0 < time_limit:
-        ends = _stage_ends(g, seq)
-        if ends is None:
-            break
-        live = _live_at_stages(g, seq, ends)
-        starts = [0] + [e + 1 for e in ends[:-1]]
-        recompute = [sum(nodes[v].cost for v in seq[starts[s]:ends[s]]) for s in range(T)]
-        todo = [s for s in range(T) if s not in visited and recompute[s] > 0]
-        if not todo:
-            break
-        s_hot = max(todo, key=lambda s: (recompute[s], -s))
-        a = max(0, min(s_hot - window_stages // 2, T - window_stages))
-        b = min(T, a + window_stages)
-        visited.update(range(a, b))
-        inside = seq[starts[a]:ends[b - 1] + 1]
-        # recomputed: what the plan computes here, and one step further back
-        again = set(inside) | {u for v in inside for u in nodes[v].inputs if not nodes[u].is_input}
-        allowed = set(live[a]) | again
-        win = _Window(a, b, frozenset(allowed), live[a], live[b], frozenset(again))
-        model = _build(g, cap, max(cap, 1) / 1000.0, window=win)
-        left = time_limit - (time.perf_counter() - t0)
-        res = _solve(model, min(left, max(window_time_share * time_limit, left / (max_windows - len(statuses)))), 1e-4)
-        if res.status == 2:
-            statuses.append("infeasible")
-            continue
-        if res.x is None:
-            statuses.append("no_solution")
-            continue
-        statuses.append("optimal" if res.status == 0 else "time_limit")
-        cand_seq = seq[:starts[a]] + _extract(model, res.x) + seq[ends[b - 1] + 1:]
-        try:
-            cand = make_plan(g, cand_seq, solver="milp", status="window", solve_time=0.0, prune=False)
-        except InvalidSchedule:
-            continue
-        if cand.peak <= cap and cand.cost < cur.cost * (1 - 1e-9):
-            seq, cur, improved = cand_seq, cand, improved + 1
+    n_windows = max_windows * len(max_vars)
+    for cap_vars in max_vars:
+        visited: set[int] = set()
+        for _ in range(max_windows):
+            if time.perf_counter() - t0 >= time_limit:
+                break
+            ends = _stage_ends(g, seq)
+            if ends is None:
+                break
+            live = _live_at_stages(g, seq, ends)
+            starts = [0] + [e + 1 for e in ends[:-1]]
+            recompute = [sum(nodes[v].cost for v in seq[starts[s]:ends[s]]) for s in range(T)]
+            todo = [s for s in range(T) if s not in visited and recompute[s] > 0]
+            if not todo:
+                break
+            s_hot = max(todo, key=lambda s: (recompute[s], -s))
+            width = window_stages
+            while True:  # the widest window up to ``window_stages`` whose model stays small
+                a = max(0, min(s_hot - width // 2, T - width))
+                b = min(T, a + width)
+                inside = seq[starts[a]:ends[b - 1] + 1]
+                # recomputed: what the plan computes here, and one step further back
+                again = set(inside) | {u for v in inside for u in nodes[v].inputs if not nodes[u].is_input}
+                win = _Window(a, b, frozenset(set(live[a]) | again), live[a], live[b], frozenset(again))
+                model = _build(g, cap, max(cap, 1) / 1000.0, window=win)
+                if model.n_vars <= cap_vars or width == 1:
+                    break
+                width //= 2
+            visited.update(range(a, b))
+            left = time_limit - (time.perf_counter() - t0)
+            res = _solve(model, min(left, max(window_time_share * time_limit, left / (n_windows - len(statuses)))), 1e-4)
+            if res.status == 2:
+                statuses.append("infeasible")
+                continue
+            if res.x is None:
+                statuses.append("no_solution")
+                continue
+            statuses.append("optimal" if res.status == 0 else "time_limit")
+            cand_seq = seq[:starts[a]] + _extract(model, res.x) + seq[ends[b - 1] + 1:]
+            cand_cost, cand_peak = evaluate(g, eager_frees(g, cand_seq))
+            if cand_peak <= cap and cand_cost < cost * (1 - 1e-9):
+                seq, cost, improved = cand_seq, cand_cost, improved + 1
     seconds = time.perf_counter() - t0
+    search = WindowSearch(None, statuses, improved, seconds)
     if not improved:
-        return WindowSearch(None, statuses, 0, seconds)
-    out = make_plan(graph, [back[v] for v in seq], solver="milp window", status=WindowSearch(None, statuses, 0, 0).status,
+        return search
+    out = make_plan(graph, [back[v] for v in seq], solver="milp window", status=search.status,
                     solve_time=seconds, budget=cap)
-    out.notes = [f"MILP on the neighbourhood of the {plan.solver} plan: {len(statuses)} windows of {window_stages} "
-                 f"stages (of {T}), {improved} improved it, HiGHS statuses: "
-                 + ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
-                 + f"; {seconds:.2f} s"]
-    if out.peak > cap:  # pruning never raises the peak; kept as a guard on the model
-        return WindowSearch(None, statuses, 0, seconds)
-    return WindowSearch(out, statuses, improved, seconds)
+    out.notes = [f"MILP on the neighbourhood of the {plan.solver} plan: {len(statuses)} windows of at most "
+                 f"{window_stages} stages (of {T}), {improved} improved it, HiGHS statuses: "
+                 + ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) + f"; {seconds:.2f} s"]
+    search.plan = out if out.peak <= cap else None  # pruning never raises the peak: a guard on the model
+    return search
