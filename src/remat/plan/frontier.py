@@ -64,6 +64,7 @@ class Frontier:
 
     def __init__(self) -> None:
         self.plans: list[Candidate] = []
+        self.searched: list[Candidate] = []  # plans whose neighbourhood the MILP already searched
 
     def add(self, cand: Candidate) -> None:
         """Keep ``cand`` unless a kept plan peaks no higher and costs no more; drop those it beats."""

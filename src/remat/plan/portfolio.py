@@ -97,7 +97,7 @@ def plan_step(p: StepProblem) -> Candidate:
         minimums.append(chain)
     try:
         plan_graph(p, low, order, need_minimum=not isinstance(chain, Candidate) and earlier is None,
-                   lowered=lowered, remarks=remarks)
+                   lowered=lowered)
     except BudgetTooSmall as e:
         minimums.append(e.minimum)
     for c in lowered:  # one cost model for every planner's program
@@ -106,6 +106,11 @@ def plan_step(p: StepProblem) -> Candidate:
         c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
     frontier.add_all(lowered)
     best = frontier.best(p.budget)
+    better = _improve_near_floor(p, low, best, frontier, model, base, remarks)
+    if better is not None:
+        lowered.append(better)
+        frontier.add(better)
+        best = frontier.best(p.budget)
     if best is None:
         known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
         raise BudgetTooSmall(p.budget, min(known), "this training step")
@@ -117,6 +122,36 @@ def plan_step(p: StepProblem) -> Candidate:
                      best.program.clone(), best.overhead, best.plan, best.peak)
     verify(Module([best.program]))
     return best
+
+
+def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, model: CostModel, base: float,
+                        remarks: list[str]) -> Candidate | None:
+    """The MILP on the neighbourhood of the winning plan when the greedy made it and it recomputes
+    much (near the floor; the registry's ``improves_neighbourhood``), under a small time limit and
+    once per plan (``frontier.searched``): its plan, peaking no higher in the graph model, lowered
+    and scored on the one cost model, or None. Says what it did in ``remarks``."""
+    from .milp import improve_in_windows
+    from .rematerialize import from_schedule
+
+    plan = None if best is None else best.plan
+    if (not isinstance(plan, GraphPlan) or plan.solver != "greedy" or not improves_neighbourhood(p.solver, best.overhead)
+            or any(c is best for c in frontier.searched)):
+        return None
+    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [best]
+    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
+    what = (f"near the floor (the greedy's plan: predicted overhead {best.overhead:+.1%}): MILP on its neighbourhood, "
+            f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
+    if search.plan is None:
+        remarks.append(what + ", no cheaper plan found")
+        return None
+    prog = p.finish(from_schedule(low, search.plan.schedule, check=False))
+    cand = Candidate(f"{search.plan.solver} ({search.plan.status})",
+                     [n for n in best.notes if n.startswith("instruction-level")] + search.plan.notes
+                     + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"],
+                     prog, program_overhead(model, prog, base), search.plan, predict_peak(prog))
+    remarks.append(what + f", its plan: predicted overhead {cand.overhead:+.1%}"
+                   + ("" if cand.peak <= p.budget else ", but its program peaks over the budget"))
+    return cand
 
 
 def _why_not_chain(chain: Candidate | int | None, budget: int) -> list[str]:
@@ -141,13 +176,10 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0, lowered: list[Candidate] | None = None,
-               remarks: list[str] | None = None) -> Candidate | None:
+               max_overhead: float = 2.0, lowered: list[Candidate] | None = None) -> Candidate | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
-    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier). A greedy
-    plan that recomputes much (near the floor) is improved by the MILP on its neighbourhood
-    (:func:`.milp.improve_in_windows`); what that search did is appended to ``remarks``."""
+    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
     from .greedy import greedy_min_budget, solve_greedy
     from .rematerialize import from_schedule
 
@@ -196,35 +228,8 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand
-    better = _improve_near_floor(p, low, best, lower, remarks)
-    if better is not None and better[2] <= p.budget and better[0].cost < best[0].cost:
-        best = better
     plan, prog, peak = best
     return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan, peak)
-
-
-def _improve_near_floor(p: StepProblem, low, best: tuple[GraphPlan, Function, int], lower,
-                        remarks: list[str] | None) -> tuple[GraphPlan, Function, int] | None:
-    """The MILP on the neighbourhood of a greedy plan that recomputes much (registry's
-    ``improves_neighbourhood``), under a small time limit, peaking no higher in the graph model;
-    its plan lowered (``lower``) or None. Says what it did in ``remarks``."""
-    from .milp import improve_in_windows
-
-    plan = best[0]
-    if plan.solver != "greedy" or not improves_neighbourhood(p.solver, plan.overhead or 0.0):
-        return None
-    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
-    what = (f"near the floor (greedy's predicted overhead {plan.overhead:+.1%}): MILP on its neighbourhood, "
-            f"{len(search.statuses)} windows, status {search.status}")
-    if search.plan is None:
-        if remarks is not None:
-            remarks.append(what + ", no cheaper plan found")
-        return None
-    out = lower(search.plan)
-    if remarks is not None:
-        remarks.append(what + f", graph-model overhead {search.plan.overhead:+.1%}"
-                       + ("" if out[2] <= p.budget else ", but its program peaks over the budget"))
-    return out
 
 
 # ---------------------------------------------------------------- chain of blocks
