@@ -34,6 +34,11 @@ are always re-measured with :func:`.graph.evaluate`.
 
 Size: O(T^2) binaries (T = compute nodes); practical up to ~100-150 nodes under a
 time limit.  :func:`solve_with_fallback` uses the greedy above that.
+
+On larger graphs :func:`improve_in_windows` searches the neighbourhood of a given plan (the
+greedy's): the same model restricted to a few consecutive stages (a window, with what is live at
+its start bounded by the plan's prefix and what is live at its end fixed to what the plan's
+suffix reads), re-solved with the rest of the schedule fixed, window after window.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ the cheapest candidate whose program fits wins. Overhead means one thing everywh
 recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
 on one cost model for every planner (:mod:`.frontier`). Candidates lowered for one budget are kept
 (:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
-budget never gets a costlier plan than a smaller one did in the same process.
+budget never gets a costlier plan than a smaller one did in the same process (the precise
+guarantee is in :mod:`.frontier`). When the winner is a greedy plan that recomputes much (near
+the floor), the MILP searches its neighbourhood under a small time limit
+(:func:`.milp.improve_in_windows`) and the cheaper of the two wins; the notes say which.
 """
 from __future__ import annotations
 
