@@ -7,6 +7,21 @@ overhead on one cost model (:func:`program_overhead`), whichever planner made it
 another budget reuses any of them whose peak fits. Frontiers live in a small per-process cache
 keyed by the step's printed program and its costs (:func:`frontier_for`); :func:`forget_plans`
 empties it (a fresh process plans the same).
+
+What is guaranteed, for one step in one process while its frontier is cached (the last
+:data:`MAX_STEPS` steps planned):
+
+1. An answer never costs more than any answer given before it for a smaller or equal budget,
+   whatever the order of the budgets: that plan is in the frontier, or one that peaks no higher and
+   costs no more. Budgets planned smallest first are therefore monotone.
+2. An answer given before a smaller budget was planned may cost more than that smaller budget's
+   answer (its plan was not known yet); planning the larger budget again returns the cheaper plan.
+3. With deterministic planners only (``solver="greedy"``: the chain DP and the greedy), planning
+   a set of budgets a second time, in any order, adds no plan, so the second answers are the
+   frontier's cheapest fitting plans: monotone in the budget. The time-limited MILPs (``"auto"``,
+   ``"milp"``) may find new plans on a second pass, so there only 1 and 2 hold.
+
+A fresh process starts with an empty frontier: its answers depend on the budgets it planned before.
 """
 from __future__ import annotations
 
@@ -64,6 +79,7 @@ class Frontier:
 
     def __init__(self) -> None:
         self.plans: list[Candidate] = []
+        self.searched: list[Candidate] = []  # plans whose neighbourhood the MILP already searched
 
     def add(self, cand: Candidate) -> None:
         """Keep ``cand`` unless a kept plan peaks no higher and costs no more; drop those it beats."""

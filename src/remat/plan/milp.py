@@ -34,6 +34,11 @@ are always re-measured with :func:`.graph.evaluate`.
 
 Size: O(T^2) binaries (T = compute nodes); practical up to ~100-150 nodes under a
 time limit.  :func:`solve_with_fallback` uses the greedy above that.
+
+On larger graphs :func:`improve_in_windows` searches the neighbourhood of a given plan (the
+greedy's): the same model restricted to a few consecutive stages (a window, with what is live at
+its start bounded by the plan's prefix and what is live at its end fixed to what the plan's
+suffix reads), re-solved with the rest of the schedule fixed, window after window.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from .graph import (
+    COMPUTE,
     BudgetTooSmall,
     Graph,
     GraphPlan,
@@ -55,6 +61,7 @@ from .graph import (
     make_plan,
     min_memory_lower_bound,
     evaluate,
+    schedule_computes,
 )
 
 __all__ = [
@@ -63,6 +70,8 @@ __all__ = [
     "milp_min_peak",
     "MinPeak",
     "solve_with_fallback",
+    "improve_in_windows",
+    "WindowSearch",
 ]
 
 
@@ -106,19 +115,38 @@ MILP_MAX_NODES = 150
 rarely proves anything within its time limit, and the greedy alone runs."""
 
 
-def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) -> _Model:
+@dataclass(frozen=True)
+class _Window:
+    """Stages ``[a, b)`` of the MILP, the rest of the schedule fixed (a neighbourhood search).
+    ``allowed``: the only nodes the window may hold or compute; ``live_a``: what may be live at
+    the start of stage ``a`` (the fixed prefix holds it); ``live_b``: exactly what must be live at
+    the start of stage ``b`` (what the fixed suffix reads); ``recompute``: the only nodes the
+    window may compute again (a subset of ``allowed``)."""
+
+    a: int
+    b: int
+    allowed: frozenset[int]
+    live_a: frozenset[int]
+    live_b: frozenset[int]
+    recompute: frozenset[int]
+
+
+def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, window: _Window | None = None) -> _Model:
     """Assemble the Checkmate MILP.  ``budget=None``: minimise the peak instead
-    (a continuous peak variable replaces the budget, objective = peak)."""
+    (a continuous peak variable replaces the budget, objective = peak).  ``window``: only its
+    stages, between fixed live sets (the whole run when None)."""
     nodes = graph.nodes
     cons = graph.consumers
     comp = graph.compute_nodes
     T = len(comp)
-    pos = {v: s for s, v in enumerate(comp)}
+    a, b = (0, T) if window is None else (window.a, window.b)
+    ok = (lambda v: True) if window is None else window.allowed.__contains__
+    again = ok if window is None else window.recompute.__contains__
     size = [nd.bytes / unit for nd in nodes]  # memory in model units
     pinned = [i for i, nd in enumerate(nodes) if nd.is_input and nd.is_output]
     pinned_mem = sum(size[i] for i in pinned)
     # inputs that may be freed: used, not outputs (unused ones are freed at the start)
-    free_in = [i for i, nd in enumerate(nodes) if nd.is_input and not nd.is_output and cons[i]]
+    free_in = [i for i, nd in enumerate(nodes) if nd.is_input and not nd.is_output and cons[i] and ok(i)]
     const_live = set(pinned)  # always live: no variables, constant memory
 
     col_lb: list[float] = []
@@ -135,20 +163,27 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) 
 
     R: dict[tuple[int, int], int] = {}
     S: dict[tuple[int, int], int] = {}
-    for s, cs in enumerate(comp):
+    for s in range(a, b):
+        cs = comp[s]
         for v in comp[: s + 1]:
             if v == cs:
                 R[s, v] = new(1.0, 1.0, nodes[v].cost, True)
-            elif nodes[v].recomputable:
+            elif nodes[v].recomputable and again(v):
                 R[s, v] = new(0.0, 1.0, nodes[v].cost, True)
-    for s in range(T + 1):
-        for v in comp[:s]:
-            if s == T:  # the end: exactly the outputs are kept
+    for s in range(a, b + 1):
+        for v in comp[:s] + free_in:
+            if not ok(v):
+                continue
+            if window is not None and s == a:  # the prefix may hold it; dropping it frees it earlier
+                S[s, v] = new(0.0, 1.0 if v in window.live_a else 0.0, 0.0, True)
+            elif window is not None and s == b:  # the suffix needs exactly these
+                S[s, v] = new(*((1.0, 1.0) if v in window.live_b else (0.0, 0.0)), 0.0, True)
+            elif v in free_in:
+                S[s, v] = new(1.0 if s == 0 else 0.0, 0.0 if s == T else 1.0, 0.0, True)
+            elif s == T:  # the end: exactly the outputs are kept
                 S[s, v] = new(1.0, 1.0, 0.0, True) if nodes[v].is_output else new(0.0, 0.0, 0.0, True)
             else:
                 S[s, v] = new(0.0, 1.0, 0.0, True)
-        for v in free_in:
-            S[s, v] = new(1.0 if s == 0 else 0.0, 0.0 if s == T else 1.0, 0.0, True)
     peak_col = None
     if budget is None:
         peak_col = new(peak_lb, np.inf, 1.0, False)
@@ -169,7 +204,7 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) 
         r_ub.append(hi)
 
     cap = np.inf if budget is None else budget / unit
-    for s in range(T):
+    for s in range(a, b):
         cand = [v for v in comp[: s + 1] if (s, v) in R]
         # dependencies: R[s,k] <= R[s,v] + S[s,v]
         for k in cand:
@@ -184,6 +219,8 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) 
                 row(ent, -np.inf, 0.0)
         # storage: S[s+1,v] <= S[s,v] + R[s,v]
         for v in comp[: s + 1]:
+            if (s + 1, v) not in S:
+                continue  # outside the window's nodes
             ent = [(S[s + 1, v], 1.0)]
             if (s, v) in S:
                 ent.append((S[s, v], -1.0))
@@ -201,8 +238,10 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) 
             ent = [(R[s, v], 1.0), (S[s + 1, v], -1.0)]
             ent += [(R[s, w], -1.0) for w in cons[v] if (s, w) in R]
             row(ent, -np.inf, 0.0)
-        if s + 1 < T:
+        if s + 1 < b:
             for v in comp[: s + 1] + free_in:
+                if (s + 1, v) not in S:
+                    continue
                 ent = [(S[s + 1, v], 1.0), (S[s + 2, v], -1.0)]
                 ent += [(R[s + 1, w], -1.0) for w in cons[v] if (s + 1, w) in R]
                 row(ent, -np.inf, 0.0)
@@ -223,8 +262,8 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0) 
             # frees after k: v in inputs(k) (not pinned) or v = k
             frees: list[tuple[int, int]] = []
             for v in list(nodes[k].inputs) + [k]:
-                if v in const_live:
-                    continue
+                if v in const_live or (s + 1, v) not in S:
+                    continue  # pinned, or outside the window's nodes (then k cannot run here)
                 f = new(0.0, 1.0, 0.0, False)
                 frees.append((v, f))
                 row([(f, 1.0), (R[s, k], -1.0)], -np.inf, 0.0)
@@ -472,3 +511,148 @@ def solve_with_fallback(
     plan.notes.insert(0, f"MILP chosen: {T} compute nodes <= milp_max_nodes={milp_max_nodes}"
                       + (f"; greedy cost {greedy_plan.cost:.6g}s" if greedy_plan else "; greedy failed"))
     return plan
+
+
+# ---------------------------------------------------------------- neighbourhood search
+WINDOW_STAGES = 4
+"""Stages a neighbourhood MILP frees at once (the rest of the schedule stays fixed)."""
+
+MAX_WINDOWS = 8
+"""Windows one :func:`improve_in_windows` solves at most (costliest recomputation first)."""
+
+WINDOW_MAX_VARS: tuple[int, ...] = (300, 1500)
+"""Per pass of :func:`improve_in_windows`, the variables a window's MILP may have before its
+stages are halved: first small windows (solved to optimality in milliseconds), then wider ones."""
+
+
+@dataclass
+class WindowSearch:
+    """What :func:`improve_in_windows` did. ``plan``: the improved plan, None when no window
+    lowered the cost. ``statuses``: per window solved, ``optimal`` / ``time_limit`` (HiGHS stopped
+    at its time limit with a solution) / ``no_solution`` (none found in time) / ``infeasible``
+    (the window's model has no schedule, e.g. the fixed schedule's order inside a stage differs)."""
+
+    plan: GraphPlan | None
+    statuses: list[str]
+    improved: int
+    seconds: float
+
+    @property
+    def status(self) -> str:
+        """One word for the whole search: ``optimal`` when every window was, else the worst seen."""
+        for s in ("no_solution", "time_limit", "infeasible"):
+            if s in self.statuses:
+                return "time_limit" if s == "no_solution" else s
+        return "optimal" if self.statuses else "not_run"
+
+
+def _stage_ends(g: Graph, seq: Sequence[int]) -> list[int] | None:
+    """Position in ``seq`` of each compute node's first computation (stage ``s`` ends at the first
+    computation of ``comp[s]``); None unless first computations follow index order."""
+    first: dict[int, int] = {}
+    for p, v in enumerate(seq):
+        first.setdefault(v, p)
+    comp = g.compute_nodes
+    if any(c not in first for c in comp):
+        return None
+    ends = [first[c] for c in comp]
+    return ends if all(x < y for x, y in zip(ends, ends[1:])) else None
+
+
+def _live_at_stages(g: Graph, seq: Sequence[int], ends: Sequence[int]) -> list[frozenset[int]]:
+    """``live[s]``: the values live (eager frees) at the start of stage ``s``, ``s = 0 .. T``."""
+    boundary = {e: s + 1 for s, e in enumerate(ends)}
+    live: set[int] = {i for i, nd in enumerate(g.nodes) if nd.is_input}
+    out: list[frozenset[int]] = [frozenset()] * (len(ends) + 1)
+    p = -1
+    started = False
+    for kind, i in eager_frees(g, seq):
+        if kind == COMPUTE:
+            if not started:
+                out[0], started = frozenset(live), True
+            elif p in boundary:
+                out[boundary[p]] = frozenset(live)
+            p += 1
+            live.add(i)
+        else:
+            live.discard(i)
+    if p in boundary:
+        out[boundary[p]] = frozenset(live)
+    return out
+
+
+def improve_in_windows(graph: Graph, plan: GraphPlan, cap: int, *, time_limit: float = 3.0,
+                       window_stages: int = WINDOW_STAGES, max_windows: int = MAX_WINDOWS,
+                       window_time_share: float = 0.5, max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
+    """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of at
+    most ``window_stages`` consecutive stages of its schedule is re-solved by HiGHS with
+    everything before and after it fixed, peak <= ``cap`` bytes, the window of the costliest
+    recomputation first, each improvement kept. Stages follow the order of ``plan``'s first
+    computations. One pass per entry of ``max_vars``, each of at most ``max_windows`` windows:
+    a window's stages are halved until its model has at most that many variables (small models
+    are solved to optimality in milliseconds; the later, larger ones may stop at the time limit).
+    ``time_limit`` (seconds) bounds the whole search; one window's HiGHS gets at most
+    ``window_time_share`` of it (or its even share of what is left, if more)."""
+    t0 = time.perf_counter()
+    computes = schedule_computes(plan.schedule)
+    g, back = graph.permuted(list(dict.fromkeys(v for v in computes if not graph[v].is_input)))
+    new_of_old = {o: k for k, o in enumerate(back)}
+    seq = [new_of_old[v] for v in computes]
+    cost = evaluate(g, eager_frees(g, seq))[0]
+    T = len(g.compute_nodes)
+    nodes = g.nodes
+    statuses: list[str] = []
+    improved = 0
+    n_windows = max_windows * len(max_vars)
+    for cap_vars in max_vars:
+        visited: set[int] = set()
+        for _ in range(max_windows):
+            if time.perf_counter() - t0 >= time_limit:
+                break
+            ends = _stage_ends(g, seq)
+            if ends is None:
+                break
+            live = _live_at_stages(g, seq, ends)
+            starts = [0] + [e + 1 for e in ends[:-1]]
+            recompute = [sum(nodes[v].cost for v in seq[starts[s]:ends[s]]) for s in range(T)]
+            todo = [s for s in range(T) if s not in visited and recompute[s] > 0]
+            if not todo:
+                break
+            s_hot = max(todo, key=lambda s: (recompute[s], -s))
+            width = window_stages
+            while True:  # the widest window up to ``window_stages`` whose model stays small
+                a = max(0, min(s_hot - width // 2, T - width))
+                b = min(T, a + width)
+                inside = seq[starts[a]:ends[b - 1] + 1]
+                # recomputed: what the plan computes here, and one step further back
+                again = set(inside) | {u for v in inside for u in nodes[v].inputs if not nodes[u].is_input}
+                win = _Window(a, b, frozenset(set(live[a]) | again), live[a], live[b], frozenset(again))
+                model = _build(g, cap, max(cap, 1) / 1000.0, window=win)
+                if model.n_vars <= cap_vars or width == 1:
+                    break
+                width //= 2
+            visited.update(range(a, b))
+            left = time_limit - (time.perf_counter() - t0)
+            res = _solve(model, min(left, max(window_time_share * time_limit, left / (n_windows - len(statuses)))), 1e-4)
+            if res.status == 2:
+                statuses.append("infeasible")
+                continue
+            if res.x is None:
+                statuses.append("no_solution")
+                continue
+            statuses.append("optimal" if res.status == 0 else "time_limit")
+            cand_seq = seq[:starts[a]] + _extract(model, res.x) + seq[ends[b - 1] + 1:]
+            cand_cost, cand_peak = evaluate(g, eager_frees(g, cand_seq))
+            if cand_peak <= cap and cand_cost < cost * (1 - 1e-9):
+                seq, cost, improved = cand_seq, cand_cost, improved + 1
+    seconds = time.perf_counter() - t0
+    search = WindowSearch(None, statuses, improved, seconds)
+    if not improved:
+        return search
+    out = make_plan(graph, [back[v] for v in seq], solver="milp window", status=search.status,
+                    solve_time=seconds, budget=cap)
+    out.notes = [f"MILP on the neighbourhood of the {plan.solver} plan: {len(statuses)} windows of at most "
+                 f"{window_stages} stages (of {T}), {improved} improved it, HiGHS statuses: "
+                 + ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) + f"; {seconds:.2f} s"]
+    search.plan = out if out.peak <= cap else None  # pruning never raises the peak: a guard on the model
+    return search

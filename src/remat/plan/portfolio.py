@@ -7,7 +7,10 @@ the cheapest candidate whose program fits wins. Overhead means one thing everywh
 recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
 on one cost model for every planner (:mod:`.frontier`). Candidates lowered for one budget are kept
 (:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
-budget never gets a costlier plan than a smaller one did in the same process.
+budget never gets a costlier plan than a smaller one did in the same process (the precise
+guarantee is in :mod:`.frontier`). When the winner is a greedy plan that recomputes much (near
+the floor), the MILP searches its neighbourhood under a small time limit
+(:func:`.milp.improve_in_windows`) and the cheaper of the two wins; the notes say which.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from .frontier import CostModel, frontier_for, program_overhead
 from .graph import Graph, GraphPlan
 from .liveness import predict_peak
 from .milp import MILP_MAX_NODES
-from .registry import SOLVER_OPTIONS, SOLVERS, check_option, graph_solver, small_for_exact
+from .registry import (NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
+                       improves_neighbourhood, small_for_exact)
 
 
 @dataclass
@@ -90,6 +94,7 @@ def plan_step(p: StepProblem) -> Candidate:
     order = memory_aware_order(low.graph)
     lowered: list[Candidate] = []
     minimums: list[int] = []
+    remarks: list[str] = []
     chain = plan_blocks(p, lowered)
     if isinstance(chain, int):
         minimums.append(chain)
@@ -104,15 +109,52 @@ def plan_step(p: StepProblem) -> Candidate:
         c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
     frontier.add_all(lowered)
     best = frontier.best(p.budget)
+    better = _improve_near_floor(p, low, best, frontier, model, base, remarks)
+    if better is not None:
+        lowered.append(better)
+        frontier.add(better)
+        best = frontier.best(p.budget)
     if best is None:
         known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
+    if remarks:  # the neighbourhood MILP ran: say which solver's plan won
+        remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%}")
     best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                                for c in others] + _why_not_chain(chain, p.budget),
+                                                for c in others] + _why_not_chain(chain, p.budget) + remarks,
                      best.program.clone(), best.overhead, best.plan, best.peak)
     verify(Module([best.program]))
     return best
+
+
+def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, model: CostModel, base: float,
+                        remarks: list[str]) -> Candidate | None:
+    """The MILP on the neighbourhood of the winning plan when the greedy made it and it recomputes
+    much (near the floor; the registry's ``improves_neighbourhood``), under a small time limit and
+    once per plan (``frontier.searched``): its plan, peaking no higher in the graph model, lowered
+    and scored on the one cost model, or None. Says what it did in ``remarks``."""
+    from .milp import improve_in_windows
+    from .rematerialize import from_schedule
+
+    plan = None if best is None else best.plan
+    if (not isinstance(plan, GraphPlan) or plan.solver != "greedy" or not improves_neighbourhood(p.solver, best.overhead)
+            or any(c is best for c in frontier.searched)):
+        return None
+    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [best]
+    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
+    what = (f"near the floor (the greedy's plan: predicted overhead {best.overhead:+.1%}): MILP on its neighbourhood, "
+            f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
+    if search.plan is None:
+        remarks.append(what + ", no cheaper plan found")
+        return None
+    prog = p.finish(from_schedule(low, search.plan.schedule, check=False))
+    cand = Candidate(f"{search.plan.solver} ({search.plan.status})",
+                     [n for n in best.notes if n.startswith("instruction-level")] + search.plan.notes
+                     + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"],
+                     prog, program_overhead(model, prog, base), search.plan, predict_peak(prog))
+    remarks.append(what + f", its plan: predicted overhead {cand.overhead:+.1%}"
+                   + ("" if cand.peak <= p.budget else ", but its program peaks over the budget"))
+    return cand
 
 
 def _why_not_chain(chain: Candidate | int | None, budget: int) -> list[str]:

@@ -72,6 +72,24 @@ SOLVER_OPTIONS: tuple[str, ...] = ("auto", *sorted(s.name for s in GRAPH_SOLVERS
 """Values of ``remat.compile(..., solver=)``: which instruction-level solver may run."""
 
 
+NEIGHBOURHOOD_OPTIONS: tuple[str, ...] = ("auto", "milp")
+"""Options under which a costly greedy plan is improved by the MILP on its neighbourhood
+(:func:`.milp.improve_in_windows`, time-limited, so machine-dependent); ``"greedy"`` keeps every
+plan deterministic (golden plans use it)."""
+
+NEAR_FLOOR_OVERHEAD = 0.15
+"""The greedy's predicted overhead above which the neighbourhood MILP runs: high recomputation
+happens near the minimum budget, where the greedy pays most; below it setup time does not grow."""
+
+NEIGHBOURHOOD_TIME_LIMIT = 3.0
+"""Seconds the neighbourhood MILP may take per budget (less when ``milp_time_limit`` is smaller)."""
+
+
+def improves_neighbourhood(option: str, greedy_overhead: float) -> bool:
+    """Whether the MILP searches the neighbourhood of a greedy plan with this predicted overhead."""
+    return option in NEIGHBOURHOOD_OPTIONS and greedy_overhead > NEAR_FLOOR_OVERHEAD
+
+
 def check_option(option: str) -> None:
     """A ValueError naming the valid options when ``option`` is not one."""
     if option not in SOLVER_OPTIONS:
@@ -91,4 +109,5 @@ def small_for_exact(n_nodes: int) -> bool:
     return any(s.max_nodes is not None and n_nodes <= s.max_nodes for s in GRAPH_SOLVERS)
 
 
-__all__ = ["GRAPH_SOLVERS", "SOLVERS", "SOLVER_OPTIONS", "Solver", "check_option", "graph_solver", "small_for_exact"]
+__all__ = ["GRAPH_SOLVERS", "NEAR_FLOOR_OVERHEAD", "NEIGHBOURHOOD_OPTIONS", "NEIGHBOURHOOD_TIME_LIMIT", "SOLVERS",
+           "SOLVER_OPTIONS", "Solver", "check_option", "graph_solver", "improves_neighbourhood", "small_for_exact"]

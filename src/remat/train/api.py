@@ -619,8 +619,10 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     the unconstrained peak; None plans no recomputation. Raises ``BudgetTooSmall`` with the
     minimum feasible budget; nothing of the model is modified by compiling.
     Options: ``cost_model`` ("static": deterministic estimates, the default; "profiled": measured
-    per-instruction times), ``solver`` ("auto", "greedy", "milp"), ``dialects``, ``seed``, ``keep_grads``,
-    ``num_targets``, ``milp_time_limit``, ``progress`` (a callable receiving stage names),
+    per-instruction times), ``solver`` ("auto", "greedy", "milp"; "greedy" plans deterministically: no
+    time-limited MILP, neither the whole one nor the one on the greedy's neighbourhood near the floor),
+    ``dialects``, ``seed``, ``keep_grads``, ``num_targets``, ``milp_time_limit`` (seconds; also caps the
+    neighbourhood MILP's 3 s), ``progress`` (a callable receiving stage names),
     ``print_after`` (a stage name of ``STAGES``, or several: print the IR after it; "plan" prints
     the planned step). ``step.report()`` gives each stage's seconds.
     ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
