@@ -89,7 +89,7 @@ def test_unbudgeted_steps_measure_no_workspace(monkeypatch):
 
     def refuse(*a, **k):
         raise AssertionError("an unbudgeted step measured kernel workspaces")
-    monkeypatch.setattr(allocator, "measure_workspaces", refuse)
+    monkeypatch.setattr(allocator, "_measure", refuse)
     monkeypatch.setattr(allocator, "allocation_trace", refuse)
     step = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
     step(*inputs)

@@ -200,18 +200,26 @@ def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | 
     not cached yet: each kernel runs alone on zero-filled operands, ``_REPEATS`` times, all in one
     profiler session (markers separate the kernels), and its workspace is the largest allocator
     peak of a run beyond its new results. Kernels refusing zeros (none known) count 0."""
+    _measure([(ins, key) for ins in instrs if (key := _kernel_key(ins, dialects)) is not None], dialects)
+
+
+def _kernel_key(ins: Instruction, dialects: Sequence[str] | None) -> str | None:
+    """The cache key of ``ins``'s kernel; None when it has no workspace to measure (control ops,
+    and NumPy / Numba kernels: their memory is not PyTorch's allocator's)."""
+    if ins.op.has("control"):
+        return None
+    dialect = _dialect_of(ins, dialects)
+    return None if dialect in ("numpy", "numba") else _key(ins, dialect)
+
+
+def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] | None) -> None:
+    """:func:`measure_workspaces` of instructions already keyed (``_kernel_key``)."""
     global _dirty
     _load()
     todo: dict[str, tuple[Instruction, str]] = {}
-    for ins in instrs:
-        if ins.op.has("control"):
-            continue
-        dialect = _dialect_of(ins, dialects)
-        if dialect in ("numpy", "numba"):  # NumPy memory: not PyTorch's allocator
-            continue
-        key = _key(ins, dialect)
+    for ins, key in keyed:
         if key not in _CACHE and key not in todo:
-            todo[key] = (ins, dialect)
+            todo[key] = (ins, _dialect_of(ins, dialects))
     if not todo:
         return
     runs = []
@@ -265,22 +273,20 @@ def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None) ->
     once per kernel and shape and cached). 0 for control ops and for kernels whose memory the
     allocator does not see (NumPy, Numba). ``dialects``: those the VM chooses from when ``ins``
     has none assigned."""
-    if ins.op.has("control"):
+    key = _kernel_key(ins, dialects)
+    if key is None:
         return 0
-    dialect = _dialect_of(ins, dialects)
-    if dialect in ("numpy", "numba"):
-        return 0
-    key = _key(ins, dialect)
     if key not in _CACHE:
-        measure_workspaces([ins], dialects)
+        _measure([(ins, key)], dialects)
     return _CACHE[key]
 
 
 def workspaces(fn: Function, dialects: Sequence[str] | None = None) -> dict[Instruction, int]:
     """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes); the kernels not
     cached yet are measured together, in one profiler session."""
-    measure_workspaces(fn.entry.instrs, dialects)
-    return {ins: kernel_workspace(ins, dialects) for ins in fn.entry.instrs}
+    keyed = [(ins, _kernel_key(ins, dialects)) for ins in fn.entry.instrs]
+    _measure([(ins, k) for ins, k in keyed if k is not None], dialects)
+    return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
 
 
 def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str] | None) -> int:
