@@ -77,9 +77,10 @@ class Report:
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the predicted peak (remat.distributed.memory)
     recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
-    workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
-    predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
-    measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
+    workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
+    predicted_allocator_peak: int | None = None    # the allocator bound: VM high-water marks + kernel workspaces
+    measured_allocator_peak: int | None = None     # PyTorch's allocator (budgeted steps: the first step, or
+                                                   # step.measure_allocator_peak on copies)
     shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
 
     def __str__(self) -> str:
