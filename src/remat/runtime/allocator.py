@@ -204,9 +204,10 @@ def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | 
 
 
 def _kernel_key(ins: Instruction, dialects: Sequence[str] | None) -> str | None:
-    """The cache key of ``ins``'s kernel; None when it has no workspace to measure (control ops,
-    and NumPy / Numba kernels: their memory is not PyTorch's allocator's)."""
-    if ins.op.has("control"):
+    """The cache key of ``ins``'s kernel; None when it has no workspace to measure: control ops and
+    collectives (effects other than in-place updates: run alone, a collective would wait for ranks
+    that do not take part) and NumPy / Numba kernels (their memory is not PyTorch's allocator's)."""
+    if ins.op.has("effect") and not ins.op.has("inplace"):
         return None
     dialect = _dialect_of(ins, dialects)
     return None if dialect in ("numpy", "numba") else _key(ins, dialect)
