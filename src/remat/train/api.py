@@ -453,7 +453,8 @@ class TrainStep:
                 state = current_state(self.optimizer, self._params, self.updates)
         args = self._step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
-        if self.measured_allocator_peak is None and self.budget is not None and self._measure_allocator:
+        if (self.measured_allocator_peak is None and self.budget is not None and self._measure_allocator
+                and not torch._C._autograd._profiler_enabled()):  # a profiler of the caller's: not nested
             outs, stats = self._run_measuring_allocator(args)
         else:
             outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak")
@@ -478,7 +479,8 @@ class TrainStep:
     def _run_measuring_allocator(self, args: list) -> tuple:
         """One run of the step under torch.profiler's memory events: the allocator's measured
         peak (arguments counted as the VM counts them) for ``report()``. Budgeted steps do this on
-        their first call only (``measure_allocator=False``: never)."""
+        their first call only (``measure_allocator=False``: never), and not inside a profiler the
+        caller runs (the next call measures then)."""
         from ..runtime.allocator import allocation_trace, peak_of_trace
 
         (outs, stats), events = allocation_trace(
