@@ -250,15 +250,17 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
 
     ok, events = allocation_trace(run_all)
     segs = _segments(events)
+    if len(segs) != 2 * _REPEATS * len(runs) + 2:  # a kernel's own events looked like a marker
+        raise RuntimeError(f"measuring kernel workspaces: {len(segs) - 2} allocator segments between markers, "
+                           f"expected {2 * _REPEATS * len(runs)}; the measurement cannot be attributed to kernels")
     # Segments: [before], then per run (kernel, gap to the next run) pairs; the operands exist
     # before the first marker, so a kernel's segment holds the kernel's own events only.
     k = 1
     for (key, _, _, fresh), good in zip(runs, ok):
         ws = 0
         for _ in range(_REPEATS):
-            seg = segs[k] if k < len(segs) else []
             net = peak = 0
-            for d in seg:
+            for d in segs[k]:
                 net += d
                 peak = max(peak, net)
             ws = max(ws, peak - fresh)
