@@ -39,7 +39,10 @@ def test_one_step_at_half_the_peak_matches_eager(zm):
     model, inputs = zm.build()
     eager = copy.deepcopy(model)
     opt_e = torch.optim.SGD(eager.parameters(), lr=LR)
-    step = remat.compile(model, inputs, optimizer=torch.optim.SGD(model.parameters(), lr=LR), budget=0.5)
+    # Exactly half of the VM's count (the VM's promise); with kernels' workspaces counted, half is
+    # below these small models' minimum (tests/train/test_allocator_budget.py checks the allocator).
+    step = remat.compile(model, inputs, optimizer=torch.optim.SGD(model.parameters(), lr=LR), budget=0.5,
+                         count_workspaces=False)
     got = step(**inputs)
     want = _eager_step(eager, opt_e, inputs)
     assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))

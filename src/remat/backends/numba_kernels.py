@@ -212,11 +212,15 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
 
 
 # ---------------------------------------------------------------- the on-disk cache
+def cache_root() -> Path:
+    """remat's on-disk caches: ``$REMAT_CACHE_DIR``, else ``~/.cache/remat``."""
+    root = os.environ.get("REMAT_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "remat"
+
+
 def cache_dir() -> Path:
     """Where generated kernel sources and Numba's compiled code live."""
-    root = os.environ.get("REMAT_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "remat"
-    return base / "kernels"
+    return cache_root() / "kernels"
 
 
 _kernels: dict[str, Callable] = {}

@@ -109,11 +109,13 @@ _CACHE: OrderedDict[str, Frontier] = OrderedDict()
 
 def step_key(p: StepProblem) -> str:
     """A hash of what decides the plans of a step: its printed program (round-trips, so equal text
-    means equal IR), the costs, the solver option and the step's extra bytes."""
+    means equal IR), the costs, the solver option, the step's extra bytes and whether peaks count
+    kernel workspaces."""
     h = hashlib.sha256(print_function(p.unconstrained).encode())
     h.update(print_function(p.joint).encode())
     h.update(repr([p.costs.get(i) for b in p.joint.blocks for i in b.instrs]).encode())
-    h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.example_args is not None)).encode())
+    h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.example_args is not None,
+                   p.workspace_fn is not None)).encode())  # with workspaces, peaks are allocator bounds
     return h.hexdigest()
 
 

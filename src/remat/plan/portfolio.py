@@ -40,7 +40,8 @@ class Candidate:
     program: Function           # the whole training step, rematerialised, with frees
     overhead: float             # predicted recompute cost / unconstrained compute cost
     plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
-    peak: int | None = None     # predict_peak(program), bytes (set by plan_step)
+    peak: int | None = None     # bytes its fit is judged by (set by plan_step): predict_peak(program), or
+                                # with workspaces counted (StepProblem.workspace_fn) the allocator bound
 
 
 @dataclass
@@ -61,6 +62,20 @@ class StepProblem:
     example_args: list | None = None  # the joint's arguments, to measure block times ("profiled"); None: static
     dialects: tuple[str, ...] | None = None
     workspaces: dict[Instruction, int] | None = None  # kernels' own bytes per joint instruction (graph solvers)
+    # Kernels' own bytes of any function's instructions (remat.runtime.allocator.workspaces). When
+    # set, a plan fits when its allocator bound (VM high-water marks + workspaces) is within the
+    # budget, and the chain DP's per-stage transient terms include the stages' workspaces.
+    workspace_fn: Callable[[Function], dict[Instruction, int]] | None = None
+
+
+def fit_peak(p: StepProblem, program: Function) -> int:
+    """The peak (bytes) a program of ``p`` must keep within the budget: the VM's exact peak, or with
+    workspaces counted its allocator bound (:func:`~.workspace.allocator_bound`)."""
+    if p.workspace_fn is None:
+        return predict_peak(program)
+    from .workspace import allocator_bound
+
+    return allocator_bound(program, p.workspace_fn(program))
 
 
 def uses_milp(solver: str, n_nodes: int) -> bool:
@@ -78,7 +93,7 @@ def plan_step(p: StepProblem) -> Candidate:
     scored on one cost model and the cheapest that fits wins. Raises ``BudgetTooSmall`` with the
     smallest minimum found."""
     check_option(p.solver)
-    peak = predict_peak(p.unconstrained)
+    peak = fit_peak(p, p.unconstrained)
     if p.budget is None or peak <= p.budget:
         why = ("no budget given" if p.budget is None else
                f"the unconstrained step ({format_bytes(peak)}) fits the budget")
@@ -104,7 +119,7 @@ def plan_step(p: StepProblem) -> Candidate:
     except BudgetTooSmall as e:
         minimums.append(e.minimum)
     for c in lowered:  # one cost model for every planner's program
-        c.peak = predict_peak(c.program) if c.peak is None else c.peak
+        c.peak = fit_peak(p, c.program) if c.peak is None else c.peak
         c.overhead = program_overhead(model, c.program, base)
         c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
     frontier.add_all(lowered)
@@ -190,7 +205,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
 
     def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
         prog = p.finish(from_schedule(low, plan.schedule, check=False))
-        peak = predict_peak(prog)
+        peak = fit_peak(p, prog)
         if lowered is not None:
             lowered.append(Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog,
                                      plan.overhead or 0.0, plan, peak))
@@ -274,7 +289,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None) -> Candida
         x = args[blocks.binding.x]
         one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
     profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure,
-                              kinds=blocks.kinds)
+                              kinds=blocks.kinds, workspace_fn=p.workspace_fn)
     if not measure:
         _static_times(profiles, blocks)
     costs = chain_costs(profiles)
@@ -318,4 +333,4 @@ def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:
     return out
 
 
-__all__ = ["Candidate", "MILP_MAX_NODES", "SOLVER_OPTIONS", "StepProblem", "plan_step", "uses_milp"]
+__all__ = ["Candidate", "MILP_MAX_NODES", "SOLVER_OPTIONS", "StepProblem", "fit_peak", "plan_step", "uses_milp"]

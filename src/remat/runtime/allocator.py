@@ -4,8 +4,11 @@ temporaries (convolution, pooling and normalisation workspaces, matmul packing, 
 * :func:`allocation_trace` / :func:`peak_of_trace`: the allocator's events during a call, from
   ``torch.profiler``'s memory events (PyTorch keeps no allocator statistics on CPU); the
   benchmarks' ``bench/_measure.py`` measures with them too.
-* :func:`kernel_workspace`: the bytes one instruction's kernel allocates beyond its results,
-  measured once per (dialect, op, operand types, attributes, threads) and cached for the process.
+* :func:`kernel_workspace` / :func:`workspaces`: the bytes an instruction's kernel allocates beyond
+  its results, measured once per (dialect, op, operand types, attributes, threads) by running the
+  kernel alone (all new kernels of a program in one profiler session), and cached in the process
+  and on disk (:func:`cache_file`, one file per torch version), so a budgeted compile measures
+  only kernels and shapes no earlier compile met.
 * :func:`measure_allocator_peak`: the allocator peak of one VM run of a program.
 
 ``remat.plan.workspace.allocator_bound`` turns the workspaces into a bound the planner can use.
@@ -15,12 +18,16 @@ seen, here and in the measurement alike.
 """
 from __future__ import annotations
 
+import json
+import os
+import platform
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..ir import Function, Instruction, Module
 
-_CACHE: dict[tuple, int] = {}
+_CACHE: dict[str, int] = {}  # _key(...) -> workspace bytes (also on disk: cache_file())
 
 
 def allocation_trace(fn: Callable[[], Any]) -> tuple[Any, list[tuple[int, int]]]:
@@ -52,11 +59,13 @@ def peak_of_trace(events: list[tuple[int, int]]) -> tuple[int, int, int]:
     return peak, net, allocated
 
 
-def _key(ins: Instruction) -> tuple:
+def _key(ins: Instruction, dialect: str) -> str:
+    """What decides a kernel's workspace: dialect, op, operand types, attributes, threads (a string:
+    the on-disk cache's key)."""
     import torch
 
-    return (ins.op.name, tuple(v.type for v in ins.operands),
-            tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())), torch.get_num_threads())
+    return repr((dialect, ins.op.name, tuple(str(v.type) for v in ins.operands),
+                 tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())), torch.get_num_threads()))
 
 
 def _zeros(t) -> Any:
@@ -73,51 +82,214 @@ def _torch_dtype(name: str) -> Any:
             "bf16": torch.bfloat16, "f32": torch.float32, "f64": torch.float64}[name]
 
 
-def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None) -> int:
-    """Bytes the kernel of ``ins`` (its assigned dialect) allocates beyond its new results, as
-    PyTorch's allocator sees them while the VM runs it: measured on zero-filled operands (valid
-    indices, seeds and shapes), the second of two runs (the first may warm caches), cached per
-    kernel and shape. 0 for control ops and for kernels whose memory the allocator does not see.
-    ``dialects``: those the VM chooses from when ``ins`` has none assigned."""
-    from .. import backends
+# ---------------------------------------------------------------- the on-disk cache
+_disk_loaded = False
+_dirty = False
 
-    if ins.op.has("control"):
-        return 0
-    dialect = ins.dialect or backends.select(ins, backends.resolve(dialects)).dialect
-    if dialect in ("numpy", "numba"):  # NumPy memory: not PyTorch's allocator
-        return 0
-    key = (dialect,) + _key(ins)
-    if key in _CACHE:
-        return _CACHE[key]
+
+def cache_file() -> Path:
+    """The on-disk cache of workspaces (bytes per kernel and shape), one file per torch version and
+    machine: ``$REMAT_CACHE_DIR`` (else ``~/.cache/remat``) ``/workspaces/torch-<version>-<arch>.json``."""
     import torch
 
-    from ..runtime.vm import VM
+    from ..backends.numba_kernels import cache_root
+
+    return cache_root() / "workspaces" / f"torch-{torch.__version__}-{platform.machine()}.json"
+
+
+def _load() -> None:
+    """Merge the on-disk cache into the process cache (once; a missing or unreadable file is empty)."""
+    global _disk_loaded
+    if _disk_loaded:
+        return
+    _disk_loaded = True
+    try:
+        data = json.loads(cache_file().read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if isinstance(k, str) and isinstance(v, int) and v >= 0:
+                _CACHE.setdefault(k, v)
+
+
+def save_cache() -> None:
+    """Write the process cache to disk (atomically; merged with what other processes wrote)."""
+    global _dirty
+    if not _dirty:
+        return
+    path = cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+            data = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            data = {}
+        data.update(_CACHE)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True))
+        os.replace(tmp, path)
+        _dirty = False
+    except OSError:  # a read-only home: measurements stay cached for this process only
+        pass
+
+
+def clear_cache(disk: bool = False) -> None:
+    """Forget measured workspaces (this process; with ``disk`` also the on-disk cache)."""
+    global _disk_loaded, _dirty
+    _CACHE.clear()
+    _disk_loaded = _dirty = False
+    if disk:
+        try:
+            cache_file().unlink()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------- measuring
+_MARK = (1237, 3271)  # a marker between kernels: two allocations of these odd sizes, each freed at once
+_REPEATS = 2          # runs per kernel (the first may warm caches); the workspace is the largest seen
+
+
+def _mark() -> None:
+    import torch
+
+    for n in _MARK:
+        t = torch.empty(n, dtype=torch.uint8)
+        del t
+
+
+def _segments(events: list[tuple[int, int]]) -> list[list[int]]:
+    """The allocator deltas between markers (the first segment is before the first marker)."""
+    pattern = [_MARK[0], -_MARK[0], _MARK[1], -_MARK[1]]
+    deltas = [d for _, d in events]
+    segs: list[list[int]] = [[]]
+    i = 0
+    while i < len(deltas):
+        if deltas[i:i + 4] == pattern:
+            segs.append([])
+            i += 4
+        else:
+            segs[-1].append(deltas[i])
+            i += 1
+    return segs
+
+
+def _dialect_of(ins: Instruction, dialects: Sequence[str] | None) -> str:
+    from .. import backends
+
+    return ins.dialect or backends.select(ins, backends.resolve(dialects)).dialect
+
+
+def _kernel_vm(ins: Instruction, dialect: str):
+    """A VM running ``ins`` alone (its kernel in ``dialect``) as ``@kernel``."""
+    from ..ir import Builder
+    from .vm import VM
 
     f = Function("kernel", [v.type for v in ins.operands], [r.type for r in ins.results])
-    from ..ir import Builder
-
     b = Builder(f.entry)
     new = b.create(ins.op.name, list(f.params), dict(ins.attrs), result_types=[r.type for r in ins.results],
                    dialect=dialect)
     b.ret(*new.results)
-    vm = VM(Module([f]), dialects=(dialect,))
-    fresh = sum(r.type.nbytes for k, r in enumerate(ins.results) if k not in ins.op.aliases)
-    ws = 0
-    try:
-        for _ in range(2):
-            args = [_zeros(v.type) for v in ins.operands]
-            _, events = allocation_trace(lambda: vm.run("kernel", *args, outputs="torch", record="peak"))
-            peak, _, _ = peak_of_trace(events)
-            ws = max(0, peak - fresh)
-    except Exception:  # noqa: BLE001 - a kernel refusing zeros (none known) costs nothing extra
+    return VM(Module([f]), dialects=(dialect,))
+
+
+def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | None = None) -> None:
+    """Measure (and cache, in the process and on disk) the workspace of every kernel of ``instrs``
+    not cached yet: each kernel runs alone on zero-filled operands, ``_REPEATS`` times, all in one
+    profiler session (markers separate the kernels), and its workspace is the largest allocator
+    peak of a run beyond its new results. Kernels refusing zeros (none known) count 0."""
+    _measure([(ins, key) for ins in instrs if (key := _kernel_key(ins, dialects)) is not None], dialects)
+
+
+def _kernel_key(ins: Instruction, dialects: Sequence[str] | None) -> str | None:
+    """The cache key of ``ins``'s kernel; None when it has no workspace to measure: control ops and
+    collectives (effects other than in-place updates: run alone, a collective would wait for ranks
+    that do not take part) and NumPy / Numba kernels (their memory is not PyTorch's allocator's)."""
+    if ins.op.has("effect") and not ins.op.has("inplace"):
+        return None
+    dialect = _dialect_of(ins, dialects)
+    return None if dialect in ("numpy", "numba") else _key(ins, dialect)
+
+
+def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] | None) -> None:
+    """:func:`measure_workspaces` of instructions already keyed (``_kernel_key``)."""
+    global _dirty
+    _load()
+    todo: dict[str, tuple[Instruction, str]] = {}
+    for ins, key in keyed:
+        if key not in _CACHE and key not in todo:
+            todo[key] = (ins, _dialect_of(ins, dialects))
+    if not todo:
+        return
+    runs = []
+    for key, (ins, dialect) in todo.items():
+        try:
+            vm = _kernel_vm(ins, dialect)
+        except Exception:  # noqa: BLE001 - a kernel that cannot run alone costs nothing extra
+            _CACHE[key] = 0
+            continue
+        fresh = sum(r.type.nbytes for k, r in enumerate(ins.results) if k not in ins.op.aliases)
+        runs.append((key, vm, [_zeros(v.type) for v in ins.operands], fresh))
+
+    def run_all() -> list[bool]:
+        ok = []
+        for _, vm, args, _ in runs:
+            good = True
+            for _ in range(_REPEATS):
+                _mark()
+                try:
+                    vm.run("kernel", *args, outputs="torch", record="peak")
+                except Exception:  # noqa: BLE001
+                    good = False
+                _mark()
+            ok.append(good)
+        _mark()
+        return ok
+
+    ok, events = allocation_trace(run_all)
+    segs = _segments(events)
+    if len(segs) != 2 * _REPEATS * len(runs) + 2:  # a kernel's own events looked like a marker
+        raise RuntimeError(f"measuring kernel workspaces: {len(segs) - 2} allocator segments between markers, "
+                           f"expected {2 * _REPEATS * len(runs)}; the measurement cannot be attributed to kernels")
+    # Segments: [before], then per run (kernel, gap to the next run) pairs; the operands exist
+    # before the first marker, so a kernel's segment holds the kernel's own events only.
+    k = 1
+    for (key, _, _, fresh), good in zip(runs, ok):
         ws = 0
-    _CACHE[key] = ws
-    return ws
+        for _ in range(_REPEATS):
+            net = peak = 0
+            for d in segs[k]:
+                net += d
+                peak = max(peak, net)
+            ws = max(ws, peak - fresh)
+            k += 2
+        _CACHE[key] = ws if good else 0
+    _dirty = True
+    save_cache()
+
+
+def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None) -> int:
+    """Bytes the kernel of ``ins`` (its assigned dialect) allocates beyond its new results, as
+    PyTorch's allocator sees them while the VM runs it (see :func:`measure_workspaces`; measured
+    once per kernel and shape and cached). 0 for control ops and for kernels whose memory the
+    allocator does not see (NumPy, Numba). ``dialects``: those the VM chooses from when ``ins``
+    has none assigned."""
+    key = _kernel_key(ins, dialects)
+    if key is None:
+        return 0
+    if key not in _CACHE:
+        _measure([(ins, key)], dialects)
+    return _CACHE[key]
 
 
 def workspaces(fn: Function, dialects: Sequence[str] | None = None) -> dict[Instruction, int]:
-    """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes)."""
-    return {ins: kernel_workspace(ins, dialects) for ins in fn.entry.instrs}
+    """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes); the kernels not
+    cached yet are measured together, in one profiler session."""
+    keyed = [(ins, _kernel_key(ins, dialects)) for ins in fn.entry.instrs]
+    _measure([(ins, k) for ins, k in keyed if k is not None], dialects)
+    return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
 
 
 def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str] | None) -> int:
@@ -130,5 +302,5 @@ def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str]
     return sum(p.type.nbytes for p in fn.params) + peak_of_trace(events)[0]
 
 
-__all__ = ["allocation_trace", "kernel_workspace", "measure_allocator_peak", "peak_of_trace",
-           "workspaces"]
+__all__ = ["allocation_trace", "cache_file", "clear_cache", "kernel_workspace", "measure_allocator_peak",
+           "measure_workspaces", "peak_of_trace", "save_cache", "workspaces"]

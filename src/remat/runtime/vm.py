@@ -575,7 +575,9 @@ class VM:
                     else:
                         for r in range(len(out)):
                             self._store(plan, st, r, out[r], frame, keys, tracker)
-                    out = None  # hold no reference to a released (dead) result
+                    # Hold no reference to a released (dead) result: a storage object kept by a
+                    # local would keep its memory allocated past the release the VM counts.
+                    out = sto = None
                 elif kind == _K_CALL:
                     callee = self._plans[st.callee]
                     cconv = _CONVERT[callee.arg_dialect] if callee.arg_dialect else None

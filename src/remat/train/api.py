@@ -78,9 +78,10 @@ class Report:
     data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
     memory: dict[str, int] | None = None  # bytes by kind live at the peak: measured (first step), else predicted
     recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
-    workspace_bytes: int = 0                       # the largest kernel workspace kept free under the budget
-    predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
-    measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
+    workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
+    predicted_allocator_peak: int | None = None    # the allocator bound: VM high-water marks + kernel workspaces
+    measured_allocator_peak: int | None = None     # PyTorch's allocator (budgeted steps: the first step, or
+                                                   # step.measure_allocator_peak on copies)
     shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
 
     def __str__(self) -> str:
@@ -158,7 +159,7 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int | None = None, count_workspaces: bool = False):
+                 bucket_bytes: int | None = None, count_workspaces: bool = True, measure_allocator: bool = True):
         # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
@@ -197,9 +198,10 @@ class TrainStep:
         self._step = 0
         self._seed = seed
         self._count_workspaces = count_workspaces
+        self._measure_allocator = measure_allocator  # budgeted steps: the first step runs under the profiler
         self.workspace_bytes = 0                      # the largest kernel workspace (budgeted steps)
         self.predicted_allocator_peak: int | None = None  # VM high-water marks + kernel workspaces
-        self.measured_allocator_peak: int | None = None   # profiler memory events of one run on copies
+        self.measured_allocator_peak: int | None = None   # profiler memory events of the first step (or on copies)
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
@@ -239,9 +241,8 @@ class TrainStep:
         self.recomputed_layers = recomputed_layers(self.program)
         if "numba" in backends.resolve(self.dialects):
             from ..backends import numba_kernels
-            from ..lower.fuse import fuse_function
 
-            self.program = self._stage("fuse", lambda: fuse_function(self.program))
+            self.program = self._stage("fuse", lambda: self._fuse_within_allocator(self.program))
             self._stage("kernel compilation", lambda: numba_kernels.prepare(Module([self.program])))
         self.predicted_peak = predict_peak(self.program)
         if self.dp is not None:
@@ -322,49 +323,47 @@ class TrainStep:
 
     def _plan_within_allocator(self, problem: StepProblem, unconstrained: Function) -> Candidate:
         """Plan so that PyTorch's allocator, not only the VM's count of IR values, stays within the
-        budget. The VM counts IR values exactly, and kernels allocate workspaces beside them: each
-        kernel's workspace is measured once per kernel and shape (``runtime.allocator``) and enters
-        the graph solvers as the node's workspace (memory while it computes); the chosen program's
-        allocator peak is then measured on copies of the arguments, and should it exceed the budget
-        (the chain planner does not see workspaces; temporaries the per-kernel measurement missed),
-        planning repeats with the overshoot taken off the VM target, at most twice. Without a budget, or with ``count_workspaces=False``, this is
-        ``plan_step`` unchanged (the budget then bounds the VM's count only)."""
+        budget. The VM counts IR values exactly; kernels allocate workspaces beside them. Each
+        kernel's workspace is measured once per kernel and shape (``runtime.allocator``, cached on
+        disk) and enters the graph solvers as the node's workspace and the chain DP as part of each
+        stage's transient bytes; a plan fits when its allocator bound (``plan.workspace``: the VM's
+        high-water mark at each instruction plus that kernel's workspace) is within the budget.
+        Without a budget, or with ``count_workspaces=False``, this is ``plan_step`` unchanged (the
+        budget then bounds the VM's count only)."""
         from ..plan.workspace import allocator_bound, workspace_margin
-        from ..runtime.allocator import measure_allocator_peak, workspaces
 
         if self.budget is None or not self._count_workspaces:
             return plan_step(problem)
-        ws = workspaces(unconstrained, self.dialects)
-        self.workspace_bytes = workspace_margin(unconstrained, ws)
-        problem = replace(problem, workspaces=workspaces(problem.joint, self.dialects))
-        target = self.budget
-        if allocator_bound(unconstrained, ws) > self.budget and predict_peak(unconstrained) <= self.budget:
-            target = self.budget - 1  # the unconstrained step fits the VM's count but not the allocator: plan
-        def measured(plan: Candidate) -> int:
-            args = self._step_args(self._example, copy=True, step=1)
-            return measure_allocator_peak(plan.program, args, self.dialects)
-
-        for attempt in range(3):
-            try:
-                plan = plan_step(replace(problem, budget=max(target, 1)))
-            except BudgetTooSmall as e:
-                # The minimum to report is what the allocator needs for the solvers' minimal plan.
-                least = plan_step(replace(problem, budget=e.minimum))
-                need = measured(least)
-                if need > self.budget:
-                    raise BudgetTooSmall(self.budget, need, "this training step",
-                                         detail=f"PyTorch's allocator peak of the least-memory plan; kernels' own "
-                                                f"workspaces take up to {format_bytes(self.workspace_bytes)}") from None
-                plan = least  # the minimal plan fits after all
-            self.predicted_allocator_peak = allocator_bound(plan.program, workspaces(plan.program, self.dialects))
-            self.measured_allocator_peak = measured(plan)
-            if self.measured_allocator_peak <= self.budget or attempt == 2:
-                break
-            target -= self.measured_allocator_peak - self.budget  # temporaries the model missed: plan tighter
-        if self.measured_allocator_peak > self.budget:
-            plan.notes = plan.notes + [f"the allocator's measured peak {format_bytes(self.measured_allocator_peak)} "
-                                       f"exceeds the budget after 3 attempts"]
+        ws_of = self._workspaces
+        self.workspace_bytes = workspace_margin(unconstrained, ws_of(unconstrained))
+        problem = replace(problem, workspaces=ws_of(problem.joint), workspace_fn=ws_of)
+        plan = plan_step(problem)
+        self.predicted_allocator_peak = allocator_bound(plan.program, ws_of(plan.program))
         return plan
+
+    def _workspaces(self, fn: Function) -> dict[Instruction, int]:
+        """Kernels' own bytes per instruction of ``fn`` (measured once per kernel and shape, cached)."""
+        from ..runtime.allocator import workspaces
+
+        return workspaces(fn, self.dialects)
+
+    def _fuse_within_allocator(self, program: Function) -> Function:
+        """The ``fuse`` stage: fusion never raises the VM's peak, but it moves high-water marks;
+        with workspaces counted, the fused program is kept only if its allocator bound stays
+        within the budget (else the planned program runs unfused)."""
+        from ..lower.fuse import fuse_function
+        from ..plan.workspace import allocator_bound
+
+        fused = fuse_function(program)
+        if self.budget is None or not self._count_workspaces:
+            return fused
+        bound = allocator_bound(fused, self._workspaces(fused))
+        if bound > self.budget >= (self.predicted_allocator_peak or 0):
+            self.notes = self.notes + [f"fusion left out: the fused program's allocator bound {format_bytes(bound)} "
+                                       f"exceeds the budget"]
+            return program
+        self.predicted_allocator_peak = bound
+        return fused
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -463,8 +462,12 @@ class TrainStep:
                 state = current_state(self.optimizer, self._params, self.updates)
         args = self._step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
-        outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak",
-                                   by_kind=self.kind_stats is None)
+        by_kind = self.kind_stats is None
+        if (self.measured_allocator_peak is None and self.budget is not None and self._measure_allocator
+                and not torch._C._autograd._profiler_enabled()):  # a profiler of the caller's: not nested
+            outs, stats = self._run_measuring_allocator(args, by_kind)
+        else:
+            outs, stats = self._vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
         if state is not None:  # the step succeeded: now the optimizer owns the state it updated
             self._state = bind_state(self.optimizer, self._params, self.updates, state)
         self.last_seconds = time.perf_counter() - t0
@@ -484,6 +487,18 @@ class TrainStep:
         elif self.updates:
             advance_steps(self.optimizer, self._params, self.updates)
         return loss
+
+    def _run_measuring_allocator(self, args: list, by_kind: bool = False) -> tuple:
+        """One run of the step under torch.profiler's memory events: the allocator's measured
+        peak (arguments counted as the VM counts them) for ``report()``. Budgeted steps do this on
+        their first call only (``measure_allocator=False``: never), and not inside a profiler the
+        caller runs (the next call measures then)."""
+        from ..runtime.allocator import allocation_trace, peak_of_trace
+
+        (outs, stats), events = allocation_trace(
+            lambda: self._vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind))
+        self.measured_allocator_peak = sum(p.type.nbytes for p in self.program.params) + peak_of_trace(events)[0]
+        return outs, stats
 
     # ------------------------------------------------------------------ other shapes
     def _other_shapes(self, inputs: Sequence) -> bool:
@@ -628,10 +643,12 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     ``data_parallel``: None (one process), "ddp", "zero1" or "zero2" (``remat.distributed``): inside an
     initialised ``torch.distributed`` process group, each rank passes its own shard of the batch and
     the budget is per rank; ``bucket_bytes`` sizes the gradient buckets (default ``remat.distributed.DEFAULT_BUCKET_BYTES``).
-    ``count_workspaces`` (default False: the budget bounds the VM's exact count of IR values; True:
-    kernels' own workspaces are measured per kernel and shape and planned for, and the planned step's
-    allocator peak is measured at compile time (on copies) and re-planned when over the budget, at
-    most twice — not yet a guarantee, see README). ``step.report()`` gives each
-    stage's seconds, the VM's peak and the allocator's.
+    ``count_workspaces`` (default True; budgeted steps only): kernels' own workspaces are measured once
+    per kernel and shape (cached on disk) and planned for, so that PyTorch's allocator peak, not only
+    the VM's exact count of IR values, stays within the budget; False: the budget bounds the VM's
+    count only. ``measure_allocator`` (default True; budgeted steps only): the first step runs under
+    torch.profiler and ``report()`` shows the allocator's measured peak beside the VM's
+    (``step.measure_allocator_peak(x, y)`` measures on copies at any time). ``step.report()`` gives
+    each stage's seconds, the VM's peak and the allocator's.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

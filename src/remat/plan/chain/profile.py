@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, replace
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...ir import Function
+from ...ir import Function, Instruction
 from .costs import ChainCosts
 from .executor import ChainStage
+
+WorkspaceFn = Callable[[Function], Mapping[Instruction, int]]  # a function -> its kernels' workspaces (bytes)
 
 
 @dataclass
@@ -37,12 +39,15 @@ class StageProfile:
         return asdict(self)
 
 
-def _internal_peak(fn: Function) -> int:
-    """Peak bytes of ``fn`` beyond its arguments (which the caller already holds)."""
+def _internal_peak(fn: Function, workspace_fn: WorkspaceFn | None = None) -> int:
+    """Peak bytes of ``fn`` beyond its arguments (which the caller already holds); with
+    ``workspace_fn``, of the allocator bound (high-water marks plus kernels' workspaces)."""
     from ..liveness import predict_peak
+    from ..workspace import allocator_bound
 
     args = sum(p.type.nbytes for p in fn.params)
-    return predict_peak(fn) - args
+    peak = predict_peak(fn) if workspace_fn is None else allocator_bound(fn, workspace_fn(fn))
+    return peak - args
 
 
 def _tape_bytes(stage: ChainStage) -> int:
@@ -69,19 +74,21 @@ def _median_time(fn: Function, args: Sequence, repeats: int, dialects) -> tuple[
 
 
 def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_grad, repeats: int = 5,
-                   dialects=None, measure: bool = True, kinds: Sequence[int] | None = None) -> list[StageProfile]:
+                   dialects=None, measure: bool = True, kinds: Sequence[int] | None = None,
+                   workspace_fn: WorkspaceFn | None = None) -> list[StageProfile]:
     """Run every stage's forward (with tape) and backward on the VM and record its costs.
     With ``measure=False`` nothing runs: times are 0 (for a caller supplying its own estimates)
     and bytes come from the IR as always, computed once per kind when ``kinds`` says which stages
-    are the same block (``remat.plan.blocks.Blocks.kinds``)."""
+    are the same block (``remat.plan.blocks.Blocks.kinds``). ``workspace_fn``: kernels' own bytes
+    per instruction; the transient terms then bound PyTorch's allocator, not only the VM's count."""
     profiles: list[StageProfile] = []
     if not measure:
         if kinds is None:
-            return [_profile(s, 0.0, 0.0) for s in stages]
+            return [_profile(s, 0.0, 0.0, workspace_fn) for s in stages]
         first: dict[int, StageProfile] = {}
         for s, k in zip(stages, kinds):
             if k not in first:
-                first[k] = _profile(s, 0.0, 0.0)
+                first[k] = _profile(s, 0.0, 0.0, workspace_fn)
             profiles.append(replace(first[k], name=s.name))
         return profiles
     tapes, xs = [], []
@@ -104,17 +111,18 @@ def profile_stages(stages: list[ChainStage], params: list[list], x, upstream_gra
         if len(outs) > len(s.grad_params):
             g = outs[len(s.grad_params)]
     for k, s in enumerate(stages):
-        profiles.append(_profile(s, fwd_times[k], bwd_times[k]))
+        profiles.append(_profile(s, fwd_times[k], bwd_times[k], workspace_fn))
     return profiles
 
 
-def _profile(s: ChainStage, fwd_time: float, bwd_time: float) -> StageProfile:
-    """A stage's profile: the given times, and bytes from the IR (exact)."""
+def _profile(s: ChainStage, fwd_time: float, bwd_time: float, workspace_fn: WorkspaceFn | None = None) -> StageProfile:
+    """A stage's profile: the given times, and bytes from the IR (exact; with ``workspace_fn`` the
+    transient terms include kernels' workspaces)."""
     out_b = s.output_type.nbytes + sum(t.nbytes for t in s.aux_types)
     tape_b = _tape_bytes(s)
     grad_b = s.input_type.nbytes if len(s.split.backward.result_types) > len(s.grad_params) else 0
-    fo = max(0, _internal_peak(s.split.forward) - out_b - tape_b)
-    bo = max(0, _internal_peak(s.split.backward) - grad_b)
+    fo = max(0, _internal_peak(s.split.forward, workspace_fn) - out_b - tape_b)
+    bo = max(0, _internal_peak(s.split.backward, workspace_fn) - grad_b)
     return StageProfile(s.name, fwd_time, bwd_time, out_b, grad_b, tape_b, fo, bo,
                         sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types))
 
