@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..ir import Module
 from .attention import attention_pass
+from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
 from .fold import fold
@@ -23,6 +24,7 @@ PASSES: dict[str, PassFn] = {
     "cse": cse,
     "dce": dce,
     "attention": attention_pass,
+    "linear-cross-entropy": cross_entropy_pass,
 }
 """The passes of this package by name."""
 

@@ -12,7 +12,7 @@ budget never gets a costlier plan than a smaller one did in the same process.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -37,6 +37,8 @@ class Candidate:
     overhead: float             # predicted recompute cost / unconstrained compute cost
     plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
     peak: int | None = None     # predict_peak(program), bytes (set by plan_step)
+    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices and why (plan.algorithms)
+    unconstrained: Function | None = None  # the unconstrained step of a lean algorithm choice (None: the reference)
 
 
 @dataclass

@@ -23,10 +23,17 @@ from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.ap
 from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
+from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from ..step.program import Layout, cleanup, step_program, training_graph
 
+
+ALGORITHM_OPTIONS = ("auto", "reference")
+"""``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy) when
+the reference step does not fit the budget and they are faster or the only feasible choice;
+"reference" keeps every op's reference algorithm (gradients bit-identical to the unconstrained step
+under any budget)."""
 
 STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "fuse", "kernel compilation",
           "prepare VM")
@@ -81,6 +88,7 @@ class Report:
     predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces (budgeted steps)
     measured_allocator_peak: int | None = None     # PyTorch's allocator, one run on copies (budgeted steps)
     shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
+    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices considered, and why
 
     def __str__(self) -> str:
         def b(v):
@@ -116,7 +124,8 @@ class Report:
             lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
         if self.memory is not None:
             lines += [f"{'at peak: ' + k:<{w}}  {b(v)}" for k, v in self.memory.items() if v]
-        lines += [f"  note: {n}" for n in self.solver_notes]
+        lines += [f"  algorithm: {a}" for a in self.algorithms]
+        lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
         return "\n".join(lines)
 
 
@@ -157,7 +166,7 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int | None = None, count_workspaces: bool = False):
+                 bucket_bytes: int | None = None, count_workspaces: bool = False, algorithms: str = "auto"):
         # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
@@ -173,6 +182,10 @@ class TrainStep:
             parse_budget(budget, reference=1)  # fractions resolve later, against the unconstrained peak
         if cost_model not in ("static", "profiled"):
             raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
+        if algorithms not in ALGORITHM_OPTIONS:
+            raise ValueError(f"algorithms must be one of {', '.join(map(repr, ALGORITHM_OPTIONS))}, got {algorithms!r}")
+        self._algorithms = algorithms
+        self._variant: Variant | None | bool = False  # the lean-algorithm variant, built on first need
         if solver not in SOLVER_OPTIONS:
             raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
         shown = {print_after} if isinstance(print_after, str) else set(print_after or ())
@@ -223,6 +236,9 @@ class TrainStep:
         self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
         self.solver, self.notes = self.plan.solver, self.plan.notes
+        self.algorithm_choices = list(self.plan.algorithms)
+        if self.plan.unconstrained is not None:  # a lean algorithm won: counts are against its own step
+            unconstrained = self.plan.unconstrained
         self.predicted_overhead = self.plan.overhead
         self.program = self._stage("lower", lambda: self.plan.program)
 
@@ -324,7 +340,7 @@ class TrainStep:
         from ..runtime.allocator import measure_allocator_peak, workspaces
 
         if self.budget is None or not self._count_workspaces:
-            return plan_step(problem)
+            return self._plan(problem)
         ws = workspaces(unconstrained, self.dialects)
         self.workspace_bytes = workspace_margin(unconstrained, ws)
         problem = replace(problem, workspaces=workspaces(problem.joint, self.dialects))
@@ -337,10 +353,10 @@ class TrainStep:
 
         for attempt in range(3):
             try:
-                plan = plan_step(replace(problem, budget=max(target, 1)))
+                plan = self._plan(replace(problem, budget=max(target, 1)))
             except BudgetTooSmall as e:
                 # The minimum to report is what the allocator needs for the solvers' minimal plan.
-                least = plan_step(replace(problem, budget=e.minimum))
+                least = self._plan(replace(problem, budget=e.minimum))
                 need = measured(least)
                 if need > self.budget:
                     raise BudgetTooSmall(self.budget, need, "this training step",
@@ -356,6 +372,38 @@ class TrainStep:
             plan.notes = plan.notes + [f"the allocator's measured peak {format_bytes(self.measured_allocator_peak)} "
                                        f"exceeds the budget after 3 attempts"]
         return plan
+
+    def _plan(self, problem: StepProblem) -> Candidate:
+        """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
+        (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
+        if self._algorithms == "reference":
+            return plan_step(problem)
+        return plan_choosing_algorithms(problem, self._lean_variant)
+
+    def _lean_variant(self, p: StepProblem) -> Variant | None:
+        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``):
+        built once (capture reused, differentiated again), then given ``p``'s budget and workspaces."""
+        from ..passes.crossentropy import fuse_cross_entropy
+        from ..runtime.allocator import workspaces
+
+        if self._variant is False:
+            forward, sites = fuse_cross_entropy(self.imported.function)
+            if not sites:
+                self._variant = None
+            else:
+                joint = cleanup(training_graph(forward, len(self.imported.param_names)))
+                unconstrained = self._make_step(joint, check=True)
+                lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
+                         f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
+                         f"and their gradient)" for s in sites]
+                base = replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
+                               costs=static_costs(joint), example_args=None, workspaces=None)
+                self._variant = Variant(base, lines)
+        if self._variant is None:
+            return None
+        v = self._variant
+        ws = None if p.workspaces is None else workspaces(v.problem.joint, self.dialects)
+        return Variant(replace(v.problem, budget=p.budget, workspaces=ws), v.sites)
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -553,7 +601,7 @@ class TrainStep:
                       dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
                       dict(self.recomputed_layers), self.workspace_bytes, self.predicted_allocator_peak,
                       self.measured_allocator_peak,
-                      self.shapes_cached())
+                      self.shapes_cached(), list(self.algorithm_choices))
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the predicted peak."""
@@ -603,7 +651,12 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     ``count_workspaces`` (default False: the budget bounds the VM's exact count of IR values; True:
     kernels' own workspaces are measured per kernel and shape and planned for, and the planned step's
     allocator peak is measured at compile time (on copies) and re-planned when over the budget, at
-    most twice — not yet a guarantee, see README). ``step.report()`` gives each
+    most twice — not yet a guarantee, see README). ``algorithms`` ("auto", the default, or "reference"):
+    under a budget the unconstrained step does not fit, "auto" also plans the step with memory-lean
+    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``) and keeps
+    the faster plan that fits; ``report().algorithms`` says what was chosen and why. Such a step's
+    gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
+    ``step.report()`` gives each
     stage's seconds, the VM's peak and the allocator's.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
