@@ -98,3 +98,16 @@ def test_bad_option_names_the_valid_ones(case):
     model, inputs, _, _ = case
     with pytest.raises(ValueError, match="algorithms must be one of 'auto', 'reference'"):
         remat.compile(copy.deepcopy(model), inputs, _loss, algorithms="fast")
+
+
+def test_lean_variant_not_planned_when_it_cannot_be_faster():
+    """A wide head (d=64): recomputing the head's matmul costs more than the reference's little
+    recomputation just under the unconstrained peak, so the lean variant is not even planned."""
+    torch.manual_seed(1)
+    model = WideHead(vocab=600, d=64)
+    x, y = torch.randint(0, 600, (2, 32)), torch.randint(0, 600, (2, 32))
+    base = remat.compile(copy.deepcopy(model), (x, y), _loss)
+    step = remat.compile(copy.deepcopy(model), (x, y), _loss, budget=base.unconstrained_peak - 1)
+    (line,) = step.report().algorithms
+    assert ": not chosen;" in line and "no slower than the lean variant without recomputation" in line
+    assert not any(i.op.name == "linear_cross_entropy" for i in step.program.entry.instrs)

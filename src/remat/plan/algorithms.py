@@ -67,6 +67,12 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
         return ref
     q = replace(variant.problem, budget=p.budget)
     alt: Candidate | None = None
+    t_floor = predicted_seconds(q.unconstrained)
+    if ref is not None and predicted_seconds(ref.program) <= t_floor:
+        # No plan of the lean variant runs faster than its own unconstrained step: not worth planning.
+        choice = [f"{s}: not chosen; the reference plan's predicted step ({predicted_seconds(ref.program):.4g} s) "
+                  f"is no slower than the lean variant without recomputation ({t_floor:.4g} s)" for s in variant.sites]
+        return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
     try:
         alt = plan_step(q)
     except BudgetTooSmall as e:
