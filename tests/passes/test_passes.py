@@ -291,3 +291,31 @@ def test_gradient_of_mlp_after_pipeline_has_no_dead_or_duplicate_instructions():
 def test_passes_resolve_by_name():
     for n in ("grad", "simplify", "fold", "cse", "dce", "inline"):
         assert callable(get_pass(n))
+
+
+def _split_gradient(spans):
+    """g = pad(s0) + pad(s1) + pad(s2): the three slices of x [2, 6] (spans on axis 1) padded back."""
+    lines, acc = [], None
+    for k, (a, b) in enumerate(spans):
+        lines.append(f"%{1 + 2 * k} = slice %0 {{start=[0, {a}], stop=[2, {b}], step=[1, 1]}} : f64[2,{b - a}]")
+        lines.append(f"%{2 + 2 * k} = pad %{1 + 2 * k} {{low=[0, {a}], high=[0, {6 - b}]}} : f64[2,6]")
+        if acc is None:
+            acc = f"%{2 + 2 * k}"
+        else:
+            lines.append(f"%{10 + k} = add {acc}, %{2 + 2 * k} : f64[2,6]")
+            acc = f"%{10 + k}"
+    body = "\n  ".join(lines)
+    return f"func @f(%0: f64[2,6]) -> f64[2,6] {{\n  {body}\n  return {acc}\n}}\n"
+
+
+def test_adjacent_zero_pads_summed_become_one_concat():
+    """The gradient of a tensor split in three (q, k, v): one join, no padded copies, same values."""
+    m, out = _run(_split_gradient([(4, 6), (2, 4), (0, 2)]), ["simplify", "dce"])
+    assert _ops(out["f"]) == ["slice", "slice", "slice", "concat", "return"], str(out)
+    x = np.arange(12.0).reshape(2, 6) - 5.5
+    _same_numerics(m, out, [x])
+
+
+def test_pads_with_a_gap_are_left_alone():
+    m, out = _run(_split_gradient([(0, 2), (3, 5)]), ["simplify", "dce"])
+    assert _ops(out["f"]).count("pad") == 2 and "concat" not in _ops(out["f"])

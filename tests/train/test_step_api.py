@@ -101,7 +101,9 @@ def test_dropout_is_replayed_when_recomputed_under_a_budget():
     runs = []
     for budget in (None, 0.85):
         m = copy.deepcopy(model)
-        step = remat.compile(m, inputs, loss_fn, budget=budget, seed=7)
+        # The reference algorithms throughout: a lean cross-entropy (chosen by predicted time) would
+        # sum the head's gradient in another order; this test is about the dropout mask's replay.
+        step = remat.compile(m, inputs, loss_fn, budget=budget, seed=7, algorithms="reference")
         loss = step(*inputs)
         runs.append((step, loss, grads_of(m)))
     (base, l0, g0), (step, l1, g1) = runs

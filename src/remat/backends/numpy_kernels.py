@@ -773,3 +773,24 @@ def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
     grads = reference_backward(_up(g), _up(q), _up(k), _up(v), _up(out), _up(lse), _f32_mask(mask), scale=scale,
                                is_causal=is_causal)
     return tuple(_fresh(x, q.dtype) for x in grads)
+
+
+# ---------------------------------------------------------------- cross-entropy fused with the head (chunked)
+from ..ir.ops import crossentropy as _ce  # noqa: E402
+
+
+@k("linear_cross_entropy")
+def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=_ce.DEFAULT_CHUNK):
+    check_targets("linear_cross_entropy", target, w.shape[0], ignore_index)
+    loss, lse = _ce.reference_forward(_up(x), _up(w), target, reduction=reduction, ignore_index=ignore_index,
+                                      chunk=chunk)
+    return _fresh(loss, x.dtype), _fresh(lse, x.dtype)
+
+
+@k("linear_cross_entropy_grad")
+def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_index=-100,
+                              chunk=_ce.DEFAULT_CHUNK):
+    check_targets("linear_cross_entropy_grad", target, w.shape[0], ignore_index)
+    dx, dw = _ce.reference_backward(_up(g), _up(x), _up(w), target, _up(lse), reduction=reduction,
+                                    ignore_index=ignore_index, chunk=chunk)
+    return _fresh(dx, x.dtype), _fresh(dw, x.dtype)

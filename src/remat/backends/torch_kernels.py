@@ -621,3 +621,62 @@ def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
     dq = torch.matmul(ds, k32) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
     return tuple(_fresh(x.to(q.dtype).contiguous()) for x in (dq, dk, dv))
+
+
+# ---------------------------------------------------------------- cross-entropy fused with the head (chunked)
+# One chunk's logits at a time (``remat.ir.ops.crossentropy``): the temporaries are a chunk's logits
+# and their gradient, computed in place; dw accumulates chunk by chunk (addmm into the result).
+def _ce_rows(target, ignore_index):
+    keep = target != ignore_index
+    return keep, torch.where(keep, target, torch.zeros((), dtype=target.dtype, device=target.device)).to(torch.int64)
+
+
+@k("linear_cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
+def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=1024):
+    npk.check_targets("linear_cross_entropy", target, w.shape[0], ignore_index)
+    dt = torch.float32 if x.dtype in _LOWP else x.dtype
+    x32, w32 = x.to(dt), w.to(dt)
+    keep, t = _ce_rows(target, ignore_index)
+    n = x.shape[0]
+    lse = torch.empty(n, dtype=dt, device=x.device)
+    rows = torch.empty(n, dtype=dt, device=x.device)
+    for a in range(0, n, chunk):
+        z = torch.mm(x32[a:a + chunk], w32.t())
+        s = torch.logsumexp(z, dim=1)
+        lse[a:a + chunk] = s
+        picked = z.gather(1, t[a:a + chunk, None])[:, 0]
+        rows[a:a + chunk] = torch.where(keep[a:a + chunk], s - picked, torch.zeros((), dtype=dt, device=x.device))
+        del z
+    if reduction == "none":
+        loss = rows
+    else:
+        loss = rows.sum()
+        if reduction == "mean":
+            loss = loss / keep.sum().to(dt)
+    return _fresh(loss.to(x.dtype).contiguous()), _fresh(lse.to(x.dtype).contiguous())
+
+
+@k("linear_cross_entropy_grad", checker=lambda ins: ins.operands[0].type.dtype.is_float)
+def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_index=-100, chunk=1024):
+    npk.check_targets("linear_cross_entropy_grad", target, w.shape[0], ignore_index)
+    dt = torch.float32 if x.dtype in _LOWP else x.dtype
+    x32, w32, lse32 = x.to(dt), w.to(dt), lse.to(dt)
+    keep, t = _ce_rows(target, ignore_index)
+    g32 = g.to(dt)
+    scale = g32 if reduction == "none" else g32.expand(keep.shape)
+    if reduction == "mean":
+        scale = scale / keep.sum().to(dt)
+    scale = torch.where(keep, scale, torch.zeros((), dtype=dt, device=x.device))
+    dx = torch.empty_like(x32)
+    dw = torch.zeros_like(w32)
+    for a in range(0, x.shape[0], chunk):
+        xc = x32[a:a + chunk]
+        p = torch.mm(xc, w32.t())
+        p.sub_(lse32[a:a + chunk, None]).exp_()
+        idx = torch.arange(p.shape[0], device=x.device)
+        p[idx, t[a:a + chunk]] -= 1
+        p.mul_(scale[a:a + chunk, None])
+        torch.mm(p, w32, out=dx[a:a + chunk])
+        dw.addmm_(p.t(), xc)
+        del p
+    return _fresh(dx.to(x.dtype).contiguous()), _fresh(dw.to(x.dtype).contiguous())

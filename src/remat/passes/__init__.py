@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..ir import Module
 from .attention import attention_pass
+from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
 from .decompose import decompose_pass
@@ -25,6 +26,7 @@ PASSES: dict[str, PassFn] = {
     "dce": dce,
     "attention": attention_pass,
     "decompose": decompose_pass,
+    "linear-cross-entropy": cross_entropy_pass,
 }
 """The passes of this package by name."""
 

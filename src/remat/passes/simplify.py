@@ -122,6 +122,53 @@ def concat_one(ins, b):
     return ins.operands[0] if len(ins.operands) == 1 else None
 
 
+def concat_concat(ins, b):
+    """concat(a, concat(b, c), d) along one axis -> concat(a, b, c, d) (the inner join never held)."""
+    axis = ins.attrs["axis"]
+    inner = [_def(v, "concat") for v in ins.operands]
+    if not any(d is not None and d.attrs["axis"] == axis for d in inner):
+        return None
+    ops = [x for v, d in zip(ins.operands, inner)
+           for x in (d.operands if d is not None and d.attrs["axis"] == axis else [v])]
+    return b.op("concat", *ops, axis=axis)
+
+
+def _zero_pad_span(v: Value) -> tuple[Value, int, int, int] | None:
+    """(x, axis, low, high) when ``v = pad(x)`` with zeros on one axis only, no interior padding."""
+    d = _def(v, "pad")
+    if d is None or d.attrs["value"] != 0.0 or any(d.attrs["interior"]):
+        return None
+    axes = [k for k, (lo, hi) in enumerate(zip(d.attrs["low"], d.attrs["high"])) if lo or hi]
+    if len(axes) != 1 or d.attrs["low"][axes[0]] < 0 or d.attrs["high"][axes[0]] < 0:
+        return None
+    k = axes[0]
+    return d.operands[0], k, d.attrs["low"][k], d.attrs["high"][k]
+
+
+def add_adjacent_pads(ins, b):
+    """pad(a) + pad(c) over adjacent spans of one axis -> pad(concat(a, c)): the gradient of a
+    tensor split into slices (q, k, v of one projection), summed from zero-padded pieces, as one
+    join; each piece is read once instead of padding every piece to the whole shape. Exact but for
+    the sign of zero (x + 0 gives +0 for x = -0; the join keeps -0), as ``x + 0 -> x``."""
+    x, y = ins.operands
+    sx, sy = _zero_pad_span(x), _zero_pad_span(y)
+    if sx is None or sy is None or sx[1] != sy[1] or x.type != ins.results[0].type or y.type != x.type:
+        return None
+    k = sx[1]
+    if sx[2] > sy[2]:
+        sx, sy = sy, sx
+    (a, _, lo_a, _), (c, _, lo_c, hi_c) = sx, sy
+    if lo_a + a.type.shape[k] != lo_c:
+        return None  # overlapping or with a gap between
+    joined = b.op("concat", a, c, axis=k)
+    low = [0] * x.type.rank
+    high = [0] * x.type.rank
+    low[k], high[k] = lo_a, hi_c
+    if not lo_a and not hi_c:
+        return joined
+    return b.op("pad", joined, low=low, high=high, interior=[0] * x.type.rank)
+
+
 def _swapped_last_two(v: Value) -> Value | None:
     """x when ``v = transpose(x)`` swaps only x's last two dims, else None."""
     d = _def(v, "transpose")
@@ -163,7 +210,7 @@ def matmul_broadcast_operand(ins, b):
 RULES: dict[str, list[Rule]] = {
     "matmul": [matmul_transposed_operand, matmul_broadcast_operand],
     "mul": [_right_identity(1), _left_identity(1)],
-    "add": [_right_identity(0), _left_identity(0)],
+    "add": [_right_identity(0), _left_identity(0), add_adjacent_pads],
     "sub": [_right_identity(0)],
     "div": [_right_identity(1)],
     "pow": [_right_identity(1)],
@@ -178,7 +225,7 @@ RULES: dict[str, list[Rule]] = {
     "reduce_max": [reduce_nothing],
     "slice": [slice_full],
     "pad": [pad_nothing],
-    "concat": [concat_one],
+    "concat": [concat_one, concat_concat],
 }
 
 

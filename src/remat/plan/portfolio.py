@@ -15,7 +15,7 @@ the floor), the MILP searches its neighbourhood under a small time limit
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -42,6 +42,8 @@ class Candidate:
     plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
     peak: int | None = None     # bytes its fit is judged by (set by plan_step): predict_peak(program), or
                                 # with workspaces counted (StepProblem.workspace_fn) the allocator bound
+    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices and why (plan.algorithms)
+    unconstrained: Function | None = None  # the unconstrained step of a lean algorithm choice (None: the reference)
 
 
 @dataclass

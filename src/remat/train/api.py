@@ -24,10 +24,17 @@ from ..ir import Function, Instruction, Module
 from ..passes.decompose import decompose_unclaimed
 from ..plan.costmodel import static_costs
 from ..plan.liveness import predict_peak
+from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from ..step.program import Layout, cleanup, step_program, training_graph
 
+
+ALGORITHM_OPTIONS = ("auto", "reference")
+"""``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy) when
+the reference step does not fit the budget and they are faster or the only feasible choice;
+"reference" keeps every op's reference algorithm (gradients bit-identical to the unconstrained step
+under any budget)."""
 
 STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "fuse", "kernel compilation",
           "prepare VM")
@@ -83,6 +90,7 @@ class Report:
     measured_allocator_peak: int | None = None     # PyTorch's allocator (budgeted steps: the first step, or
                                                    # step.measure_allocator_peak on copies)
     shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
+    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices considered, and why
 
     def __str__(self) -> str:
         def b(v):
@@ -118,7 +126,8 @@ class Report:
             lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
         if self.memory is not None:
             lines += [f"{'at peak: ' + k:<{w}}  {b(v)}" for k, v in self.memory.items() if v]
-        lines += [f"  note: {n}" for n in self.solver_notes]
+        lines += [f"  algorithm: {a}" for a in self.algorithms]
+        lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
         return "\n".join(lines)
 
 
@@ -159,7 +168,8 @@ class TrainStep:
                  cost_model: str = "static", milp_time_limit: float = 10.0,
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
-                 bucket_bytes: int | None = None, count_workspaces: bool = True, measure_allocator: bool = True):
+                 bucket_bytes: int | None = None, count_workspaces: bool = True, measure_allocator: bool = True,
+                 algorithms: str = "auto"):
         # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
@@ -175,6 +185,10 @@ class TrainStep:
             parse_budget(budget, reference=1)  # fractions resolve later, against the unconstrained peak
         if cost_model not in ("static", "profiled"):
             raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), got {cost_model!r}")
+        if algorithms not in ALGORITHM_OPTIONS:
+            raise ValueError(f"algorithms must be one of {', '.join(map(repr, ALGORITHM_OPTIONS))}, got {algorithms!r}")
+        self._algorithms = algorithms
+        self._variant: Variant | None | bool = False  # the lean-algorithm variant, built on first need
         if solver not in SOLVER_OPTIONS:
             raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
         shown = {print_after} if isinstance(print_after, str) else set(print_after or ())
@@ -228,6 +242,9 @@ class TrainStep:
         self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
         self.solver, self.notes = self.plan.solver, self.plan.notes
+        self.algorithm_choices = list(self.plan.algorithms)
+        if self.plan.unconstrained is not None:  # a lean algorithm won: counts are against its own step
+            unconstrained = self.plan.unconstrained
         self.predicted_overhead = self.plan.overhead
         self.program = self._stage("lower", lambda: self.plan.program)
 
@@ -333,11 +350,11 @@ class TrainStep:
         from ..plan.workspace import allocator_bound, workspace_margin
 
         if self.budget is None or not self._count_workspaces:
-            return plan_step(problem)
+            return self._plan(problem)
         ws_of = self._workspaces
         self.workspace_bytes = workspace_margin(unconstrained, ws_of(unconstrained))
         problem = replace(problem, workspaces=ws_of(problem.joint), workspace_fn=ws_of)
-        plan = plan_step(problem)
+        plan = self._plan(problem)
         self.predicted_allocator_peak = allocator_bound(plan.program, ws_of(plan.program))
         return plan
 
@@ -364,6 +381,39 @@ class TrainStep:
             return program
         self.predicted_allocator_peak = bound
         return fused
+
+    def _plan(self, problem: StepProblem) -> Candidate:
+        """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
+        (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
+        if self._algorithms == "reference":
+            return plan_step(problem)
+        return plan_choosing_algorithms(problem, self._lean_variant)
+
+    def _lean_variant(self, p: StepProblem) -> Variant | None:
+        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``):
+        built once (capture reused, differentiated again), then given ``p``'s budget and workspaces."""
+        from ..passes.crossentropy import fuse_cross_entropy
+
+        if self._variant is False:
+            forward, sites = fuse_cross_entropy(self.imported.function)
+            if not sites:
+                self._variant = None
+            else:
+                joint = cleanup(training_graph(forward, len(self.imported.param_names)))
+                unconstrained = self._make_step(joint, check=True)
+                lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
+                         f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
+                         f"and their gradient)" for s in sites]
+                base = replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
+                               costs=static_costs(joint), example_args=None, workspaces=None)
+                self._variant = Variant(base, lines)
+        if self._variant is None:
+            return None
+        v = self._variant
+        if p.workspace_fn is None:
+            return Variant(replace(v.problem, budget=p.budget), v.sites)
+        return Variant(replace(v.problem, budget=p.budget, workspaces=p.workspace_fn(v.problem.joint),
+                               workspace_fn=p.workspace_fn), v.sites)
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -580,7 +630,7 @@ class TrainStep:
                       dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
                       dict(self.recomputed_layers), self.workspace_bytes, self.predicted_allocator_peak,
                       self.measured_allocator_peak,
-                      self.shapes_cached())
+                      self.shapes_cached(), list(self.algorithm_choices))
 
     def _value_kinds(self) -> dict:
         """The kind of every value of the step program (``remat.distributed.memory.kinds``)."""
@@ -649,6 +699,10 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     count only. ``measure_allocator`` (default True; budgeted steps only): the first step runs under
     torch.profiler and ``report()`` shows the allocator's measured peak beside the VM's
     (``step.measure_allocator_peak(x, y)`` measures on copies at any time). ``step.report()`` gives
-    each stage's seconds, the VM's peak and the allocator's.
+    each stage's seconds, the VM's peak and the allocator's. ``algorithms`` ("auto", the default, or "reference"):
+    under a budget the unconstrained step does not fit, "auto" also plans the step with memory-lean
+    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``) and keeps
+    the faster plan that fits; ``report().algorithms`` says what was chosen and why. Such a step's
+    gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
     """
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

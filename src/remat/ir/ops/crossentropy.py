@@ -1,0 +1,195 @@
+"""Cross-entropy fused with the language-model head's matmul, in chunks of rows: a memory-lean
+alternative to ``matmul -> log_softmax -> nll_loss`` (issue 10: per-operator algorithm choice).
+
+``linear_cross_entropy(x [N, d], w [V, d], target [N])`` is ``nll_loss(log_softmax(x @ wᵀ), target)``
+computed ``chunk`` rows at a time: it returns the loss and the rows' logsumexp ``[N]``, and never
+holds the ``[N, V]`` logits as an IR value. Its backward ``linear_cross_entropy_grad`` recomputes each
+chunk's logits from x, w and the logsumexp, and gives ``dx [N, d]`` and ``dw [V, d]`` (accumulated
+chunk by chunk), so neither the logits, their log-softmax nor their gradient is ever whole.
+
+Memory, as the VM counts it: the results only (loss, ``[N]`` logsumexp; ``dx`` and ``dw``). The
+kernels' own temporaries are one chunk's logits and their gradient, ``chunk × V`` elements each
+(:func:`workspace_bytes`), against the ``3 × N × V`` that the reference holds at once as IR values.
+Time: the backward recomputes the head's matmul (one more ``2·N·d·V`` flops than the reference).
+Values equal the reference's up to summation order (``dw`` sums chunk by chunk), so the planner
+uses it only as a choice it reports (``remat.plan.algorithms``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..opdef import Attr, IndexBounds, OpDef, Sample, declare
+from ..types import TensorType
+from ._util import expect_float, rand
+
+_REDUCTIONS = ("mean", "sum", "none")
+DEFAULT_CHUNK = 1024
+"""Rows per chunk unless the rewrite chooses: 1024 rows of a 50k vocabulary is 200 MB of f32 logits."""
+
+_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100), Attr("chunk", "int", DEFAULT_CHUNK))
+
+
+def workspace_bytes(n: int, v: int, itemsize: int, chunk: int) -> int:
+    """A bound on the kernels' temporaries beyond their results (bytes): two chunks of logits (the
+    logits and their exponentials, or their gradient) and a few row vectors ([N] weights, indices)."""
+    return 2 * min(chunk, n) * v * itemsize + 8 * n * max(itemsize, 8)
+
+
+def _check(name: str, x: TensorType, w: TensorType, target: TensorType, attrs) -> None:
+    expect_float(name, x, "input")
+    if x.rank != 2 or w.rank != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype:
+        raise TypeError(f"'{name}' needs input [N, d] and weight [V, d] of the same dtype, got {x} and {w}")
+    if not target.dtype.is_int or target.shape != (x.shape[0],):
+        raise TypeError(f"'{name}' needs integer class targets [{x.shape[0]}] (i32 or i64), got {target}")
+    if attrs["reduction"] not in _REDUCTIONS:
+        raise TypeError(f"'{name}': reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, "
+                        f"got {attrs['reduction']!r}")
+    if attrs["chunk"] < 1:
+        raise TypeError(f"'{name}': chunk (rows per chunk) must be >= 1, got {attrs['chunk']}")
+
+
+def _infer(types, attrs):
+    x, w, target = types
+    _check("linear_cross_entropy", x, w, target, attrs)
+    loss = x.with_shape((x.shape[0],) if attrs["reduction"] == "none" else ())
+    return loss, x.with_shape((x.shape[0],))
+
+
+def _grad_infer(types, attrs):
+    g, x, w, target, lse = types
+    _check("linear_cross_entropy_grad", x, w, target, attrs)
+    want = (x.shape[0],) if attrs["reduction"] == "none" else ()
+    if g.dtype != x.dtype or g.shape != want:
+        raise TypeError(f"'linear_cross_entropy_grad': output gradient must be {x.with_shape(want)} for reduction "
+                        f"{attrs['reduction']!r}, got {g}")
+    if lse != x.with_shape((x.shape[0],)):
+        raise TypeError(f"'linear_cross_entropy_grad': logsumexp must be {x.with_shape((x.shape[0],))}, got {lse}")
+    return x, w
+
+
+def _flops(types, results, attrs) -> float:
+    x, w = types[0], types[1]
+    n, d, v = x.shape[0], x.shape[1], w.shape[0]
+    return 2.0 * n * d * v + 4.0 * n * v  # the head's matmul, then logsumexp and the pick
+
+
+def _grad_flops(types, results, attrs) -> float:
+    x, w = types[1], types[2]
+    n, d, v = x.shape[0], x.shape[1], w.shape[0]
+    return 6.0 * n * d * v + 5.0 * n * v  # recomputed logits, dx, dw; the softmax's gradient
+
+
+def _bounds(types, attrs) -> IndexBounds:
+    return IndexBounds(2, types[1].shape[0], attrs["ignore_index"])
+
+
+def _bounds_grad(types, attrs) -> IndexBounds:
+    return IndexBounds(3, types[2].shape[0], attrs["ignore_index"])
+
+
+# ---------------------------------------------------------------- NumPy reference (chunked)
+def row_scale(g: np.ndarray, keep: np.ndarray, reduction: str) -> np.ndarray:
+    """Each row's weight in the loss's gradient: g (per row for "none"), divided by the count of
+    kept rows for "mean", 0 on ignored rows."""
+    gs = g if reduction == "none" else np.broadcast_to(g, keep.shape)
+    if reduction == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            gs = gs / gs.dtype.type(np.count_nonzero(keep))
+    return np.where(keep, gs, gs.dtype.type(0))
+
+
+def reference_forward(x, w, target, *, reduction: str = "mean", ignore_index: int = -100, chunk: int = DEFAULT_CHUNK):
+    """(loss, logsumexp [N]) in x's dtype, chunk by chunk."""
+    n = x.shape[0]
+    keep = target != ignore_index
+    t = np.where(keep, target, 0)
+    lse = np.empty(n, dtype=x.dtype)
+    rows = np.empty(n, dtype=x.dtype)
+    for a in range(0, n, chunk):
+        z = x[a:a + chunk] @ w.T
+        m = np.max(z, axis=1, keepdims=True)
+        s = (m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)))[:, 0]
+        lse[a:a + chunk] = s
+        rows[a:a + chunk] = np.where(keep[a:a + chunk], s - z[np.arange(z.shape[0]), t[a:a + chunk]], 0)
+    if reduction == "none":
+        return rows, lse
+    total = np.sum(rows)
+    if reduction == "mean":
+        with np.errstate(invalid="ignore", divide="ignore"):
+            total = total / rows.dtype.type(np.count_nonzero(keep))
+    return np.asarray(total, dtype=x.dtype), lse
+
+
+def reference_backward(g, x, w, target, lse, *, reduction: str = "mean", ignore_index: int = -100,
+                       chunk: int = DEFAULT_CHUNK):
+    """(dx, dw): each chunk's softmax recomputed from the logsumexp, minus the one-hot target."""
+    keep = target != ignore_index
+    t = np.where(keep, target, 0)
+    scale = row_scale(g, keep, reduction)
+    dx = np.empty_like(x)
+    dw = np.zeros_like(w)
+    for a in range(0, x.shape[0], chunk):
+        xc = x[a:a + chunk]
+        p = np.exp(xc @ w.T - lse[a:a + chunk, None])
+        p[np.arange(p.shape[0]), t[a:a + chunk]] -= 1
+        p *= scale[a:a + chunk, None]
+        dx[a:a + chunk] = p @ w
+        dw += p.T @ xc
+    return dx, dw
+
+
+def _targets(r, n, v, ignore):
+    t = r.integers(0, v, size=(n,))
+    t[1] = ignore
+    return t
+
+
+def _samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample([rand(r, 7, 4), rand(r, 9, 4), _targets(r, 7, 9, -100)], {"chunk": 3}),
+            Sample([rand(r, 5, 3), rand(r, 6, 3), _targets(r, 5, 6, 2)],
+                   {"reduction": "sum", "ignore_index": 2, "chunk": 2}),
+            Sample([rand(r, 4, 3), rand(r, 5, 3), _targets(r, 4, 5, -1)],
+                   {"reduction": "none", "ignore_index": -1, "chunk": 4})]
+
+
+def _grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _samples(r):
+        _, lse = reference_forward(*s.args, **s.attrs)
+        g = rand(r, *((s.args[0].shape[0],) if s.attrs.get("reduction") == "none" else ()))
+        out.append(Sample([g, *s.args, lse], s.attrs))
+    return out
+
+
+declare(OpDef("linear_cross_entropy", 3, _ATTRS, _infer, frozenset(), num_results=2, index_bounds=_bounds,
+              flops=_flops, sample=_samples,
+              doc="nll_loss(log_softmax(x @ wᵀ), target) and the rows' logsumexp, `chunk` rows at a time "
+                  "(never the whole [N, V] logits)"))
+declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset(), num_results=2,
+              index_bounds=_bounds_grad, flops=_grad_flops, sample=_grad_samples,
+              doc="(dx, dw) of linear_cross_entropy from (grad_output, x, w, target, logsumexp), each chunk's "
+                  "logits recomputed"))
+
+
+# ================================================================ VJP rules (reverse mode)
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import Saves  # noqa: E402
+
+
+@def_vjp("linear_cross_entropy", saves=Saves(operands=(0, 1, 2), results=(1,)))
+def _linear_cross_entropy_vjp(b, p, g):
+    g_loss, g_lse = g
+    if g_lse is not None:
+        raise NotImplementedError("the logsumexp result of 'linear_cross_entropy' is not differentiable; "
+                                  "use only its first result (the loss)")
+    if g_loss is None:
+        return [None, None, None]
+    x, w, target = p.x
+    dx, dw = b.op("linear_cross_entropy_grad", g_loss, x, w, target, p.y[1], **p.attrs)
+    return [dx, dw, None]
+
+
+@def_vjp("linear_cross_entropy_grad", saves="none")
+def _linear_cross_entropy_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through linear_cross_entropy is not supported "
+                              "(linear_cross_entropy_grad has no VJP rule)")

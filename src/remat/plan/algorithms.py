@@ -1,0 +1,98 @@
+"""Per-operator algorithm choice (issue 10; thesis §5.4.2): plan the step with the reference
+algorithms and with memory-lean alternatives, and keep the faster plan that fits the budget.
+
+An alternative is a whole-step variant whose forward had some ops rewritten to a memory-lean
+algorithm before differentiation (today: the head's ``matmul -> log_softmax -> nll_loss`` as the
+chunked ``linear_cross_entropy``, :mod:`remat.passes.crossentropy`). Its planning problem is built
+on demand by the caller (differentiating and building a step program sit above this package), once
+per step. The choice minimises predicted step time, on the static cost model for both programs
+(the same estimate for every algorithm, so the two are comparable whatever ``cost_model`` planned
+the recomputation), among the plans whose exact peak fits the budget.
+
+Exactness: under one algorithm choice, gradients are bit-identical across budgets (recomputation
+replays the same kernels). The lean variant's values equal the reference's up to summation order
+(its weight gradient is summed chunk by chunk), so the reference is kept whenever the unconstrained
+reference step fits the budget, and every choice is reported (:attr:`Candidate.algorithms`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Function
+from .costmodel import function_cost
+from .liveness import predict_peak
+from .portfolio import Candidate, StepProblem, plan_step
+
+
+@dataclass
+class Variant:
+    """A step whose forward uses memory-lean algorithms: its planning problem (any budget; the
+    chooser sets it) and one line per rewritten site (op, where, sizes)."""
+
+    problem: StepProblem
+    sites: list[str]
+
+
+VariantBuilder = Callable[[StepProblem], "Variant | None"]
+"""Given the reference problem (its budget and workspaces), the lean variant's problem, or None when
+no op of the step has a lean alternative."""
+
+
+def predicted_seconds(program: Function) -> float:
+    """The static cost model's seconds for one run of a step program (comparable across algorithms)."""
+    return function_cost(program)
+
+
+def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:
+    """The faster of the reference plan and the lean variant's plan that fits ``p.budget``.
+
+    Without a budget, or when the unconstrained reference step fits, this is ``plan_step(p)``: no
+    recomputation and the reference algorithms. Otherwise both are planned; a budget neither fits
+    raises ``BudgetTooSmall`` with the smaller of their minimums. The winner's ``algorithms`` says
+    what was chosen and why (bytes saved, predicted seconds of both)."""
+    if lean is None or p.budget is None or predict_peak(p.unconstrained) <= p.budget:
+        return plan_step(p)
+    ref: Candidate | None = None
+    minimums: list[int] = []
+    try:
+        ref = plan_step(p)
+    except BudgetTooSmall as e:
+        minimums.append(e.minimum)
+    variant = lean(p)
+    if variant is None:
+        if ref is None:
+            raise BudgetTooSmall(p.budget, minimums[0], "this training step")
+        return ref
+    q = replace(variant.problem, budget=p.budget)
+    alt: Candidate | None = None
+    t_floor = predicted_seconds(q.unconstrained)
+    if ref is not None and predicted_seconds(ref.program) <= t_floor:
+        # No plan of the lean variant runs faster than its own unconstrained step: not worth planning.
+        choice = [f"{s}: not chosen; the reference plan's predicted step ({predicted_seconds(ref.program):.4g} s) "
+                  f"is no slower than the lean variant without recomputation ({t_floor:.4g} s)" for s in variant.sites]
+        return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
+    try:
+        alt = plan_step(q)
+    except BudgetTooSmall as e:
+        minimums.append(e.minimum)
+    if ref is None and alt is None:
+        raise BudgetTooSmall(p.budget, min(minimums), "this training step",
+                             detail="with the reference algorithms and with " + "; ".join(variant.sites))
+    ref_peak, alt_peak = predict_peak(p.unconstrained), predict_peak(q.unconstrained)
+    saved = (f"unconstrained peak {format_bytes(ref_peak)} -> {format_bytes(alt_peak)} "
+             f"({format_bytes(ref_peak - alt_peak)} saved)")
+    t_alt = None if alt is None else predicted_seconds(alt.program)
+    t_ref = None if ref is None else predicted_seconds(ref.program)
+    if alt is not None and (ref is None or t_alt < t_ref):
+        why = (f"the reference algorithms need at least {format_bytes(minimums[0])}, over the budget" if ref is None
+               else f"predicted step {t_alt:.4g} s against {t_ref:.4g} s with the reference algorithms "
+                    f"({ref.solver}, recompute overhead {ref.overhead:+.1%})")
+        choice = [f"{s}: chosen; {saved}; {why}" for s in variant.sites]
+        return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
+                       notes=alt.notes + [f"algorithm choice: {c}" for c in choice])
+    why = (f"its plans need at least {format_bytes(minimums[-1])}, over the budget" if alt is None
+           else f"predicted step {t_alt:.4g} s against {t_ref:.4g} s with the reference algorithms")
+    choice = [f"{s}: not chosen; {saved}; {why}" for s in variant.sites]
+    return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])

@@ -1,0 +1,63 @@
+"""The ``linear-cross-entropy`` rewrite: a bias-free head's matmul, log_softmax and nll_loss become
+one chunked ``linear_cross_entropy``; anything else stays as it was."""
+from __future__ import annotations
+
+import pytest
+
+from remat.ir import Builder, DType, Function, Module, TensorType, verify
+from remat.passes.crossentropy import default_chunk, fuse_cross_entropy
+from remat.pipeline import run_pipeline
+
+F32, I64 = DType.f32, DType.i64
+
+
+def _head(transpose_b: bool = True, extra_use: bool = False, rows3d: bool = True) -> Function:
+    """loss = nll_loss(log_softmax(reshape(matmul(x, w)))) for x [2, 3, 4] (or [6, 4]) and 5 classes."""
+    xt = TensorType(F32, (2, 3, 4) if rows3d else (6, 4))
+    wt = TensorType(F32, (5, 4) if transpose_b else (4, 5))
+    f = Function("f", [xt, wt, TensorType(I64, (6,))])
+    b = Builder(f.entry)
+    x, w, t = f.params
+    z = b.op("matmul", x, w, transpose_b=transpose_b)
+    if rows3d:
+        z = b.op("reshape", z, shape=(6, 5))
+    logp = b.op("log_softmax", z, axis=1)
+    loss = b.op("nll_loss", logp, t, reduction="sum", ignore_index=3)
+    if extra_use:
+        loss = b.op("add", loss, b.op("reduce_sum", logp, axes=[0, 1]))
+    f.result_types = [loss.type]
+    b.ret(loss)
+    return f
+
+
+def _ops(f: Function) -> list[str]:
+    return [i.op.name for i in f.entry.instrs]
+
+
+@pytest.mark.parametrize("rows3d", [True, False])
+def test_head_and_loss_become_one_op(rows3d):
+    g, sites = fuse_cross_entropy(_head(rows3d=rows3d), chunk=2)
+    verify(Module([g]))
+    assert [s.rows for s in sites] == [6] and sites[0].vocab == 5 and sites[0].chunk == 2
+    ops = _ops(g)
+    assert "linear_cross_entropy" in ops and not {"matmul", "log_softmax", "nll_loss"} & set(ops)
+    ce = next(i for i in g.entry.instrs if i.op.name == "linear_cross_entropy")
+    assert ce.attrs["reduction"] == "sum" and ce.attrs["ignore_index"] == 3 and ce.attrs["chunk"] == 2
+
+
+@pytest.mark.parametrize("case", [dict(transpose_b=False), dict(extra_use=True)])
+def test_other_patterns_are_left_alone(case):
+    f = _head(**case)
+    g, sites = fuse_cross_entropy(f)
+    assert sites == [] and _ops(g) == _ops(f)
+
+
+def test_registered_as_a_pass():
+    out = run_pipeline(Module([_head()]), ["linear-cross-entropy"]).module["f"]
+    assert "linear_cross_entropy" in _ops(out)
+
+
+def test_default_chunk_bounds_the_chunk_logits():
+    assert default_chunk(2048, 8000, 4) == 256          # 256 rows x 8000 x 4 B = 7.8 MiB <= 8 MiB
+    assert default_chunk(32, 64, 4) == 32               # never more rows than there are
+    assert default_chunk(10_000, 250_000, 4) == 16      # a huge vocabulary: the 16-row floor

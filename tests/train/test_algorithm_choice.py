@@ -1,0 +1,113 @@
+"""The planner's per-operator algorithm choice (issue 10): under a budget the reference algorithms
+cannot reach, ``remat.compile`` picks the chunked ``linear_cross_entropy`` for a large-vocabulary
+head, fits the budget with measured == predicted peak, reports the choice, and gives the
+unconstrained step's gradients up to summation order; under one algorithm choice gradients stay
+bit-identical across budgets; ``algorithms="reference"`` never rewrites."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import remat
+from _train_util import grads_of
+
+
+class WideHead(nn.Module):
+    """Token embedding, one GELU layer and a bias-free head over a large vocabulary: the logits
+    ([N, V]) dominate the step's memory, as in a language model."""
+
+    def __init__(self, vocab: int = 1500, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h + self.mlp(h))
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+@pytest.fixture(scope="module")
+def case():
+    torch.manual_seed(0)
+    model = WideHead()
+    x = torch.randint(0, 1500, (4, 32))
+    y = torch.randint(0, 1500, (4, 32))
+    base = remat.compile(copy.deepcopy(model), (x, y), _loss)
+    with pytest.raises(remat.BudgetTooSmall) as e:
+        remat.compile(copy.deepcopy(model), (x, y), _loss, budget=1)
+    return model, (x, y), base, e.value.minimum  # the least budget found with the lean algorithm
+
+
+def _run(model, inputs, **options):
+    m = copy.deepcopy(model)
+    step = remat.compile(m, inputs, _loss, **options)
+    loss = step(*inputs)
+    return step, loss, grads_of(m)
+
+
+def test_lean_algorithm_reaches_below_the_reference_minimum(case):
+    model, inputs, base, lean_min = case
+    budget = lean_min
+    step, loss, grads = _run(model, inputs, budget=budget)
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak <= budget
+    assert len(r.algorithms) == 1 and "linear_cross_entropy at head" in r.algorithms[0]
+    assert ": chosen;" in r.algorithms[0] and "reference algorithms need at least" in r.algorithms[0]
+    assert "algorithm: linear_cross_entropy" in str(r)
+    m0 = copy.deepcopy(model)
+    base_loss = remat.compile(m0, inputs, _loss)(*inputs)
+    torch.testing.assert_close(loss, base_loss, rtol=1e-6, atol=1e-7)
+    for n, g in grads_of(m0).items():  # summation order only: the head's gradient is summed by chunk
+        torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7)
+
+
+def test_reference_only_refuses_that_budget(case):
+    model, inputs, _, lean_min = case
+    with pytest.raises(remat.BudgetTooSmall) as e:
+        remat.compile(copy.deepcopy(model), inputs, _loss, budget=lean_min, algorithms="reference")
+    assert e.value.minimum > lean_min + 2 * 128 * 1500 * 4  # at least two more [N, V] logits
+
+
+def test_same_choice_is_bit_identical_across_budgets(case):
+    model, inputs, _, lean_min = case
+    runs = [_run(model, inputs, budget=b) for b in (lean_min, int(lean_min * 1.3))]
+    for step, _, _ in runs:
+        assert ": chosen;" in step.report().algorithms[0]
+    (_, l1, g1), (_, l2, g2) = runs
+    assert torch.equal(l1, l2)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
+def test_unconstrained_and_fitting_budgets_keep_the_reference(case):
+    model, inputs, base, _ = case
+    step, _, _ = _run(model, inputs, budget=base.unconstrained_peak)
+    assert step.report().algorithms == []
+    assert not any(i.op.name == "linear_cross_entropy" for i in step.program.entry.instrs)
+
+
+def test_bad_option_names_the_valid_ones(case):
+    model, inputs, _, _ = case
+    with pytest.raises(ValueError, match="algorithms must be one of 'auto', 'reference'"):
+        remat.compile(copy.deepcopy(model), inputs, _loss, algorithms="fast")
+
+
+def test_lean_variant_not_planned_when_it_cannot_be_faster():
+    """A wide head (d=64): recomputing the head's matmul costs more than the reference's little
+    recomputation just under the unconstrained peak, so the lean variant is not even planned."""
+    torch.manual_seed(1)
+    model = WideHead(vocab=600, d=64)
+    x, y = torch.randint(0, 600, (2, 32)), torch.randint(0, 600, (2, 32))
+    base = remat.compile(copy.deepcopy(model), (x, y), _loss)
+    step = remat.compile(copy.deepcopy(model), (x, y), _loss, budget=base.unconstrained_peak - 1)
+    (line,) = step.report().algorithms
+    assert ": not chosen;" in line and "no slower than the lean variant without recomputation" in line
+    assert not any(i.op.name == "linear_cross_entropy" for i in step.program.entry.instrs)
