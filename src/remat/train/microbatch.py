@@ -1,0 +1,162 @@
+"""Micro-batching as a planning dimension of ``remat.compile``.
+
+``micro_batches=k`` runs the batch as ``k`` micro-batches with gradient accumulation: the step
+captures one micro-batch, plans its joint under the budget minus what accumulation keeps (the
+step program built by :func:`remat.step.microbatch.microbatch_step` holds the accumulated
+gradients, parameters, optimizer state and the whole batch's inputs, and its exact peak is what
+every planner fits), and the VM runs the whole step as one program, so predicted == measured.
+``micro_batches="auto"`` chooses ``k`` jointly with recomputation: for each ``k`` dividing the
+batch, in increasing order, the cheapest plan that fits is found and its whole-step time
+predicted (the cost model over all micro-batches); the cheapest feasible ``k`` wins
+(:func:`compile_auto`).
+
+Semantics are kept, or micro-batching is refused (:class:`MicroBatchingRefused`): models whose
+forward mixes samples (batch norm with batch statistics) or updates buffers are refused; the loss
+must be a mean or a sum over the batch's samples, which is checked by evaluating it eagerly (eval
+mode, no gradients) on two micro-batches and on their union.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..step.microbatch import REDUCTIONS, batch_dependent
+
+if TYPE_CHECKING:
+    from .api import TrainStep
+
+
+class MicroBatchingRefused(ValueError):
+    """Micro-batching would change what the step computes (batch statistics, buffer updates, a loss
+    that is neither a mean nor a sum over samples), or the inputs cannot be split."""
+
+
+def batch_size(inputs: Sequence) -> int | None:
+    """The batch size shared by every input's axis 0, or None when they disagree (or one is 0-d)."""
+    sizes = {t.shape[0] if len(getattr(t, "shape", ())) else None for t in inputs}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_micro_batches(k, inputs: Sequence, data_parallel: bool) -> int:
+    """``k`` validated against the example inputs: a positive divisor of their common batch size."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"micro_batches must be a positive int (or 'auto' in remat.compile), got {k!r}")
+    if k == 1:
+        return 1
+    if data_parallel:
+        raise MicroBatchingRefused("micro_batches > 1 with data_parallel is not supported yet: each rank's shard is "
+                                   "one micro-batch; use micro_batches=1")
+    n = batch_size(inputs)
+    if n is None:
+        raise MicroBatchingRefused("micro-batching splits every input along axis 0, but the inputs' axis 0 sizes "
+                                   f"differ: {[list(getattr(t, 'shape', ())) for t in inputs]}")
+    if n % k:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise MicroBatchingRefused(f"micro_batches={k} does not divide the batch of {n}; valid: {divisors}")
+    return k
+
+
+def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_targets: int | None) -> str:
+    """The loss reduction micro-batching must apply ("mean" or "sum"), after refusing models whose
+    forward depends on the batch. ``loss_reduction`` given: trusted; None: checked eagerly on two
+    micro-batches and their union (eval mode, no gradients; the model's mode is restored)."""
+    why = batch_dependent(step.imported.function, step.layout)
+    if why:
+        raise MicroBatchingRefused("micro-batching would change what this step computes: " + "; ".join(why)
+                                   + ". Use micro_batches=1 (a smaller batch, or a larger budget)")
+    if loss_reduction is not None:
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS} or None (checked), got {loss_reduction!r}")
+        return loss_reduction
+    import torch
+
+    from ..frontend.torch_import import loss_module
+
+    wrapper, tensors = loss_module(step.model, step._keywords(step._example), step._loss_fn, num_targets)
+    b = step._capture_example[0].shape[0]
+    modes = [m.training for m in step.model.modules()]
+    wrapper.eval()
+    try:
+        with torch.no_grad():
+            parts = [float(wrapper(*[t[i * b:(i + 1) * b] for t in tensors])) for i in range(2)]
+            both = float(wrapper(*[t[:2 * b] for t in tensors]))
+    finally:
+        for m, t in zip(step.model.modules(), modes):
+            m.training = t
+    mean, total = (parts[0] + parts[1]) / 2, parts[0] + parts[1]
+    tol = 1e-4 * max(abs(both), abs(total), 1e-6)
+    if abs(both - mean) <= tol and abs(mean - total) > tol:
+        return "mean"
+    if abs(both - total) <= tol:
+        return "sum"
+    raise MicroBatchingRefused(
+        f"micro-batching needs a loss that is a mean or a sum over the batch's samples: on two micro-batches of "
+        f"{b} the loss is {parts[0]:.6g} and {parts[1]:.6g}, on both {both:.6g} (neither their mean {mean:.6g} nor "
+        f"their sum {total:.6g}; e.g. a mean over non-ignored tokens whose count differs between micro-batches). "
+        f"Pass loss_reduction='mean' or 'sum' if the difference is intended, or use micro_batches=1")
+
+
+def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
+    """The unconstrained peak of the whole batch's step (no micro-batching): the reference of
+    relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
+    from ..frontend.torch_import import import_module
+    from ..plan.liveness import predict_peak
+    from ..step.program import cleanup, step_program, training_graph
+
+    imp = import_module(step.model, step._keywords(step._example), step._loss_fn, train=step.model.training,
+                        num_targets=num_targets)
+    joint = cleanup(training_graph(imp.function, len(imp.param_names)))
+    return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
+
+
+def compile_auto(model, example_inputs, loss_fn, optimizer, budget, **options) -> "TrainStep":
+    """``remat.compile(..., micro_batches="auto")``: the micro-batch count chosen with recomputation.
+
+    For each ``k`` dividing the batch, in increasing order, a step is planned (``k = 1`` is the
+    whole batch); among those that fit the budget the one with the least predicted whole-step
+    time wins. The search stops at a ``k`` whose plan recomputes nothing, or whose step without
+    recomputation already costs more than the best found (more micro-batches only add per-op
+    cost). Raises ``BudgetTooSmall`` with the smallest minimum over every ``k`` tried."""
+    from ..frontend.torch_import import keyword_inputs
+    from .api import TrainStep
+
+    if budget is None:
+        return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
+    _, tensors, _ = keyword_inputs(example_inputs, loss_fn, options.get("num_targets"))
+    n = batch_size(tensors)
+    ks = [1] if n is None or options.get("data_parallel") else [d for d in range(1, n + 1) if n % d == 0]
+    lines: list[str] = []
+    best: TrainStep | None = None
+    first_error: BudgetTooSmall | None = None
+    minimums: list[int] = []
+    infeasible: list[int] = []
+    ref: int | None = None
+    for k in ks:
+        try:
+            step = TrainStep(model, example_inputs, loss_fn, optimizer, budget, micro_batches=k,
+                             full_batch_peak=ref, **options)
+        except BudgetTooSmall as e:
+            first_error = first_error or e
+            minimums.append(e.minimum)
+            infeasible.append(k)
+            ref = ref if ref is not None else getattr(e, "unconstrained_peak", None)
+            lines.append(f"k={k}: infeasible (needs at least {format_bytes(e.minimum)})")
+            continue
+        except MicroBatchingRefused as e:
+            lines.append(f"k={k}: refused: {e}")
+            break
+        ref = step.unconstrained_peak
+        lines.append(f"k={k}: peak {format_bytes(step.predicted_peak)} ({step.unconstrained_peak - step.predicted_peak:,} B "
+                     f"below the whole batch's unconstrained peak), predicted step {step.predicted_seconds * 1e3:.1f} ms, "
+                     f"recompute overhead {step.predicted_overhead:+.1%} ({step.solver})")
+        if best is None or step.predicted_seconds < best.predicted_seconds:
+            best = step
+        if not step._recomputes or step.unconstrained_predicted_seconds >= best.predicted_seconds:
+            break
+    if best is None:
+        refused = [ln for ln in lines if "refused" in ln]
+        raise BudgetTooSmall(first_error.budget, min(minimums), "this training step at any micro-batch count tried",
+                             detail=f"micro-batch counts tried: {', '.join(map(str, infeasible))}"
+                             + (f"; {refused[0]}" if refused else "")) from first_error
+    best.micro_batch_choice = lines + [f"chose k={best.micro_batches}: the least predicted step time that fits"]
+    return best
