@@ -12,11 +12,14 @@ predicted (the cost model over all micro-batches); the cheapest feasible ``k`` w
 
 Semantics are kept, or micro-batching is refused (:class:`MicroBatchingRefused`): models whose
 forward mixes samples (batch norm with batch statistics) or updates buffers are refused; the loss
-must be a mean or a sum over the batch's samples, which is checked by evaluating it eagerly (eval
-mode, no gradients) on two micro-batches and on their union.
+must be a mean or a sum over the batch's samples, which is checked on the example batch by
+evaluating the loss eagerly (a float64 copy of the model, eval mode, no gradients) on each
+micro-batch and on the whole batch (a later batch whose samples weigh differently, e.g. other
+counts of ignored tokens, is not checked again).
 """
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Sequence
 
 from ..errors import BudgetTooSmall, format_bytes
@@ -58,8 +61,8 @@ def check_micro_batches(k, inputs: Sequence, data_parallel: bool) -> int:
 
 def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_targets: int | None) -> str:
     """The loss reduction micro-batching must apply ("mean" or "sum"), after refusing models whose
-    forward depends on the batch. ``loss_reduction`` given: trusted; None: checked eagerly on two
-    micro-batches and their union (eval mode, no gradients; the model's mode is restored)."""
+    forward depends on the batch. ``loss_reduction`` given: trusted; None: checked eagerly on the
+    example's micro-batches and the whole batch (a float64 copy of the model in eval mode)."""
     why = batch_dependent(step.imported.function, step.layout)
     if why:
         raise MicroBatchingRefused("micro-batching would change what this step computes: " + "; ".join(why)
@@ -72,27 +75,33 @@ def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_tar
 
     from ..frontend.torch_import import loss_module
 
-    wrapper, tensors = loss_module(step.model, step._keywords(step._example), step._loss_fn, num_targets)
-    b = step._capture_example[0].shape[0]
-    modes = [m.training for m in step.model.modules()]
+    k, b = step.micro_batches, step._capture_example[0].shape[0]
+    try:  # in float64, so that a mean over unequal counts cannot hide in float32 rounding
+        model, tol = copy.deepcopy(step.model).double(), 1e-9
+        example = tuple(t.double() if t.is_floating_point() else t for t in step._example)
+    except (RuntimeError, TypeError):
+        model, tol, example = step.model, 1e-5, step._example
+    wrapper, tensors = loss_module(model, step._keywords(example), step._loss_fn, num_targets)
+    modes = [m.training for m in model.modules()]
     wrapper.eval()
     try:
         with torch.no_grad():
-            parts = [float(wrapper(*[t[i * b:(i + 1) * b] for t in tensors])) for i in range(2)]
-            both = float(wrapper(*[t[:2 * b] for t in tensors]))
+            parts = [float(wrapper(*[t[i * b:(i + 1) * b] for t in tensors])) for i in range(k)]
+            both = float(wrapper(*tensors))
     finally:
-        for m, t in zip(step.model.modules(), modes):
+        for m, t in zip(model.modules(), modes):
             m.training = t
-    mean, total = (parts[0] + parts[1]) / 2, parts[0] + parts[1]
-    tol = 1e-4 * max(abs(both), abs(total), 1e-6)
-    if abs(both - mean) <= tol and abs(mean - total) > tol:
+    mean, total = sum(parts) / k, sum(parts)
+    scale = max(abs(both), abs(total), 1e-30)
+    if abs(both - mean) <= tol * scale and abs(mean - total) > tol * scale:
         return "mean"
-    if abs(both - total) <= tol:
+    if abs(both - total) <= tol * scale:
         return "sum"
     raise MicroBatchingRefused(
-        f"micro-batching needs a loss that is a mean or a sum over the batch's samples: on two micro-batches of "
-        f"{b} the loss is {parts[0]:.6g} and {parts[1]:.6g}, on both {both:.6g} (neither their mean {mean:.6g} nor "
-        f"their sum {total:.6g}; e.g. a mean over non-ignored tokens whose count differs between micro-batches). "
+        f"micro-batching needs a loss that is a mean or a sum over the batch's samples: on the example's {k} "
+        f"micro-batches of {b} the loss is {', '.join(f'{v:.10g}' for v in parts)}, on the whole batch {both:.10g} "
+        f"(neither their mean {mean:.10g} nor their sum {total:.10g}; e.g. a mean over non-ignored tokens whose "
+        f"count differs between micro-batches). "
         f"Pass loss_reduction='mean' or 'sum' if the difference is intended, or use micro_batches=1")
 
 
