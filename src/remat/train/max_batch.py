@@ -59,18 +59,23 @@ def _budget_bytes(budget) -> int:
     return parse_budget(budget, reference=1)
 
 
-def search(fits: Callable[[int], tuple[bool, int, Any]], start: int = 1, limit: int = 1 << 16
-           ) -> tuple[int, Any, list[Probe]]:
+def search(fits: Callable[[int], tuple[bool, int, Any]], start: int = 1, limit: int = 1 << 16,
+           target: int | None = None) -> tuple[int, Any, list[Probe]]:
     """The largest ``n`` in ``[start, limit]`` with ``fits(n)[0]`` (0 when ``start`` does not fit),
-    assuming that fitting is monotone in ``n``: doubling from ``start``, then bisection.
-    ``fits(n)`` returns ``(fits, bytes, payload)``; the payload of the answer is returned too."""
+    assuming that fitting is monotone in ``n``: doubling from ``start``, then narrowing the bracket.
+    ``fits(n)`` returns ``(fits, bytes, payload)``; the payload of the answer is returned too.
+    With ``target`` (the budget the bytes are compared with) the bracket is narrowed at the point
+    where the bytes, interpolated linearly between its ends, reach ``target`` (then at its
+    neighbour, which usually closes it), falling back to bisection whenever that does not halve it."""
     probes: list[Probe] = []
     best_n, best_payload = 0, None
+    by_n: dict[int, int] = {}
 
     def probe(n: int) -> bool:
         nonlocal best_n, best_payload
         ok, nbytes, payload = fits(n)
         probes.append(Probe(n, ok, nbytes))
+        by_n[n] = nbytes
         if ok and n > best_n:
             best_n, best_payload = n, payload
         return ok
@@ -86,12 +91,26 @@ def search(fits: Callable[[int], tuple[bool, int, Any]], start: int = 1, limit: 
             return best_n, best_payload, probes
         hi = limit
     lo = best_n
+    interpolate = target is not None
     while hi - lo > 1 and lo >= start:
-        mid = (lo + hi) // 2
-        if probe(mid):
-            lo = mid
+        width, guess = hi - lo, (lo + hi) // 2
+        if interpolate and by_n[hi] > by_n[lo]:
+            est = lo + (target - by_n[lo]) * (hi - lo) / (by_n[hi] - by_n[lo])
+            guess = min(max(int(est), lo + 1), hi - 1)
+        if probe(guess):
+            lo = guess
+            if interpolate and hi - lo > 1 and probe(lo + 1) is False:
+                hi = lo + 1
+            elif interpolate and hi - lo > 1:
+                lo += 1
         else:
-            hi = mid
+            hi = guess
+            if interpolate and hi - lo > 1:
+                if probe(hi - 1):
+                    lo = hi - 1
+                else:
+                    hi -= 1
+        interpolate = target is not None and hi - lo <= width // 2  # an estimate that did not halve: bisect next
     return best_n, best_payload, probes
 
 
@@ -123,7 +142,7 @@ def max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = None, opt
         say(f"batch {n}: fits (peak {format_bytes(step.predicted_peak)})")
         return True, step.predicted_peak, step
 
-    n, step, probes = search(fits, start, limit)
+    n, step, probes = search(fits, start, limit, target=cap)
     return MaxBatch(n, step, cap, probes)
 
 
@@ -189,5 +208,5 @@ def eager_max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = Non
         say(f"eager batch {n}: peak {format_bytes(peak)}")
         return peak <= cap, peak, None
 
-    n, _, probes = search(fits, start, limit)
+    n, _, probes = search(fits, start, limit, target=cap)
     return n, probes
