@@ -162,6 +162,9 @@ def eager_step_peak(model, batch: Sequence | dict, loss_fn: Callable | None = No
     if optimizer is not None:  # the same param groups and settings, over the copy's parameters
         index = {id(p): i for i, p in enumerate(model.parameters())}
         mine = list(m.parameters())
+        if any(id(p) not in index for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("the optimizer holds tensors that are not the model's parameters; pass an optimizer "
+                             "built from model.parameters()")
         opt = type(optimizer)([{**{k: v for k, v in g.items() if k != "params"},
                                 "params": [mine[index[id(p)]] for p in g["params"]]} for g in optimizer.param_groups])
     wrapper, tensors = loss_module(m, batch, loss_fn)

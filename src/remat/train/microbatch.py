@@ -164,8 +164,10 @@ def compile_auto(model, example_inputs, loss_fn, optimizer, budget, **options) -
             break
     if best is None:
         refused = [ln for ln in lines if "refused" in ln]
-        raise BudgetTooSmall(first_error.budget, min(minimums), "this training step at any micro-batch count tried",
+        err = BudgetTooSmall(first_error.budget, min(minimums), "this training step at any micro-batch count tried",
                              detail=f"micro-batch counts tried: {', '.join(map(str, infeasible))}"
-                             + (f"; {refused[0]}" if refused else "")) from first_error
+                             + (f"; {refused[0]}" if refused else ""))
+        err.unconstrained_peak = ref  # of the whole batch, as TrainStep's own BudgetTooSmall says
+        raise err from first_error
     best.micro_batch_choice = lines + [f"chose k={best.micro_batches}: the least predicted step time that fits"]
     return best
