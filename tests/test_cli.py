@@ -138,3 +138,19 @@ def test_train_two_ranks_with_torchrun(capfd):
     assert _bytes(out, "at peak: optimizer state") > 0
     assert out.count("remat training step") == 1 and out.rstrip().splitlines()[-1].startswith("OK:")
     assert _bytes(out, "measured peak (last step)") == _bytes(out, "predicted peak")
+
+
+def test_max_batch_next_to_eager(capsys):
+    code = main(["max-batch", "--model", "mlp", "--size", "tiny", "--budget", "120000", "--limit", "64",
+                 "--optimizer", "adamw", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    remat_n = int(re.search(r"^remat: largest batch (\d+) ", out, re.M).group(1))
+    eager_n = int(re.search(r"^eager PyTorch: largest batch (\d+) ", out, re.M).group(1))
+    assert remat_n > eager_n >= 0  # eager AdamW's foreach temporaries alone exceed 120 kB at batch 1
+    assert out.rstrip().splitlines()[-1].startswith("OK: one step at batch")
+
+
+def test_max_batch_refuses_a_relative_budget(capsys):
+    assert main(["max-batch", "--model", "mlp", "--budget", "40%"]) == 2
+    assert "--budget must be absolute" in capsys.readouterr().err

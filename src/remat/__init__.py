@@ -38,6 +38,8 @@ _LAZY = {
     "grad": "remat.autodiff.api",
     "value_and_grad": "remat.autodiff.api",
     "compile": "remat.train.api",
+    "max_batch": "remat.train.max_batch",
+    "MicroBatchingRefused": "remat.train.microbatch",
 }
 
 

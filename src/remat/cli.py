@@ -5,6 +5,7 @@
     remat curve --model unet --size small --out curve/               # a training step's budget sweep (PNG + CSV)
     remat curve --chain --model mlp --depth 16                       # thesis Fig. 4.1 chain trade-off
     remat curve --random 20                                          # ... for a random heterogeneous chain
+    remat max-batch --model gpt --budget 2GiB                        # largest batch under a cap, vs eager PyTorch
     remat opt FILE --passes canonicalize,cse                         # the IR driver (remat.opt)
 
 Exit codes: 0 success; 1 a run failed its own checks (loss did not decrease, a measured peak
@@ -127,6 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     cu.add_argument("--points", type=_positive_int, default=None, metavar="N",
                     help="budgets (default: 10 for a model's step, 40 per method for a chain)")
     cu.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    mb = sub.add_parser(
+        "max-batch", help="the largest batch whose training step fits a budget, next to eager PyTorch's",
+        description="Search the largest batch size whose training step of a zoo model fits a byte budget "
+                    "(parameters, gradients and optimizer state included) with remat.max_batch (each candidate "
+                    "compiled and planned, none run: predicted peak == measured), and the largest batch eager "
+                    "PyTorch trains under the same cap (its allocator peak measured per candidate with "
+                    "torch.profiler). Then one remat step at the largest batch checks its measured peak.")
+    mb.add_argument("--model", choices=MODELS, default="gpt", help="zoo model (default: gpt)")
+    mb.add_argument("--size", choices=SIZES + ("medium",), default=None,
+                    help="model size (default: medium for gpt, the speed benchmark's GPT medium; small otherwise)")
+    mb.add_argument("--budget", required=True, type=_budget_arg,
+                    help="memory budget: bytes ('1500000000') or a size ('2GiB', '800MB')")
+    mb.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
+                    help="optimizer whose state counts in the budget (default: adamw; none: gradients only)")
+    mb.add_argument("--no-eager", action="store_true", help="skip eager PyTorch's search")
+    mb.add_argument("--limit", type=_positive_int, default=4096, help="largest batch tried (default: 4096)")
+    mb.add_argument("--no-progress", action="store_true", help="do not print each candidate")
 
     sub.add_parser("opt", add_help=False, help="parse, verify and transform IR (see 'remat opt --help')",
                    description="The IR driver; all arguments go to remat.opt.")
@@ -393,6 +412,58 @@ def _curve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------- max-batch
+def _max_batch(args: argparse.Namespace) -> int:
+    """``remat max-batch``: remat's and eager PyTorch's largest batch under one cap."""
+    import torch
+
+    from . import zoo
+    from .train.max_batch import eager_max_batch, max_batch
+
+    if args.budget is None or args.budget.strip().endswith("%"):
+        raise UsageError(f"--budget must be absolute (bytes or a size such as 2GiB), got {args.budget!r}: "
+                         "a percentage of the unconstrained peak changes with the batch")
+    size = args.size or ("medium" if args.model == "gpt" else "small")
+    if size == "medium" and args.model != "gpt":
+        raise UsageError(f"--size medium is the GPT medium; {args.model} has sizes {', '.join(SIZES)}")
+    model, example, loss_fn = zoo.make(args.model, size)
+    opt = {"adamw": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
+           "sgd": lambda: torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9),
+           "none": lambda: None}[args.optimizer]()
+
+    def make_batch(n: int):
+        return zoo.make(args.model, size, batch=n)[1]
+
+    say = None if args.no_progress else (lambda msg: print(f"  {msg}", flush=True))
+    t0 = time.perf_counter()
+    print(f"remat max-batch: {args.model} ({size}), {args.optimizer}, budget {args.budget}", flush=True)
+    res = max_batch(model, make_batch, loss_fn, optimizer=opt, budget=args.budget, limit=args.limit, progress=say)
+    t_remat = time.perf_counter() - t0
+    if res.batch == 0:
+        print(f"remat: not even batch 1 fits {format_bytes(res.budget)} (needs {format_bytes(res.probes[0].bytes)})")
+        return EXIT_FAILED
+    eager = None
+    if not args.no_eager:
+        t1 = time.perf_counter()
+        eager, _ = eager_max_batch(model, make_batch, loss_fn, optimizer=opt, budget=args.budget, limit=args.limit,
+                                   progress=say)
+        t_eager = time.perf_counter() - t1
+    res.step(*make_batch(res.batch))
+    measured = res.step.last_stats.peak_bytes
+    ok = measured == res.step.predicted_peak <= res.budget
+    print(f"remat: largest batch {res.batch} (peak {format_bytes(measured)} measured, "
+          f"{format_bytes(res.step.predicted_peak)} predicted; {len(res.probes)} candidates compiled, none run, "
+          f"in {t_remat:.1f} s)")
+    if eager is not None:
+        ratio = f"{res.batch / eager:.2f}x eager's" if eager else "eager fits no batch"
+        print(f"eager PyTorch: largest batch {eager} (allocator peak by torch.profiler, measured per candidate "
+              f"in {t_eager:.1f} s); remat's is {ratio}")
+    print(f"{'OK' if ok else 'FAILED'}: one step at batch {res.batch}: measured peak "
+          f"{'==' if measured == res.step.predicted_peak else '!='} predicted, "
+          f"{'within' if measured <= res.budget else 'OVER'} the budget of {format_bytes(res.budget)}")
+    return EXIT_OK if ok else EXIT_FAILED
+
+
 # ---------------------------------------------------------------- main
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``remat`` with ``argv`` (without the program name); return the exit code."""
@@ -411,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "curve":
             return _curve(args)
+        if args.command == "max-batch":
+            return _max_batch(args)
         import torch
 
         threads = torch.get_num_threads()

@@ -30,6 +30,7 @@ from ..passes import run
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
 __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpError", "import_module", "keyword_inputs",
+           "loss_module",
            "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
@@ -397,6 +398,18 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     imported = _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
     imported.input_names = input_names
     return imported
+
+
+def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                loss_fn: Callable[..., torch.Tensor] | None = None, num_targets: int | None = None
+                ) -> tuple[torch.nn.Module, tuple]:
+    """The module :func:`import_module` captures, ``wrapper(*tensors) -> loss`` (eager PyTorch), and
+    the example inputs as its positional tensors: to evaluate the same loss eagerly."""
+    input_names, tensors, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
+    n_targets = 0
+    if loss_fn is not None:
+        n_targets = _count_targets(loss_fn) if num_targets is None else int(num_targets)
+    return _WithLoss(model, loss_fn, len(tensors) - n_targets, input_names), tensors
 
 
 def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.ExportedProgram":

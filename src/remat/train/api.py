@@ -23,11 +23,14 @@ from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.ap
 from ..ir import Function, Instruction, Module
 from ..passes.decompose import decompose_unclaimed
 from ..plan.costmodel import static_costs
+from ..plan.frontier import CostModel
 from ..plan.liveness import predict_peak
 from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
+from ..step.microbatch import microbatch_step
 from ..step.program import Layout, cleanup, step_program, training_graph
+from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_peak
 
 
 ALGORITHM_OPTIONS = ("auto", "reference")
@@ -91,6 +94,10 @@ class Report:
                                                    # step.measure_allocator_peak on copies)
     shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
     algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices considered, and why
+    micro_batches: int = 1  # k: the batch runs as k micro-batches with gradient accumulation (remat.train.microbatch)
+    batch_size: int | None = None  # the whole batch (axis 0 of the inputs), when micro-batched
+    predicted_step_seconds: float | None = None  # the cost model's seconds for the whole step (all micro-batches)
+    micro_batch_choice: list[str] = field(default_factory=list)  # each micro-batch count tried and why one won
 
     def __str__(self) -> str:
         def b(v):
@@ -120,6 +127,14 @@ class Report:
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        if self.micro_batches > 1 or self.micro_batch_choice:
+            mb = ("1 (the whole batch at once)" if self.micro_batches == 1 else
+                  f"{self.micro_batches} x {self.batch_size // self.micro_batches} samples, gradients accumulated "
+                  f"(equal to the whole batch's up to summation order)")
+            pred = ("" if self.predicted_step_seconds is None
+                    else f"; predicted step {self.predicted_step_seconds * 1e3:.1f} ms (static cost model)")
+            lines.insert(2, f"{'micro-batches':<{w}}  {mb}{pred}")
+            lines += [f"  micro-batching: {c}" for c in self.micro_batch_choice]
         if self.shapes_cached > 1:
             lines.insert(2, f"{'input shapes cached':<{w}}  {self.shapes_cached} (this report: the example's shapes)")
         if self.data_parallel is not None:
@@ -169,10 +184,12 @@ class TrainStep:
                  progress: Callable[[str], None] | None = None,
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
                  bucket_bytes: int | None = None, count_workspaces: bool = True, measure_allocator: bool = True,
-                 algorithms: str = "auto"):
+                 algorithms: str = "auto", micro_batches: int = 1, loss_reduction: str | None = None,
+                 full_batch_peak: int | None = None):
         # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
-                         if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget")}
+                         if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget",
+                                      "full_batch_peak")}
         import torch
 
         from ..distributed import setup  # imported on use (torch.distributed)
@@ -208,6 +225,11 @@ class TrainStep:
         # Keyword inputs (Hugging Face style) become positional, in the order of their names.
         self._input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
         self._example = example_inputs
+        # Micro-batching (remat.step.microbatch): capture one micro-batch; the step takes the whole batch.
+        self.micro_batches = k = check_micro_batches(micro_batches, example_inputs, self.dp is not None)
+        self._capture_example = example_inputs if k == 1 else tuple(t[: t.shape[0] // k] for t in example_inputs)
+        self.loss_reduction = None
+        self.micro_batch_choice: list[str] = []
         self.cost_model = cost_model
         self._step = 0
         self._seed = seed
@@ -219,8 +241,10 @@ class TrainStep:
 
         # ---- the stages, in order (STAGES)
         self.imported = imp = self._stage("capture", lambda: import_module(
-            model, self._keywords(example_inputs), loss_fn, train=model.training, num_targets=num_targets))
+            model, self._keywords(self._capture_example), loss_fn, train=model.training, num_targets=num_targets))
         self._bind_torch(imp)
+        if k > 1:
+            self.loss_reduction = micro_batch_semantics(self, loss_reduction, num_targets)
         n_params = len(imp.param_names)
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
         # Forward + backward, before planning; composites no chosen dialect has a kernel for are
@@ -228,7 +252,11 @@ class TrainStep:
         self.joint = joint = self._stage("passes", lambda: cleanup(decompose_unclaimed(graph, self.dialects)))
         # (the "fuse" stage goes here: IR -> IR on the joint)
         unconstrained = self._make_step(joint, check=True)
-        self.unconstrained_peak = predict_peak(unconstrained)
+        # The whole batch's unconstrained peak: the reference of relative budgets and of the report,
+        # also when the step runs as micro-batches (then captured once more, at the whole batch).
+        self.step_unconstrained_peak = predict_peak(unconstrained)  # this step's own program, no recomputation
+        self.unconstrained_peak = self.step_unconstrained_peak if k == 1 else (
+            full_batch_peak if full_batch_peak is not None else whole_batch_peak(self, num_targets))
         self.budget = None if budget is None else parse_budget(budget, reference=self.unconstrained_peak)
         self.unconstrained_step_seconds = None
         if cost_model == "profiled":
@@ -237,10 +265,17 @@ class TrainStep:
             self.costs = static_costs(joint)
         problem = StepProblem(imp.function, imp.state_count, n_params, joint, unconstrained, self.budget,
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
-                              self._joint_args(example_inputs, copy=True) if cost_model == "profiled" else None,
+                              self._joint_args(self._capture_example, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
         self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
-        self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
+        try:
+            self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
+        except BudgetTooSmall as e:
+            e.unconstrained_peak = self.unconstrained_peak  # of the whole batch: resolves relative budgets
+            raise
+        cost = CostModel(self.costs)
+        self.predicted_seconds = cost.program_cost(self.plan.program)  # the whole step, every micro-batch
+        self.unconstrained_predicted_seconds = cost.program_cost(unconstrained)
         self.solver, self.notes = self.plan.solver, self.plan.notes
         self.algorithm_choices = list(self.plan.algorithms)
         if self.plan.unconstrained is not None:  # a lean algorithm won: counts are against its own step
@@ -315,6 +350,9 @@ class TrainStep:
 
     def _make_step(self, joint: Function, check: bool) -> Function:
         """The step program of a joint: one process, or this rank's (``remat.distributed.passes``)."""
+        if self.micro_batches > 1:
+            return microbatch_step(joint, self.layout, self.updates, self._state_types, self.keep_grads,
+                                   self.micro_batches, self.loss_reduction, check=check)
         if self.dp is None:
             return step_program(joint, self.layout, self.updates, self._state_types, self.keep_grads, check=check)
         from ..distributed.passes import data_parallel_step
@@ -424,7 +462,7 @@ class TrainStep:
         from ..runtime.vm import VM
 
         measured, _ = _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
-                                          self._joint_args(self._example, copy=True), repeats)
+                                          self._joint_args(self._capture_example, copy=True), repeats)
         vm = VM(Module([unconstrained]), dialects=self.dialects)
         self.unconstrained_step_seconds = min(
             vm.run(unconstrained.name, *self._step_args(self._example, copy=True, step=1))[1].total_seconds
@@ -630,7 +668,9 @@ class TrainStep:
                       dict(self.stage_seconds), None if self.dp is None else self.dp.mode, self._memory(),
                       dict(self.recomputed_layers), self.workspace_bytes, self.predicted_allocator_peak,
                       self.measured_allocator_peak,
-                      self.shapes_cached(), list(self.algorithm_choices))
+                      self.shapes_cached(), list(self.algorithm_choices), self.micro_batches,
+                      self._example[0].shape[0] if self.micro_batches > 1 else None, self.predicted_seconds,
+                      list(self.micro_batch_choice))
 
     def _value_kinds(self) -> dict:
         """The kind of every value of the step program (``remat.distributed.memory.kinds``)."""
@@ -704,5 +744,16 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``) and keeps
     the faster plan that fits; ``report().algorithms`` says what was chosen and why. Such a step's
     gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
+    ``micro_batches``: 1 (default: the whole batch at once), ``k`` (``k`` micro-batches of the batch
+    with gradient accumulation in the step program; gradients equal the whole batch's up to
+    summation order) or "auto" (the count chosen with recomputation: the least predicted step time
+    that fits; ``report()`` lists each count tried). Refused (``MicroBatchingRefused``) for models
+    with batch statistics or buffer updates, and for losses that are neither a mean nor a sum over
+    samples (checked eagerly; ``loss_reduction="mean"|"sum"`` overrides the check).
     """
+    if options.get("micro_batches") == "auto":
+        from .microbatch import compile_auto
+
+        return compile_auto(model, example_inputs, loss_fn, optimizer, budget,
+                            **{k: v for k, v in options.items() if k != "micro_batches"})
     return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)

@@ -1,0 +1,237 @@
+"""Memory-floor benchmark (issue 10): how low can a training step's budget go, and how large a batch fits?
+
+Three parts, each with whatever op alternatives the op registry declares (this script names none):
+
+* ``gpt``: the GPT medium of bench/speed.py (``zoo.make("gpt", "medium")``: 8 layers, d512, seq 256,
+  batch 8, vocab 8000, no optimizer: gradients only). Its unconstrained peak; the minimum feasible
+  budget of the whole-batch step and of each micro-batch count ``k`` dividing the batch (the
+  ``BudgetTooSmall`` minimum of a compile at 1 byte, which is itself a feasible budget), as % of the
+  unconstrained peak; one step at the smallest of them with measured == predicted checked; and the
+  step at 25% (``micro_batches="auto"``) against the unconstrained step: ``--rounds`` alternating
+  rounds in one process, median of the per-round ratio.
+* ``max_batch``: the same GPT with ``torch.optim.AdamW`` under a 1.5 GiB cap (parameters, gradients
+  and optimizer state included): ``remat.max_batch`` (compiled candidates, none run) against eager
+  PyTorch's largest batch (allocator peak of a steady-state step from torch.profiler's memory
+  events, measured per candidate), then one remat step at its batch (measured == predicted <= cap).
+* ``zoo``: each zoo model at size ``small``, no optimizer, batch doubled from the size's default until
+  the whole-batch minimum feasible budget is <= 25% of the unconstrained peak (at most ``--max-doublings``);
+  at that batch one step at 25% (measured == predicted <= budget).
+
+Targets (issue 10) are reported as pass/fail lines, never asserted. Timings are noisy on a shared
+machine: ratios come from alternating runs in one process.
+
+Run:  PYTHONPATH=src .venv/bin/python bench/floor.py [--quick] [--parts gpt,max_batch,zoo]
+Writes bench/results/floor.json (floor_quick.json with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import remat
+from remat import zoo
+from remat.errors import format_bytes
+from remat.train.max_batch import eager_max_batch, max_batch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 1 << 20
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def minimum(model, example, loss_fn, **options) -> tuple[int, int]:
+    """``(minimum feasible budget, whole batch's unconstrained peak)`` in bytes, from the
+    ``BudgetTooSmall`` a compile at 1 byte raises."""
+    try:
+        remat.compile(model, example, loss_fn, budget=1, **options)
+    except remat.BudgetTooSmall as e:
+        return e.minimum, e.unconstrained_peak
+    raise AssertionError("a 1-byte budget compiled")
+
+
+def one_step(step, example) -> dict[str, Any]:
+    """Run one step; its predicted and measured peak and whether they agree within the budget."""
+    step(*example)
+    measured = step.last_stats.peak_bytes
+    return {"predicted_peak": step.predicted_peak, "measured_peak": measured,
+            "measured_eq_predicted": measured == step.predicted_peak,
+            "within_budget": step.budget is None or measured <= step.budget}
+
+
+def alternate(steps: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each step, ``rounds`` rounds alternating between them (order rotating)."""
+    names = list(steps)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            steps[n]()
+            out[n].append(time.perf_counter() - t0)
+    return out
+
+
+def gpt_part(size: str, rounds: int) -> dict[str, Any]:
+    model, example, loss_fn = zoo.make("gpt", size)
+    batch = example[0].shape[0]
+    _log(f"gpt {size}: batch {batch}, compiling the unconstrained step ...")
+    free = remat.compile(model, example, loss_fn)
+    free_run = one_step(free, example)
+    U = free.unconstrained_peak
+    out: dict[str, Any] = {"model": f"zoo gpt {size}", "batch": batch, "optimizer": "none (gradients only)",
+                           "unconstrained_peak": U, "unconstrained_run": free_run, "minimum_by_micro_batches": {}}
+    for k in [d for d in range(1, batch + 1) if batch % d == 0]:
+        t0 = time.perf_counter()
+        m, _ = minimum(model, example, loss_fn, micro_batches=k, full_batch_peak=U)
+        out["minimum_by_micro_batches"][k] = {"minimum": m, "fraction": m / U, "seconds": time.perf_counter() - t0}
+        _log(f"  k={k}: minimum {format_bytes(m)} = {m / U:.1%} of {format_bytes(U)}")
+    mins = out["minimum_by_micro_batches"]
+    k_best = min(mins, key=lambda k: mins[k]["minimum"])
+    m_best = mins[k_best]["minimum"]
+    step = remat.compile(model, example, loss_fn, budget=m_best, micro_batches=k_best, full_batch_peak=U)
+    out["minimum"] = {"micro_batches": k_best, "budget": m_best, "fraction": m_best / U, "solver": step.solver,
+                      **one_step(step, example)}
+    out["minimum_whole_batch"] = {"budget": mins[1]["minimum"], "fraction": mins[1]["minimum"] / U}
+    _log(f"  minimum {m_best / U:.1%} at k={k_best}: measured == predicted: {out['minimum']['measured_eq_predicted']}")
+    try:
+        s25 = remat.compile(model, example, loss_fn, budget="25%", micro_batches="auto")
+    except remat.BudgetTooSmall as e:
+        out["at_25"] = {"feasible": False, "minimum": e.minimum, "error": str(e)}
+        _log(f"  25%: infeasible ({e})")
+        return out
+    run = one_step(s25, example)
+    times = alternate({"unconstrained": lambda: free(*example), "at_25": lambda: s25(*example)}, rounds)
+    ratios = [a / b for a, b in zip(times["at_25"], times["unconstrained"])]
+    out["at_25"] = {"feasible": True, "budget": s25.budget, "micro_batches": s25.micro_batches,
+                    "micro_batch_choice": s25.report().micro_batch_choice, "solver": s25.solver,
+                    "recomputed_instructions": s25.recomputed, "predicted_overhead": s25.predicted_overhead,
+                    **run, "step_s_median": statistics.median(times["at_25"]),
+                    "unconstrained_step_s_median": statistics.median(times["unconstrained"]),
+                    "time_ratio_median": statistics.median(ratios), "time_ratios": ratios}
+    _log(f"  25%: k={s25.micro_batches}, step x{out['at_25']['time_ratio_median']:.2f} of unconstrained "
+         f"(median of {rounds} alternating rounds)")
+    return out
+
+
+def max_batch_part(size: str, budget: str) -> dict[str, Any]:
+    model, _, loss_fn = zoo.make("gpt", size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def make_batch(n: int):
+        return zoo.make("gpt", size, batch=n)[1]
+
+    _log(f"max batch: gpt {size}, AdamW, budget {budget}")
+    t0 = time.perf_counter()
+    res = max_batch(model, make_batch, loss_fn, optimizer=opt, budget=budget, progress=lambda m: _log("  " + m))
+    t_remat = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    eager, eager_probes = eager_max_batch(model, make_batch, loss_fn, optimizer=opt, budget=budget,
+                                          progress=lambda m: _log("  " + m))
+    t_eager = time.perf_counter() - t0
+    run = one_step(res.step, make_batch(res.batch)) if res.step is not None else None
+    return {"model": f"zoo gpt {size}", "optimizer": "AdamW(lr=1e-3)", "budget": res.budget,
+            "remat_batch": res.batch, "eager_batch": eager,
+            "ratio": res.batch / eager if eager else None,
+            "remat_probes": [vars(p) for p in res.probes], "eager_probes": [vars(p) for p in eager_probes],
+            "remat_search_s": t_remat, "eager_search_s": t_eager, "remat_solver": getattr(res.step, "solver", None),
+            "remat_run": run}
+
+
+def zoo_part(size: str, max_doublings: int) -> list[dict[str, Any]]:
+    rows = []
+    for name in ("mlp", "resnet", "gpt", "unet"):
+        model, example, loss_fn = zoo.make(name, size)
+        b0 = example[0].shape[0]
+        tried = []
+        row: dict[str, Any] = {"model": f"zoo {name} {size}", "optimizer": "none (gradients only)", "tried": tried,
+                               "reaches_25": False}
+        for j in range(max_doublings + 1):
+            n = b0 * 2 ** j
+            model, example, loss_fn = zoo.make(name, size, batch=n)
+            t0 = time.perf_counter()
+            m, U = minimum(model, example, loss_fn)
+            tried.append({"batch": n, "minimum": m, "unconstrained_peak": U, "fraction": m / U,
+                          "seconds": time.perf_counter() - t0})
+            _log(f"zoo {name} batch {n}: minimum {m / U:.1%} of {format_bytes(U)}")
+            if m <= 0.25 * U:
+                step = remat.compile(model, example, loss_fn, budget="25%")
+                row.update(reaches_25=True, batch=n, budget=step.budget, solver=step.solver, **one_step(step, example))
+                break
+        rows.append(row)
+    return rows
+
+
+def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets as pass/fail lines (None: not measured)."""
+    out = []
+
+    def add(what: str, value, ok) -> None:
+        out.append({"target": what, "value": value, "met": ok})
+
+    g = res.get("gpt")
+    if g:
+        add("GPT medium: minimum feasible budget <= 25% of the unconstrained peak", g["minimum"]["fraction"],
+            g["minimum"]["fraction"] <= 0.25)
+        add("GPT medium: measured == predicted at the minimum", g["minimum"]["measured_eq_predicted"],
+            g["minimum"]["measured_eq_predicted"])
+        a = g.get("at_25", {})
+        add("GPT medium: step at 25% within 1.5x of the unconstrained step", a.get("time_ratio_median"),
+            a.get("feasible") and a["time_ratio_median"] <= 1.5)
+    mb = res.get("max_batch")
+    if mb:
+        add("largest batch under 1.5 GiB with AdamW >= 4x eager's", mb["ratio"],
+            mb["ratio"] is not None and mb["ratio"] >= 4)
+    z = res.get("zoo")
+    if z:
+        add("every zoo model reaches 25% at some batch size", {r["model"]: r["reaches_25"] for r in z},
+            all(r["reaches_25"] for r in z))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="GPT tiny instead of medium, a 2 MiB cap, zoo at tiny")
+    ap.add_argument("--parts", default="gpt,max_batch,zoo", help="comma-separated parts (default: all)")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default: 5)")
+    ap.add_argument("--max-doublings", type=int, default=4, help="zoo: batch doublings tried (default: 4)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    parts = [p for p in args.parts.split(",") if p]
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {}
+    gsize, zsize, cap = ("tiny", "tiny", "2MiB") if args.quick else ("medium", "small", "1.5GiB")
+    for part, run in (("gpt", lambda: gpt_part(gsize, args.rounds)), ("max_batch", lambda: max_batch_part(gsize, cap)),
+                      ("zoo", lambda: zoo_part(zsize, args.max_doublings))):
+        if part in parts:
+            try:
+                res[part] = run()
+            except Exception as e:  # noqa: BLE001  a part that fails is recorded, the others still run
+                traceback.print_exc()
+                res[part] = {"error": f"{type(e).__name__}: {e}"}
+    res["targets"] = targets({k: v for k, v in res.items() if "error" not in v}) if res else []
+    res["config"] = {"quick": args.quick, "parts": parts, "rounds": args.rounds, "threads": torch.get_num_threads(),
+                     "wall_s": time.perf_counter() - t0, "torch": torch.__version__}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("floor_quick.json" if args.quick else "floor.json")
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    _log("\ntargets:")
+    for t in res["targets"]:
+        _log(f"  [{'met' if t['met'] else 'NOT met' if t['met'] is not None else '-'}] {t['target']}: {t['value']}")
+    _log(f"wrote {path} in {res['config']['wall_s']:.0f} s")
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

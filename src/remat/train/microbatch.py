@@ -1,0 +1,173 @@
+"""Micro-batching as a planning dimension of ``remat.compile``.
+
+``micro_batches=k`` runs the batch as ``k`` micro-batches with gradient accumulation: the step
+captures one micro-batch, plans its joint under the budget minus what accumulation keeps (the
+step program built by :func:`remat.step.microbatch.microbatch_step` holds the accumulated
+gradients, parameters, optimizer state and the whole batch's inputs, and its exact peak is what
+every planner fits), and the VM runs the whole step as one program, so predicted == measured.
+``micro_batches="auto"`` chooses ``k`` jointly with recomputation: for each ``k`` dividing the
+batch, in increasing order, the cheapest plan that fits is found and its whole-step time
+predicted (the cost model over all micro-batches); the cheapest feasible ``k`` wins
+(:func:`compile_auto`).
+
+Semantics are kept, or micro-batching is refused (:class:`MicroBatchingRefused`): models whose
+forward mixes samples (batch norm with batch statistics) or updates buffers are refused; the loss
+must be a mean or a sum over the batch's samples, which is checked on the example batch by
+evaluating the loss eagerly (a float64 copy of the model, eval mode, no gradients) on each
+micro-batch and on the whole batch (a later batch whose samples weigh differently, e.g. other
+counts of ignored tokens, is not checked again).
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Sequence
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..step.microbatch import REDUCTIONS, batch_dependent
+
+if TYPE_CHECKING:
+    from .api import TrainStep
+
+
+class MicroBatchingRefused(ValueError):
+    """Micro-batching would change what the step computes (batch statistics, buffer updates, a loss
+    that is neither a mean nor a sum over samples), or the inputs cannot be split."""
+
+
+def batch_size(inputs: Sequence) -> int | None:
+    """The batch size shared by every input's axis 0, or None when they disagree (or one is 0-d)."""
+    sizes = {t.shape[0] if len(getattr(t, "shape", ())) else None for t in inputs}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_micro_batches(k, inputs: Sequence, data_parallel: bool) -> int:
+    """``k`` validated against the example inputs: a positive divisor of their common batch size."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"micro_batches must be a positive int (or 'auto' in remat.compile), got {k!r}")
+    if k == 1:
+        return 1
+    if data_parallel:
+        raise MicroBatchingRefused("micro_batches > 1 with data_parallel is not supported yet: each rank's shard is "
+                                   "one micro-batch; use micro_batches=1")
+    n = batch_size(inputs)
+    if n is None:
+        raise MicroBatchingRefused("micro-batching splits every input along axis 0, but the inputs' axis 0 sizes "
+                                   f"differ: {[list(getattr(t, 'shape', ())) for t in inputs]}")
+    if n % k:
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        raise MicroBatchingRefused(f"micro_batches={k} does not divide the batch of {n}; valid: {divisors}")
+    return k
+
+
+def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_targets: int | None) -> str:
+    """The loss reduction micro-batching must apply ("mean" or "sum"), after refusing models whose
+    forward depends on the batch. ``loss_reduction`` given: trusted; None: checked eagerly on the
+    example's micro-batches and the whole batch (a float64 copy of the model in eval mode)."""
+    why = batch_dependent(step.imported.function, step.layout)
+    if why:
+        raise MicroBatchingRefused("micro-batching would change what this step computes: " + "; ".join(why)
+                                   + ". Use micro_batches=1 (a smaller batch, or a larger budget)")
+    if loss_reduction is not None:
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS} or None (checked), got {loss_reduction!r}")
+        return loss_reduction
+    import torch
+
+    from ..frontend.torch_import import loss_module
+
+    k, b = step.micro_batches, step._capture_example[0].shape[0]
+    try:  # in float64, so that a mean over unequal counts cannot hide in float32 rounding
+        model, tol = copy.deepcopy(step.model).double(), 1e-9
+        example = tuple(t.double() if t.is_floating_point() else t for t in step._example)
+    except (RuntimeError, TypeError):
+        model, tol, example = step.model, 1e-5, step._example
+    wrapper, tensors = loss_module(model, step._keywords(example), step._loss_fn, num_targets)
+    modes = [m.training for m in model.modules()]
+    wrapper.eval()
+    try:
+        with torch.no_grad():
+            parts = [float(wrapper(*[t[i * b:(i + 1) * b] for t in tensors])) for i in range(k)]
+            both = float(wrapper(*tensors))
+    finally:
+        for m, t in zip(model.modules(), modes):
+            m.training = t
+    mean, total = sum(parts) / k, sum(parts)
+    scale = max(abs(both), abs(total), 1e-30)
+    if abs(both - mean) <= tol * scale and abs(mean - total) > tol * scale:
+        return "mean"
+    if abs(both - total) <= tol * scale:
+        return "sum"
+    raise MicroBatchingRefused(
+        f"micro-batching needs a loss that is a mean or a sum over the batch's samples: on the example's {k} "
+        f"micro-batches of {b} the loss is {', '.join(f'{v:.10g}' for v in parts)}, on the whole batch {both:.10g} "
+        f"(neither their mean {mean:.10g} nor their sum {total:.10g}; e.g. a mean over non-ignored tokens whose "
+        f"count differs between micro-batches). "
+        f"Pass loss_reduction='mean' or 'sum' if the difference is intended, or use micro_batches=1")
+
+
+def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
+    """The unconstrained peak of the whole batch's step (no micro-batching): the reference of
+    relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
+    from ..frontend.torch_import import import_module
+    from ..plan.liveness import predict_peak
+    from ..step.program import cleanup, step_program, training_graph
+
+    imp = import_module(step.model, step._keywords(step._example), step._loss_fn, train=step.model.training,
+                        num_targets=num_targets)
+    joint = cleanup(training_graph(imp.function, len(imp.param_names)))
+    return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
+
+
+def compile_auto(model, example_inputs, loss_fn, optimizer, budget, **options) -> "TrainStep":
+    """``remat.compile(..., micro_batches="auto")``: the micro-batch count chosen with recomputation.
+
+    For each ``k`` dividing the batch, in increasing order, a step is planned (``k = 1`` is the
+    whole batch); among those that fit the budget the one with the least predicted whole-step
+    time wins. The search stops at a ``k`` whose plan recomputes nothing, or whose step without
+    recomputation already costs more than the best found (more micro-batches only add per-op
+    cost). Raises ``BudgetTooSmall`` with the smallest minimum over every ``k`` tried."""
+    from ..frontend.torch_import import keyword_inputs
+    from .api import TrainStep
+
+    if budget is None:
+        return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
+    _, tensors, _ = keyword_inputs(example_inputs, loss_fn, options.get("num_targets"))
+    n = batch_size(tensors)
+    ks = [1] if n is None or options.get("data_parallel") else [d for d in range(1, n + 1) if n % d == 0]
+    lines: list[str] = []
+    best: TrainStep | None = None
+    first_error: BudgetTooSmall | None = None
+    minimums: list[int] = []
+    infeasible: list[int] = []
+    ref: int | None = None
+    for k in ks:
+        try:
+            step = TrainStep(model, example_inputs, loss_fn, optimizer, budget, micro_batches=k,
+                             full_batch_peak=ref, **options)
+        except BudgetTooSmall as e:
+            first_error = first_error or e
+            minimums.append(e.minimum)
+            infeasible.append(k)
+            ref = ref if ref is not None else getattr(e, "unconstrained_peak", None)
+            lines.append(f"k={k}: infeasible (needs at least {format_bytes(e.minimum)})")
+            continue
+        except MicroBatchingRefused as e:
+            lines.append(f"k={k}: refused: {e}")
+            break
+        ref = step.unconstrained_peak
+        lines.append(f"k={k}: peak {format_bytes(step.predicted_peak)} ({step.unconstrained_peak - step.predicted_peak:,} B "
+                     f"below the whole batch's unconstrained peak), predicted step {step.predicted_seconds * 1e3:.1f} ms, "
+                     f"recompute overhead {step.predicted_overhead:+.1%} ({step.solver})")
+        if best is None or step.predicted_seconds < best.predicted_seconds:
+            best = step
+        if not step._recomputes or step.unconstrained_predicted_seconds >= best.predicted_seconds:
+            break
+    if best is None:
+        refused = [ln for ln in lines if "refused" in ln]
+        err = BudgetTooSmall(first_error.budget, min(minimums), "this training step at any micro-batch count tried",
+                             detail=f"micro-batch counts tried: {', '.join(map(str, infeasible))}"
+                             + (f"; {refused[0]}" if refused else ""))
+        err.unconstrained_peak = ref  # of the whole batch, as TrainStep's own BudgetTooSmall says
+        raise err from first_error
+    best.micro_batch_choice = lines + [f"chose k={best.micro_batches}: the least predicted step time that fits"]
+    return best
