@@ -177,6 +177,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     def add(what: str, value, ok) -> None:
         out.append({"target": what, "value": value, "met": ok})
 
+    res = {k: v for k, v in res.items() if k in ("gpt", "max_batch", "zoo")}
     g = res.get("gpt")
     if g:
         add("GPT medium: minimum feasible budget <= 25% of the unconstrained peak", g["minimum"]["fraction"],
@@ -211,6 +212,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     res: dict[str, Any] = {}
     gsize, zsize, cap = ("tiny", "tiny", "2MiB") if args.quick else ("medium", "small", "1.5GiB")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("floor_quick.json" if args.quick else "floor.json")
+
+    def write() -> None:  # after every part, so a long run interrupted keeps what it measured
+        res["targets"] = targets({k: v for k, v in res.items() if not (isinstance(v, dict) and "error" in v)})
+        res["config"] = {"quick": args.quick, "parts": parts, "rounds": args.rounds,
+                         "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t0,
+                         "torch": torch.__version__}
+        path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
     for part, run in (("gpt", lambda: gpt_part(gsize, args.rounds)), ("max_batch", lambda: max_batch_part(gsize, cap)),
                       ("zoo", lambda: zoo_part(zsize, args.max_doublings))):
         if part in parts:
@@ -219,13 +231,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001  a part that fails is recorded, the others still run
                 traceback.print_exc()
                 res[part] = {"error": f"{type(e).__name__}: {e}"}
-    res["targets"] = targets({k: v for k, v in res.items() if "error" not in v}) if res else []
-    res["config"] = {"quick": args.quick, "parts": parts, "rounds": args.rounds, "threads": torch.get_num_threads(),
-                     "wall_s": time.perf_counter() - t0, "torch": torch.__version__}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / ("floor_quick.json" if args.quick else "floor.json")
-    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+            write()
+    write()
     _log("\ntargets:")
     for t in res["targets"]:
         _log(f"  [{'met' if t['met'] else 'NOT met' if t['met'] is not None else '-'}] {t['target']}: {t['value']}")
