@@ -43,13 +43,13 @@ def case():
     y = torch.randint(0, 1500, (4, 32))
     base = remat.compile(copy.deepcopy(model), (x, y), _loss)
     with pytest.raises(remat.BudgetTooSmall) as e:
-        remat.compile(copy.deepcopy(model), (x, y), _loss, budget=1)
+        remat.compile(copy.deepcopy(model), (x, y), _loss, budget=1, count_workspaces=False)
     return model, (x, y), base, e.value.minimum  # the least budget found with the lean algorithm
 
 
 def _run(model, inputs, **options):
     m = copy.deepcopy(model)
-    step = remat.compile(m, inputs, _loss, **options)
+    step = remat.compile(m, inputs, _loss, **{"count_workspaces": False, **options})
     loss = step(*inputs)
     return step, loss, grads_of(m)
 
@@ -73,7 +73,7 @@ def test_lean_algorithm_reaches_below_the_reference_minimum(case):
 def test_reference_only_refuses_that_budget(case):
     model, inputs, _, lean_min = case
     with pytest.raises(remat.BudgetTooSmall) as e:
-        remat.compile(copy.deepcopy(model), inputs, _loss, budget=lean_min, algorithms="reference")
+        remat.compile(copy.deepcopy(model), inputs, _loss, budget=lean_min, algorithms="reference", count_workspaces=False)
     assert e.value.minimum > lean_min + 2 * 128 * 1500 * 4  # at least two more [N, V] logits
 
 
@@ -100,14 +100,14 @@ def test_bad_option_names_the_valid_ones(case):
         remat.compile(copy.deepcopy(model), inputs, _loss, algorithms="fast")
 
 
-def test_lean_variant_not_planned_when_it_cannot_be_faster():
-    """A wide head (d=64): recomputing the head's matmul costs more than the reference's little
-    recomputation just under the unconstrained peak, so the lean variant is not even planned."""
+def test_lean_variant_not_chosen_while_the_reference_fits():
+    """Just under the unconstrained peak the reference algorithms fit (with a little
+    recomputation): they are kept, so gradients stay bit-identical to the unconstrained step."""
     torch.manual_seed(1)
     model = WideHead(vocab=600, d=64)
     x, y = torch.randint(0, 600, (2, 32)), torch.randint(0, 600, (2, 32))
     base = remat.compile(copy.deepcopy(model), (x, y), _loss)
     step = remat.compile(copy.deepcopy(model), (x, y), _loss, budget=base.unconstrained_peak - 1)
     (line,) = step.report().algorithms
-    assert ": not chosen;" in line and "no slower than the lean variant without recomputation" in line
+    assert ": not chosen;" in line and "the reference algorithms fit the budget" in line
     assert not any(i.op.name == "linear_cross_entropy" for i in step.program.entry.instrs)

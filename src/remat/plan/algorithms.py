@@ -46,7 +46,7 @@ def predicted_seconds(program: Function) -> float:
 
 
 def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:
-    """The faster of the reference plan and the lean variant's plan that fits ``p.budget``.
+    """The reference plan when one fits ``p.budget``, else the lean variant's plan.
 
     Without a budget, or when the unconstrained reference step fits, this is ``plan_step(p)``: no
     recomputation and the reference algorithms. Otherwise both are planned; a budget neither fits
@@ -65,14 +65,14 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
         if ref is None:
             raise BudgetTooSmall(p.budget, minimums[0], "this training step")
         return ref
+    if ref is not None:
+        # The reference algorithms fit: keep them, so that gradients stay bit-identical to the
+        # unconstrained step under every budget the reference can meet.
+        choice = [f"{s}: not chosen; the reference algorithms fit the budget (gradients stay bit-identical to "
+                  f"the unconstrained step)" for s in variant.sites]
+        return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
     q = replace(variant.problem, budget=p.budget)
     alt: Candidate | None = None
-    t_floor = predicted_seconds(q.unconstrained)
-    if ref is not None and predicted_seconds(ref.program) <= t_floor:
-        # No plan of the lean variant runs faster than its own unconstrained step: not worth planning.
-        choice = [f"{s}: not chosen; the reference plan's predicted step ({predicted_seconds(ref.program):.4g} s) "
-                  f"is no slower than the lean variant without recomputation ({t_floor:.4g} s)" for s in variant.sites]
-        return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
     try:
         alt = plan_step(q)
     except BudgetTooSmall as e:

@@ -422,7 +422,24 @@ class TrainStep:
 
     def _plan(self, problem: StepProblem) -> Candidate:
         """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
-        (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
+        (``remat.plan.algorithms``) unless ``algorithms="reference"``. A refusal's minimum is checked
+        by planning at it (a few rounds): the minimum a user is told is a budget that plans."""
+        try:
+            return self._plan_once(problem)
+        except BudgetTooSmall as e:
+            refusal = e
+        for _ in range(3):
+            try:
+                self._plan_once(replace(problem, budget=refusal.minimum))
+            except BudgetTooSmall as e:
+                if e.minimum <= refusal.minimum:
+                    break
+                refusal = BudgetTooSmall(problem.budget, e.minimum, "this training step", detail=e.detail)
+                continue
+            break
+        raise refusal
+
+    def _plan_once(self, problem: StepProblem) -> Candidate:
         if self._algorithms == "reference":
             return plan_step(problem)
         return plan_choosing_algorithms(problem, self._lean_variant)
@@ -740,9 +757,8 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     torch.profiler and ``report()`` shows the allocator's measured peak beside the VM's
     (``step.measure_allocator_peak(x, y)`` measures on copies at any time). ``step.report()`` gives
     each stage's seconds, the VM's peak and the allocator's. ``algorithms`` ("auto", the default, or "reference"):
-    under a budget the unconstrained step does not fit, "auto" also plans the step with memory-lean
-    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``) and keeps
-    the faster plan that fits; ``report().algorithms`` says what was chosen and why. Such a step's
+    under a budget no plan with the reference algorithms meets, "auto" plans the step with memory-lean
+    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``); ``report().algorithms`` says what was chosen and why. Such a step's
     gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
     ``micro_batches``: 1 (default: the whole batch at once), ``k`` (``k`` micro-batches of the batch
     with gradient accumulation in the step program; gradients equal the whole batch's up to
