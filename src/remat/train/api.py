@@ -422,24 +422,7 @@ class TrainStep:
 
     def _plan(self, problem: StepProblem) -> Candidate:
         """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
-        (``remat.plan.algorithms``) unless ``algorithms="reference"``. A refusal's minimum is checked
-        by planning at it (a few rounds): the minimum a user is told is a budget that plans."""
-        try:
-            return self._plan_once(problem)
-        except BudgetTooSmall as e:
-            refusal = e
-        for _ in range(3):
-            try:
-                self._plan_once(replace(problem, budget=refusal.minimum))
-            except BudgetTooSmall as e:
-                if e.minimum <= refusal.minimum:
-                    break
-                refusal = BudgetTooSmall(problem.budget, e.minimum, "this training step", detail=e.detail)
-                continue
-            break
-        raise refusal
-
-    def _plan_once(self, problem: StepProblem) -> Candidate:
+        (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
         if self._algorithms == "reference":
             return plan_step(problem)
         return plan_choosing_algorithms(problem, self._lean_variant)
