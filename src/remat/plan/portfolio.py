@@ -168,7 +168,7 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
     cand = Candidate(f"{search.plan.solver} ({search.plan.status})",
                      [n for n in best.notes if n.startswith("instruction-level")] + search.plan.notes
                      + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"],
-                     prog, program_overhead(model, prog, base), search.plan, predict_peak(prog))
+                     prog, program_overhead(model, prog, base), search.plan, fit_peak(p, prog))
     remarks.append(what + f", its plan: predicted overhead {cand.overhead:+.1%}"
                    + ("" if cand.peak <= p.budget else ", but its program peaks over the budget"))
     return cand
