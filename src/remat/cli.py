@@ -233,7 +233,9 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
     dist.init_process_group("gloo")
     try:
-        return _train_one(args, dist.get_rank(), world)
+        code = _train_one(args, dist.get_rank(), world)
+        dist.barrier()  # no rank tears the group down while a peer still talks to it (gloo: closed by peer)
+        return code
     finally:
         dist.destroy_process_group()
 
