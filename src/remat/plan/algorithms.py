@@ -1,18 +1,16 @@
 """Per-operator algorithm choice (issue 10; thesis §5.4.2): plan the step with the reference
-algorithms and with memory-lean alternatives, and keep the faster plan that fits the budget.
+algorithms, and with memory-lean alternatives only where no reference plan fits the budget.
 
 An alternative is a whole-step variant whose forward had some ops rewritten to a memory-lean
 algorithm before differentiation (today: the head's ``matmul -> log_softmax -> nll_loss`` as the
 chunked ``linear_cross_entropy``, :mod:`remat.passes.crossentropy`). Its planning problem is built
 on demand by the caller (differentiating and building a step program sit above this package), once
-per step. The choice minimises predicted step time, on the static cost model for both programs
-(the same estimate for every algorithm, so the two are comparable whatever ``cost_model`` planned
-the recomputation), among the plans whose exact peak fits the budget.
+per step.
 
 Exactness: under one algorithm choice, gradients are bit-identical across budgets (recomputation
 replays the same kernels). The lean variant's values equal the reference's up to summation order
-(its weight gradient is summed chunk by chunk), so the reference is kept whenever the unconstrained
-reference step fits the budget, and every choice is reported (:attr:`Candidate.algorithms`).
+(its weight gradient is summed chunk by chunk), so the reference is kept whenever a reference plan
+fits the budget, and every choice is reported (:attr:`Candidate.algorithms`).
 """
 from __future__ import annotations
 
@@ -20,8 +18,6 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
-from ..ir import Function
-from .costmodel import function_cost
 from .liveness import predict_peak
 from .portfolio import Candidate, StepProblem, plan_step
 
@@ -40,18 +36,14 @@ VariantBuilder = Callable[[StepProblem], "Variant | None"]
 no op of the step has a lean alternative."""
 
 
-def predicted_seconds(program: Function) -> float:
-    """The static cost model's seconds for one run of a step program (comparable across algorithms)."""
-    return function_cost(program)
-
-
 def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:
     """The reference plan when one fits ``p.budget``, else the lean variant's plan.
 
     Without a budget, or when the unconstrained reference step fits, this is ``plan_step(p)``: no
-    recomputation and the reference algorithms. Otherwise both are planned; a budget neither fits
-    raises ``BudgetTooSmall`` with the smaller of their minimums. The winner's ``algorithms`` says
-    what was chosen and why (bytes saved, predicted seconds of both)."""
+    recomputation and the reference algorithms. Otherwise the reference is planned first (kept when it
+    fits: gradients stay bit-identical), then the lean variant; a budget neither fits raises
+    ``BudgetTooSmall`` with the smaller of their minimums. The result's ``algorithms`` says what was
+    chosen and why (bytes saved)."""
     if lean is None or p.budget is None or predict_peak(p.unconstrained) <= p.budget:
         return plan_step(p)
     ref: Candidate | None = None
@@ -72,12 +64,12 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
                   f"the unconstrained step)" for s in variant.sites]
         return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
     q = replace(variant.problem, budget=p.budget)
-    alt: Candidate | None = None
+    alt: Candidate | None = None  # the reference cannot fit from here on
     try:
         alt = plan_step(q)
     except BudgetTooSmall as e:
         minimums.append(e.minimum)
-    if ref is None and alt is None:
+    if alt is None:
         best = min(minimums)
         if len(minimums) == 2 and minimums[1] < minimums[0]:
             # The lean variant's minimum: check that it plans (its minimum search can miss the chunk
@@ -93,18 +85,9 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
         raise BudgetTooSmall(p.budget, best, "this training step",
                              detail="with the reference algorithms and with " + "; ".join(variant.sites))
     ref_peak, alt_peak = predict_peak(p.unconstrained), predict_peak(q.unconstrained)
-    saved = (f"unconstrained peak {format_bytes(ref_peak)} -> {format_bytes(alt_peak)} "
-             f"({format_bytes(ref_peak - alt_peak)} saved)")
-    t_alt = None if alt is None else predicted_seconds(alt.program)
-    t_ref = None if ref is None else predicted_seconds(ref.program)
-    if alt is not None and (ref is None or t_alt < t_ref):
-        why = (f"the reference algorithms need at least {format_bytes(minimums[0])}, over the budget" if ref is None
-               else f"predicted step {t_alt:.4g} s against {t_ref:.4g} s with the reference algorithms "
-                    f"({ref.solver}, recompute overhead {ref.overhead:+.1%})")
-        choice = [f"{s}: chosen; {saved}; {why}" for s in variant.sites]
-        return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
-                       notes=alt.notes + [f"algorithm choice: {c}" for c in choice])
-    why = (f"its plans need at least {format_bytes(minimums[-1])}, over the budget" if alt is None
-           else f"predicted step {t_alt:.4g} s against {t_ref:.4g} s with the reference algorithms")
-    choice = [f"{s}: not chosen; {saved}; {why}" for s in variant.sites]
-    return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
+    why = (f"unconstrained peak {format_bytes(ref_peak)} -> {format_bytes(alt_peak)} "
+           f"({format_bytes(ref_peak - alt_peak)} saved); the reference algorithms need at least "
+           f"{format_bytes(minimums[0])}, over the budget")
+    choice = [f"{s}: chosen; {why}" for s in variant.sites]
+    return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
+                   notes=alt.notes + [f"algorithm choice: {c}" for c in choice])

@@ -240,13 +240,7 @@ class VM:
     # -------------------------------------------------------------- planning
     def _plan(self, fn: Function) -> _FnPlan:
         lv = liveness(fn)
-        slot: dict = {}
-        for b in fn.blocks:
-            for a in b.args:
-                slot[a] = len(slot)
-            for ins in b.instrs:
-                for r in ins.results:
-                    slot[r] = len(slot)
+        slot: dict = dict(lv.order)  # every value's definition index: its register
         params = set(fn.params)
         bindex = {b: i for i, b in enumerate(fn.blocks)}
 
