@@ -18,6 +18,7 @@ seen, here and in the measurement alike.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -75,6 +76,20 @@ def _zeros(t) -> Any:
     return torch.zeros(t.shape, dtype=_torch_dtype(t.dtype.value))
 
 
+STEADY_STEP_OPS = ("sgd_step", "adam_step")
+"""Optimizer updates whose last operand is the 1-based step count: measured at step 2, their
+steady state (SGD's first step only copies the gradient into the momentum buffer and allocates
+nothing; every later step's ``mul_(momentum)`` allocates scalar temporaries)."""
+
+
+def _operands(ins: Instruction) -> list:
+    """The operands a kernel's workspace is measured on: zeros, but an optimizer's step count 2."""
+    args = [_zeros(v.type) for v in ins.operands]
+    if ins.op.name in STEADY_STEP_OPS:
+        args[-1].fill_(2)
+    return args
+
+
 def _torch_dtype(name: str) -> Any:
     import torch
 
@@ -87,14 +102,29 @@ _disk_loaded = False
 _dirty = False
 
 
+CACHE_VERSION = 2
+"""Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0), so that
+workspaces cached by an older remat are measured again."""
+
+
+def _kernels_digest() -> str:
+    """A digest of the torch kernels' source: a workspace is what a kernel allocates, so a changed
+    kernel module is measured again (12 hex digits of SHA-256)."""
+    from ..backends import torch_kernels
+
+    return hashlib.sha256(Path(torch_kernels.__file__).read_bytes()).hexdigest()[:12]
+
+
 def cache_file() -> Path:
-    """The on-disk cache of workspaces (bytes per kernel and shape), one file per torch version and
-    machine: ``$REMAT_CACHE_DIR`` (else ``~/.cache/remat``) ``/workspaces/torch-<version>-<arch>.json``."""
+    """The on-disk cache of workspaces (bytes per kernel and shape), one file per cache version, torch
+    version, machine and kernel source: ``$REMAT_CACHE_DIR`` (else ``~/.cache/remat``)
+    ``/workspaces/v<N>-torch-<version>-<arch>-<kernels digest>.json``."""
     import torch
 
-    from ..backends.numba_kernels import cache_root
+    from ..cache import cache_root
 
-    return cache_root() / "workspaces" / f"torch-{torch.__version__}-{platform.machine()}.json"
+    return cache_root() / "workspaces" / (f"v{CACHE_VERSION}-torch-{torch.__version__}-{platform.machine()}"
+                                          f"-{_kernels_digest()}.json")
 
 
 def _load() -> None:
@@ -231,7 +261,7 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
             _CACHE[key] = 0
             continue
         fresh = sum(r.type.nbytes for k, r in enumerate(ins.results) if k not in ins.op.aliases)
-        runs.append((key, vm, [_zeros(v.type) for v in ins.operands], fresh))
+        runs.append((key, vm, _operands(ins), fresh))
 
     def run_all() -> list[bool]:
         ok = []
