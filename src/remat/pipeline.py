@@ -30,7 +30,7 @@ def get_pass(name: str) -> PassFn:
     return lookup(PASSES, [name])[0][1]
 
 
-def run_pipeline(module: Module, names: Sequence[str] | str, verify_each: bool = True,
+def run_pipeline(module: Module, names: Sequence[str] | str, verify_each: bool | None = None,
                  print_after: Callable[[str, Module], None] | None = None) -> PipelineResult:
     """Run passes by name in order, or the named pipeline ``names`` (a key of ``PIPELINES``)."""
     if isinstance(names, str):

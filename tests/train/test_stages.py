@@ -88,3 +88,40 @@ def test_planned_ir_and_report_carry_provenance(capsys):
     assert "recomputed layers" in str(r) and "layers." in str(r)
     unconstrained = remat.compile(model, (x, y), torch.nn.functional.mse_loss).report()
     assert unconstrained.recomputed_layers == {}
+
+
+def test_a_cached_capture_compiles_the_same_step(tmp_path, monkeypatch):
+    """A second compile of the same model takes its capture from the on-disk cache: the same
+    planned program, the same updates bit for bit, and the report says where the capture came from."""
+    from remat.ir import print_function
+
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("REMAT_CAPTURE_CACHE", "1")
+    torch.manual_seed(0)
+    model, x, y = _Deep(), torch.randn(64, 32), torch.randn(64, 2)
+    steps, grads = [], []
+    for _ in range(2):
+        m = copy.deepcopy(model)
+        steps.append(remat.compile(m, (x, y), torch.nn.functional.mse_loss, budget="70%", solver="greedy"))
+        steps[-1](x, y)
+        grads.append([p.grad for p in m.parameters()])
+    first, second = (s.report() for s in steps)
+    assert not first.capture_cached and second.capture_cached
+    assert "capture cache" in str(second) and "capture cache" not in str(first)
+    assert print_function(steps[0].program) == print_function(steps[1].program)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_the_garbage_collector_runs_again_after_each_stage():
+    import gc
+
+    from remat._gc import cyclic_gc_paused
+
+    model, inputs, loss_fn = make("mlp")
+    remat.compile(model, inputs, loss_fn)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with cyclic_gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()

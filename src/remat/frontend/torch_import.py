@@ -25,8 +25,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, verify
+from .._gc import cyclic_gc_paused
+from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, parse, print_module, verify
 from ..passes import run
+from . import capture_cache
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
 __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpError", "import_module", "keyword_inputs",
@@ -158,6 +160,8 @@ class ImportedModel:
     constant_names: list[str] = field(default_factory=list)
     input_names: tuple[str, ...] | None = None  # keyword names of the inputs, in order (None: positional)
     _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _state: list[tuple[str, str]] = field(default_factory=list, repr=False)  # (kind, export name) per tensor
+    from_cache: bool = False  # rebuilt from the capture cache (no torch.export ran)
 
     @property
     def state_count(self) -> int:
@@ -365,7 +369,7 @@ def _loc(node: torch.fx.Node) -> Loc:
 
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                   loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool = True,
-                  num_targets: int | None = None, name: str = "forward") -> ImportedModel:
+                  num_targets: int | None = None, name: str = "forward", cache: bool | None = None) -> ImportedModel:
     """Translate ``model`` (and ``loss_fn`` if given) into a remat module.
 
     ``example_inputs`` are the model's inputs followed, when ``loss_fn`` is given, by its targets:
@@ -376,7 +380,8 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     ``train`` selects training-mode semantics (batch statistics and running-stat updates in batch
     norm, active dropout) or eval mode. Shapes are static: those of ``example_inputs``.
     Raises :class:`UnsupportedOpError` naming the op, the submodule and the source line when an op
-    has no translation.
+    has no translation. ``cache``: reuse (and fill) the on-disk cache of captures
+    (:mod:`remat.frontend.capture_cache`); None: as ``$REMAT_CAPTURE_CACHE`` says (default on).
     """
     input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
     n_targets = 0
@@ -388,16 +393,57 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     wrapper = _WithLoss(model, loss_fn, n_inputs, input_names)
     was_training = [m.training for m in model.modules()]
     wrapper.train(train)
+    key = None
     try:
+        if capture_cache.enabled(cache):
+            try:
+                key = capture_cache.capture_key(wrapper, tuple(example_inputs), {
+                    "train": train, "n_inputs": n_inputs, "n_targets": n_targets, "has_loss": loss_fn is not None,
+                    "input_names": input_names, "name": name})
+            except capture_cache.Uncacheable:
+                key = None
+            entry = None if key is None else capture_cache.load(key)
+            if entry is not None:
+                with cyclic_gc_paused():
+                    imported = _from_entry(entry, wrapper)
+                if imported is not None:
+                    imported.input_names = input_names
+                    return imported
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             ep = _capture(wrapper, example_inputs)
     finally:
         for m, t in zip(model.modules(), was_training):
             m.training = t
-    imported = _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
+    with cyclic_gc_paused():
+        imported = _translate(ep, wrapper, n_inputs + n_targets, loss_fn is not None, name)
     imported.input_names = input_names
+    if key is not None:
+        capture_cache.store(key, _to_entry(imported, ep), capture_cache.trace_files(ep.graph_module.graph)
+                            | capture_cache.class_files(wrapper))
     return imported
+
+
+def _to_entry(imported: ImportedModel, ep: "torch.export.ExportedProgram") -> capture_cache.Entry:
+    """What the capture cache keeps of an import: the IR as text, the names, the lifted constants."""
+    state = [[kind, target] for kind, target in imported._state]
+    constants = {t: ep.constants[t] for kind, t in imported._state if kind == "constant"}
+    fields = {"param_names": imported.param_names, "buffer_names": imported.buffer_names,
+              "input_count": imported.input_count, "has_seed": imported.has_seed,
+              "output_names": imported.output_names, "constant_names": imported.constant_names}
+    return capture_cache.Entry(print_module(imported.module), imported.function.name, state, fields, constants)
+
+
+def _from_entry(entry: capture_cache.Entry, wrapper: torch.nn.Module) -> ImportedModel | None:
+    """An import rebuilt from a cache entry, its tensors those of ``wrapper`` (the live model); None
+    if the entry names a tensor the model lacks (then the model is captured afresh)."""
+    named = {"param": dict(wrapper.named_parameters()), "buffer": dict(wrapper.named_buffers()),
+             "constant": entry.constants}
+    if any(t not in named.get(k, {}) for k, t in entry.state):
+        return None
+    module = parse(entry.ir)
+    return ImportedModel(module=module, function=module[entry.function], _tensors=[named[k][t] for k, t in entry.state],
+                         _state=[(k, t) for k, t in entry.state], from_cache=True, **entry.fields)
 
 
 def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
@@ -602,7 +648,8 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     return ImportedModel(module=module, function=f, param_names=[_strip(p) for p in params],
                          buffer_names=[_strip(x) for x in buffers], input_count=len(inputs),
                          has_seed=bool(seed_holder), output_names=out_names,
-                         constant_names=[_strip(c) for c in constants], _tensors=tensors)
+                         constant_names=[_strip(c) for c in constants], _tensors=tensors,
+                         _state=state)
 
 
 def _check(node: torch.fx.Node, result: Any) -> None:

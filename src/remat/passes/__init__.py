@@ -35,7 +35,7 @@ CLEANUP: list[str] = ["inline", "simplify", "fold", "cse", "dce"]
 common subexpressions merged, dead code removed."""
 
 
-def run(module: Module, names: Sequence[str], verify_each: bool = True) -> PipelineResult:
+def run(module: Module, names: Sequence[str], verify_each: bool | None = None) -> PipelineResult:
     """Run passes of this package by name (the packages above use :func:`remat.pipeline.run_pipeline`)."""
     return run_passes(module, lookup(PASSES, names, " in remat.passes"), verify_each)
 

@@ -1,11 +1,14 @@
 """Running passes: a pass is a named pure function Module -> Module; a pipeline is a flat list of them.
 
-``run_passes`` records each pass's time and can verify and print the IR after every pass. Which name
+``run_passes`` records each pass's time and can verify and print the IR after every pass (by default
+only when ``$REMAT_VERIFY_EACH_PASS=1``: the test suite and debugging; a compile verifies each stage's
+result once instead). Which name
 means which pass is the registry's business (:mod:`remat.passes` for the passes of this package,
 :mod:`remat.pipeline` for all of them).
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -47,9 +50,18 @@ def lookup(table: dict[str, PassFn], names: Sequence[str], where: str = "") -> l
     return out
 
 
-def run_passes(module: Module, steps: Sequence[tuple[str, PassFn]], verify_each: bool = True,
+def verify_each_pass() -> bool:
+    """The default of ``verify_each``: ``$REMAT_VERIFY_EACH_PASS=1`` (set by the test suite; for
+    debugging a pass). Off otherwise: verifying costs about as much as the passes themselves."""
+    return os.environ.get("REMAT_VERIFY_EACH_PASS", "0") == "1"
+
+
+def run_passes(module: Module, steps: Sequence[tuple[str, PassFn]], verify_each: bool | None = None,
                print_after: Callable[[str, Module], None] | None = None) -> PipelineResult:
-    """Run the passes in order (each returns a new module); verify after each one if asked."""
+    """Run the passes in order (each returns a new module); verify after each one if asked
+    (None: :func:`verify_each_pass`)."""
+    if verify_each is None:
+        verify_each = verify_each_pass()
     res = PipelineResult(module)
     for name, fn in steps:
         before = _count(res.module)

@@ -48,8 +48,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from .graph import (
     COMPUTE,
@@ -97,7 +95,7 @@ class _Model:
     integrality: np.ndarray
     lb: np.ndarray
     ub: np.ndarray
-    A: coo_matrix
+    A: object  # scipy.sparse.coo_matrix
     row_lb: np.ndarray
     row_ub: np.ndarray
     R: dict[tuple[int, int], int]  # (stage, node) -> column
@@ -284,6 +282,8 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
         col_c = [c_ / scale for c_ in col_c]
     else:
         scale = 1.0
+    from scipy.sparse import coo_matrix  # imported on use: SciPy's import is slow, and many steps never solve a MILP
+
     A = coo_matrix((vals, (rows, cols)), shape=(len(r_lb), n))
     return _Model(
         np.array(col_c), np.array(col_int), np.array(col_lb), np.array(col_ub), A,
@@ -292,6 +292,8 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
 
 
 def _solve(model: _Model, time_limit: float, mip_rel_gap: float):  # -> OptimizeResult
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     return milp(
         model.c,
         constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
