@@ -217,3 +217,39 @@ def test_numba_max_pool_is_torch_bit_for_bit(case: tuple, dt: DType) -> None:
     assert {i.dialect for i in vm.function("f").entry.instrs if i.op.name != "return"} == {"numba"}
     (got_y, got_gx), _ = vm.run("f", x, gy)
     assert same_bits(got_y, want_y) and same_bits(got_gx, want_gx)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_numba_max_pool_split_over_threads_is_bit_identical(threads: int, monkeypatch) -> None:
+    """Above the threshold the pooling kernels split the planes over threads; every split (including an
+    uneven one, and planes < threads) gives the serial kernels' bits, which are torch's."""
+    import torch
+
+    from remat.backends import torch_kernels as tk
+
+    shape, k, s, p = (2, 5, 64, 64), (3, 3), (1, 1), (1, 1)
+    rng = np.random.default_rng(7)
+    x = rng.integers(-3, 3, shape).astype(np.float32)
+    x[rng.random(shape) < 0.05] = np.nan
+    gy = rng.standard_normal(nk._pool_out_shape(shape, k, s, p)).astype(np.float32)
+    monkeypatch.setattr(nk, "PARALLEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(nk, "threads", lambda: threads)
+    assert nk._pool_parts(gy.shape, k) == threads
+    want_y = tk.max_pool2d(torch.from_numpy(x), k, s, p).numpy()
+    want_gx = tk.max_pool2d_grad(torch.from_numpy(x), torch.from_numpy(gy), k, s, p).numpy()
+    assert same_bits(nk.max_pool2d(x, k, s, p), want_y)
+    assert same_bits(nk.max_pool2d_grad(x, gy, k, s, p), want_gx)
+
+
+def test_numba_kernels_follow_torch_threads() -> None:
+    """``torch.set_num_threads(1)`` makes the numba kernels serial; more torch threads allow up to THREADS."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert nk.threads() == 1 and nk._pool_parts((8, 64, 64, 64), (3, 3)) == 1
+        torch.set_num_threads(max(2, before))
+        assert nk.threads() == min(nk.THREADS, torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)

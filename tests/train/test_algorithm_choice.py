@@ -111,3 +111,44 @@ def test_lean_variant_not_chosen_while_the_reference_fits():
     (line,) = step.report().algorithms
     assert ": not chosen;" in line and "the reference algorithms fit the budget" in line
     assert not any(i.op.name == "linear_cross_entropy" for i in step.program.entry.instrs)
+
+
+class LongAttention(nn.Module):
+    """One head of attention with dropout over a long sequence: its [T, T] scores dominate."""
+
+    def __init__(self, d: int = 8, p: float = 0.2):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+        self.drop = nn.Dropout(p)
+        self.out = nn.Linear(d, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        att = self.drop(F.softmax((q @ k.transpose(-2, -1)) * 0.3, dim=-1))
+        return self.out(att @ v).mean(dim=(1, 2))
+
+
+def test_dropout_attention_is_chosen_where_the_explicit_form_cannot_fit():
+    torch.manual_seed(1)
+    model, x, y = LongAttention(), torch.randn(2, 128, 8), torch.randn(2)
+    def loss(out, target):
+        return F.mse_loss(out, target)
+
+    with pytest.raises(remat.BudgetTooSmall) as ref:
+        remat.compile(copy.deepcopy(model), (x, y), loss, budget=1, algorithms="reference", count_workspaces=False)
+    with pytest.raises(remat.BudgetTooSmall) as lean:
+        remat.compile(copy.deepcopy(model), (x, y), loss, budget=1, count_workspaces=False)
+    scores = 2 * 128 * 128 * 4
+    assert lean.value.minimum + scores <= ref.value.minimum  # the explicit form holds more than one [T, T] at once
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, y), loss, budget=lean.value.minimum, count_workspaces=False)
+    out = step(x, y)
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak <= lean.value.minimum
+    assert len(r.algorithms) == 1 and r.algorithms[0].startswith("dropout_attention at 1 attention(s)")
+    assert ": chosen;" in r.algorithms[0]
+    m0 = copy.deepcopy(model)
+    base = remat.compile(m0, (x, y), loss)(x, y)  # the same seed: the same dropout mask, replayed by the op
+    torch.testing.assert_close(out, base, rtol=1e-6, atol=1e-7)
+    for n, g in grads_of(m0).items():
+        torch.testing.assert_close(grads_of(m)[n], g, rtol=1e-5, atol=1e-7)

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..cache import cache_root  # noqa: F401  (also remat.backends.numba_kernels.cache_root)
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, parse_body
 from ..ir.types import DType
@@ -67,6 +68,25 @@ PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing half the work to a thread
 # (vectorised kernels take ~0.3 ns per f32 element: 1 << 20 elements are ~0.3 ms, where a thread hand-off
 # of tens of µs, and torch's intra-op threads still spinning after the previous op, no longer dominate)
 THREADS = max(1, min(os.cpu_count() or 1, 8))
+
+
+def threads() -> int:
+    """Threads a parallel kernel may use now: :data:`THREADS`, and no more than torch's intra-op
+    threads when torch is loaded (``torch.set_num_threads(1)`` makes every kernel serial)."""
+    torch = sys.modules.get("torch")
+    return THREADS if torch is None else max(1, min(THREADS, torch.get_num_threads()))
+
+
+def _run_parts(fn: Callable, rows: int, parts: int, *args: Any) -> None:
+    """``fn(lo, hi, *args)`` over ``parts`` contiguous slices of ``range(rows)``: the first on this
+    thread, the others on pool threads meanwhile (``fn`` releases the GIL)."""
+    bounds = [(rows * k // parts, rows * (k + 1) // parts) for k in range(parts)]
+    futs = [_pool().submit(fn, lo, hi, *args) for lo, hi in bounds[1:]]
+    try:
+        fn(*bounds[0], *args)
+    finally:
+        for f in futs:
+            f.result()
 
 
 def node_supported(op: str, in_dtypes: tuple[DType, ...], attrs: dict) -> bool:
@@ -212,12 +232,6 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
 
 
 # ---------------------------------------------------------------- the on-disk cache
-def cache_root() -> Path:
-    """remat's on-disk caches: ``$REMAT_CACHE_DIR``, else ``~/.cache/remat``."""
-    root = os.environ.get("REMAT_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "remat"
-
-
 def cache_dir() -> Path:
     """Where generated kernel sources and Numba's compiled code live."""
     return cache_root() / "kernels"
@@ -306,7 +320,7 @@ def fused(*args, body):
     ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
            for a, s in zip(args, p.in_shapes)]
     arrays = [o.reshape(p.cshape) for o in outs] + ins
-    if len(p.bounds) == 1:
+    if len(p.bounds) == 1 or threads() == 1:
         p.fn(0, p.cshape[0], *arrays)
     else:  # the kernel releases the GIL: the other parts run on pool threads meanwhile
         futs = [_pool().submit(p.fn, lo, hi, *arrays) for lo, hi in p.bounds[1:]]
@@ -388,10 +402,10 @@ def bernoulli(seed, shape, p):
 # a value wins when it is greater than the best so far or NaN, starting from -inf at the window's first
 # element; the backward adds each output gradient into its window's winner in output raster order per
 # plane, as max_pool2d_with_indices_backward does, so results are bit-identical without saving indices.
-def _max_pool_fwd_py(x, out, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
-    planes, h, w = x.shape
+def _max_pool_fwd_py(lo, hi, x, out, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
+    h, w = x.shape[1], x.shape[2]
     oh_n, ow_n = out.shape[1], out.shape[2]
-    for q in range(planes):
+    for q in range(lo, hi):
         for oh in range(oh_n):
             h0 = oh * sh - ph
             h1 = min(h0 + kh, h)
@@ -408,12 +422,12 @@ def _max_pool_fwd_py(x, out, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compi
                 out[q, oh, ow] = m
 
 
-def _max_pool_bwd_py(x, gy, gx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
-    planes, h, w = x.shape
+def _max_pool_bwd_py(lo, hi, x, gy, gx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
+    h, w = x.shape[1], x.shape[2]
     oh_n, ow_n = gy.shape[1], gy.shape[2]
-    gx[:] = 0
-    for q in range(planes):
+    for q in range(lo, hi):
         gq = gx[q]
+        gq[:] = 0
         for oh in range(oh_n):
             h0 = oh * sh - ph
             h1 = min(h0 + kh, h)
@@ -448,7 +462,8 @@ def _pool_kernel(which: str) -> Callable:
             if fn is None:
                 ints = ", ".join(["int64"] * 6)
                 arrays = 2 if which == "fwd" else 3
-                sigs = [f"void({', '.join([f'{t}[:, :, ::1]'] * arrays)}, {ints})" for t in ("float32", "float64")]
+                sigs = [f"void(int64, int64, {', '.join([f'{t}[:, :, ::1]'] * arrays)}, {ints})"
+                        for t in ("float32", "float64")]
                 py = _max_pool_fwd_py if which == "fwd" else _max_pool_bwd_py
                 fn = numba.njit(sigs, cache=True, nogil=True, error_model="numpy")(py)
                 if sum(fn.stats.cache_misses.values()):
@@ -474,11 +489,21 @@ def _pool_out_shape(x_shape, kernel, stride, padding) -> tuple[int, ...]:
     return (n, c, (h + 2 * padding[0] - kernel[0]) // stride[0] + 1, (w + 2 * padding[1] - kernel[1]) // stride[1] + 1)
 
 
+def _pool_parts(out_shape: tuple[int, ...], kernel) -> int:
+    """Threads for a pooling kernel: planes are independent, so they split exactly (same bits on any
+    split); worth it when the elements visited (output elements x window) reach the threshold."""
+    planes = out_shape[0] * out_shape[1]
+    visits = planes * out_shape[2] * out_shape[3] * kernel[0] * kernel[1]
+    return 1 if visits < PARALLEL_MIN_ELEMENTS else max(1, min(threads(), planes))
+
+
 @kernel("max_pool2d", "numba", checker=_pool_check)
 def max_pool2d(x, kernel, stride, padding=(0, 0)):
     """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
     out = np.empty(_pool_out_shape(x.shape, kernel, stride, padding), dtype=x.dtype)
-    _pool_kernel("fwd")(_planes(x), out.reshape(-1, out.shape[2], out.shape[3]), *kernel, *stride, *padding)
+    o3 = out.reshape(-1, out.shape[2], out.shape[3])
+    _run_parts(_pool_kernel("fwd"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel, *stride,
+               *padding)
     return out
 
 
@@ -486,7 +511,9 @@ def max_pool2d(x, kernel, stride, padding=(0, 0)):
 def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
     gx = np.empty(x.shape, dtype=x.dtype)
-    _pool_kernel("bwd")(_planes(x), _planes(gy), gx.reshape(-1, x.shape[2], x.shape[3]), *kernel, *stride, *padding)
+    g3 = gx.reshape(-1, x.shape[2], x.shape[3])
+    _run_parts(_pool_kernel("bwd"), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3, *kernel,
+               *stride, *padding)
     return gx
 
 

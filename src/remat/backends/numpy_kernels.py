@@ -486,6 +486,15 @@ def sample_bernoulli(seed: int, shape, p: float) -> np.ndarray:
     return _fresh((words[:n] < np.uint32(bernoulli_threshold(p))).reshape(tuple(shape)))
 
 
+def sample_bernoulli_range(seed: int, start: int, n: int, p: float) -> np.ndarray:
+    """Elements ``start .. start + n`` (flat) of ``sample_bernoulli(seed, shape, p)`` for any shape
+    holding them, drawn alone: word ``j`` of SplitMix64 from ``seed`` is word 0's successor ``j`` times,
+    so the words from ``start // 2`` on are those of the seed advanced by ``start // 2`` increments."""
+    j0 = start // 2
+    m = sample_bernoulli((int(seed) + j0 * SPLITMIX_GAMMA) & _M64, (n + start % 2,), p)
+    return m[start % 2:]
+
+
 @k("uniform")
 def uniform(seed, shape, dtype=DType.f32, low=0.0, high=1.0):
     return sample_uniform(int(seed), shape, dtype, low, high)
@@ -794,3 +803,27 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     dx, dw = _ce.reference_backward(_up(g), _up(x), _up(w), target, _up(lse), reduction=reduction,
                                     ignore_index=ignore_index, chunk=chunk)
     return _fresh(dx, x.dtype), _fresh(dw, x.dtype)
+
+
+# ---------------------------------------------------------------- attention with dropout (explicit reference)
+from ..ir.ops import attention as _att  # noqa: E402
+
+
+def _keep(seed, q, k, p):
+    """The keep mask over the scores' shape ``[..., T, S]``, as the explicit form's ``bernoulli`` draws it."""
+    return sample_bernoulli(int(seed), q.shape[:-1] + (k.shape[-2],), 1.0 - p)
+
+
+@k("dropout_attention")
+def dropout_attention(q, k, v, seed, mask=None, *, scale, is_causal=False, p):
+    out, lse = _att.reference_dropout_forward(_up(q), _up(k), _up(v), _keep(seed, q, k, p), _f32_mask(mask),
+                                              scale=scale, is_causal=is_causal, p=p)
+    return _fresh(out, q.dtype), _fresh(lse)
+
+
+@k("dropout_attention_grad")
+def dropout_attention_grad(g, q, k, v, out, lse, seed, mask=None, *, scale, is_causal=False, p):
+    grads = _att.reference_dropout_backward(_up(g), _up(q), _up(k), _up(v), _up(out), _up(lse),
+                                            _keep(seed, q, k, p), _f32_mask(mask), scale=scale,
+                                            is_causal=is_causal, p=p)
+    return tuple(_fresh(x, q.dtype) for x in grads)

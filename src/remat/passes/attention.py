@@ -14,8 +14,17 @@ Every intermediate (the scores, the scaled and masked scores, the probabilities,
 between them) must have no other user, so nothing else reads what the op no longer materialises.
 A ``select`` whose drop condition is ``not(keep)`` passes ``keep`` itself as the op's bool mask;
 the mask must have the shape the softmax sees broadcast against, so the op's broadcasting is the
-same. Dropout between the softmax and the second matmul does not match (the op has none), so
-models with attention dropout keep their explicit, replayable form.
+same. Dropout between the softmax and the second matmul does not match here (the import pass),
+so models with attention dropout keep their explicit, replayable form by default.
+
+``recognise_dropout_attention`` also matches that dropout, as the frontend writes it::
+
+    keep = bernoulli(seed, shape=[..., T, S], p=1-p)
+    p = select(keep, mul(p, 1/(1-p)), 0)
+
+and gives ``dropout_attention``, whose keep mask is drawn from the same seed with the same bits.
+Its values equal the explicit form's up to summation order, so it is no import pass: the planner
+applies it as a memory-lean algorithm where the explicit form cannot fit (``remat.plan.algorithms``).
 
 Only the numbers change in one place: a row whose scores are all masked (no defined softmax)
 gives NaN in both forms.
@@ -26,7 +35,10 @@ import math
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
+
 from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir.ops.attention import scores_shape
 from ..ir.types import DType
 from ._rewrite import apply_replacements, splat_value, use_counts
 
@@ -45,6 +57,8 @@ class Match:
     shape: tuple[int, ...]  # the softmax's shape [..., T, S]
     replaced: list[Instruction]
     anchor: Instruction  # the matmul with v, whose result the op's output replaces
+    seed: Value | None = None  # the dropout keep mask's seed (None: no dropout)
+    p: float = 0.0             # the drop probability
 
 
 def _def(v: Value, op: str) -> Instruction | None:
@@ -81,12 +95,43 @@ def _is_neg_inf(v: Value) -> bool:
     return c is not None and not isinstance(c, bool) and v.type.dtype.is_float and c == -math.inf
 
 
-def match(pv: Instruction, uses: dict[Value, int]) -> Match | None:
-    """The attention ending at ``pv`` (a matmul of probabilities with v), or None."""
+def _dropout(y: Value, uses: dict[Value, int]) -> tuple[Value, Value, float, list[Instruction]] | None:
+    """``(probabilities, seed, drop probability, instructions)`` when ``y`` is the frontend's inverted
+    dropout of single-use probabilities: ``select(bernoulli(seed, p=1-p), mul(x, 1/(1-p)), 0)``, with a
+    scale equal to the op's own (so the values agree) and a keep probability the op redraws exactly."""
+    sel = _def(y, "select")
+    if sel is None or uses.get(y, 0) != 1:
+        return None
+    keep, scaled, zero = sel.operands
+    bern, mul = _def(keep, "bernoulli"), _def(scaled, "mul")
+    if bern is None or mul is None or uses.get(scaled, 0) != 1 or splat_value(zero) != 0:
+        return None
+    x, c = mul.operands
+    keep_p = float(bern.attrs["p"])
+    drop = 1.0 - keep_p
+    if (not 0.0 < keep_p <= 1.0 or 1.0 - drop != keep_p or tuple(bern.attrs["shape"]) != x.type.shape
+            or _scalar(c) is None or x.type != y.type):
+        return None
+    dt = x.type.dtype.numpy  # the constant's kernel value is its attribute rounded to the dtype
+    if np.asarray(_scalar(c), dt) != np.asarray(1.0 / (1.0 - drop), dt):
+        return None
+    chain = [sel, mul] + ([bern] if uses.get(keep, 0) == 1 else [])
+    return x, bern.operands[0], drop, chain
+
+
+def match(pv: Instruction, uses: dict[Value, int], dropout: bool = False) -> Match | None:
+    """The attention ending at ``pv`` (a matmul of probabilities with v), or None; with ``dropout``,
+    also one with the frontend's dropout on its probabilities."""
     if pv.op.name != "matmul" or any(_flag(pv, a) for a in ("transpose_a", "transpose_b")):
         return None
     chain: list[Instruction] = []
     p = _peel_reshapes(pv.operands[0], uses, chain)
+    seed, drop = None, 0.0
+    if dropout:
+        d = _dropout(p, uses)
+        if d is not None:
+            p, seed, drop = d[0], d[1], d[2]
+            chain.extend(d[3])
     sm = _def(p, "softmax")
     if sm is None or uses.get(p, 0) != 1 or sm.attrs["axis"] != p.type.rank - 1 or p.type.rank < 2:
         return None
@@ -143,7 +188,7 @@ def match(pv: Instruction, uses: dict[Value, int]) -> Match | None:
         return None  # e.g. a key or value shared across the batch (matmul broadcasting)
     if mask is not None and mask.type.dtype != DType.bool and mask.type.dtype != q.type.dtype:
         return None
-    return Match(q, kt, _flag(qk, "transpose_b"), v, mask, negated, scale, shape, chain, pv)
+    return Match(q, kt, _flag(qk, "transpose_b"), v, mask, negated, scale, shape, chain, pv, seed, drop)
 
 
 def _reaches_scores(v: Value, uses: dict[Value, int]) -> bool:
@@ -184,13 +229,17 @@ def _emit(b: Builder, m: Match) -> Value:
             inner = _def(mask, "not")
             mask = inner.operands[0] if inner is not None else b.op("not", mask)
         extra = [mask]
-    out, _ = b.op("attention", q, k, v, *extra, scale=m.scale)
+    if m.seed is not None:
+        out, _ = b.op("dropout_attention", q, k, v, m.seed, *extra, scale=m.scale, p=m.p)
+    else:
+        out, _ = b.op("attention", q, k, v, *extra, scale=m.scale)
     want = m.anchor.results[0].type.shape
     return out if out.type.shape == want else b.op("reshape", out, shape=want)
 
 
-def recognise_attention(f: Function) -> tuple[Function, int]:
-    """A copy of ``f`` with every explicit attention replaced by the op; also the number replaced."""
+def recognise_attention(f: Function, dropout: bool = False) -> tuple[Function, int]:
+    """A copy of ``f`` with every explicit attention replaced by the op; also the number replaced.
+    ``dropout``: attention with dropout on its probabilities too (as ``dropout_attention``)."""
     g = f.clone()
     if g.is_declaration:
         return g, 0
@@ -200,7 +249,7 @@ def recognise_attention(f: Function) -> tuple[Function, int]:
     for blk in g.blocks:
         matches = {}
         for ins in blk.instrs:
-            m = match(ins, uses)
+            m = match(ins, uses, dropout)
             if m is not None and all(c.block is blk for c in m.replaced):
                 matches[ins] = m
         dead = {c for m in matches.values() for c in m.replaced}
@@ -228,3 +277,25 @@ def recognise_attention(f: Function) -> tuple[Function, int]:
 def attention_pass(module: Module) -> Module:
     """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op."""
     return Module([recognise_attention(f)[0] for f in module])
+
+
+@dataclass
+class Site:
+    """One attention with dropout rewritten: its scores' shape and the bytes of one [..., T, S] tensor
+    (the explicit form holds the scores, probabilities, keep mask and their gradients at that size)."""
+
+    shape: tuple[int, ...]
+    p: float
+    scores_bytes: int
+
+
+def recognise_dropout_attention(f: Function) -> tuple[Function, list[Site]]:
+    """A copy of ``f`` with every explicit attention with dropout replaced by ``dropout_attention``
+    (attention without dropout is the import pass's); also one :class:`Site` per ``dropout_attention``
+    of the result (none when nothing was rewritten)."""
+    g, count = recognise_attention(f, dropout=True)
+    if not count:
+        return g, []
+    return g, [Site(scores_shape(ins.operands[0].type, ins.operands[1].type), ins.attrs["p"],
+                    prod(scores_shape(ins.operands[0].type, ins.operands[1].type)) * ins.operands[0].type.dtype.itemsize)
+               for blk in g.blocks for ins in blk.instrs if ins.op.name == "dropout_attention"]

@@ -3,18 +3,20 @@ algorithms, and with memory-lean alternatives only where no reference plan fits 
 
 An alternative is a whole-step variant whose forward had some ops rewritten to a memory-lean
 algorithm before differentiation (today: the head's ``matmul -> log_softmax -> nll_loss`` as the
-chunked ``linear_cross_entropy``, :mod:`remat.passes.crossentropy`). Its planning problem is built
+chunked ``linear_cross_entropy``, :mod:`remat.passes.crossentropy`; attention with dropout on its
+probabilities as ``dropout_attention``, one score matrix at a time with the keep mask replayed from
+its seed, :func:`remat.passes.attention.recognise_dropout_attention`). Its planning problem is built
 on demand by the caller (differentiating and building a step program sit above this package), once
 per step.
 
 Exactness: under one algorithm choice, gradients are bit-identical across budgets (recomputation
 replays the same kernels). The lean variant's values equal the reference's up to summation order
-(its weight gradient is summed chunk by chunk), so the reference is kept whenever a reference plan
+(its weight gradient is summed chunk by chunk; attention's probabilities come from a logsumexp), so the reference is kept whenever a reference plan
 fits the budget, and every choice is reported (:attr:`Candidate.algorithms`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
@@ -24,16 +26,25 @@ from .portfolio import Candidate, StepProblem, plan_step
 
 @dataclass
 class Variant:
-    """A step whose forward uses memory-lean algorithms: its planning problem (any budget; the
-    chooser sets it) and one line per rewritten site (op, where, sizes)."""
+    """A step whose forward uses memory-lean algorithms: one line per rewritten site (op, where,
+    sizes) and its planning problem (any budget; the chooser sets it). The problem is built by
+    ``make`` on first use: differentiating the variant costs a training graph, needed only when the
+    reference algorithms do not fit."""
 
-    problem: StepProblem
     sites: list[str]
+    make: Callable[[], StepProblem]
+    _problem: StepProblem | None = field(default=None, repr=False)
+
+    @property
+    def problem(self) -> StepProblem:
+        if self._problem is None:
+            self._problem = self.make()
+        return self._problem
 
 
 VariantBuilder = Callable[[StepProblem], "Variant | None"]
-"""Given the reference problem (its budget and workspaces), the lean variant's problem, or None when
-no op of the step has a lean alternative."""
+"""Given the reference problem (its budget and workspaces), the lean variant (its problem built on
+first use), or None when no op of the step has a lean alternative."""
 
 
 def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:

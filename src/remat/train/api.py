@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .._gc import cyclic_gc_paused
 from ..budget import parse_budget
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
@@ -34,7 +35,8 @@ from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_
 
 
 ALGORITHM_OPTIONS = ("auto", "reference")
-"""``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy) when
+"""``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy, attention with
+dropout without its score matrix) when
 the reference step does not fit the budget and they are faster or the only feasible choice;
 "reference" keeps every op's reference algorithm (gradients bit-identical to the unconstrained step
 under any budget)."""
@@ -47,6 +49,12 @@ bit-identical to the ops they replace and the pass never raises the peak, so the
 (peak within the budget, gradients identical across budgets) carry over unchanged. ``fuse`` and
 ``kernel compilation`` run when the ``numba`` dialect is enabled; compiled kernels are cached on
 disk, so a second compile of the same model compiles nothing."""
+
+
+GC_PAUSED_STAGES = ("training graph", "passes", "lower", "fuse", "kernel compilation", "prepare VM")
+"""Stages run with Python's cyclic garbage collector paused (:mod:`remat._gc`: they build the
+program's many long-lived objects). ``capture`` pauses it around its own translation only (not
+around torch.export); ``plan`` not at all: it builds and drops many candidate programs."""
 
 
 def recomputed_layers(fn: Function) -> dict[str, int]:
@@ -98,6 +106,7 @@ class Report:
     batch_size: int | None = None  # the whole batch (axis 0 of the inputs), when micro-batched
     predicted_step_seconds: float | None = None  # the cost model's seconds for the whole step (all micro-batches)
     micro_batch_choice: list[str] = field(default_factory=list)  # each micro-batch count tried and why one won
+    capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
 
     def __str__(self) -> str:
         def b(v):
@@ -123,7 +132,8 @@ class Report:
             ("unconstrained step time (profiled)", "-" if self.unconstrained_step_seconds is None
              else f"{self.unconstrained_step_seconds * 1e3:.1f} ms"),
             ("setup time", f"{self.setup_seconds:.2f} s: " + ", ".join(
-                f"{k} {v:.2f} s" for k, v in self.stage_seconds.items())),
+                f"{k} {v:.2f} s" + (" (capture cache)" if k == "capture" and self.capture_cached else "")
+                for k, v in self.stage_seconds.items())),
         ]
         w = max(len(k) for k, _ in rows)
         lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
@@ -319,7 +329,8 @@ class TrainStep:
         """Run one stage: report progress, time it, print its IR when asked (``print_after``)."""
         self._progress(name)
         t0 = time.perf_counter()
-        out = run()
+        with cyclic_gc_paused(name in GC_PAUSED_STAGES):
+            out = run()
         self.stage_seconds[name] = time.perf_counter() - t0
         if name in self._shown:
             print(f"// ---- after {name} ({self.stage_seconds[name]:.2f} s)")
@@ -388,11 +399,11 @@ class TrainStep:
         from ..plan.workspace import allocator_bound, workspace_margin
 
         if self.budget is None or not self._count_workspaces:
-            return self._plan(problem)
+            return self._plan_once(problem)
         ws_of = self._workspaces
         self.workspace_bytes = workspace_margin(unconstrained, ws_of(unconstrained))
         problem = replace(problem, workspaces=ws_of(problem.joint), workspace_fn=ws_of)
-        plan = self._plan(problem)
+        plan = self._plan_once(problem)
         self.predicted_allocator_peak = allocator_bound(plan.program, ws_of(plan.program))
         return plan
 
@@ -420,6 +431,17 @@ class TrainStep:
         self.predicted_allocator_peak = bound
         return fused
 
+    def _plan_once(self, problem: StepProblem) -> Candidate:
+        """:meth:`_plan`; under ``data_parallel="ddp"`` on rank 0 only, every rank receiving its plan
+        (``remat.distributed.group.plan_on_rank0``), so that all ranks run the same program. ZeRO's
+        step programs differ between ranks (each slices its own shards), so there every rank plans
+        on its own and ``check_same_collectives`` compares what they issue."""
+        if self.dp is None or self.dp.shards_state:
+            return self._plan(problem)
+        from ..distributed.group import plan_on_rank0
+
+        return plan_on_rank0(lambda: self._plan(problem), self.dp, problem.budget)
+
     def _plan(self, problem: StepProblem) -> Candidate:
         """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
         (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
@@ -428,30 +450,44 @@ class TrainStep:
         return plan_choosing_algorithms(problem, self._lean_variant)
 
     def _lean_variant(self, p: StepProblem) -> Variant | None:
-        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``):
-        built once (capture reused, differentiated again), then given ``p``'s budget and workspaces."""
+        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``) and
+        each attention with dropout memory-efficient (``dropout_attention``): built once (capture reused,
+        differentiated again), then given ``p``'s budget and workspaces."""
+        from ..passes.attention import recognise_dropout_attention
         from ..passes.crossentropy import fuse_cross_entropy
 
         if self._variant is False:
             forward, sites = fuse_cross_entropy(self.imported.function)
-            if not sites:
+            forward, att_sites = recognise_dropout_attention(forward)
+            if not sites and not att_sites:
                 self._variant = None
             else:
-                joint = cleanup(training_graph(forward, len(self.imported.param_names)))
-                unconstrained = self._make_step(joint, check=True)
+                def make() -> StepProblem:  # differentiated on first use only
+                    joint = cleanup(training_graph(forward, len(self.imported.param_names)))
+                    unconstrained = self._make_step(joint, check=True)
+                    return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
+                                   costs=static_costs(joint), example_args=None, workspaces=None)
+
                 lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
                          f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
                          f"and their gradient)" for s in sites]
-                base = replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
-                               costs=static_costs(joint), example_args=None, workspaces=None)
-                self._variant = Variant(base, lines)
+                if att_sites:
+                    a = att_sites[0]
+                    lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
+                                 f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
+                                 f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
+                self._variant = Variant(lines, make)
         if self._variant is None:
             return None
         v = self._variant
-        if p.workspace_fn is None:
-            return Variant(replace(v.problem, budget=p.budget), v.sites)
-        return Variant(replace(v.problem, budget=p.budget, workspaces=p.workspace_fn(v.problem.joint),
-                               workspace_fn=p.workspace_fn), v.sites)
+
+        def given_p() -> StepProblem:  # the variant's problem with p's budget and workspaces
+            if p.workspace_fn is None:
+                return replace(v.problem, budget=p.budget)
+            return replace(v.problem, budget=p.budget, workspaces=p.workspace_fn(v.problem.joint),
+                           workspace_fn=p.workspace_fn)
+
+        return Variant(v.sites, given_p)
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
@@ -670,7 +706,7 @@ class TrainStep:
                       self.measured_allocator_peak,
                       self.shapes_cached(), list(self.algorithm_choices), self.micro_batches,
                       self._example[0].shape[0] if self.micro_batches > 1 else None, self.predicted_seconds,
-                      list(self.micro_batch_choice))
+                      list(self.micro_batch_choice), self.imported.from_cache)
 
     def _value_kinds(self) -> dict:
         """The kind of every value of the step program (``remat.distributed.memory.kinds``)."""
@@ -741,7 +777,8 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     (``step.measure_allocator_peak(x, y)`` measures on copies at any time). ``step.report()`` gives
     each stage's seconds, the VM's peak and the allocator's. ``algorithms`` ("auto", the default, or "reference"):
     under a budget no plan with the reference algorithms meets, "auto" plans the step with memory-lean
-    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``); ``report().algorithms`` says what was chosen and why. Such a step's
+    algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``; attention with
+    dropout without its score matrix, ``dropout_attention``); ``report().algorithms`` says what was chosen and why. Such a step's
     gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
     ``micro_batches``: 1 (default: the whole batch at once), ``k`` (``k`` micro-batches of the batch
     with gradient accumulation in the step program; gradients equal the whole batch's up to

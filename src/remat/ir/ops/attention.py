@@ -10,8 +10,13 @@ Masks follow ``torch.nn.functional.scaled_dot_product_attention``: a bool mask k
 where it is true, a float mask (same dtype as q) is added to them; either broadcasts to
 ``[..., T, S]``. ``is_causal`` keeps the lower triangle (top-left aligned, as PyTorch). A row
 whose scores are all masked has no defined softmax (NaN, as the explicit formula gives).
-There is no dropout inside the op: remat's dropout must replay the same mask on recompute, so
-attention with dropout stays in its explicit form (``remat.frontend``).
+``attention`` has no dropout. ``dropout_attention(q, k, v, seed[, mask])`` is the same with inverted
+dropout on the probabilities, its keep mask drawn from the seed operand exactly as the explicit form's
+``bernoulli(seed, shape=scores, p=1-p)`` draws it (SplitMix64 words are counter-based, so a kernel
+draws any block of rows on its own): a recomputation, or the backward, replays the same mask. The
+frontend keeps attention with dropout explicit (bit-identical to the unconstrained step); the planner
+chooses this op only where the explicit form cannot fit (``remat.passes.attention``,
+``remat.plan.algorithms``).
 """
 from __future__ import annotations
 
@@ -165,6 +170,109 @@ declare(OpDef("attention_grad", None, _ATTRS, _attention_grad_infer, frozenset()
               sample=_attention_grad_samples, flops=_attention_grad_flops))
 
 
+# ---------------------------------------------------------------- attention with dropout on the probabilities
+_DROP_ATTRS = _ATTRS + (Attr("p", "float"),)
+SEED = TensorType(DType.i64, ())
+
+
+def scores_shape(q: TensorType, k: TensorType) -> tuple[int, ...]:
+    """The scores' (and the dropout keep mask's) shape ``[..., T, S]``."""
+    return q.shape[:-1] + (k.shape[-2],)
+
+
+def _check_drop(name: str, seed: TensorType, attrs) -> None:
+    if seed != SEED:
+        raise TypeError(f"'{name}' takes its dropout seed as an i64[] operand after the value, got {seed}")
+    if not 0.0 <= attrs["p"] < 1.0:
+        raise TypeError(f"'{name}': p (the drop probability) must be in [0, 1), got {attrs['p']}")
+
+
+def _dropout_attention_infer(types, attrs):
+    if len(types) not in (4, 5):
+        raise TypeError(f"'dropout_attention' takes query, key, value, seed and an optional mask, "
+                        f"got {len(types)} operands")
+    q, k, v, seed = types[:4]
+    _check_qkv("dropout_attention", q, k, v, types[4] if len(types) == 5 else None, attrs)
+    _check_drop("dropout_attention", seed, attrs)
+    return TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],)), TensorType(lse_dtype(q.dtype), q.shape[:-1])
+
+
+def _dropout_attention_grad_infer(types, attrs):
+    if len(types) not in (7, 8):
+        raise TypeError(f"'dropout_attention_grad' takes (grad_out, query, key, value, out, logsumexp, seed[, mask]), "
+                        f"got {len(types)} operands")
+    _check_drop("dropout_attention_grad", types[6], attrs)
+    return _attention_grad_infer(types[:6] + types[7:], attrs)
+
+
+def workspace_bytes(t: int, s: int, itemsize: int) -> int:
+    """A bound on the torch kernels' temporaries beyond their results (bytes): they work on one
+    ``[T, S]`` score matrix of one batch element at a time (scores, probabilities, their gradient
+    and a product, in f32 or wider, and the bool keep mask), never on the whole ``[..., T, S]``."""
+    return t * s * (5 * max(itemsize, 4) + 1)
+
+
+def reference_dropout_forward(q, k, v, keep, mask=None, *, scale: float, is_causal: bool = False, p: float):
+    """(dropout(softmax(scores)) @ v, logsumexp of the scores' rows): ``keep`` is the bool keep mask
+    of the scores' shape; kept probabilities are scaled by 1/(1-p), as the explicit form does."""
+    s = reference_scores(q, k, mask, scale, is_causal)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, np.zeros((), m.dtype))
+    e = np.exp(s - m)
+    tot = np.sum(e, axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        prob = e / tot
+    pd = np.where(keep, prob * np.asarray(1.0 / (1.0 - p), q.dtype), np.zeros((), q.dtype))
+    return np.matmul(pd, v), (m + np.log(tot))[..., 0]
+
+
+def reference_dropout_backward(g, q, k, v, out, lse, keep, mask=None, *, scale: float, is_causal: bool = False,
+                               p: float):
+    """(dq, dk, dv) of :func:`reference_dropout_forward`, the probabilities recomputed from the logsumexp."""
+    s = reference_scores(q, k, mask, scale, is_causal)
+    prob = np.exp(s - lse[..., None].astype(s.dtype))
+    c, zero = np.asarray(1.0 / (1.0 - p), q.dtype), np.zeros((), q.dtype)
+    dv = np.matmul(np.swapaxes(np.where(keep, prob * c, zero), -1, -2), g)
+    dp = np.where(keep, np.matmul(g, np.swapaxes(v, -1, -2)) * c, zero)
+    ds = prob * (dp - np.sum(g * out, axis=-1, keepdims=True))
+    sc = np.asarray(scale, q.dtype)
+    return np.matmul(ds, k) * sc, np.matmul(np.swapaxes(ds, -1, -2), q) * sc, dv
+
+
+def _seed(r: np.random.Generator) -> np.ndarray:
+    return np.array(r.integers(0, 2**31), dtype=np.int64)
+
+
+def _dropout_attention_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s, p in zip(_attention_samples(r), (0.3, 0.5, 0.2, 0.4)):
+        out.append(Sample(s.args[:3] + [_seed(r)] + s.args[3:], {**s.attrs, "p": p}))
+    # an odd number of scores per row and per batch element (keep-mask words straddle rows)
+    out.append(Sample([rand(r, 3, 3, 4), rand(r, 3, 5, 4), rand(r, 3, 5, 2), _seed(r)], {"scale": 0.6, "p": 0.25}))
+    return out
+
+
+def _dropout_attention_grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _dropout_attention_samples(r)[:3] + _dropout_attention_samples(r)[4:]:
+        q, k, v, seed = s.args[:4]
+        attrs = {"is_causal": False, **s.attrs}
+        o, lse = reference_forward(q, k, v, *s.args[4:], scale=attrs["scale"], is_causal=attrs["is_causal"])
+        out.append(Sample([rand(r, *o.shape), q, k, v, rand(r, *o.shape), lse, seed] + s.args[4:], s.attrs))
+    return out
+
+
+declare(OpDef("dropout_attention", None, _DROP_ATTRS, _dropout_attention_infer, frozenset(), num_results=2,
+              min_operands=4,
+              doc="attention with inverted dropout (drop probability p, keep mask from the seed) on the probabilities",
+              sample=_dropout_attention_samples, flops=lambda t, r, a: _attention_flops(t, r, a) + _scores(t)))
+declare(OpDef("dropout_attention_grad", None, _DROP_ATTRS, _dropout_attention_grad_infer, frozenset(),
+              num_results=3, min_operands=7,
+              doc="gradients of dropout_attention wrt q, k, v from (grad_out, q, k, v, out, logsumexp, seed[, mask])",
+              sample=_dropout_attention_grad_samples,
+              flops=lambda t, r, a: _attention_grad_flops(t, r, a) + 2.0 * _scores(t[1:])))
+
+
 # ================================================================ VJP rules (reverse mode)
 from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves, const as _const, unbroadcast as _unb  # noqa: E402
@@ -214,6 +322,50 @@ def _attention_grad_vjp(b, p, g):
                               "(attention_grad has no VJP rule)")
 
 
+def _dropout_keep(b, seed, q, k, p: float):
+    """The dropout keep mask as the explicit form draws it: ``bernoulli(seed, scores' shape, 1 - p)``."""
+    return b.op("bernoulli", seed, shape=scores_shape(q.type, k.type), p=1.0 - p)
+
+
+def _dropout_mask_cotangent(b, p, g, q, k, v, out, lse, seed, mask):
+    """The cotangent of an additive float mask under dropout: dS = P ⊙ (dropout(g vᵀ) − rowsum(g ⊙ out))."""
+    dt = q.type.dtype
+    s = b.op("add", b.op("mul", b.op("matmul", q, _mT(b, k)), _const(b, p.attrs["scale"], dt)), mask)
+    lse_k = b.op("reshape", b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse,
+                 shape=lse.type.shape + (1,))
+    prob = b.op("exp", b.op("sub", s, lse_k))
+    keep = _dropout_keep(b, seed, q, k, p.attrs["p"])
+    dp = b.op("select", keep, b.op("mul", b.op("matmul", g, _mT(b, v)), _const(b, 1.0 / (1.0 - p.attrs["p"]), dt)),
+              _const(b, 0.0, dt))
+    rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    return _unb(b, b.op("mul", prob, b.op("sub", dp, rows)), mask.type.shape)
+
+
+@def_vjp("dropout_attention", saves=Saves(operands=(0, 1, 2, 3, 4), results=(0, 1)))
+def _dropout_attention_vjp(b, p, g):
+    g_out, g_lse = g
+    if g_lse is not None:
+        raise NotImplementedError("the logsumexp result of 'dropout_attention' is not differentiable; "
+                                  "use only its first result (the attention output)")
+    q, k, v, seed = p.x[:4]
+    mask = p.x[4] if len(p.x) == 5 else None
+    out, lse = p.y
+    attrs = {a: p.attrs[a] for a in ("scale", "is_causal", "p")}
+    gq, gk, gv = b.op("dropout_attention_grad", g_out, q, k, v, out, lse, seed, *([mask] if mask is not None else []),
+                      **attrs)
+    cts = [gq, gk, gv, None]
+    if mask is not None:
+        cts.append(_dropout_mask_cotangent(b, p, g_out, q, k, v, out, lse, seed, mask)
+                   if mask.type.dtype.is_float else None)
+    return cts
+
+
+@def_vjp("dropout_attention_grad", saves="none")
+def _dropout_attention_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through attention is not supported "
+                              "(dropout_attention_grad has no VJP rule)")
+
+
 # ================================================================ decompositions (composites in primitives)
 # rule(b, xs, attrs) -> one value per result; see remat.ir.opdef.def_decomposition.
 from ..opdef import def_decomposition  # noqa: E402
@@ -259,5 +411,41 @@ def _attention_grad_decomp(b, xs, attrs):
     dv = b.op("matmul", p, g, transpose_a=True)
     rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
     ds = b.op("mul", p, b.op("sub", b.op("matmul", g, v, transpose_b=True), rows))
+    scale = _const(b, attrs["scale"], dt)
+    return [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]
+
+
+@def_decomposition("dropout_attention")
+def _dropout_attention_decomp(b, xs, attrs):
+    q, k, v, seed = xs[:4]
+    s = _masked_scores(b, q, k, xs[4] if len(xs) == 5 else None, attrs)
+    last = s.type.rank - 1
+    m = b.op("reduce_max", s, axes=[last], keepdims=True)
+    zero = _const(b, 0.0, m.type.dtype)
+    m = b.op("select", b.op("eq", m, _const(b, float("-inf"), m.type.dtype)), zero, m)  # a fully masked row
+    e = b.op("exp", b.op("sub", s, m))
+    tot = b.op("reduce_sum", e, axes=[last], keepdims=True)
+    dt = q.type.dtype
+    pd = b.op("select", _dropout_keep(b, seed, q, k, attrs["p"]),
+              b.op("mul", b.op("div", e, tot), _const(b, 1.0 / (1.0 - attrs["p"]), dt)), _const(b, 0.0, dt))
+    out = b.op("matmul", pd, v)
+    lse = b.op("reshape", b.op("add", m, b.op("log", tot)), shape=s.type.shape[:-1])
+    want = lse_dtype(dt)
+    return [out, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)]
+
+
+@def_decomposition("dropout_attention_grad")
+def _dropout_attention_grad_decomp(b, xs, attrs):
+    g, q, k, v, out, lse, seed = xs[:7]
+    dt = q.type.dtype
+    s = _masked_scores(b, q, k, xs[7] if len(xs) == 8 else None, attrs)
+    lse = b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse
+    prob = b.op("exp", b.op("sub", s, b.op("reshape", lse, shape=lse.type.shape + (1,))))
+    keep = _dropout_keep(b, seed, q, k, attrs["p"])
+    c, zero = _const(b, 1.0 / (1.0 - attrs["p"]), dt), _const(b, 0.0, dt)
+    dv = b.op("matmul", b.op("select", keep, b.op("mul", prob, c), zero), g, transpose_a=True)
+    rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    dp = b.op("select", keep, b.op("mul", b.op("matmul", g, v, transpose_b=True), c), zero)
+    ds = b.op("mul", prob, b.op("sub", dp, rows))
     scale = _const(b, attrs["scale"], dt)
     return [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]
