@@ -18,6 +18,17 @@ class BudgetTooSmall(ValueError):
                          f"{format_bytes(minimum)} ({int(minimum)} bytes); give a budget >= {int(minimum)} bytes"
                          + (f" ({detail})" if detail else ""))
 
+    def __reduce__(self):
+        """Pickled with its message and attributes (a rank's refusal travels to the others)."""
+        return _restore, (type(self), str(self), self.__dict__)
+
+
+def _restore(cls: type, message: str, state: dict) -> Exception:
+    e = cls.__new__(cls)
+    Exception.__init__(e, message)
+    e.__dict__.update(state)
+    return e
+
 
 def format_bytes(n: float) -> str:
     """Human-readable bytes (binary units), e.g. 1536 -> '1.50 KiB'."""

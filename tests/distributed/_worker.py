@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import remat
 from remat.distributed.memory import predicted
+from remat.ir.printer import print_function
 
 WORLD, PER_RANK, STEPS = 2, 64, 5
 MODES, BUDGETS, RESUMED = ("ddp", "zero1", "zero2"), (None, "70%"), ("ddp", "zero1", "zero2")
@@ -73,7 +74,8 @@ def _run(rank: int, mode: str, budget, out: str) -> None:
                 "predicted": step.predicted_peak, "budget": step.budget, "by_kind": step.kind_stats,
                 "predicted_by_kind": predicted(step.program, step.layout.n_params, range(first, first + n_state)),
                 "state_bytes": sum(t.untyped_storage().nbytes() for ts in step._state for t in ts),
-                "arg_bytes": step.last_stats.argument_bytes, "report": str(step.report())},
+                "arg_bytes": step.last_stats.argument_bytes, "report": str(step.report()),
+                "program": print_function(step.program), "notes": list(step.notes)},
                f"{out}/{mode}-{budget}-{rank}.pt")
 
 
@@ -85,6 +87,18 @@ def _first_half(rank: int, mode: str, out: str) -> None:
     torch.save(step.state_dict(), f"{out}/ckpt-{mode}-{rank}.pt")
 
 
+def _refusals(rank: int, out: str) -> None:
+    """Rank 0's refusal reaches every rank; budgets that differ between ranks are refused on all."""
+    got = {}
+    for name, budget in (("too small", "1%"), ("differ", 200_000 + 1000 * rank)):
+        try:
+            compile_step("ddp", budget, model())
+            got[name] = None
+        except Exception as e:
+            got[name] = (type(e).__name__, str(e), getattr(e, "minimum", None))
+    torch.save(got, f"{out}/refusals-{rank}.pt")
+
+
 def train_all(rank: int, port: int, out: str) -> None:
     """Every mode with and without a budget, and the first half of the resumed runs (one process group)."""
     _init(rank, port)
@@ -94,6 +108,7 @@ def train_all(rank: int, port: int, out: str) -> None:
                 _run(rank, mode, budget, out)
             if mode in RESUMED:
                 _first_half(rank, mode, out)
+        _refusals(rank, out)
     finally:
         dist.destroy_process_group()
 

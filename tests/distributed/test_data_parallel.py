@@ -56,6 +56,33 @@ def test_same_training_as_one_process(runs, mode, budget):
 
 
 @pytest.mark.parametrize("budget", [None, "70%"])
+def test_ddp_rank0_plans_and_every_rank_runs_its_program(runs, budget):
+    """Under DDP rank 0 plans and the others receive its program as IR text (so a time-limited
+    solver cannot make ranks diverge); every rank runs the same program. (ZeRO's programs differ
+    by rank -- each slices its own shards -- and are planned per rank.)"""
+    results, _, _ = runs
+    r0, r1 = results["ddp", budget]
+    assert r0["program"] == r1["program"]
+    assert "planned on rank 0 and received as IR text" in r1["notes"]
+    assert not any("received as IR text" in n for n in r0["notes"])
+    for mode in ("zero1", "zero2"):
+        z0, z1 = results[mode, budget]
+        assert z0["program"] != z1["program"] and not any("received as IR text" in n for n in z1["notes"])
+
+
+def test_refusals_reach_every_rank(runs):
+    _, _, out = runs
+    got = [torch.load(out / f"refusals-{r}.pt", weights_only=False) for r in range(w.WORLD)]
+    # Rank 0's BudgetTooSmall, raised on every rank with its minimum.
+    assert got[0]["too small"][0] == got[1]["too small"][0] == "BudgetTooSmall"
+    assert got[0]["too small"][1:] == got[1]["too small"][1:] and got[0]["too small"][2] > 0
+    # Budgets that differ between ranks: a clear error on every rank, naming both.
+    for g in got:
+        assert g["differ"][0] == "ValueError" and "same budget" in g["differ"][1]
+        assert "200000" in g["differ"][1] and "201000" in g["differ"][1]
+
+
+@pytest.mark.parametrize("budget", [None, "70%"])
 def test_zero_shards_state_and_gradients(runs, budget):
     """Measured by the VM on every rank: ZeRO-1 halves the optimizer state, ZeRO-2 the gradients too."""
     results, _, _ = runs

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from ..ir.core import Function
+from ..plan.portfolio import Candidate
 
 MODES = ("ddp", "zero1", "zero2")
 """``ddp``: gradients averaged by bucketed ``all_reduce``; ``zero1``: optimizer state sharded, each
@@ -102,3 +106,54 @@ def check_same_collectives(fn, dp: DataParallel) -> None:
         raise RuntimeError(f"ranks {bad} compiled a step whose collectives differ from rank 0's; every rank must "
                            "compile the same model with the same options and budget (use a deterministic solver: "
                            "solver='greedy' or the default chain planner, not a time-limited MILP)")
+
+
+def plan_on_rank0(plan: Callable[[], Candidate], dp: DataParallel, budget: int | None) -> Candidate:
+    """Plan once, on rank 0, and give every rank that plan (as canonical IR text).
+
+    Ranks that planned independently could choose different plans (a time-limited MILP under
+    different load, kernel workspaces measured a little differently), and then issue different
+    collectives. Rank 0 runs ``plan``; its program (and a lean algorithm's unconstrained step) travel
+    as IR text with the solver's notes, so every rank runs the same program. A refusal on rank 0
+    (``BudgetTooSmall`` or any other error) is raised on every rank, with rank 0's message. Ranks must
+    pass the same budget: a rank whose budget differs from rank 0's raises ValueError naming both.
+    """
+    import pickle
+
+    import torch.distributed as dist
+
+    from ..ir.parser import parse
+    from ..ir.printer import print_function
+
+    budgets: list = [None] * dp.world
+    dist.all_gather_object(budgets, budget)
+    if len(set(budgets)) != 1:
+        raise ValueError(f"data-parallel ranks must compile with the same budget; got {budgets} (bytes, by rank): "
+                         "pass the same budget on every rank (it is per rank)")
+    payload: list = [None]
+    if dp.rank == 0:
+        try:
+            c = plan()
+            payload[0] = ("ok", print_function(c.program),
+                          None if c.unconstrained is None else print_function(c.unconstrained),
+                          c.solver, list(c.notes), c.overhead, c.peak, list(c.algorithms))
+        except Exception as e:  # every rank must learn of it, or the others wait forever
+            try:
+                pickle.loads(blob := pickle.dumps(e))  # it must also load on the other ranks
+                payload[0] = ("error", blob)
+            except Exception:
+                payload[0] = ("error", pickle.dumps(RuntimeError(f"rank 0 could not plan: {type(e).__name__}: {e}")))
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    if payload[0][0] == "error":
+        raise pickle.loads(payload[0][1])
+    if dp.rank == 0:
+        return c
+    _, program, unconstrained, solver, notes, overhead, peak, algorithms = payload[0]
+
+    def fn(text: str) -> Function:
+        return next(iter(parse(text).functions.values()))
+
+    return Candidate(solver, notes + ["planned on rank 0 and received as IR text"], fn(program), overhead, None, peak,
+                     algorithms, None if unconstrained is None else fn(unconstrained))
