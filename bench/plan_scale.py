@@ -46,11 +46,19 @@ def mlp(layers: int, width: int = 32):
 
 
 def measure(name: str, layers: int, build, budget: float) -> dict:
-    """Compile one model and return its row (sizes, seconds per stage, plan)."""
+    """Compile one model and return its row (sizes, seconds per stage, plan). A budget below the
+    model's minimum (the long MLP's parameters and optimizer state alone exceed half its peak) is
+    refused; the row then plans at the minimum the refusal names, and says so."""
     model, example, loss = build(layers)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     t0 = time.perf_counter()
-    step = remat.compile(model, example, loss, optimizer=opt, budget=budget)
+    refused = None
+    try:
+        step = remat.compile(model, example, loss, optimizer=opt, budget=budget)
+    except remat.BudgetTooSmall as e:
+        refused = {"budget": budget, "seconds_to_refuse": time.perf_counter() - t0, "minimum": e.minimum}
+        t0 = time.perf_counter()
+        step = remat.compile(model, example, loss, optimizer=opt, budget=e.minimum)
     setup = time.perf_counter() - t0
     rep = step.report()
     joint_instrs = sum(1 for i in step.joint.entry.instrs if i.op.name != "return")
@@ -59,7 +67,7 @@ def measure(name: str, layers: int, build, budget: float) -> dict:
             "program_instructions": step.instructions, "setup_s": setup,
             "plan_s": rep.stage_seconds.get("plan"), "stage_seconds": rep.stage_seconds,
             "solver": step.solver, "predicted_overhead": step.predicted_overhead, "notes": list(step.notes),
-            "budget_bytes": step.budget, "predicted_peak": step.predicted_peak}
+            "budget_bytes": step.budget, "predicted_peak": step.predicted_peak, "refused": refused}
 
 
 def growth(rows: list[dict], a: int, b: int) -> dict | None:
@@ -139,7 +147,9 @@ def main() -> None:
         st = r["stage_seconds"]
         print(f"{name:>5} {layers:>6} {r['joint_instructions']:>12} {r['graph_nodes']:>6} {r['setup_s']:>8.2f} "
               f"{r['plan_s']:>7.2f}  {st.get('capture', 0):>7.2f} {st.get('training graph', 0):>6.2f} "
-              f"{st.get('passes', 0):>6.2f}  {r['solver']} ({r['predicted_overhead']:+.0%})", flush=True)
+              f"{st.get('passes', 0):>6.2f}  {r['solver']} ({r['predicted_overhead']:+.0%})"
+              + ("" if r["refused"] is None else f"  [{args.budget:.0%} refused; planned at the minimum "
+                                                 f"{r['refused']['minimum']:,} B]"), flush=True)
     res = {"config": {"gpt": "zoo.GPT(vocab=64, seq=32, layers=L, heads=2, d=64), batch 16",
                       "mlp": f"{args.mlp_layers} x (Linear(32, 32) + ReLU), batch 16, MSE",
                       "optimizer": "SGD(lr=1e-3, momentum=0.9)", "budget": args.budget, "threads": args.threads,

@@ -196,3 +196,19 @@ def test_group_whose_values_nobody_reads_is_left_alone() -> None:
     out = fuse(m)
     verify(out)
     assert "fused" not in [i.op.name for i in out["f"].instructions()]
+
+
+def test_unfused_instructions_keep_their_provenance() -> None:
+    """Instructions the pass leaves alone keep their source location and what they recompute (the
+    recomputed value mapped to the fused program; None when that value vanished into a group)."""
+    from remat.ir.core import Loc
+
+    m = parse(SRC)
+    f = m["f"]
+    red = next(i for i in f.entry.instrs if i.op.name == "reduce_sum")
+    red.loc = Loc("head.norm", "model.py", 12)
+    red.recomputes = next(i for i in f.entry.instrs if i.op.name == "relu").result  # a group output
+    out = fuse(m)["f"]
+    red2 = next(i for i in out.entry.instrs if i.op.name == "reduce_sum")
+    assert red2.loc == Loc("head.norm", "model.py", 12)
+    assert red2.recomputes is red2.operands[0]  # the relu's value, now the fused instruction's 2nd result

@@ -3,6 +3,8 @@ block up to renaming (values and random-stream salts), differentiated once; the 
 grows with the forward's size, not its square. Work is counted, never timed."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import remat.plan.blocks as blocks
@@ -48,6 +50,39 @@ def test_repeated_layers_share_one_differentiation(monkeypatch):
     assert len(calls) == b.n_distinct < 6
     calls.clear()
     assert _cut(24).n_distinct == b.n_distinct and len(calls) == b.n_distinct
+
+
+def test_a_capped_cut_keeps_repeated_layers_identical(monkeypatch):
+    """A model deeper than ``max_stages`` allows is cut at every k-th separator, so its stages stay
+    the same block: differentiated once each, however many layers (counted, not timed)."""
+    calls = []
+    monkeypatch.setattr(blocks, "make_stage", lambda *a, **k: calls.append(a[0]) or make_stage(*a, **k))
+    for depth in (40, 97):
+        calls.clear()
+        fn = parse(_forward(depth))["f"]
+        b = cut(fn, depth + 1, depth, backward_kept_only=False, min_blocks=1, max_stages=12)
+        assert b is not None and 6 <= len(b.stages) <= 12
+        assert len(calls) == b.n_distinct <= 3, (depth, b.kinds)  # the first, the repeated, the last
+        assert len(set(b.kinds[1:-1])) == 1
+
+
+def test_blocks_differing_only_in_provenance_are_one_block(monkeypatch):
+    """Layers print their module path (``// loc(...)``), which is not IR: they share one
+    differentiation, and each stage keeps its own layer's provenance."""
+    calls = []
+    monkeypatch.setattr(blocks, "make_stage", lambda *a, **k: calls.append(a[0]) or make_stage(*a, **k))
+    depth = 8
+    lines = [line + (f'  // loc("layers.{m.group(1)}", "m.py":3)' if (m := re.match(r"  %[a-z](\d+) =", line)) else "")
+             for line in _forward(depth).splitlines()]
+    fn = parse("\n".join(lines) + "\n")["f"]
+    assert len({ins.loc.path for ins in fn.entry.instrs if ins.loc is not None}) == depth
+    b = cut(fn, depth + 1, depth, backward_kept_only=False, min_blocks=1, max_stages=10 ** 6)
+    assert len(calls) == b.n_distinct < 6
+    for st in b.stages:
+        own = {ins.loc.path for ins in st.split.forward.entry.instrs if ins.loc is not None}
+        assert own == {ins.loc.path for ins in st.forward.entry.instrs if ins.loc is not None}
+    paths = [frozenset(ins.loc.path for ins in st.split.backward.entry.instrs if ins.loc is not None) for st in b.stages]
+    assert len(set(p for p in paths if p)) >= depth - 1  # each layer's backward names its own layer
 
 
 def test_shared_blocks_equal_their_own_differentiation():

@@ -289,7 +289,9 @@ def _rewrite(fn: Function, groups: list[Group]) -> tuple[Function, dict[int, tup
                 b.free(*keep)
             continue
         ni = b._insert(Instruction(ins.op, [vmap[v] for v in ins.operands], ins.attrs,
-                                   [r.type for r in ins.results], (), ins.dialect))
+                                   [r.type for r in ins.results], (), ins.dialect, ins.loc))
+        if ins.recomputes is not None:  # provenance survives (None when the recomputed value was fused away)
+            ni.recomputes = vmap.get(ins.recomputes)
         for r, nr in zip(ins.results, ni.results):
             vmap[r] = nr
     return out, spans

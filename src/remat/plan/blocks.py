@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from .chain.executor import Binding, ChainStage, make_stage
 from ..ir import Builder, Function, Instruction, Value
-from ..ir.core import BlockArg
+from ..ir.core import BlockArg, Loc
 from .graph import Graph
 from ..ir.analysis import ancestors
 from ..ir.build import clone_into
@@ -36,8 +36,9 @@ class Blocks:
         return len(set(self.kinds))
 
 
-StageCache = dict[str, tuple[ChainStage, list[int], int]]
-"""Differentiated blocks by canonical text: (the stage, its salts in order, its kind number)."""
+StageCache = dict[str, tuple[ChainStage, list[int], int, list]]
+"""Differentiated blocks by canonical text: (the stage, its salts in order, its kind number, the
+provenance of its sliced forward's instructions)."""
 
 
 def _salts(fn: Function) -> list[int]:
@@ -53,21 +54,25 @@ def _salts(fn: Function) -> list[int]:
 
 def canonical_key(fn: Function, n_lead: int, grad_pos: tuple[int, ...], diff_input: bool) -> str:
     """A text equal for two stage functions exactly when they are the same IR up to the names of
-    values, the function's name and the salts of their random streams (printed names are positional)."""
+    values, the function's name, the salts of their random streams and the provenance of their
+    instructions (printed names are positional; the layer a block came from is not its IR)."""
     canon = fn.clone("block")
     index = {s: i for i, s in enumerate(_salts(fn))}
     for ins in canon.entry.instrs:
+        ins.loc = None
         if "salt" in ins.attrs:
             ins.attrs["salt"] = index[ins.attrs["salt"]]
     return f"{n_lead} {grad_pos} {diff_input}\n{canon}"
 
 
-def _resalted(fn: Function, name: str, salts: dict[int, int]) -> Function:
-    """A copy of ``fn`` named ``name`` with its salts renamed through ``salts``."""
+def _renamed(fn: Function, name: str, salts: dict[int, int], locs: dict[Loc, Loc]) -> Function:
+    """A copy of ``fn`` named ``name`` with its salts and provenance renamed through ``salts`` and ``locs``."""
     out = fn.clone(name)
     for ins in out.entry.instrs:
         if "salt" in ins.attrs:
             ins.attrs["salt"] = salts.get(ins.attrs["salt"], ins.attrs["salt"])
+        if ins.loc is not None:
+            ins.loc = locs.get(ins.loc, ins.loc)
     return out
 
 
@@ -79,17 +84,19 @@ def _stage(name: str, fn: Function, n_lead: int, grad_pos: tuple[int, ...], diff
     hit = cache.get(key)
     if hit is None:
         stage = make_stage(name, fn, n_lead, grad_pos, diff_input=diff_input)
-        cache[key] = (stage, _salts(fn), len(cache))
+        cache[key] = (stage, _salts(fn), len(cache), [ins.loc for ins in fn.entry.instrs])
         return stage, len(cache) - 1
-    first, first_salts, kind = hit
+    first, first_salts, kind, first_locs = hit
     ren = dict(zip(first_salts, _salts(fn)))
-    if all(a == b for a, b in ren.items()):
+    # The repeat's own provenance (its layer's path), instruction by instruction: same IR, same order.
+    locs = {a: ins.loc for a, ins in zip(first_locs, fn.entry.instrs) if a is not None and ins.loc is not None}
+    if all(a == b for a, b in ren.items()) and all(a == b for a, b in locs.items()):
         return replace(first, name=name), kind
     sp = first.split
-    split = replace(sp, forward=_resalted(sp.forward, sp.forward.name, ren),
-                    forward_light=_resalted(sp.forward_light, sp.forward_light.name, ren),
-                    backward=_resalted(sp.backward, sp.backward.name, ren))
-    return replace(first, name=name, forward=_resalted(first.forward, name, ren), split=split), kind
+    split = replace(sp, forward=_renamed(sp.forward, sp.forward.name, ren, locs),
+                    forward_light=_renamed(sp.forward_light, sp.forward_light.name, ren, locs),
+                    backward=_renamed(sp.backward, sp.backward.name, ren, locs))
+    return replace(first, name=name, forward=_renamed(first.forward, name, ren, locs), split=split), kind
 
 
 def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
@@ -150,10 +157,12 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
     if not seps or seps[-1].results[0] is not loss:
         seps.append(loss.instr)
     pos = {ins: i for i, ins in enumerate(body)}
-    # Keep at most ``max_stages`` boundaries, spread evenly over the instruction positions.
+    # Keep at most ``max_stages`` boundaries: every k-th, counted back from the loss, so that the
+    # stages of repeated layers hold the same number of separators and stay identical blocks
+    # (differentiated and costed once) however deep the model.
     if len(seps) > max_stages:
-        keep = [seps[round(i * (len(seps) - 1) / (max_stages - 1))] for i in range(max_stages)]
-        seps = sorted(set(keep), key=pos.__getitem__)
+        k = -(-len(seps) // max_stages)
+        seps = seps[(len(seps) - 1) % k::k]
     if len(seps) < min_stages:
         return None
     bounds = [x] + [s.results[0] for s in seps]

@@ -66,6 +66,14 @@ class _Greedy:
         self.seq: list[int] = []
         self.p = 0  # current position in the original order
         self.evictions = 0
+        # Eviction candidates that are live (non-input, recomputable, non-empty): the scan in
+        # ``_evict_one`` visits these, not every node, so a pass costs O(evictions x resident values).
+        self.evictable = [not nd.is_input and nd.recomputable and nd.bytes > 0 for nd in self.nodes]
+        self.resident: set[int] = set()
+        # Recompute costs of values that are not live, kept across evictions: an entry holds while
+        # no ancestor reached through non-live values changes liveness (``_live_changed`` drops it).
+        self.rec: dict[int, float] = {}
+        self.cons = cons
 
     # -------------------------------------------------------------- helpers
     def _dead(self, u: int) -> bool:
@@ -75,30 +83,49 @@ class _Greedy:
     def _free(self, u: int) -> None:
         self.live[u] = False
         self.mem -= self.nodes[u].bytes
+        self.resident.discard(u)
+        self._live_changed(u)
 
-    def _rec_cost(self, u: int, memo: dict[int, float]) -> float:
-        """Cost of recomputing u now, incl. evicted ancestors (each counted once)."""
-        if u in memo:
-            return memo[u]
+    def _live_changed(self, u: int) -> None:
+        """Forget the kept recompute costs that depended on ``u``'s liveness: ``u``'s own and those of
+        the non-live values reached from it through non-live consumers. An entry exists only when
+        every non-live value it went through has one too, so the walk stops at values without one."""
+        rec = self.rec
+        rec.pop(u, None)
+        stack = [u]
+        while stack:
+            v = stack.pop()
+            for w in self.cons[v]:
+                if w in rec and not self.live[w]:
+                    del rec[w]
+                    stack.append(w)
+
+    def _rec_cost(self, u: int) -> float:
+        """Cost of recomputing u now, incl. evicted ancestors (their costs summed along each path)."""
         c = self.nodes[u].cost
         for j in self.nodes[u].inputs:
             if not self.live[j]:
-                c += self._rec_cost(j, memo)
-        memo[u] = c
+                r = self.rec.get(j)
+                c += self._rec_cost_not_live(j) if r is None else r
+        return c
+
+    def _rec_cost_not_live(self, u: int) -> float:
+        c = self._rec_cost(u)
+        self.rec[u] = c
         return c
 
     def _evict_one(self) -> None:
         best, best_h = -1, float("inf")
-        memo: dict[int, float] = {}
         n_order = len(self.order)
-        for u, nd in enumerate(self.nodes):
-            if not self.live[u] or self.pins[u] or nd.is_input or not nd.recomputable or nd.bytes == 0:
+        for u in sorted(self.resident):  # ascending, as a scan of all nodes: ties keep the first
+            if self.pins[u]:
                 continue
+            nd = self.nodes[u]
             uses = self.fut[u] + (1 if nd.is_output else 0)
             if uses == 0:
                 h = -1.0  # dead: free for nothing
             else:
-                h = self._rec_cost(u, memo) * uses / nd.bytes
+                h = self._rec_cost(u) * uses / nd.bytes
                 if self.score != "raf":
                     ups = self.use_pos[u]
                     k = bisect.bisect_left(ups, self.p)
@@ -123,6 +150,9 @@ class _Greedy:
             raise _Stuck
         self.live[v] = True
         self.mem += nd.bytes
+        if self.evictable[v]:
+            self.resident.add(v)
+        self._live_changed(v)
 
     def _materialize(self, u: int) -> None:
         """Make u live (recompute it, and its evicted inputs first)."""

@@ -27,7 +27,7 @@ from .frontier import CostModel, frontier_for, program_overhead
 from .graph import Graph, GraphPlan
 from .liveness import predict_peak
 from .milp import MILP_MAX_NODES
-from .registry import (NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
+from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
                        improves_neighbourhood, small_for_exact)
 
 
@@ -135,10 +135,11 @@ def plan_step(p: StepProblem) -> Candidate:
         known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
-    if remarks:  # the neighbourhood MILP ran: say which solver's plan won
-        remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%}")
+    fits = 1 + sum(1 for c in others if c.plan is not best.plan)
+    remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
+                   f" (the least predicted overhead of {fits} plan{'s' if fits > 1 else ''} that fit)")
     best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                                for c in others] + _why_not_chain(chain, p.budget) + remarks,
+                                                for c in others] + _why_not_chain(chain, p.budget, best) + remarks,
                      best.program.clone(), best.overhead, best.plan, best.peak)
     verify(Module([best.program]))
     return best
@@ -174,10 +175,13 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
     return cand
 
 
-def _why_not_chain(chain: Candidate | int | None, budget: int) -> list[str]:
-    """The note saying why a chain of blocks did not win when it was no candidate that fits."""
+def _why_not_chain(chain: Candidate | int | None, budget: int, best: Candidate) -> list[str]:
+    """The note saying why a chain of blocks did not win (none when it did)."""
     if isinstance(chain, Candidate) and chain.peak is not None and chain.peak > budget:
         return [f"chain of blocks: planned, but its program peaks at {format_bytes(chain.peak)}, over the budget"]
+    if isinstance(chain, Candidate) and not best.solver.startswith("chain DP"):
+        return [f"chain of blocks: planned, predicted overhead {chain.overhead:+.1%} at a peak of "
+                f"{format_bytes(chain.peak)}; the winner predicts less recomputation ({best.overhead:+.1%})"]
     if chain is None:
         return ["chain of blocks: not tried (the forward has too few separators to cut it into a chain)"]
     if isinstance(chain, int):
@@ -275,8 +279,7 @@ def plan_blocks(p: StepProblem, lowered: list[Candidate] | None = None) -> Candi
 def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None) -> Candidate | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits.
     ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``)."""
-    from .chain.planner import ChainPlanner
-    from .chain.profile import chain_costs, profile_stages
+    from .chain.profile import profile_stages
     from .blocks import cut
 
     t0 = time.perf_counter()
@@ -294,22 +297,67 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None) -> Candida
                               kinds=blocks.kinds, workspace_fn=p.workspace_fn)
     if not measure:
         _static_times(profiles, blocks)
+    what = f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks " \
+           f"({blocks.n_distinct} distinct, each differentiated and costed once)"
+    best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)
+    from . import inner
+
+    if not inner.INNER_PLANS or isinstance(best, Candidate) and best.overhead <= NEAR_FLOOR_OVERHEAD:
+        return best
+    return _with_inner_plans(p, blocks, profiles, what, t0, best)
+
+
+def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
+                 inner: str = "", base: float | None = None) -> Candidate | int:
+    """The chain DP (extended model) over ``stages`` with costs from ``profiles``: its candidate, or
+    the minimum (bytes) when no plan fits ``p.budget``. ``inner`` says which stages run
+    block-internal plans (notes); ``base``: the compute its overhead is relative to (default: these
+    stages' own, without recomputation)."""
+    from .chain.planner import ChainPlanner
+    from .chain.profile import chain_costs
+
     costs = chain_costs(profiles)
 
     def finish(fn: Function) -> Function:
         return p.finish(_reorder_aux(fn, blocks.aux_order))
 
-    planner = ChainPlanner(blocks.stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
-                           what=f"this model cut into {len(blocks.stages)} blocks")
+    planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
+                           what=f"this model cut into {len(stages)} blocks")
     try:
         pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:
         return e.minimum
-    notes = [f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks "
-             f"({blocks.n_distinct} distinct, each differentiated and costed once) in "
-             f"{time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output or whole tape)",
+    notes = [f"{what} in {time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output "
+             f"or whole tape{', or a block-internal plan' if inner else ''})",
              f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
-    return Candidate(f"chain DP ({SOLVERS['chain'].method})", notes, pol.function, pol.plan.overhead(costs), pol.plan)
+    if inner:
+        notes.append(inner)
+    base = costs.no_recompute_cost() if base is None else base
+    return Candidate(f"chain DP ({SOLVERS['chain'].method})", notes, pol.function, pol.plan.cost / base - 1.0, pol.plan)
+
+
+def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,
+                      best: Candidate | int) -> Candidate | int:
+    """The chain DP again with block-internal plans (:mod:`.inner`: stages whose backward recomputes
+    part of their tape) at a few levels, when the stages as they are give no plan or one near the
+    floor: the cheapest candidate, or the smallest minimum."""
+    from .chain.profile import chain_costs
+    from .costmodel import static_costs
+    from .inner import option_levels, stage_options
+
+    base = chain_costs(profiles).no_recompute_cost()  # overheads of every level against the stages as they are
+    options = stage_options(blocks.stages, profiles, blocks.kinds, static_costs, p.workspace_fn)
+    for level in option_levels(options):
+        chosen = [o[k] for o, k in zip(options, level)]
+        inner = (f"block-internal plans: {sum(1 for k in level if k)} of {len(level)} blocks keep only their "
+                 f"input and recompute the rest of their tape in their backward (planned by the greedy on that backward)")
+        r = _solve_chain(p, blocks, [c.stage for c in chosen], [c.profile for c in chosen], what, t0, inner, base)
+        if isinstance(r, Candidate):
+            if not isinstance(best, Candidate) or r.overhead < best.overhead:
+                best = r
+        elif not isinstance(best, Candidate):
+            best = min(best, r)
+    return best
 
 
 def _static_times(profiles: list, blocks) -> None:

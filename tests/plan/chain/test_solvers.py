@@ -200,6 +200,28 @@ def test_extended_equals_exhaustive_small_chains():
         assert e.value.minimum == lo
 
 
+def test_extended_tables_answer_every_smaller_budget():
+    """Tables kept across calls (solved once at the widest budget) give the same plans as solving
+    each budget afresh, and the DP runs once for all the smaller budgets."""
+    for c in _chains(count=5, extended=True):
+        tables: dict = {}
+        budgets = _budgets(c, 6)
+        solve(c, budgets[-1], "extended", bucket=3, tables=tables)
+        widest = tables[("extended", 3)]
+        for b in budgets:
+            try:
+                fresh = solve(c, b, "extended", bucket=3)
+            except BudgetTooSmall as e:
+                with pytest.raises(BudgetTooSmall) as again:
+                    solve(c, b, "extended", bucket=3, tables=tables)
+                assert again.value.minimum == e.minimum
+                continue
+            kept = solve(c, b, "extended", bucket=3, tables=tables)
+            assert (kept.schedule, kept.cost, kept.peak, kept.info) == (fresh.schedule, fresh.cost, fresh.peak,
+                                                                        fresh.info)
+        assert tables[("extended", 3)] is widest  # no smaller budget solved the DP again
+
+
 # ------------------------------------------------------------------ simulator
 def test_simulator_rejects_invalid_schedules():
     c = ChainCosts.uniform(2)

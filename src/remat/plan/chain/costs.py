@@ -22,6 +22,10 @@ thesis-model solvers fold them in conservatively via :meth:`ChainCosts.folded`):
 * ``fwd_overhead[i]`` – transient bytes live only while ``f_i`` is computed
   (workspace).
 * ``bwd_overhead[i]`` – transient bytes live only while ``b_i`` is computed.
+* ``out_unread[i]`` – bytes of ``f_i``'s output that ``b_i`` does not read (a batch norm's
+  output, whose backward reads its input): the executor frees them before ``b_i`` runs, so
+  computing ``b_i`` needs ``beta_b[i] + bwd_overhead[i] - out_unread[i]`` beyond what is live
+  (at least 0; :meth:`backward_transient`).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class ChainCosts:
     tape_bytes: np.ndarray | None = None
     fwd_overhead: np.ndarray | None = None
     bwd_overhead: np.ndarray | None = None
+    out_unread: np.ndarray | None = None
     names: tuple[str, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -85,13 +90,17 @@ class ChainCosts:
         set_(self, "beta_f", _as_array("beta_f", self.beta_f, n + 1, True))
         set_(self, "alpha_b", _as_array("alpha_b", self.alpha_b, n + 2, False))
         set_(self, "beta_b", _as_array("beta_b", self.beta_b, n + 2, True))
-        for nm, ln in (("tape_bytes", n + 1), ("fwd_overhead", n + 1), ("bwd_overhead", n + 2)):
+        for nm, ln in (("tape_bytes", n + 1), ("fwd_overhead", n + 1), ("bwd_overhead", n + 2), ("out_unread", n + 1)):
             v = getattr(self, nm)
             set_(self, nm, np.zeros(ln, np.int64) if v is None else _as_array(nm, v, ln, True))
         if self.names is not None and len(self.names) != n + 1:
             raise ValueError(f"names has length {len(self.names)}, expected {n + 1}")
+        bad = [i for i in range(n + 1) if self.out_unread[i] > self.beta_f[i]]
+        if bad:
+            raise ValueError(f"out_unread[{bad[0]}] = {self.out_unread[bad[0]]} exceeds beta_f[{bad[0]}] = "
+                             f"{self.beta_f[bad[0]]}: a backward cannot leave unread more than the output")
         for a in (self.alpha_f, self.alpha_b, self.beta_f, self.beta_b,
-                  self.tape_bytes, self.fwd_overhead, self.bwd_overhead):
+                  self.tape_bytes, self.fwd_overhead, self.bwd_overhead, self.out_unread):
             a.setflags(write=False)
 
     # ------------------------------------------------------------------ basics
@@ -103,7 +112,15 @@ class ChainCosts:
     @property
     def has_extended(self) -> bool:
         """True when any tape / overhead bytes are non-zero."""
-        return bool(self.tape_bytes.any() or self.fwd_overhead.any() or self.bwd_overhead.any())
+        return bool(self.tape_bytes.any() or self.fwd_overhead.any() or self.bwd_overhead.any()
+                    or self.out_unread.any())
+
+    def backward_transient(self) -> np.ndarray:
+        """Bytes computing ``b_i`` needs beyond what is live, in the extended model (N+2 entries):
+        ``beta_b + bwd_overhead``, less the output bytes of ``f_i`` freed before it runs (at least 0,
+        which still bounds the real peak: what is live counts those bytes until ``f_i`` is freed)."""
+        unread = np.append(self.out_unread, 0)
+        return np.maximum(self.beta_b + self.bwd_overhead - unread, 0)
 
     def no_recompute_cost(self) -> float:
         """Compute of one plain forward+backward pass: sum alpha_f[1..N] + alpha_b[0..N]."""
@@ -191,7 +208,8 @@ class ChainCosts:
             raise ValueError(f"unknown memory mode {memory!r}")
         return cls(af, ab, bf, bb, c.tape_bytes if memory == "profiled" else None,
                    c.fwd_overhead if memory == "profiled" else None,
-                   c.bwd_overhead if memory == "profiled" else None, names=c.names)
+                   c.bwd_overhead if memory == "profiled" else None,
+                   c.out_unread if memory == "profiled" else None, names=c.names)
 
     @classmethod
     def random(

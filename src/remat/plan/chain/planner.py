@@ -91,17 +91,21 @@ class ChainPlanner:
                 raise BudgetTooSmall(budget, policy.peak, f"{what}, whose plan ignores the budget")
             return policy
 
+        tables: dict = {}  # the DP's tables, solved once at the widest budget and read at every probe
+
         def attempt(m: int) -> Policy:
-            return self.compile(solve(self.costs, m, method=method, bucket=bucket), budget)
+            return self.compile(solve(self.costs, m, method=method, bucket=bucket, tables=tables), budget)
 
         lo = minimum_budget(self.costs, bucket=bucket, method=method)
         best = attempt(lo)
         if best.peak > budget:
             raise BudgetTooSmall(budget, best.peak, what)
         hi = max(int(no_recompute_peak(self.costs, "extended")), lo)
-        top = attempt(hi)
+        top = attempt(hi)  # the widest table: every probe below reads it
         if top.peak <= budget:
             return top
+        if method == "extended" and isinstance(bucket, int):
+            return self._search_levels(budget, lo, hi, bucket, tables, best)
         step = bucket if isinstance(bucket, int) else 1
         while hi - lo > step:  # invariant: the plan at lo fits, the plan at hi does not
             mid = (lo + hi) // 2
@@ -110,6 +114,41 @@ class ChainPlanner:
                 lo, best = mid, (p if p.plan.cost <= best.plan.cost else best)
             else:
                 hi = mid
+        return best
+
+    def _search_levels(self, budget: int, lo: int, hi: int, bucket: int, tables: dict, best: Policy) -> Policy:
+        """The cheapest of the DP's distinct plans between ``lo`` (fits) and ``hi`` (does not) whose
+        program fits ``budget``, compiling few of them: the program adds a nearly constant number of
+        bytes to the model's peak, so the last probe's excess predicts which plan fits; that guess and
+        its neighbour are tried, then bisection over the plans takes over. Where fitting is monotone
+        in the plans' order this is the boundary a bisection over budgets finds, in fewer compilations."""
+        from .solvers import extended_levels, solve
+
+        levels = extended_levels(self.costs, lo, hi, bucket, tables)
+        plans: dict[int, Policy] = {}
+
+        def probe(k: int) -> Policy:
+            if k not in plans:
+                plans[k] = self.compile(solve(self.costs, levels[k][0], method="extended", bucket=bucket,
+                                              tables=tables), budget)
+            return plans[k]
+
+        a, b = 0, len(levels)  # invariant: plan a fits (the minimum's), plan b (the top's) does not
+        last = best
+        guesses = 2
+        while b - a > 1:
+            if guesses:
+                guesses -= 1
+                excess = last.peak - last.plan.info["predicted_peak"]  # bytes the program adds to the model
+                k = max((j for j in range(a + 1, b) if levels[j][1] + excess <= budget), default=a + 1)
+            else:
+                k = (a + b) // 2
+            last = probe(k)
+            if last.peak <= budget:
+                a = k
+                best = last if last.plan.cost <= best.plan.cost else best
+            else:
+                b = k
         return best
 
     def minimum(self, method: str = "extended", bucket=None) -> int:

@@ -13,7 +13,8 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ...ir import Function, Instruction
+from ...ir import Function, Instruction, Value
+from ...ir.core import BlockArg
 from .costs import ChainCosts
 from .executor import ChainStage
 
@@ -34,6 +35,7 @@ class StageProfile:
     bwd_overhead: int     # transient bytes while the backward runs, beyond b_s
     param_bytes: int
     param_grad_bytes: int
+    out_unread: int = 0   # bytes of the output the backward does not read (freed before it runs)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +63,27 @@ def _tape_bytes(stage: ChainStage) -> int:
             seen.add(v)
             total += v.type.nbytes
     return total
+
+
+def output_unread(stage: ChainStage) -> int:
+    """Bytes of the stage output's own storage that its backward never reads (0 when the output is
+    a view, a side output or read through its tape, or ``executor.FREE_UNREAD_OUTPUTS`` is off): the
+    executor frees them before the backward."""
+    from . import executor
+
+    fwd = stage.split.forward
+    ret = fwd.entry.instrs[-1]
+    y = ret.operands[0]
+    if not executor.FREE_UNREAD_OUTPUTS or isinstance(y, BlockArg) or y in ret.operands[1:1 + stage.n_aux]:
+        return 0
+    root: dict[Value, Value] = {}
+    for ins in fwd.entry.instrs[:-1]:
+        for k, r in enumerate(ins.results):
+            src = ins.op.aliases.get(k)
+            root[r] = root.get(ins.operands[src], ins.operands[src]) if src is not None else r
+    if root.get(y, y) is not y or any(root.get(v, v) is y for v in ret.operands[1 + stage.n_aux:]):
+        return 0
+    return y.type.nbytes
 
 
 def _median_time(fn: Function, args: Sequence, repeats: int, dialects) -> tuple[float, tuple]:
@@ -124,7 +147,7 @@ def _profile(s: ChainStage, fwd_time: float, bwd_time: float, workspace_fn: Work
     fo = max(0, _internal_peak(s.split.forward, workspace_fn) - out_b - tape_b)
     bo = max(0, _internal_peak(s.split.backward, workspace_fn) - grad_b)
     return StageProfile(s.name, fwd_time, bwd_time, out_b, grad_b, tape_b, fo, bo,
-                        sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types))
+                        sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types), output_unread(s))
 
 
 def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory: str = "profiled",
@@ -144,6 +167,7 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
     tape = np.array([0] + [p.tape_bytes for p in profiles], dtype=np.int64)
     fo = np.array([0] + [p.fwd_overhead for p in profiles], dtype=np.int64)
     bo = np.array([0] + [p.bwd_overhead for p in profiles] + [0], dtype=np.int64)
+    unread = np.array([0] + [p.out_unread for p in profiles], dtype=np.int64)
     if compute == "uniform":
         alpha_f[1:] = alpha_f[1:].mean()
         alpha_b[1:n + 1] = alpha_b[1:n + 1].mean()
@@ -158,6 +182,7 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
         for arr, sl in ((beta_f, slice(1, None)), (beta_b, slice(1, n + 1)), (tape, slice(1, None)),
                         (fo, slice(1, None)), (bo, slice(1, n + 1))):
             arr[sl] = int(np.ceil(arr[sl].mean()))
+        unread[1:] = np.minimum(int(unread[1:].min()), beta_f[1:])  # never more than any stage frees
     elif memory == "given":
         if not memory_costs:
             raise ValueError("memory='given' needs memory_costs={'beta_f': [...], 'beta_b': [...]}")
@@ -166,7 +191,8 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
         tape = np.asarray(memory_costs.get("tape_bytes", np.zeros(n + 1)), dtype=np.int64)
         fo = np.asarray(memory_costs.get("fwd_overhead", np.zeros(n + 1)), dtype=np.int64)
         bo = np.asarray(memory_costs.get("bwd_overhead", np.zeros(n + 2)), dtype=np.int64)
+        unread = np.asarray(memory_costs.get("out_unread", np.zeros(n + 1)), dtype=np.int64)
     elif memory != "profiled":
         raise ValueError(f"memory costs must be 'profiled', 'uniform' or 'given', got {memory!r}")
     return ChainCosts(alpha_f=alpha_f, alpha_b=alpha_b, beta_f=beta_f, beta_b=beta_b,
-                      tape_bytes=tape, fwd_overhead=fo, bwd_overhead=bo)
+                      tape_bytes=tape, fwd_overhead=fo, bwd_overhead=bo, out_unread=unread)

@@ -14,7 +14,8 @@ and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
   also keeps its tape (``tape_bytes[i]``), ``F`` drops it.
 * ``B(i)`` (0 <= i <= N): needs ``f_i``, its tape (model ``"extended"`` only;
   ``f_0``'s tape counts as given), and ``b_{i+1}`` live, ``b_i`` not live.  Peak
-  ``live + beta_b[i] + bwd_overhead[i]``; afterwards ``b_i`` is live.
+  ``live + beta_b[i] + bwd_overhead[i] - out_unread[i]`` (at least ``live``: the executor frees
+  the output bytes ``b_i`` does not read before it runs); afterwards ``b_i`` is live.
 * ``Free("f", i)`` frees ``f_i`` (and its tape if kept); ``Free("b", i)`` frees
   ``b_i``.  Frees are explicit: nothing is freed implicitly, so the schedule
   states exactly what an executor must keep.
@@ -169,7 +170,7 @@ def evaluate(
         out = c.beta_f
         tape = c.tape_bytes
         fx = c.beta_f + c.tape_bytes + c.fwd_overhead
-        bx = c.beta_b + c.bwd_overhead
+        bx = c.backward_transient()
     else:
         raise ValueError(f"unknown model {model!r}")
     bsz = c.beta_b

@@ -15,7 +15,8 @@ Extended model (``method="extended"``, simulated with ``model="extended"``).
 Each ``f_i`` has an output part (``beta_f[i]``; what the next forward needs) and
 a tape (``tape_bytes[i]``; what only ``b_i`` additionally needs).  Computing
 ``f_l`` transiently needs ``out_l + tape_l + fwd_overhead_l`` on top of what is
-live; computing ``b_i`` needs ``beta_b[i] + bwd_overhead[i]``.  Intermediate
+live; computing ``b_i`` needs ``beta_b[i] + bwd_overhead[i]`` (less the bytes of ``f_i``'s output
+it does not read, ``out_unread[i]``: freed before it runs).  Intermediate
 forwards keep only the output (``F``).  Two families of sub-problems:
 
 * family 1, ``C1(i, j, m)``: given ``f_i`` *with its tape*, produce ``b_i``;
@@ -273,22 +274,32 @@ def _ext_units(costs: ChainCosts, u: int):
     ft = _ceil_div(out + tape, u)
     fx = _ceil_div(out + tape + costs.fwd_overhead, u)
     bb = _ceil_div(costs.beta_b, u)
-    bx = _ceil_div(costs.beta_b + costs.bwd_overhead, u)
+    bx = _ceil_div(costs.backward_transient(), u)
     return fo, ft, fx, bb, bx
 
 
-def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan:
+def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables: dict | None = None) -> Plan:
     n = costs.n
     u = 1 if bucket == "exact" else int(bucket)
     fo, ft, fx, bb, bx = _ext_units(costs, u)
-    P, NR, LIN = K.ext_bounds(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx)
+    hit = None if tables is None else tables.get(("extended", u))
+    if hit is None:
+        P, NR, LIN = K.ext_bounds(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx)
+    else:
+        P, NR, LIN = hit[1:4]
     need = int(ft[0] + P[1, 0, n + 1])
     units = int(budget // u)
     if units < need:
         raise BudgetTooSmall(budget, u * need, detail=f"extended model, bucket {u} B")
     M = min(units - int(ft[0]), int(NR[1, 0, n + 1]))
     pid, npairs = K.pair_ids(n)
-    C, Bt, D = K.ext_dp(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN)
+    if hit is not None and hit[0] >= M:
+        # Entries for memory m <= M do not depend on the table's width: a wider table answers M too.
+        C, Bt, D = hit[4:]
+    else:
+        C, Bt, D = K.ext_dp(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN)
+        if tables is not None:
+            tables[("extended", u)] = (M, P, NR, LIN, C, Bt, D)
 
     def tree(t: int, i: int, j: int, m: int) -> Tree:
         if j == i + 1:
@@ -308,6 +319,26 @@ def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan
             "predicted_peak": u * int(ft[0] + Bt[1, p0, M]), "minimum_budget": u * need}
     return _finish("extended", costs, budget, tree(1, 0, n + 1, M), "extended", u, t0, info,
                    expect_cost=float(C[1, p0, M]))
+
+
+def extended_levels(costs: ChainCosts, lo: int, hi: int, bucket: int, tables: dict) -> list[tuple[int, int]]:
+    """The distinct plans of the extended DP between budgets ``lo`` and ``hi`` (bytes): for each
+    cost level, the smallest budget reaching it and its model peak bound (bytes), in increasing
+    budget (so decreasing cost). Read from ``tables`` (solved at ``hi`` here if needed), so a
+    search over plans needs no DP per probe."""
+    u = int(bucket)
+    solve(costs, hi, "extended", bucket=u, tables=tables)
+    M_top, P, NR, LIN, C, Bt, D = tables[("extended", u)]
+    n = costs.n
+    ft0 = int(_ext_units(costs, u)[1][0])
+    p0 = K.pair_ids(n)[0][0, n + 1]
+    cap = int(NR[1, 0, n + 1])
+    m_lo, m_hi = min(lo // u - ft0, cap), min(hi // u - ft0, cap, M_top)
+    if m_lo < 0 or m_lo > m_hi:
+        return []
+    row = C[1, p0, m_lo:m_hi + 1]
+    first = [0] + [int(k) for k in np.flatnonzero(row[1:] < row[:-1]) + 1]
+    return [((m_lo + k + ft0) * u, u * int(ft0 + Bt[1, p0, m_lo + k])) for k in first]
 
 
 # ---------------------------------------------------------------- baselines
@@ -410,7 +441,7 @@ def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
 
 # ---------------------------------------------------------------- entry point
 def solve(costs: ChainCosts, budget: float, method: str = "precise",
-          bucket: int | str | None = None) -> Plan:
+          bucket: int | str | None = None, tables: dict | None = None) -> Plan:
     """Solve for a checkpointing plan of ``costs`` within ``budget`` bytes.
 
     ``method``: ``precise`` | ``extended`` | ``uniform`` | ``sqrt`` | ``none`` |
@@ -419,6 +450,8 @@ def solve(costs: ChainCosts, budget: float, method: str = "precise",
     exact bytes; extended: bucket 1), or ``None`` (about ``DEFAULT_UNITS`` units).
     Raises :class:`BudgetTooSmall` for infeasible budgets (DP/exhaustive methods);
     baselines return plans with ``feasible == False`` instead.
+    ``tables``: a dict owned by the caller, kept across calls on the same ``costs`` so that the
+    extended DP's tables are computed once (at the widest budget seen) and read at every smaller one.
     """
     _check_budget(budget)
     if not isinstance(costs, ChainCosts):
@@ -431,7 +464,7 @@ def solve(costs: ChainCosts, budget: float, method: str = "precise",
             raise ValueError(f"bucket must be a positive int, 'exact' or None, got {bucket!r}")
         if method == "precise":
             return _solve_precise(costs, budget, bucket, t0)
-        return _solve_extended(costs, budget, bucket, t0)
+        return _solve_extended(costs, budget, bucket, t0, tables)
     if method == "uniform":
         return _solve_uniform(costs, budget, t0)
     if method == "sqrt":

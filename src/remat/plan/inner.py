@@ -1,0 +1,194 @@
+"""Block-internal plans: variants of a chain stage whose backward recomputes part of its tape.
+
+The chain DP (:mod:`.chain`) decides per stage between keeping its output only or its whole tape
+(the values its backward reads). Inside one stage that is all or nothing, so a stage whose tape
+and backward are large sets a floor under the chain's minimum that an instruction-level plan does
+not have (issue 16: resnet18, chain 0.717 of the unconstrained peak, greedy 0.680). A *variant*
+keeps only the stage input (and, optionally, some tape values); its backward recomputes the rest
+of the tape from them, in an order and with evictions planned by the greedy on that backward
+alone, so its transient peak is lower. Variants are ordinary :class:`~.chain.executor.ChainStage`
+objects with another :class:`~.partition.Split`: the executor, the profiler and the chain model
+handle them unchanged, and recomputation clones the same instructions, so gradients stay
+bit-identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+from ..ir import Builder, Function, Instruction, Value
+from ..ir.analysis import ancestors
+from ..ir.build import clone_into, inline_body, slice_function
+from .chain.executor import ChainStage
+from .partition import Split
+
+if TYPE_CHECKING:
+    from .chain.profile import StageProfile
+
+WorkspaceFn = Callable[[Function], Mapping[Instruction, int]]
+
+INNER_PLANS = False
+"""Whether the portfolio tries block-internal plans (``portfolio._with_inner_plans``). Off by default
+until the failures it shares with ``executor.FREE_UNREAD_OUTPUTS`` (tests/train) are understood."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build a variant of a stage, reusable on any stage that is the same block up to
+    renaming (``blocks.Blocks.kinds``): the positions (in the stage's tape) of the tape values kept
+    besides the input, and the greedy's compute sequence over the backward's graph (None: no
+    evictions, the memory-aware order only)."""
+
+    keep: tuple[int, ...]
+    sequence: tuple[int, ...] | None
+
+
+def _recomputing_backward(stage: ChainStage, keep: Sequence[int]) -> tuple[Function, Function, list[int]] | None:
+    """The forward ``(params..., x) -> (y, side outputs..., x, kept tape...)`` and the backward
+    ``(params read..., x, kept tape..., gy) -> grads`` that recomputes the other tape values, with
+    the backward's parameter indices; None when a value to recompute depends on an effect."""
+    sp = stage.split
+    fwd, bwd = sp.forward, sp.backward
+    ret = fwd.entry.instrs[-1]
+    n_out = 1 + stage.n_aux
+    outputs, tape = list(ret.operands[:n_out]), list(ret.operands[n_out:])
+    x = fwd.params[stage.n_params]
+    params = fwd.params[:stage.n_params]
+    kept = [tape[i] for i in keep if tape[i] is not x]
+    holds = [x] + kept
+    missing = [t for t in tape if t not in set(holds)]
+    recompute = ancestors(missing, stop=set(holds) | set(params))
+    if any(ins.op.has("effect") or ins.op.has("inplace") for ins in recompute):
+        return None
+    # Parameters the new backward reads: those the old one read directly, and the recomputation's.
+    read = set(sp.backward_primals) | {i for i, p in enumerate(params) for ins in recompute if p in ins.operands}
+    bp = sorted(read)
+    new_fwd = slice_function(f"{fwd.name}_in", list(fwd.params), fwd.entry.instrs[:-1], outputs + holds)
+    g = Function(f"{bwd.name}_in", [params[i].type for i in bp] + [v.type for v in holds] + [bwd.params[-1].type],
+                 list(bwd.result_types))
+    vmap: dict[Value, Value] = {params[i]: a for i, a in zip(bp, g.params)}
+    vmap.update(zip(holds, g.params[len(bp):len(bp) + len(holds)]))
+    b = Builder(g.entry)
+    for ins in fwd.entry.instrs[:-1]:
+        if ins in recompute:
+            clone_into(b, ins, vmap)
+    args = [vmap[params[i]] for i in sp.backward_primals] + [vmap[t] for t in tape] + [g.params[-1]]
+    b.ret(*inline_body(b, bwd, args))
+    return new_fwd, g, bp
+
+
+def build_variant(stage: ChainStage, recipe: Recipe, workspace_fn: WorkspaceFn | None = None) -> ChainStage | None:
+    """The variant of ``stage`` that ``recipe`` describes, or None when it cannot be built."""
+    from .graph import eager_frees
+    from .rematerialize import from_schedule, to_graph
+
+    parts = _recomputing_backward(stage, recipe.keep)
+    if parts is None:
+        return None
+    fwd, g, bp = parts
+    low = to_graph(g, workspaces=None if workspace_fn is None else workspace_fn(g))
+    seq = recipe.sequence
+    if seq is None:
+        from .scheduling import memory_aware_order
+
+        seq = tuple(memory_aware_order(low.graph))
+    back = from_schedule(low, eager_frees(low.graph, seq), check=False)
+    split = Split(fwd, stage.split.forward_light, back, stage.split.n_outputs, bp, len(fwd.result_types) - 1 - stage.n_aux)
+    return replace(stage, split=split)
+
+
+def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, float]],
+            workspace_fn: WorkspaceFn | None = None, levels: Sequence[float] = (0.0, 0.5)) -> list[Recipe]:
+    """A few recipes for ``stage``: keep only the input, its backward in memory-aware order and
+    planned by the greedy at ``levels`` (0: the greedy's minimum, 1: the no-eviction peak)
+    between those two peaks. ``costs``: seconds per instruction of a function (the greedy's
+    recomputation prices)."""
+    from .graph import evaluate
+    from .greedy import greedy_compute_sequence, greedy_min_budget
+    from .rematerialize import to_graph
+    from .scheduling import memory_aware_order
+
+    parts = _recomputing_backward(stage, ())
+    if parts is None:
+        return []
+    _, g, _ = parts
+    low = to_graph(g, costs(g), workspaces=None if workspace_fn is None else workspace_fn(g))
+    order = memory_aware_order(low.graph)
+    out = [Recipe((), tuple(order))]
+    from .graph import eager_frees
+
+    hi = evaluate(low.graph, eager_frees(low.graph, order))[1]
+    lo = greedy_min_budget(low.graph, order, rel_tol=0.01, max_steps=20 * len(low.graph) + 1000)
+    for f in sorted(set(levels)):
+        m = int(lo + (hi - lo) * f)
+        if m >= hi:
+            continue
+        seq = greedy_compute_sequence(low.graph, m, order, max_steps=20 * len(low.graph) + 1000)
+        if seq is not None and Recipe((), tuple(seq)) not in out:
+            out.append(Recipe((), tuple(seq)))
+    return out
+
+
+@dataclass
+class StageOption:
+    """One way to run a stage: the stage (itself or a variant), its profile, and what it is."""
+
+    stage: ChainStage
+    profile: "StageProfile"
+    what: str  # "" for the stage as differentiated, else how its backward recomputes
+
+
+def need(q: "StageProfile") -> int:
+    """Bytes a stage's own forward and backward need beyond what else is live, in the chain model:
+    its output and tape with the forward's or the backward's transient bytes, whichever is larger."""
+    held = q.out_bytes + q.tape_bytes
+    return max(held + q.fwd_overhead, held + max(q.input_grad_bytes + q.bwd_overhead - q.out_unread, 0))
+
+
+def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile"], kinds: Sequence[int],
+                  costs: Callable[[Function], dict[Instruction, float]],
+                  workspace_fn: WorkspaceFn | None = None) -> list[list[StageOption]]:
+    """Per stage, its options: the stage as it is first, then its variants that need fewer bytes
+    (:func:`need`). Recipes are found once per kind of block and applied to every stage of it.
+    A variant's backward time is the stage's scaled by the ratio of their static costs."""
+    from .chain.profile import _profile
+    from .costmodel import function_cost
+
+    by_kind: dict[int, list[Recipe]] = {}
+    out: list[list[StageOption]] = []
+    for st, prof, kind in zip(stages, profiles, kinds):
+        if kind not in by_kind:
+            by_kind[kind] = recipes(st, costs, workspace_fn)
+        opts = [StageOption(st, prof, "")]
+        base = function_cost(st.split.backward)
+        for r in by_kind[kind]:
+            v = build_variant(st, r, workspace_fn)
+            if v is None:
+                continue
+            scale = function_cost(v.split.backward) / base if base > 0 else 1.0
+            q = _profile(v, prof.fwd_time, prof.bwd_time * scale, workspace_fn)
+            if need(q) < min(need(o.profile) for o in opts):
+                opts.append(StageOption(v, q, f"keeps its input, its backward recomputes the rest "
+                                              f"({len(v.split.backward.entry.instrs)} instructions)"))
+        out.append(opts)
+    return out
+
+
+def option_levels(options: Sequence[Sequence[StageOption]], fractions: Sequence[float] = (0.0, 0.25, 0.5, 0.75)) -> list[list[int]]:
+    """The option index of each stage at a few levels, without duplicates, each beyond the stages
+    as they are (all zeros, left out): the stages needing more than the least bytes any stage can be
+    brought to switch to their cheapest option within it (a floor as low as the leanest level's, with less
+    recomputation), and every stage at its leanest option."""
+    leanest = [min(range(len(o)), key=lambda k: (need(o[k].profile), k)) for o in options]
+    floor = max(need(o[k].profile) for o, k in zip(options, leanest))
+    top = max(need(o[0].profile) for o in options)
+
+    def capped(cap: int) -> list[int]:
+        return [min((k for k in range(len(o)) if need(o[k].profile) <= cap),
+                    key=lambda k: (o[k].profile.bwd_time, k), default=lean) for o, lean in zip(options, leanest)]
+
+    out: list[list[int]] = []
+    for level in [capped(int(floor + (top - floor) * f)) for f in fractions] + [leanest]:
+        if any(level) and level not in out:
+            out.append(level)
+    return out
