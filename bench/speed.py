@@ -22,8 +22,10 @@ median step time itself). Peak: allocator peak of one step read from torch.profi
 (bench/_measure.py, as train_bench.py does), next to eager's. Setup: ``remat.compile``'s wall time and
 its stage split (from the report when it has one, and from the ``progress`` callback's timestamps
 always); for GPT medium also a second ``remat.compile`` of the same model in the same process and in a
-fresh subprocess (the issue's "second compile" target; remat's on-disk kernel cache is a fresh folder per run,
-so first compiles are cold). The issue's targets are computed as pass/fail
+fresh subprocess (the issue's "second compile" target; remat's on-disk caches, kernels and captured
+models, are a fresh folder per run, so a model's first compile is cold; its later compiles in the run,
+remat@50% and remat@25% included, reuse its capture). ``bench/setup_time.py`` measures setup alone,
+with alternating rounds. The issue's targets are computed as pass/fail
 lines; they are reported, never asserted.
 
 Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--no-compile] [--models gpt,gpt-medium] [--quick]
