@@ -201,3 +201,22 @@ def test_an_optimizer_update_is_measured_in_its_steady_state(tmp_path, monkeypat
         assert allocator.cache_file().name.startswith(f"v{allocator.CACHE_VERSION}-")
     finally:
         allocator.clear_cache()
+
+
+def test_a_chain_refusal_names_a_minimum_the_chain_meets():
+    """When the chain of blocks gives the smallest minimum, that minimum counts kernel workspaces
+    too (the allocator bound, as every other planner's): compiling at it succeeds, and the step's
+    allocator bound is within it. (The chain used to report its program's VM peak: a 30-layer MLP
+    with SGD was refused at 50% with a minimum 8 bytes short of its own, then refused again there.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(30) for m in (torch.nn.Linear(32, 32), torch.nn.ReLU())])
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    with pytest.raises(remat.BudgetTooSmall) as info:
+        remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=0.5)
+    step = remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=info.value.minimum)
+    assert step.solver.startswith("chain DP")
+    r = step.report()
+    assert r.predicted_peak <= r.predicted_allocator_peak <= info.value.minimum
+    step(x, y)
+    assert step.report().measured_peak == r.predicted_peak

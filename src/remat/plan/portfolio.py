@@ -322,7 +322,7 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
         return p.finish(_reorder_aux(fn, blocks.aux_order))
 
     planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
-                           what=f"this model cut into {len(stages)} blocks")
+                           what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
     try:
         pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:

@@ -48,13 +48,16 @@ class ChainPlanner:
 
     def __init__(self, stages: list[ChainStage], costs: ChainCosts, name: str = "chain_step",
                  upstream_is_param: bool = True, return_output: bool = False, what: str = "",
-                 binding=None, finish=None):
+                 binding=None, finish=None, peak_fn=None):
         """``binding``: a general layout (see ``executor.Binding``); ``finish``: maps the compiled
         chain function to the function whose peak must fit (e.g. a training step around it). With a
-        ``finish`` the probed programs are not verified here: the caller verifies the one it keeps."""
+        ``finish`` the probed programs are not verified here: the caller verifies the one it keeps.
+        ``peak_fn``: the bytes of a compiled function that must fit the budget (default: the VM's
+        exact peak, ``predict_peak``; a training step counting kernel workspaces passes its
+        allocator bound), so a refusal's minimum is one this planner can meet."""
         self.stages, self.costs, self.name = stages, costs, name
         self.upstream_is_param, self.return_output = upstream_is_param, return_output
-        self.binding, self.finish = binding, finish
+        self.binding, self.finish, self.peak_fn = binding, finish, peak_fn
         self.what = what or f"this {len(stages)}-stage chain"
         self._compiled: dict = {}
 
@@ -69,7 +72,7 @@ class ChainPlanner:
             if self.finish is not None:
                 prog = Module([self.finish(prog[self.name])])
             fn = next(iter(prog))
-            self._compiled[key] = (prog, predict_peak(fn))
+            self._compiled[key] = (prog, (self.peak_fn or predict_peak)(fn))
         prog, peak = self._compiled[key]
         return Policy(plan, prog, peak, budget)
 
