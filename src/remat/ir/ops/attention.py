@@ -385,20 +385,26 @@ def _masked_scores(b, q, k, mask, attrs):
     return s
 
 
-@def_decomposition("attention")
-def _attention_decomp(b, xs, attrs):
-    q, k, v = xs[:3]
-    s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
+def _softmax_parts(b, s):
+    """The scores' stabilised exponentials, their row sums and the rows' logsumexp (in the dtype
+    :func:`lse_dtype` gives), as the forward kernels compute them."""
     last = s.type.rank - 1
     m = b.op("reduce_max", s, axes=[last], keepdims=True)
     zero = _const(b, 0.0, m.type.dtype)
     m = b.op("select", b.op("eq", m, _const(b, float("-inf"), m.type.dtype)), zero, m)  # a fully masked row
     e = b.op("exp", b.op("sub", s, m))
     tot = b.op("reduce_sum", e, axes=[last], keepdims=True)
-    out = b.op("matmul", b.op("div", e, tot), v)
     lse = b.op("reshape", b.op("add", m, b.op("log", tot)), shape=s.type.shape[:-1])
-    want = lse_dtype(q.type.dtype)
-    return [out, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)]
+    want = lse_dtype(s.type.dtype)
+    return e, tot, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)
+
+
+@def_decomposition("attention")
+def _attention_decomp(b, xs, attrs):
+    q, k, v = xs[:3]
+    s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
+    e, tot, lse = _softmax_parts(b, s)
+    return [b.op("matmul", b.op("div", e, tot), v), lse]
 
 
 @def_decomposition("attention_grad")
@@ -419,19 +425,11 @@ def _attention_grad_decomp(b, xs, attrs):
 def _dropout_attention_decomp(b, xs, attrs):
     q, k, v, seed = xs[:4]
     s = _masked_scores(b, q, k, xs[4] if len(xs) == 5 else None, attrs)
-    last = s.type.rank - 1
-    m = b.op("reduce_max", s, axes=[last], keepdims=True)
-    zero = _const(b, 0.0, m.type.dtype)
-    m = b.op("select", b.op("eq", m, _const(b, float("-inf"), m.type.dtype)), zero, m)  # a fully masked row
-    e = b.op("exp", b.op("sub", s, m))
-    tot = b.op("reduce_sum", e, axes=[last], keepdims=True)
+    e, tot, lse = _softmax_parts(b, s)
     dt = q.type.dtype
     pd = b.op("select", _dropout_keep(b, seed, q, k, attrs["p"]),
               b.op("mul", b.op("div", e, tot), _const(b, 1.0 / (1.0 - attrs["p"]), dt)), _const(b, 0.0, dt))
-    out = b.op("matmul", pd, v)
-    lse = b.op("reshape", b.op("add", m, b.op("log", tot)), shape=s.type.shape[:-1])
-    want = lse_dtype(dt)
-    return [out, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)]
+    return [b.op("matmul", pd, v), lse]
 
 
 @def_decomposition("dropout_attention_grad")
