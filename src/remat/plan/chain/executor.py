@@ -157,9 +157,9 @@ def _inline_marked(b: Builder, f: Function, args: list[Value], first: dict[Instr
 
 FREE_UNREAD_OUTPUTS = False
 """Free a stage's output its backward does not read before that backward (``ChainCosts.out_unread``).
-Off by default: with it on, tests/train/test_allocator_budget.py and test_budget.py fail (a chain
-minimum that is not feasible under the allocator bound; an allocator peak 12 B over the budget),
-not yet understood (issue 16 work in progress)."""
+Off by default, with ``remat.plan.inner.INNER_PLANS`` (issue 16 work in progress; see there). Its
+earlier failures in tests/train were the chain planner judging programs without kernel workspaces
+(``ChainPlanner(peak_fn=...)`` fixes them)."""
 
 
 def _free_unread_output(b: Builder, f_slot: dict[int, list[Value]], i: int, schedule: list[Step], pos: int,
