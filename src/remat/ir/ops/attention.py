@@ -116,13 +116,18 @@ def reference_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, scal
 
 def reference_forward(q, k, v, mask=None, *, scale: float, is_causal: bool = False):
     """(softmax(scores) @ v, logsumexp of the scores' rows)."""
-    s = reference_scores(q, k, mask, scale, is_causal)
+    prob, lse = _reference_softmax(reference_scores(q, k, mask, scale, is_causal))
+    return np.matmul(prob, v), lse
+
+
+def _reference_softmax(s):
+    """The scores' row softmax (stabilised; a fully masked row gives NaN) and the rows' logsumexp."""
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, np.zeros((), m.dtype))
     e = np.exp(s - m)
     tot = np.sum(e, axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.matmul(e / tot, v), (m + np.log(tot))[..., 0]
+        return e / tot, (m + np.log(tot))[..., 0]
 
 
 def reference_backward(g, q, k, v, out, lse, mask=None, *, scale: float, is_causal: bool = False):
@@ -215,15 +220,9 @@ def workspace_bytes(t: int, s: int, itemsize: int) -> int:
 def reference_dropout_forward(q, k, v, keep, mask=None, *, scale: float, is_causal: bool = False, p: float):
     """(dropout(softmax(scores)) @ v, logsumexp of the scores' rows): ``keep`` is the bool keep mask
     of the scores' shape; kept probabilities are scaled by 1/(1-p), as the explicit form does."""
-    s = reference_scores(q, k, mask, scale, is_causal)
-    m = np.max(s, axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, np.zeros((), m.dtype))
-    e = np.exp(s - m)
-    tot = np.sum(e, axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        prob = e / tot
+    prob, lse = _reference_softmax(reference_scores(q, k, mask, scale, is_causal))
     pd = np.where(keep, prob * np.asarray(1.0 / (1.0 - p), q.dtype), np.zeros((), q.dtype))
-    return np.matmul(pd, v), (m + np.log(tot))[..., 0]
+    return np.matmul(pd, v), lse
 
 
 def reference_dropout_backward(g, q, k, v, out, lse, keep, mask=None, *, scale: float, is_causal: bool = False,
