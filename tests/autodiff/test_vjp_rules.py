@@ -62,6 +62,10 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="second-order differentiation through"):
             check_vjp(f, args, rng)
         return
+    if name == "conv2d_grads":  # made by lowering, after differentiation
+        with pytest.raises(DifferentiationError, match="made by lowering"):
+            check_vjp(f, args, rng)
+        return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
 
 

@@ -447,11 +447,70 @@ def _max_pool_bwd_py(lo, hi, x, gy, gx, kh, kw, sh, sw, ph, pw):  # pragma: no c
                 gq.flat[best] += gy[q, oh, ow]
 
 
+def _max_pool_idx_py(lo, hi, x, out, idx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
+    # Branch-free on random data (a select of the index and the value mispredicts every other window,
+    # 1.6x slower): the index moves by arithmetic, the running max is np.maximum (NaN-propagating like
+    # the rule), and the output is the winner itself, so a zero's sign is the winner's too.
+    h, w = x.shape[1], x.shape[2]
+    oh_n, ow_n = out.shape[1], out.shape[2]
+    xf = x.reshape(x.shape[0], h * w)
+    for q in range(lo, hi):
+        xq = x[q]
+        for oh in range(oh_n):
+            h0 = oh * sh - ph
+            h1 = min(h0 + kh, h)
+            h0 = max(h0, 0)
+            for ow in range(ow_n):
+                w0 = ow * sw - pw
+                w1 = min(w0 + kw, w)
+                w0 = max(w0, 0)
+                m = x.dtype.type(-np.inf)
+                best = h0 * w + w0
+                for ih in range(h0, h1):
+                    for iw in range(w0, w1):
+                        v = xq[ih, iw]
+                        c = np.int64((v > m) | (v != v))
+                        m = np.maximum(m, v)
+                        best += c * (ih * w + iw - best)
+                out[q, oh, ow] = xf[q, best]
+                idx[q, oh, ow] = best
+
+
+def _max_pool_scatter_py(lo, hi, gy, idx, gx):  # pragma: no cover (compiled by numba)
+    n = gy.shape[1]
+    for q in range(lo, hi):
+        gq = gx[q]
+        gq[:] = 0
+        for o in range(n):
+            gq[idx[q, o]] += gy[q, o]
+
+
+def _pool_sigs(which: str) -> list[str]:
+    ints = ", ".join(["int64"] * 6)
+    sigs = []
+    for t in ("float32", "float64"):
+        if which == "fwd":
+            sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {ints})")
+        elif which == "bwd":
+            sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {ints})")
+        else:
+            for i in ("int32", "int64"):
+                if which == "idx":
+                    sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {i}[:, :, ::1], {ints})")
+                else:  # scatter
+                    sigs.append(f"void(int64, int64, {t}[:, ::1], {i}[:, ::1], {t}[:, ::1])")
+    return sigs
+
+
+_POOL_PY = {"fwd": _max_pool_fwd_py, "bwd": _max_pool_bwd_py, "idx": _max_pool_idx_py, "scatter": _max_pool_scatter_py}
+_POOL_OPS = {"max_pool2d": "fwd", "max_pool2d_grad": "bwd", "max_pool2d_with_indices": "idx",
+             "max_pool2d_index_grad": "scatter"}
 _pool_fns: dict[str, Callable] = {}
 
 
 def _pool_kernel(which: str) -> Callable:
-    """The compiled forward or backward pooling loop for f32 and f64 (compiled on first use, then cached)."""
+    """A compiled pooling loop (``_POOL_PY``) for f32 and f64, i32 and i64 indices (compiled on first use,
+    then cached)."""
     global _compiled
     fn = _pool_fns.get(which)
     if fn is None:
@@ -460,12 +519,7 @@ def _pool_kernel(which: str) -> Callable:
         with _lock:
             fn = _pool_fns.get(which)
             if fn is None:
-                ints = ", ".join(["int64"] * 6)
-                arrays = 2 if which == "fwd" else 3
-                sigs = [f"void(int64, int64, {', '.join([f'{t}[:, :, ::1]'] * arrays)}, {ints})"
-                        for t in ("float32", "float64")]
-                py = _max_pool_fwd_py if which == "fwd" else _max_pool_bwd_py
-                fn = numba.njit(sigs, cache=True, nogil=True, error_model="numpy")(py)
+                fn = numba.njit(_pool_sigs(which), cache=True, nogil=True, error_model="numpy")(_POOL_PY[which])
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
                 _pool_fns[which] = fn
@@ -475,6 +529,11 @@ def _pool_kernel(which: str) -> Callable:
 def _pool_check(ins: Instruction) -> bool:
     x = ins.operands[0].type
     return x.dtype in FLOATS and len(x.shape) == 4 and all(v.type.dtype == x.dtype for v in ins.operands)
+
+
+def _index_grad_check(ins: Instruction) -> bool:
+    gy, idx = (v.type for v in ins.operands)
+    return gy.dtype in FLOATS and len(gy.shape) == 4 and idx.dtype in (DType.i32, DType.i64)
 
 
 def _planes(a: np.ndarray) -> np.ndarray:
@@ -517,6 +576,28 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     return gx
 
 
+@kernel("max_pool2d_with_indices", "numba", checker=_pool_check)
+def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
+    """max_pool2d and each window's flat winner index in one pass (torch's rule, as ``max_pool2d``)."""
+    out = np.empty(_pool_out_shape(x.shape, kernel, stride, padding), dtype=x.dtype)
+    idx = np.empty(out.shape, dtype=index_dtype.numpy)
+    o3 = out.reshape(-1, out.shape[2], out.shape[3])
+    _run_parts(_pool_kernel("idx"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3,
+               idx.reshape(o3.shape), *kernel, *stride, *padding)
+    return out, idx
+
+
+@kernel("max_pool2d_index_grad", "numba", checker=_index_grad_check)
+def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
+    """Each window's gradient added at its saved index, in output raster order per plane (as ATen)."""
+    gx = np.empty(tuple(input_shape), dtype=gy.dtype)
+    planes = gx.shape[0] * gx.shape[1]
+    g2 = _planes(gy).reshape(planes, -1)
+    _run_parts(_pool_kernel("scatter"), planes, _pool_parts(gy.shape, (1, 1)), g2,
+               np.ascontiguousarray(indices).reshape(planes, -1), gx.reshape(planes, -1))
+    return gx
+
+
 def prepare(module: Module) -> float:
     """Compile (or load from the disk cache) the kernel of every ``fused`` instruction the numba dialect
     accepts in ``module``; returns the seconds spent. Run it before the first step so kernel
@@ -526,8 +607,9 @@ def prepare(module: Module) -> float:
         for ins in f.instructions():
             if ins.op.name == "bernoulli":
                 _mask_kernel()
-            elif ins.op.name in ("max_pool2d", "max_pool2d_grad") and _pool_check(ins):
-                _pool_kernel("fwd" if ins.op.name == "max_pool2d" else "bwd")
+            elif ins.op.name in _POOL_OPS and (_index_grad_check if ins.op.name == "max_pool2d_index_grad"
+                                                else _pool_check)(ins):
+                _pool_kernel(_POOL_OPS[ins.op.name])
             if ins.op.name == "fused" and _check(ins):
                 shapes = tuple(v.type.shape for v in ins.operands)
                 dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)

@@ -349,6 +349,12 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
     return _fresh(gw.reshape(o, cg, kh, kw), x.dtype)
 
 
+@k("conv2d_grads")
+def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    a = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    return conv2d_input_grad(gy, w, x.shape, **a), conv2d_weight_grad(x, gy, w.shape, **a)
+
+
 # ---------------------------------------------------------------- pooling (NCHW)
 def _pool_windows(x, kernel, stride, padding, fill):
     n, c, h, w = x.shape
@@ -397,9 +403,9 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
 
 
 @k("max_pool2d_with_indices")
-def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0)):
+def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
     rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
-    return max_pool2d(x, kernel, stride, padding), _fresh(rows * x.shape[3] + cols, np.int64)
+    return max_pool2d(x, kernel, stride, padding), _fresh(rows * x.shape[3] + cols, index_dtype.numpy)
 
 
 @k("max_pool2d_index_grad")

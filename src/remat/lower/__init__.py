@@ -1,11 +1,14 @@
 """Lowering a planned program for execution.
 
-``fuse``: element-wise instruction DAGs become ``fused`` instructions run by one backend kernel,
-keeping only the groups that leave the planned peak (``remat.plan.liveness.predict_peak``) where it
-was. It sits above ``plan/`` because it is checked by the memory simulator of record.
+``fuse``: element-wise instruction DAGs become ``fused`` instructions run by one backend kernel;
+``siblings``: a convolution's input and weight gradients become one ``conv2d_grads`` call. Both
+keep only the rewrites that leave the planned peak (``remat.plan.liveness.predict_peak``) where it
+was. They sit above ``plan/`` because they are checked by the memory simulator of record.
 """
 from __future__ import annotations
 
 from .fuse import FuseStats, Group, find_groups, fuse, fuse_function, fuse_pass
+from .siblings import Pair, find_pairs, merge_conv_grads, merge_conv_grads_pass
 
-__all__ = ["FuseStats", "Group", "find_groups", "fuse", "fuse_function", "fuse_pass"]
+__all__ = ["FuseStats", "Group", "Pair", "find_groups", "find_pairs", "fuse", "fuse_function", "fuse_pass",
+           "merge_conv_grads", "merge_conv_grads_pass"]

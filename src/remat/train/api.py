@@ -44,11 +44,12 @@ under any budget)."""
 STAGES = ("capture", "training graph", "passes", "profile", "plan", "lower", "fuse", "kernel compilation",
           "prepare VM")
 """The stages of ``remat.compile``, in order. Each takes IR and gives IR (or a plan); ``profile``
-runs only with ``cost_model="profiled"``. ``fuse`` runs on the lowered program: fused kernels are
-bit-identical to the ops they replace and the pass never raises the peak, so the plan's promises
-(peak within the budget, gradients identical across budgets) carry over unchanged. ``fuse`` and
-``kernel compilation`` run when the ``numba`` dialect is enabled; compiled kernels are cached on
-disk, so a second compile of the same model compiles nothing."""
+runs only with ``cost_model="profiled"``. ``fuse`` runs on the lowered program: merged sibling kernels
+(a convolution's two gradients) and fused element-wise kernels are bit-identical to the ops they
+replace and the pass never raises the peak, so the plan's promises (peak within the budget,
+gradients identical across budgets) carry over unchanged. Element-wise fusion and ``kernel
+compilation`` run when the ``numba`` dialect is enabled; compiled kernels are cached on disk, so a
+second compile of the same model compiles nothing."""
 
 
 GC_PAUSED_STAGES = ("training graph", "passes", "lower", "fuse", "kernel compilation", "prepare VM")
@@ -301,10 +302,11 @@ class TrainStep:
         self.recomputed = self.instructions - count(unconstrained)
         self._recomputes = self.program is not unconstrained
         self.recomputed_layers = recomputed_layers(self.program)
-        if "numba" in backends.resolve(self.dialects):
+        numba = "numba" in backends.resolve(self.dialects)
+        self.program = self._stage("fuse", lambda: self._fuse_within_allocator(self.program, numba))
+        if numba:
             from ..backends import numba_kernels
 
-            self.program = self._stage("fuse", lambda: self._fuse_within_allocator(self.program))
             self._stage("kernel compilation", lambda: numba_kernels.prepare(Module([self.program])))
         self.predicted_peak = predict_peak(self.program)
         if self.dp is not None:
@@ -413,14 +415,19 @@ class TrainStep:
 
         return workspaces(fn, self.dialects)
 
-    def _fuse_within_allocator(self, program: Function) -> Function:
-        """The ``fuse`` stage: fusion never raises the VM's peak, but it moves high-water marks;
-        with workspaces counted, the fused program is kept only if its allocator bound stays
-        within the budget (else the planned program runs unfused)."""
+    def _fuse_within_allocator(self, program: Function, elementwise: bool) -> Function:
+        """The ``fuse`` stage: sibling convolution gradients become one call
+        (:mod:`remat.lower.siblings`) and, with ``elementwise`` (the numba dialect), element-wise
+        DAGs fused kernels (:mod:`remat.lower.fuse`). Neither raises the VM's peak, but they move
+        high-water marks; with workspaces counted, the fused program is kept only if its allocator
+        bound stays within the budget (else the planned program runs unfused)."""
         from ..lower.fuse import fuse_function
+        from ..lower.siblings import merge_conv_grads
         from ..plan.workspace import allocator_bound
 
-        fused = fuse_function(program)
+        fused = merge_conv_grads(program)
+        if elementwise:
+            fused = fuse_function(fused)
         if self.budget is None or not self._count_workspaces:
             return fused
         bound = allocator_bound(fused, self._workspaces(fused))

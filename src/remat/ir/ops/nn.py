@@ -319,6 +319,25 @@ declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS, _c
                                 Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1), "groups": 2})]))
 
 
+
+def _conv_grads_infer(types, attrs):
+    gy, x, w = types
+    want = _conv_infer([x, w], attrs)
+    if want != gy:
+        raise TypeError(f"'conv2d_grads': output gradient {gy} does not match conv2d output {want} of input {x} "
+                        f"and weight {w}")
+    return (x, w)
+
+
+declare(OpDef("conv2d_grads", 3, _CONV_ATTRS, _conv_grads_infer, frozenset({"conv"}), num_results=2,
+              doc="conv2d_input_grad(gy, w) and conv2d_weight_grad(x, gy) in one kernel call, from (grad_output, "
+                  "input, weight): ATen's convolution_backward prepares grad_output once for both. Made by "
+                  "lowering (remat.lower.siblings), never by differentiation",
+              flops=lambda ins, outs, attrs: 2.0 * ins[0].numel * (_prod(ins[2].shape[1:]) + _prod(outs[1].shape[1:])),
+              sample=lambda r: [Sample([rand(r, 2, 4, 6, 6), rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
+                                Sample([rand(r, 1, 4, 3, 4), rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)],
+                                       {"stride": (2, 1), "groups": 2})]))
+
 # ---------------------------------------------------------------- pooling (NCHW)
 _POOL_ATTRS = (ints("kernel"), ints("stride", ()), ints("padding", (0, 0)))
 
@@ -359,7 +378,9 @@ declare(OpDef("avg_pool2d", 1, _POOL_ATTRS, _pool_infer("avg_pool2d"), frozenset
 
 def _max_pool_idx_infer(types, attrs):
     y = _pool_infer("max_pool2d_with_indices")(types, attrs)
-    return (y, TensorType(DType.i64, y.shape))
+    if attrs["index_dtype"] not in (DType.i32, DType.i64):
+        raise TypeError(f"'max_pool2d_with_indices': index_dtype must be i32 or i64, got {attrs['index_dtype'].value}")
+    return (y, TensorType(attrs["index_dtype"], y.shape))
 
 
 def _max_pool_index_grad_infer(types, attrs):
@@ -368,16 +389,23 @@ def _max_pool_index_grad_infer(types, attrs):
     want = _pool_infer("max_pool2d_index_grad")([x], attrs)
     if gy != want:
         raise TypeError(f"'max_pool2d_index_grad': output gradient {gy} does not match pooled output {want}")
-    if idx != TensorType(DType.i64, want.shape):
-        raise TypeError(f"'max_pool2d_index_grad': indices must be i64{list(want.shape)}, got {idx}")
+    if idx.dtype not in (DType.i32, DType.i64) or idx.shape != want.shape:
+        raise TypeError(f"'max_pool2d_index_grad': indices must be i32{list(want.shape)} or i64{list(want.shape)}, "
+                        f"got {idx}")
     return x
 
 
-declare(OpDef("max_pool2d_with_indices", 1, _POOL_ATTRS, _max_pool_idx_infer, frozenset(), num_results=2,
-              normalize=_pool_norm, flops=_pool_flops,
+def _idx_samples(r):
+    ss = _POOL_SAMPLES(r)
+    return ss + [Sample(ss[1].args, {**ss[1].attrs, "index_dtype": DType.i32})]
+
+
+declare(OpDef("max_pool2d_with_indices", 1, _POOL_ATTRS + (Attr("index_dtype", "dtype", DType.i64),),
+              _max_pool_idx_infer, frozenset(), num_results=2, normalize=_pool_norm, flops=_pool_flops,
               doc="max_pool2d, and per window the flat index (into the input's H*W plane) of its first maximum "
-                  "(ATen max_pool2d_with_indices); its backward keeps only the indices",
-              sample=_POOL_SAMPLES))
+                  "(ATen max_pool2d_with_indices; i64 like ATen, or i32 at half the bytes when the model never "
+                  "reads them); its backward keeps only the indices",
+              sample=_idx_samples))
 
 
 def _index_grad_samples(r):
@@ -391,7 +419,8 @@ def _index_grad_samples(r):
         oh, ow = (h + 2 * ph - kh) // sh + 1, (w + 2 * pw - kw) // sw + 1
         rows = np.clip(np.arange(oh)[:, None] * sh - ph + r.integers(0, kh, (n, c, oh, ow)), 0, h - 1)
         cols = np.clip(np.arange(ow)[None, :] * sw - pw + r.integers(0, kw, (n, c, oh, ow)), 0, w - 1)
-        out.append(Sample([rand(r, n, c, oh, ow), (rows * w + cols).astype(np.int64)], {**attrs, "input_shape": shape}))
+        idx_dtype = np.int64 if not out else np.int32  # both index widths are accepted
+        out.append(Sample([rand(r, n, c, oh, ow), (rows * w + cols).astype(idx_dtype)], {**attrs, "input_shape": shape}))
     return out
 
 
@@ -653,6 +682,12 @@ def _max_pool2d_with_indices_vjp(b, p, g):
     return [b.op("max_pool2d_index_grad", gy, p.y[1], input_shape=p.in_types[0].shape, **_pool_attrs(p))]
 
 
+@def_vjp("conv2d_grads", saves="none")
+def _conv2d_grads_vjp(b, p, g):
+    raise NotImplementedError("conv2d_grads is made by lowering, after differentiation; differentiate the program "
+                              "before remat.lower.siblings.merge_conv_grads")
+
+
 @def_vjp("max_pool2d_index_grad", saves="none")
 def _max_pool2d_index_grad_vjp(b, p, g):
     raise NotImplementedError("second-order differentiation through max_pool2d_index_grad is not supported "
@@ -908,6 +943,8 @@ def _max_pool2d_with_indices_decomp(b, xs, attrs):
         c = b.op("add", b.op("mul", cols, _k(b, sw, DType.i64)), _k(b, j - pw, DType.i64))
         flat = b.op("add", b.op("mul", r, _k(b, w_in, DType.i64)), c)
         index = flat if index is None else b.op("select", hit, flat, index)  # the hits are exclusive
+    if attrs["index_dtype"] != DType.i64:
+        index = b.op("cast", index, dtype=attrs["index_dtype"])
     return [y, index]
 
 
@@ -919,6 +956,8 @@ def _max_pool2d_index_grad_decomp(b, xs, attrs):
     # one scatter over the flattened input: plane (n, c) starts at (n * C + c) * H * W
     plane = b.op("add", b.op("mul", b.op("iota", shape=out, axis=0), _k(b, c, DType.i64)),
                  b.op("iota", shape=out, axis=1))
+    if idx.type.dtype != DType.i64:
+        idx = b.op("cast", idx, dtype=DType.i64)
     flat = b.op("add", b.op("mul", plane, _k(b, h * w, DType.i64)), idx)
     size = _prod(out)
     gx = b.op("scatter_add", b.op("reshape", flat, shape=(size,)), b.op("reshape", gy, shape=(size,)),
