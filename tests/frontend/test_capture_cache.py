@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import subprocess
 import sys
 import textwrap
 
@@ -208,3 +210,26 @@ def test_tensors_of_a_loss_module_are_bound_too():
     hit = import_module(model, ex, loss, num_targets=1, cache=True)
     assert hit.from_cache and _summary(hit) == _summary(fresh)
     assert "loss_fn.scale" in hit.param_names and any(t is loss.scale for t in hit._tensors)
+
+
+def test_code_digest_does_not_depend_on_reference_counts_or_string_hashing():
+    """marshal's bytes change when a constant gains a reference (torch.compile holds on to code
+    objects: a fresh process then missed every entry written after a torch.compile) and follow a
+    frozenset's hash order; the digest reads neither."""
+    import remat
+    from remat.frontend.capture_cache import _code_digest
+
+    src = "def f(x):\n    y = ('a long constant string', 2.5)\n    return x in {'p', 'q', 'r'} and y\n"
+    ns: dict = {}
+    exec(compile(src, "<t>", "exec", dont_inherit=True), ns)
+    code = ns["f"].__code__
+    before = _code_digest(code)
+    held = [c for c in code.co_consts] * 3  # more references to every constant
+    assert _code_digest(code) == before and held
+    src_dir = os.path.dirname(os.path.dirname(remat.__file__))
+    probe = (f"import sys; sys.path.insert(0, {src_dir!r}); from remat.frontend.capture_cache import _code_digest\n"
+             f"ns = {{}}; exec(compile({src!r}, '<t>', 'exec'), ns); print(_code_digest(ns['f'].__code__))")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+        assert out == before

@@ -32,7 +32,6 @@ import enum
 import functools
 import hashlib
 import json
-import marshal
 import os
 import sys
 import types
@@ -102,8 +101,27 @@ def file_digest(path: str) -> str | None:
 
 
 def _code_digest(code: types.CodeType) -> str:
-    """A function's compiled code (bytecode, constants, names, nested functions)."""
-    return hashlib.sha256(marshal.dumps(code)).hexdigest()
+    """A function's compiled code (bytecode, constants, names, nested functions). Not
+    ``marshal.dumps``: its bytes depend on reference counts (an object referenced elsewhere is
+    written as a back-reference), which ``torch.compile`` changes by holding on to code objects,
+    and on the iteration order of frozenset constants, which string hashing randomises per process."""
+    return hashlib.sha256(repr(_code_parts(code)).encode()).hexdigest()
+
+
+def _code_parts(code: types.CodeType) -> tuple:
+    return (code.co_name, code.co_code, tuple(_const_parts(c) for c in code.co_consts), code.co_names,
+            code.co_varnames, code.co_freevars, code.co_cellvars, code.co_argcount, code.co_posonlyargcount,
+            code.co_kwonlyargcount, code.co_flags)
+
+
+def _const_parts(c: Any) -> Any:
+    if isinstance(c, types.CodeType):
+        return _code_parts(c)
+    if isinstance(c, tuple):
+        return tuple(_const_parts(v) for v in c)
+    if isinstance(c, frozenset):
+        return ("frozenset", sorted(repr(_const_parts(v)) for v in c))
+    return (type(c).__name__, repr(c))
 
 
 def _tensor_digest(t: torch.Tensor) -> str:
