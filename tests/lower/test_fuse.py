@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from remat.ir import Module, parse, verify
-from remat.lower.fuse import FuseStats, find_groups, fuse
+from remat.lower.fuse import FuseStats, find_groups, fuse, fuse_function
 from remat.plan.liveness import predict_peak
 from remat.pipeline import get_pass
 from remat.runtime.vm import VM
@@ -212,3 +212,24 @@ def test_unfused_instructions_keep_their_provenance() -> None:
     red2 = next(i for i in out.entry.instrs if i.op.name == "reduce_sum")
     assert red2.loc == Loc("head.norm", "model.py", 12)
     assert red2.recomputes is red2.operands[0]  # the relu's value, now the fused instruction's 2nd result
+
+
+def test_a_judge_undoes_only_the_groups_whose_span_it_rejects() -> None:
+    """With a judge (the allocator bound under a budget, in remat.compile), a group whose span
+    holds a rejected instruction stays unfused and the other groups are kept."""
+    m = parse(SRC)
+    fn = m["f"]
+    all_groups = fuse(fn)
+    assert [i.op.name for i in all_groups.instructions()].count("fused") == 2
+    seen: list[int] = []
+
+    def judge(out):  # rejects the first fused instruction while there is one
+        seen.append(len(out.entry.instrs))
+        return next((k for k, i in enumerate(out.entry.instrs) if i.op.name == "fused"
+                     and "relu" in i.attrs["body"]), None)
+
+    out = fuse_function(fn, judge=judge)
+    verify(Module([out]))
+    names = [i.op.name for i in out.instructions()]
+    assert names.count("fused") == 1 and "relu" in names and len(seen) == 2
+    run_both(m, Module([out]), [np.random.default_rng(4).standard_normal(t.shape).astype(np.float32) for t in fn.param_types])

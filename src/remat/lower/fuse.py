@@ -27,6 +27,9 @@ from ..ir.types import DType, broadcast_shapes
 from ..plan.liveness import simulate
 
 Supports = Callable[[str, tuple[DType, ...], dict], bool]
+Judge = Callable[[Function], "int | None"]
+"""A check of a rewritten program beyond its VM peak: None when it is acceptable, else the index of
+an instruction where it is not (a rewrite whose span holds it is undone)."""
 
 
 def _default_supports() -> Supports:
@@ -297,8 +300,10 @@ def _rewrite(fn: Function, groups: list[Group]) -> tuple[Function, dict[int, tup
     return out, spans
 
 
-def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseStats | None = None) -> Function:
-    """Fuse ``fn`` (single-block functions; others are returned as a copy), never raising its peak."""
+def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseStats | None = None,
+                  judge: Judge | None = None) -> Function:
+    """Fuse ``fn`` (single-block functions; others are returned as a copy), never raising its peak;
+    groups whose span holds an instruction ``judge`` objects to are left unfused too."""
     if fn.is_declaration or len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
         return fn.clone()
     groups = find_groups(fn, supports)
@@ -307,19 +312,18 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     if not groups:
         st.instructions_after += len(fn.entry.instrs)
         return fn.clone()
-    base = simulate(fn).peak_bytes
+    check = within_peak(fn, judge)
     out, spans = _rewrite(fn, groups)
     n = len(groups)
-    while True:  # group-wise: drop the groups whose span holds a peak above the unfused one
-        pred = simulate(out)
-        if pred.peak_bytes <= base:
+    while groups:  # group-wise: drop the groups whose span holds a peak above the unfused one
+        at = check(out)
+        if at is None:
             break
-        at = pred.peak_index
-        culprits = [g for g in groups if at is not None and spans[id(g)][0] <= at <= spans[id(g)][1]]
+        culprits = [g for g in groups if spans[id(g)][0] <= at <= spans[id(g)][1]]
         if not culprits:  # cannot happen: outside every span the live set is the unfused one
-            raise AssertionError(f"fuse: peak of @{fn.name} rose to {pred.peak_bytes} > {base} outside every group")
+            raise AssertionError(f"fuse: @{fn.name} rejected at instruction {at}, outside every group")
         groups = [g for g in groups if g not in culprits]
-        out, spans = _rewrite(fn, groups)
+        out, spans = _rewrite(fn, groups) if groups else (fn.clone(), {})
     st.dropped_for_peak += n - len(groups)
     st.groups += len(groups)
     st.fused_instructions += sum(len(g.members) for g in groups)
@@ -327,6 +331,20 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     st.member_positions += sorted(where[m] for g in groups for m in g.members)
     st.instructions_after += len(out.entry.instrs)
     return out
+
+
+def within_peak(fn: Function, judge: Judge | None = None) -> Judge:
+    """The check a rewrite of ``fn`` must pass: its VM peak (``simulate``) at most ``fn``'s, and
+    ``judge`` when given; it returns None, or the index of an instruction at the excess."""
+    base = simulate(fn).peak_bytes
+
+    def check(out: Function) -> int | None:
+        pred = simulate(out)
+        if pred.peak_bytes > base:
+            return -1 if pred.peak_index is None else pred.peak_index
+        return None if judge is None else judge(out)
+
+    return check
 
 
 def fuse(module: Module | Function, supports: Supports | None = None, stats: FuseStats | None = None
@@ -342,4 +360,4 @@ def fuse_pass(module: Module) -> Module:
     return fuse(module)
 
 
-__all__ = ["FuseStats", "Group", "find_groups", "fuse", "fuse_function", "fuse_pass"]
+__all__ = ["FuseStats", "Group", "Judge", "find_groups", "fuse", "fuse_function", "fuse_pass", "within_peak"]

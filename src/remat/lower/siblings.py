@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
-from ..plan.liveness import simulate
+from .fuse import Judge, within_peak
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")
 
@@ -134,24 +134,24 @@ def _rewrite(fn: Function, pairs: list[Pair]) -> tuple[Function, dict[int, tuple
     return out, spans
 
 
-def merge_conv_grads(fn: Function) -> Function:
+def merge_conv_grads(fn: Function, judge: Judge | None = None) -> Function:
     """``fn`` with sibling convolution gradients merged (single-block functions without calls;
-    others are returned unchanged), never raising its peak."""
+    others are returned unchanged), never raising its peak; pairs whose span holds an instruction
+    ``judge`` objects to are left apart too."""
     if fn.is_declaration or len(fn.blocks) != 1 or any(i.op.name == "call" for i in fn.entry.instrs):
         return fn
     pairs = find_pairs(fn)
     if not pairs:
         return fn
-    base = simulate(fn).peak_bytes
+    check = within_peak(fn, judge)
     out, spans = _rewrite(fn, pairs)
     while True:
-        pred = simulate(out)
-        if pred.peak_bytes <= base:
+        at = check(out)
+        if at is None:
             return out
-        at = pred.peak_index
-        culprits = [p for p in pairs if at is not None and spans[id(p)][0] <= at <= spans[id(p)][1]]
+        culprits = [p for p in pairs if spans[id(p)][0] <= at <= spans[id(p)][1]]
         if not culprits:  # outside every span the live set is the unmerged one
-            raise AssertionError(f"siblings: peak of @{fn.name} rose to {pred.peak_bytes} > {base} outside every pair")
+            raise AssertionError(f"siblings: @{fn.name} rejected at instruction {at}, outside every pair")
         pairs = [p for p in pairs if p not in culprits]
         if not pairs:
             return fn

@@ -25,9 +25,16 @@ def allocator_bound(fn: Function, ws: Mapping[Instruction, int]) -> int:
                + [t.high_water + ws.get(instrs[t.index], 0) for t in sim.timeline])
 
 
+def allocator_excess(fn: Function, ws: Mapping[Instruction, int], limit: int) -> int | None:
+    """The index of the first instruction of ``fn`` whose high-water mark plus workspace (as in
+    :func:`allocator_bound`) exceeds ``limit`` bytes, or None."""
+    instrs = fn.entry.instrs
+    return next((t.index for t in simulate(fn).timeline if t.high_water + ws.get(instrs[t.index], 0) > limit), None)
+
+
 def workspace_margin(fn: Function, ws: Mapping[Instruction, int]) -> int:
     """The largest workspace of ``fn``'s instructions: what a budget keeps free for kernels."""
     return max([0] + [ws.get(ins, 0) for ins in fn.entry.instrs])
 
 
-__all__ = ["allocator_bound", "workspace_margin"]
+__all__ = ["allocator_bound", "allocator_excess", "workspace_margin"]

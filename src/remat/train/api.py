@@ -419,15 +419,24 @@ class TrainStep:
         """The ``fuse`` stage: sibling convolution gradients become one call
         (:mod:`remat.lower.siblings`) and, with ``elementwise`` (the numba dialect), element-wise
         DAGs fused kernels (:mod:`remat.lower.fuse`). Neither raises the VM's peak, but they move
-        high-water marks; with workspaces counted, the fused program is kept only if its allocator
-        bound stays within the budget (else the planned program runs unfused)."""
+        high-water marks; with workspaces counted, a rewrite whose span holds an allocator
+        high-water mark above the budget is undone (the others are kept), and the fused program
+        is kept only if its allocator bound stays within the budget (else the planned program
+        runs unfused)."""
         from ..lower.fuse import fuse_function
         from ..lower.siblings import merge_conv_grads
-        from ..plan.workspace import allocator_bound
+        from ..plan.workspace import allocator_bound, allocator_excess
 
-        fused = merge_conv_grads(program)
+        judge = None
+        if self.budget is not None and self._count_workspaces and (self.predicted_allocator_peak or 0) <= self.budget:
+            budget = self.budget
+
+            def judge(out: Function) -> int | None:  # rewrites whose span breaks the budget are undone
+                return allocator_excess(out, self._workspaces(out), budget)
+
+        fused = merge_conv_grads(program, judge)
         if elementwise:
-            fused = fuse_function(fused)
+            fused = fuse_function(fused, judge=judge)
         if self.budget is None or not self._count_workspaces:
             return fused
         bound = allocator_bound(fused, self._workspaces(fused))
