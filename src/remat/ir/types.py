@@ -54,6 +54,7 @@ class DType(enum.Enum):
         return f"DType.{self.value}"
 
 
+_DTYPE_CODE = {d: i for i, d in enumerate(DType)}
 _ITEMSIZE = {DType.bool: 1, DType.i32: 4, DType.i64: 8, DType.f16: 2, DType.bf16: 2, DType.f32: 4, DType.f64: 8}
 _NUMPY = {
     DType.bool: np.dtype(np.bool_),
@@ -93,6 +94,15 @@ class TensorType:
             if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 0:
                 raise TypeError(f"shape {shape} has an invalid dimension {d!r}; dimensions are integers >= 0")
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+
+    def __hash__(self) -> int:
+        # Cached: types key the planners' memo tables (kernel keys, block kinds), hashed millions of
+        # times; the dataclass's own hash rehashes the DType member (a Python-level Enum.__hash__).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((_DTYPE_CODE[self.dtype], self.shape))  # ints only: the same in every process (pickles)
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def rank(self) -> int:
