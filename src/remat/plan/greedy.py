@@ -102,10 +102,12 @@ class _Greedy:
 
     def _rec_cost(self, u: int) -> float:
         """Cost of recomputing u now, incl. evicted ancestors (their costs summed along each path)."""
-        c = self.nodes[u].cost
-        for j in self.nodes[u].inputs:
-            if not self.live[j]:
-                r = self.rec.get(j)
+        nd = self.nodes[u]
+        c = nd.cost
+        live, rec = self.live, self.rec
+        for j in nd.inputs:
+            if not live[j]:
+                r = rec.get(j)
                 c += self._rec_cost_not_live(j) if r is None else r
         return c
 
@@ -116,22 +118,24 @@ class _Greedy:
 
     def _evict_one(self) -> None:
         best, best_h = -1, float("inf")
-        n_order = len(self.order)
-        for u in sorted(self.resident):  # ascending, as a scan of all nodes: ties keep the first
-            if self.pins[u]:
+        n_order, p = len(self.order), self.p
+        pins, fut, nodes, use_pos, rec_cost = self.pins, self.fut, self.nodes, self.use_pos, self._rec_cost
+        belady = self.score != "raf"
+        for u in self.resident:  # ties keep the lowest index, as a scan of all nodes in order would
+            if pins[u]:
                 continue
-            nd = self.nodes[u]
-            uses = self.fut[u] + (1 if nd.is_output else 0)
+            nd = nodes[u]
+            uses = fut[u] + (1 if nd.is_output else 0)
             if uses == 0:
                 h = -1.0  # dead: free for nothing
             else:
-                h = self._rec_cost(u) * uses / nd.bytes
-                if self.score != "raf":
-                    ups = self.use_pos[u]
-                    k = bisect.bisect_left(ups, self.p)
+                h = rec_cost(u) * uses / nd.bytes
+                if belady:
+                    ups = use_pos[u]
+                    k = bisect.bisect_left(ups, p)
                     nxt = ups[k] if k < len(ups) else n_order + 1  # outputs: needed at the end
-                    h /= max(1, nxt - self.p + 1)
-            if h < best_h:
+                    h /= max(1, nxt - p + 1)
+            if h < best_h or (h == best_h and u < best):
                 best, best_h = u, h
         if best < 0:
             raise _Stuck
