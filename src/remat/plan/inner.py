@@ -27,11 +27,10 @@ if TYPE_CHECKING:
 
 WorkspaceFn = Callable[[Function], Mapping[Instruction, int]]
 
-INNER_PLANS = False
-"""Whether the portfolio tries block-internal plans (``portfolio._with_inner_plans``). Off by default:
-with it and ``executor.FREE_UNREAD_OUTPUTS`` on, tests/train passes except
-``test_refusal_is_a_bounded_search`` (its count of greedy passes includes the per-block ones here),
-and the benchmarks have not been rerun with them."""
+INNER_PLANS = True
+"""Whether the portfolio tries block-internal plans (``portfolio.plan_inner``): only when no plan
+fits or the best recomputes more than ``registry.NEAR_FLOOR_OVERHEAD``, since they cost a few
+times the chain DP (a switch for comparing plans with and without them)."""
 
 
 @dataclass(frozen=True)

@@ -155,11 +155,9 @@ def _inline_marked(b: Builder, f: Function, args: list[Value], first: dict[Instr
     return res
 
 
-FREE_UNREAD_OUTPUTS = False
+FREE_UNREAD_OUTPUTS = True
 """Free a stage's output its backward does not read before that backward (``ChainCosts.out_unread``).
-Off by default, with ``remat.plan.inner.INNER_PLANS`` (issue 16 work in progress; see there). Its
-earlier failures in tests/train were the chain planner judging programs without kernel workspaces
-(``ChainPlanner(peak_fn=...)`` fixes them)."""
+On with ``remat.plan.inner.INNER_PLANS``; a switch for comparing plans with and without it."""
 
 
 def _free_unread_output(b: Builder, f_slot: dict[int, list[Value]], i: int, schedule: list[Step], pos: int,
