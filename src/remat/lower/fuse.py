@@ -76,6 +76,15 @@ def find_groups(fn: Function, supports: Supports | None = None) -> list[Group]:
     supports = supports or _default_supports()
     instrs = fn.entry.instrs
     pos = {ins: i for i, ins in enumerate(instrs)}
+    users: dict[Value, list[Instruction]] = {}
+    clobbers: dict[Value, list[int]] = {}  # positions of in-place updates of a value
+    for ins in instrs:
+        if ins.op.name != "free":
+            for v in ins.operands:
+                users.setdefault(v, []).append(ins)
+        if ins.op.has("inplace"):
+            for v in ins.operands:
+                clobbers.setdefault(v, []).append(pos[ins])
     parent: dict[int, int] = {}
 
     def find(g: int) -> int:
@@ -86,67 +95,45 @@ def find_groups(fn: Function, supports: Supports | None = None) -> list[Group]:
 
     gid: dict[Instruction, int] = {}
     shape: dict[int, tuple[int, ...]] = {}
-    deps: dict[int, set[int]] = {}  # groups a group's members reach through a non-member
-    taint: dict[Value, frozenset[int]] = {}
+    members: dict[int, list[Instruction]] = {}  # by root
+
+    def read_outside_before(a: int, b: int, limit: int) -> bool:
+        """Whether an instruction outside groups ``a`` and ``b`` reads one of their results before
+        position ``limit`` (the merged group's end so far). Every path that leaves a group and comes
+        back (a cycle once fused) starts with such a read, and ``_validate`` would split the group
+        there anyway: checking the first edge, not the whole path, keeps the scan linear."""
+        ms = members[a] + members[b]
+        mset = set(ms)
+        return any(pos[u] < limit and u not in mset for m in ms for u in users.get(m.result, ()))
+
     for ins in instrs:
-        if ins.op.name == "free":
+        if ins.op.name == "free" or not _fusible(ins, supports):
             continue
-        if _fusible(ins, supports):
-            own = frozenset().union(*(taint.get(v, frozenset()) for v in ins.operands))
-            own_roots = {find(t) for t in own}
-            g = len(parent)
-            parent[g] = g
-            shape[g] = ins.result.type.shape
-            deps[g] = set(own_roots)
-            gid[ins] = g
-            cands = []
-            for v in ins.operands:
-                if isinstance(v, OpResult) and v.instr in gid:
-                    c = find(gid[v.instr])
-                    if c not in cands and c != g:
-                        cands.append(c)
-            for c in cands:
-                c = find(c)
-                if c == find(g):
-                    continue
-                cur = find(g)
-                cdeps = {find(t) for t in deps[c]}
-                gdeps = {find(t) for t in deps[cur]}
-                if c in gdeps or cur in cdeps:
-                    continue  # a path through a non-member would become a cycle
-                try:
-                    s = broadcast_shapes(shape[cur], shape[c])
-                except ValueError:
-                    continue
-                parent[c] = cur
-                shape[cur] = s
-                deps[cur] = {find(t) for t in gdeps | cdeps} - {cur}
-            taint[ins.result] = own
-        else:
-            t: set[int] = set()
-            for v in ins.operands:
-                t |= taint.get(v, frozenset())
-                if isinstance(v, OpResult) and v.instr in gid:
-                    t.add(find(gid[v.instr]))
-            ft = frozenset(t)
-            for r in ins.results:
-                taint[r] = ft
-    by_root: dict[int, list[Instruction]] = {}
-    for ins in instrs:
-        if ins in gid:
-            by_root.setdefault(find(gid[ins]), []).append(ins)
-    users: dict[Value, list[Instruction]] = {}
-    clobbers: dict[Value, list[int]] = {}  # positions of in-place updates of a value
-    for ins in instrs:
-        if ins.op.name != "free":
-            for v in ins.operands:
-                users.setdefault(v, []).append(ins)
-        if ins.op.has("inplace"):
-            for v in ins.operands:
-                clobbers.setdefault(v, []).append(pos[ins])
+        g = len(parent)
+        parent[g] = g
+        shape[g] = ins.result.type.shape
+        members[g] = [ins]
+        gid[ins] = g
+        cands = []
+        for v in ins.operands:
+            if isinstance(v, OpResult) and v.instr in gid:
+                c = find(gid[v.instr])
+                if c not in cands:
+                    cands.append(c)
+        for c in cands:
+            c, cur = find(c), find(g)
+            if c == cur or read_outside_before(c, cur, pos[ins]):
+                continue
+            try:
+                s = broadcast_shapes(shape[cur], shape[c])
+            except ValueError:
+                continue
+            parent[c] = cur
+            shape[cur] = s
+            members[cur] = sorted(members[cur] + members.pop(c), key=pos.__getitem__)
     groups = []
-    for members in by_root.values():
-        groups.extend(_validate(members, users, pos, clobbers))
+    for ms in members.values():
+        groups.extend(_validate(ms, users, pos, clobbers))
     groups.sort(key=lambda g: pos[g.members[0]])
     return groups
 
