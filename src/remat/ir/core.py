@@ -58,7 +58,10 @@ class OpResult(Value):
     __slots__ = ("instr", "index")
 
     def __init__(self, type: TensorType, instr: "Instruction", index: int):
-        super().__init__(type)
+        # Value.__init__ inlined: results are made by the hundred thousand while planning.
+        if type.__class__ is not TensorType and not isinstance(type, TensorType):
+            raise TypeError(f"value type must be a TensorType, got {type!r}")
+        self.type = type
         self.instr = instr
         self.index = index
 
