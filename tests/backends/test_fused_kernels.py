@@ -208,6 +208,11 @@ def test_numba_max_pool_is_torch_bit_for_bit(case: tuple, dt: DType) -> None:
     want_gx = tk.max_pool2d_grad(torch.from_numpy(x), torch.from_numpy(gy), k, s, p).numpy()
     assert same_bits(nk.max_pool2d(x, k, s, p), want_y)
     assert same_bits(nk.max_pool2d_grad(x, gy, k, s, p), want_gx)
+    _, want_idx = torch.ops.aten.max_pool2d_with_indices(torch.from_numpy(x), list(k), list(s), list(p))
+    for index_dtype in (DType.i32, DType.i64):  # the saved-indices path: same winners, same scatter order
+        y, idx = nk.max_pool2d_with_indices(x, k, s, p, index_dtype)
+        assert same_bits(y, want_y) and idx.dtype == index_dtype.numpy and np.array_equal(idx, want_idx.numpy())
+        assert same_bits(nk.max_pool2d_index_grad(gy, idx, shape, k, s, p), want_gx)
     f = Function("f", [TensorType(dt, shape), TensorType(dt, gy.shape)], [TensorType(dt, gy.shape), TensorType(dt, shape)])
     b = Builder(f.entry)
     y = b.op("max_pool2d", f.params[0], kernel=k, stride=s, padding=p)
@@ -239,6 +244,11 @@ def test_numba_max_pool_split_over_threads_is_bit_identical(threads: int, monkey
     want_gx = tk.max_pool2d_grad(torch.from_numpy(x), torch.from_numpy(gy), k, s, p).numpy()
     assert same_bits(nk.max_pool2d(x, k, s, p), want_y)
     assert same_bits(nk.max_pool2d_grad(x, gy, k, s, p), want_gx)
+    _, want_idx = torch.ops.aten.max_pool2d_with_indices(torch.from_numpy(x), list(k), list(s), list(p))
+    for index_dtype in (DType.i32, DType.i64):  # the saved-indices path: same winners, same scatter order
+        y, idx = nk.max_pool2d_with_indices(x, k, s, p, index_dtype)
+        assert same_bits(y, want_y) and idx.dtype == index_dtype.numpy and np.array_equal(idx, want_idx.numpy())
+        assert same_bits(nk.max_pool2d_index_grad(gy, idx, shape, k, s, p), want_gx)
 
 
 def test_numba_kernels_follow_torch_threads() -> None:

@@ -422,58 +422,59 @@ def _max_pool_fwd_py(lo, hi, x, out, kh, kw, sh, sw, ph, pw):  # pragma: no cove
                 out[q, oh, ow] = m
 
 
+def _winner_py(xq, h0, h1, w0, w1, w):  # pragma: no cover (compiled by numba)
+    """The flat index (in the plane ``xq``) of the window ``[h0, h1) x [w0, w1)``'s winner. Branch-free
+    on random data (a select of the index and the value mispredicts every other window, 1.6x slower):
+    the index moves by arithmetic, the running max is np.maximum (NaN-propagating like the rule)."""
+    m = xq.dtype.type(-np.inf)
+    best = h0 * w + w0
+    for ih in range(h0, h1):
+        for iw in range(w0, w1):
+            v = xq[ih, iw]
+            c = np.int64((v > m) | (v != v))
+            m = np.maximum(m, v)
+            best += c * (ih * w + iw - best)
+    return best
+
+
+_winner = _winner_py  # the compiled helper once _pool_kernel has compiled it (kernels call it by this name)
+
+
 def _max_pool_bwd_py(lo, hi, x, gy, gx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
-    h, w = x.shape[1], x.shape[2]
-    oh_n, ow_n = gy.shape[1], gy.shape[2]
-    for q in range(lo, hi):
-        gq = gx[q]
-        gq[:] = 0
-        for oh in range(oh_n):
-            h0 = oh * sh - ph
-            h1 = min(h0 + kh, h)
-            h0 = max(h0, 0)
-            for ow in range(ow_n):
-                w0 = ow * sw - pw
-                w1 = min(w0 + kw, w)
-                w0 = max(w0, 0)
-                m = x.dtype.type(-np.inf)
-                best = h0 * w + w0
-                for ih in range(h0, h1):
-                    for iw in range(w0, w1):
-                        v = x[q, ih, iw]
-                        c = (v > m) | (v != v)
-                        m = v if c else m
-                        best = ih * w + iw if c else best
-                gq.flat[best] += gy[q, oh, ow]
+    _max_pool_winners(lo, hi, x, gy, gx, gx, kh, kw, sh, sw, ph, pw, 0)
 
 
 def _max_pool_idx_py(lo, hi, x, out, idx, kh, kw, sh, sw, ph, pw):  # pragma: no cover (compiled by numba)
-    # Branch-free on random data (a select of the index and the value mispredicts every other window,
-    # 1.6x slower): the index moves by arithmetic, the running max is np.maximum (NaN-propagating like
-    # the rule), and the output is the winner itself, so a zero's sign is the winner's too.
+    _max_pool_winners(lo, hi, x, out, out, idx, kh, kw, sh, sw, ph, pw, 1)
+
+
+def _max_pool_winners_py(lo, hi, x, a, b, idx, kh, kw, sh, sw, ph, pw, mode):  # pragma: no cover (compiled by numba)
+    """Each window's winner: mode 1 writes it to ``a`` (pooled values) and its index to ``idx``;
+    mode 0 adds ``a`` (the output gradient) at it in ``b`` (the input gradient, zeroed first), in
+    output raster order per plane as ATen's backward does."""
     h, w = x.shape[1], x.shape[2]
-    oh_n, ow_n = out.shape[1], out.shape[2]
+    oh_n, ow_n = a.shape[1], a.shape[2]
     xf = x.reshape(x.shape[0], h * w)
     for q in range(lo, hi):
         xq = x[q]
+        if mode == 0:
+            b[q][:] = 0
+        bf = b[q].reshape(b.shape[1] * b.shape[2])
         for oh in range(oh_n):
             h0 = oh * sh - ph
             h1 = min(h0 + kh, h)
             h0 = max(h0, 0)
             for ow in range(ow_n):
                 w0 = ow * sw - pw
-                w1 = min(w0 + kw, w)
-                w0 = max(w0, 0)
-                m = x.dtype.type(-np.inf)
-                best = h0 * w + w0
-                for ih in range(h0, h1):
-                    for iw in range(w0, w1):
-                        v = xq[ih, iw]
-                        c = np.int64((v > m) | (v != v))
-                        m = np.maximum(m, v)
-                        best += c * (ih * w + iw - best)
-                out[q, oh, ow] = xf[q, best]
-                idx[q, oh, ow] = best
+                best = _winner(xq, h0, h1, max(w0, 0), min(w0 + kw, w), w)
+                if mode == 1:
+                    a[q, oh, ow] = xf[q, best]  # the winner itself, so a zero's sign is the winner's too
+                    idx[q, oh, ow] = best
+                else:
+                    bf[best] += a[q, oh, ow]
+
+
+_max_pool_winners = _max_pool_winners_py  # compiled by _pool_kernel, like _winner
 
 
 def _max_pool_scatter_py(lo, hi, gy, idx, gx):  # pragma: no cover (compiled by numba)
@@ -511,7 +512,7 @@ _pool_fns: dict[str, Callable] = {}
 def _pool_kernel(which: str) -> Callable:
     """A compiled pooling loop (``_POOL_PY``) for f32 and f64, i32 and i64 indices (compiled on first use,
     then cached)."""
-    global _compiled
+    global _compiled, _winner, _max_pool_winners
     fn = _pool_fns.get(which)
     if fn is None:
         import numba
@@ -519,6 +520,9 @@ def _pool_kernel(which: str) -> Callable:
         with _lock:
             fn = _pool_fns.get(which)
             if fn is None:
+                if _winner is _winner_py:  # the helpers the kernels call, compiled first (numba binds globals)
+                    _winner = numba.njit(cache=True, nogil=True, error_model="numpy")(_winner_py)
+                    _max_pool_winners = numba.njit(cache=True, nogil=True, error_model="numpy")(_max_pool_winners_py)
                 fn = numba.njit(_pool_sigs(which), cache=True, nogil=True, error_model="numpy")(_POOL_PY[which])
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
