@@ -219,23 +219,18 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"target": what, "value": value, "met": ok})
 
     res = {k: v for k, v in res.items() if k in ("gpt", "gpt_sgd", "max_batch", "zoo")}
-    g = res.get("gpt")
-    if g:
-        add("GPT medium: minimum feasible budget <= 25% of the unconstrained peak", g["minimum"]["fraction"],
+    # without an optimizer, and with SGD (gradients consumed by the update in the step: the target
+    # judged where it is reachable)
+    for key, name in (("gpt", "GPT medium"), ("gpt_sgd", "GPT medium with SGD")):
+        g = res.get(key)
+        if not g:
+            continue
+        add(f"{name}: minimum feasible budget <= 25% of the unconstrained peak", g["minimum"]["fraction"],
             g["minimum"]["fraction"] <= 0.25)
-        add("GPT medium: measured == predicted at the minimum", g["minimum"]["measured_eq_predicted"],
+        add(f"{name}: measured == predicted at the minimum", g["minimum"]["measured_eq_predicted"],
             g["minimum"]["measured_eq_predicted"])
         a = g.get("at_25", {})
-        add("GPT medium: step at 25% within 1.5x of the unconstrained step", a.get("time_ratio_median"),
-            a.get("feasible") and a["time_ratio_median"] <= 1.5)
-    g = res.get("gpt_sgd")
-    if g:  # gradients consumed by the update in the step: the target judged where it is reachable
-        add("GPT medium with SGD: minimum feasible budget <= 25% of the unconstrained peak", g["minimum"]["fraction"],
-            g["minimum"]["fraction"] <= 0.25)
-        add("GPT medium with SGD: measured == predicted at the minimum", g["minimum"]["measured_eq_predicted"],
-            g["minimum"]["measured_eq_predicted"])
-        a = g.get("at_25", {})
-        add("GPT medium with SGD: step at 25% within 1.5x of the unconstrained step", a.get("time_ratio_median"),
+        add(f"{name}: step at 25% within 1.5x of the unconstrained step", a.get("time_ratio_median"),
             a.get("feasible") and a["time_ratio_median"] <= 1.5)
     mb = res.get("max_batch")
     if mb:
