@@ -299,18 +299,9 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     if not groups:
         st.instructions_after += len(fn.entry.instrs)
         return fn.clone()
-    check = within_peak(fn, judge)
-    out, spans = _rewrite(fn, groups)
     n = len(groups)
-    while groups:  # group-wise: drop the groups whose span holds a peak above the unfused one
-        at = check(out)
-        if at is None:
-            break
-        culprits = [g for g in groups if spans[id(g)][0] <= at <= spans[id(g)][1]]
-        if not culprits:  # cannot happen: outside every span the live set is the unfused one
-            raise AssertionError(f"fuse: @{fn.name} rejected at instruction {at}, outside every group")
-        groups = [g for g in groups if g not in culprits]
-        out, spans = _rewrite(fn, groups) if groups else (fn.clone(), {})
+    out, groups = keep_accepted(fn, groups, _rewrite, within_peak(fn, judge), "fuse")
+    out = out if groups else fn.clone()
     st.dropped_for_peak += n - len(groups)
     st.groups += len(groups)
     st.fused_instructions += sum(len(g.members) for g in groups)
@@ -318,6 +309,24 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     st.member_positions += sorted(where[m] for g in groups for m in g.members)
     st.instructions_after += len(out.entry.instrs)
     return out
+
+
+def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge, what: str) -> tuple[Function, list]:
+    """``rewrite(fn, items)`` -> (program, span per item by ``id``), then, while ``check`` rejects
+    an instruction, the same without the items whose span holds it. Returns the accepted program
+    and the items kept (``fn`` itself when none is)."""
+    out, spans = rewrite(fn, items)
+    while items:
+        at = check(out)
+        if at is None:
+            return out, items
+        culprits = [x for x in items if spans[id(x)][0] <= at <= spans[id(x)][1]]
+        if not culprits:  # cannot happen: outside every span the live set is the unrewritten one
+            raise AssertionError(f"{what}: @{fn.name} rejected at instruction {at}, outside every rewrite")
+        items = [x for x in items if x not in culprits]
+        if items:
+            out, spans = rewrite(fn, items)
+    return fn, items
 
 
 def within_peak(fn: Function, judge: Judge | None = None) -> Judge:
@@ -347,4 +356,4 @@ def fuse_pass(module: Module) -> Module:
     return fuse(module)
 
 
-__all__ = ["FuseStats", "Group", "Judge", "find_groups", "fuse", "fuse_function", "fuse_pass", "within_peak"]
+__all__ = ["FuseStats", "Group", "Judge", "find_groups", "fuse", "fuse_function", "fuse_pass", "keep_accepted", "within_peak"]

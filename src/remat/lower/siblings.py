@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
-from .fuse import Judge, within_peak
+from ..ir.build import clone_into
+from .fuse import Judge, keep_accepted, within_peak
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")
 
@@ -121,12 +122,7 @@ def _rewrite(fn: Function, pairs: list[Pair]) -> tuple[Function, dict[int, tuple
             if keep:
                 b.free(*keep)
             continue
-        ni = b._insert(Instruction(ins.op, [vmap[v] for v in ins.operands], ins.attrs,
-                                   [r.type for r in ins.results], (), ins.dialect, ins.loc))
-        if ins.recomputes is not None:
-            ni.recomputes = vmap.get(ins.recomputes)
-        for r, nr in zip(ins.results, ni.results):
-            vmap[r] = nr
+        clone_into(b, ins, vmap)
     spans = {}
     for p in pairs:
         lo, hi = sorted((new_at[p.input_grad], new_at[p.weight_grad]))
@@ -143,19 +139,7 @@ def merge_conv_grads(fn: Function, judge: Judge | None = None) -> Function:
     pairs = find_pairs(fn)
     if not pairs:
         return fn
-    check = within_peak(fn, judge)
-    out, spans = _rewrite(fn, pairs)
-    while True:
-        at = check(out)
-        if at is None:
-            return out
-        culprits = [p for p in pairs if spans[id(p)][0] <= at <= spans[id(p)][1]]
-        if not culprits:  # outside every span the live set is the unmerged one
-            raise AssertionError(f"siblings: @{fn.name} rejected at instruction {at}, outside every pair")
-        pairs = [p for p in pairs if p not in culprits]
-        if not pairs:
-            return fn
-        out, spans = _rewrite(fn, pairs)
+    return keep_accepted(fn, pairs, _rewrite, within_peak(fn, judge), "siblings")[0]
 
 
 def merge_conv_grads_pass(module: Module) -> Module:
