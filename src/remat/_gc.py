@@ -4,12 +4,37 @@ Building remat's IR allocates many long-lived objects (instructions, values, typ
 collection walks every live object again (an exported graph's too), which at 64 GPT layers was 60%
 of the time of translation, the training graph and the passes, and made them grow faster than the
 graph. The garbage of those steps is a few copies of the program, collected once the collector runs
-again. Reference counting frees everything without cycles meanwhile."""
+again. Reference counting frees everything without cycles meanwhile.
+
+Planning is different: it builds and drops dozens of candidate programs, whose instructions and
+values form cycles, so it cannot run with the collector off (a 64-layer GPT's planning kept
+~250 MB more). With the default young-generation threshold (700 allocations), though, most of a
+candidate's objects survive a young collection before the candidate is dropped, are promoted, and
+are walked again by the full collections that follow: 40% of that GPT's planning time. A larger
+threshold (:func:`cyclic_gc_relaxed`) lets a candidate die young: same GPT, planning 18.7 s ->
+11.6 s, peak resident memory +2%."""
 from __future__ import annotations
 
 import gc
 from contextlib import contextmanager
 from typing import Iterator
+
+
+PLAN_THRESHOLD0 = 20_000
+"""The young generation's threshold while planning (allocations minus deallocations of tracked
+objects between young collections; Python's default is 700)."""
+
+
+@contextmanager
+def cyclic_gc_relaxed(threshold0: int = PLAN_THRESHOLD0) -> Iterator[None]:
+    """Collect the young generation every ``threshold0`` net allocations, not Python's default
+    700, while the block runs; the older generations' thresholds are unchanged."""
+    old = gc.get_threshold()
+    gc.set_threshold(max(threshold0, old[0]), *old[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 @contextmanager

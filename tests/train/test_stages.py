@@ -115,11 +115,17 @@ def test_a_cached_capture_compiles_the_same_step(tmp_path, monkeypatch):
 def test_the_garbage_collector_runs_again_after_each_stage():
     import gc
 
-    from remat._gc import cyclic_gc_paused
+    from remat._gc import cyclic_gc_paused, cyclic_gc_relaxed
 
+    threshold = gc.get_threshold()
     model, inputs, loss_fn = make("mlp")
     remat.compile(model, inputs, loss_fn)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_threshold() == threshold
+    with pytest.raises(RuntimeError, match="inside"):
+        with cyclic_gc_relaxed(threshold[0] + 1000):
+            assert gc.get_threshold() == (threshold[0] + 1000, *threshold[1:])
+            raise RuntimeError("inside")
+    assert gc.get_threshold() == threshold
     with pytest.raises(RuntimeError, match="inside"):
         with cyclic_gc_paused():
             assert not gc.isenabled()
