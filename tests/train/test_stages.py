@@ -131,3 +131,22 @@ def test_the_garbage_collector_runs_again_after_each_stage():
             assert not gc.isenabled()
             raise RuntimeError("inside")
     assert gc.isenabled()
+
+
+def test_a_parameter_read_through_a_view_is_updated_after_that_read():
+    """``update_points``: a parameter's in-place update waits for its last read, also a read of a view
+    of it (a recomputation reading ``reshape(bias)`` after the bias's gradient exists)."""
+    from remat.ir import Builder, DType, Function, TensorType
+    from remat.step.program import Layout, update_points
+
+    v = TensorType(DType.f32, (3,))
+    f = Function("train_joint", [v, v])  # (param, input)
+    b = Builder(f.entry)
+    w, x = f.params
+    loss = b.op("reduce_sum", b.op("mul", w, x), axes=[0])
+    grad = b.op("mul", x, b.op("constant", value=1.0, dtype=DType.f32, shape=()))  # d loss / d w, at 3
+    late = b.op("reduce_sum", b.op("reshape", w, shape=(1, 3)), axes=[0, 1])  # view at 4, read at 5
+    f.result_types = [loss.type, late.type, grad.type]
+    b.ret(loss, late, grad)
+    layout = Layout(n_params=1, n_state=1, n_inputs=1, has_seed=False, n_buffers_out=1)
+    assert update_points(f, layout) == [5]  # the read of the view, not the reshape (4) or the gradient (3)

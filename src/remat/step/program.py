@@ -55,18 +55,22 @@ def cleanup(m: Module) -> Function:
 
 def update_points(joint: Function, layout: Layout) -> list[int]:
     """For each parameter, the body position after which its update can go: once its gradient is
-    defined, its last read is done and every index bound has been checked (a step is atomic: no
+    defined, its last read (directly or through a view of it) is done and every index bound has been checked (a step is atomic: no
     update before the last check of a new index; -1: before the first instruction)."""
     body = joint.entry.instrs[:-1]
     grads = joint.entry.instrs[-1].operands[1 + layout.n_buffers_out:]
     pos_of: dict[object, int] = {}
     last_read = {p: -1 for p in joint.params[: layout.n_params]}
+    param_of: dict[Value, Value] = {p: p for p in last_read}  # a parameter, or a view of one (reshape, ...)
     for i, ins in enumerate(body):
         for r in ins.results:
             pos_of[r] = i
         for o in ins.operands:
-            if o in last_read:
-                last_read[o] = i
+            if o in param_of:
+                last_read[param_of[o]] = i
+        for k, src in ins.op.aliases.items():  # a view reads its parameter wherever the view is read
+            if ins.operands[src] in param_of:
+                param_of[ins.results[k]] = param_of[ins.operands[src]]
     barrier = last_new_index_check(body)
     return [max(pos_of.get(grads[k], -1), last_read[joint.params[k]], barrier) for k in range(layout.n_params)]
 
