@@ -649,13 +649,34 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     y = _fresh(y, x.dtype)
     if not training:
         return y
+    return (y,) + _bn_stats_out(x, mean, rstd, var, running, momentum)
+
+
+def _bn_stats_out(x, mean, rstd, var, running, momentum) -> tuple:
+    """(mean, invstd[, new running_mean, new running_var]) of training batch norm, in x's dtype."""
     c = x.shape[1]
-    out = (y, _fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
+    out = (_fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
     if running:
         n = x.size // c
         new_mean = (1 - momentum) * _up(running[0]) + momentum * mean.reshape(c)
         new_var = (1 - momentum) * _up(running[1]) + momentum * var.reshape(c) * (n / max(n - 1, 1))
         out += (_fresh(new_mean, running[0].dtype), _fresh(new_var, running[1].dtype))
+    return out
+
+
+@k("batch_norm_stats")
+def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
+    """In float64 (the numba kernel's precision), rounded to x's dtype once."""
+    x64 = x.astype(np.float64)
+    axes = (0,) + tuple(range(2, x.ndim))
+    mean = x64.mean(axis=axes)
+    var = np.square(x64 - _channel_np(mean, x.ndim)).mean(axis=axes)
+    out = (_fresh(mean, x.dtype), _fresh(1.0 / np.sqrt(var + eps), x.dtype))
+    if running:
+        n = x.size // x.shape[1]
+        out += (_fresh((1 - momentum) * running[0].astype(np.float64) + momentum * mean, running[0].dtype),
+                _fresh((1 - momentum) * running[1].astype(np.float64) + momentum * var * (n / max(n - 1, 1)),
+                       running[1].dtype))
     return out
 
 

@@ -421,6 +421,16 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     return (_fresh(y), _fresh(mean), _fresh(invstd), *running)
 
 
+@k("batch_norm_stats")
+def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
+    # ATen's statistics pass alone (the one native_batch_norm runs before normalising): mean and
+    # biased variance accumulated in double, the running statistics updated in place (on copies).
+    running = [t.clone() for t in running]
+    rm, rv = running if running else (None, None)
+    mean, var = torch.ops.aten.batch_norm_update_stats(x, rm, rv, momentum)
+    return (_fresh(mean), torch.rsqrt(var.add_(eps)), *running)
+
+
 @k("batch_norm_grad")
 def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
     weight = w[0] if w else None

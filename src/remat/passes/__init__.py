@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..ir import Module
 from .attention import attention_pass
+from .batchnorm import split_batch_norm
 from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
@@ -27,6 +28,7 @@ PASSES: dict[str, PassFn] = {
     "attention": attention_pass,
     "decompose": decompose_pass,
     "linear-cross-entropy": cross_entropy_pass,
+    "split-batch-norm": split_batch_norm,
 }
 """The passes of this package by name."""
 

@@ -15,13 +15,16 @@ from typing import Callable, Iterable, Sequence
 
 from .. import backends
 from ..ir import Builder, Function, Instruction, Module, Value
+from ..ir.opdef import DecomposeFn
 from ._rewrite import apply_replacements, resolve
 
 
-def expand_function(f: Function, expand: Callable[[Instruction], bool]) -> int:
+def expand_function(f: Function, expand: Callable[[Instruction], bool],
+                    rule_of: Callable[[Instruction], DecomposeFn | None] = lambda ins: ins.op.decompose) -> int:
     """Replace, in place, every instruction of ``f`` that has a decomposition and ``expand(ins)`` by
     its decomposition; instructions the expansion emits are considered in turn (a composite made of
-    composites expands all the way). Returns how many instructions were expanded.
+    composites expands all the way). Returns how many instructions were expanded. ``rule_of``: an
+    instruction's expansion (default: its op's declared decomposition; None: none).
 
     Each emitted instruction keeps the source location of the one it replaces. Raises TypeError when
     a decomposition returns values of other types than the op's results, and ValueError when one
@@ -34,7 +37,7 @@ def expand_function(f: Function, expand: Callable[[Instruction], bool]) -> int:
         i = 0
         while i < len(block.instrs):
             ins = block.instrs[i]
-            rule = ins.op.decompose
+            rule = rule_of(ins)
             if rule is None or not expand(ins):
                 i += 1
                 continue

@@ -53,6 +53,18 @@ def cleanup(m: Module) -> Function:
     return out
 
 
+def prepare_joint(graph: Module, dialects=None) -> Function:
+    """The training graph as the planners see it: training batch norms split (``split-batch-norm``),
+    the composites no dialect of ``dialects`` claims expanded (``decompose_unclaimed``), then
+    :func:`cleanup`. Every path that differentiates a whole step goes through here (the chain
+    planner's blocks split batch norms the same way), so a plan made on any of them runs the
+    unconstrained step's kernels: gradients stay bit-identical across budgets."""
+    from ..passes.batchnorm import split_batch_norm
+    from ..passes.decompose import decompose_unclaimed
+
+    return cleanup(decompose_unclaimed(split_batch_norm(graph), dialects))
+
+
 def update_points(joint: Function, layout: Layout) -> list[int]:
     """For each parameter, the body position after which its update can go: once its gradient is
     defined, its last read (directly or through a view of it) is done and every index bound has been checked (a step is atomic: no

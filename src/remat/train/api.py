@@ -22,7 +22,6 @@ from ..budget import parse_budget
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
-from ..passes.decompose import decompose_unclaimed
 from ..plan.costmodel import static_costs
 from ..plan.frontier import CostModel
 from ..plan.liveness import predict_peak
@@ -30,7 +29,7 @@ from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from ..step.microbatch import microbatch_step
-from ..step.program import Layout, cleanup, step_program, training_graph
+from ..step.program import Layout, prepare_joint, step_program, training_graph
 from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_peak
 
 
@@ -261,7 +260,9 @@ class TrainStep:
         graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
         # Forward + backward, before planning; composites no chosen dialect has a kernel for are
         # expanded into their decompositions first (so the plan is made for the program that runs).
-        self.joint = joint = self._stage("passes", lambda: cleanup(decompose_unclaimed(graph, self.dialects)))
+        # Training batch norms split into statistics + element-wise normalisation (a recomputed
+        # output costs one pass over its input), unclaimed composites expanded (step.prepare_joint).
+        self.joint = joint = self._stage("passes", lambda: prepare_joint(graph, self.dialects))
         # (the "fuse" stage goes here: IR -> IR on the joint)
         unconstrained = self._make_step(joint, check=True)
         # The whole batch's unconstrained peak: the reference of relative budgets and of the report,
@@ -480,7 +481,7 @@ class TrainStep:
                 self._variant = None
             else:
                 def make() -> StepProblem:  # differentiated on first use only
-                    joint = cleanup(training_graph(forward, len(self.imported.param_names)))
+                    joint = prepare_joint(training_graph(forward, len(self.imported.param_names)), self.dialects)
                     unconstrained = self._make_step(joint, check=True)
                     return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
                                    costs=static_costs(joint), example_args=None, workspaces=None)

@@ -110,11 +110,11 @@ def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
     relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
     from ..frontend.torch_import import import_module
     from ..plan.liveness import predict_peak
-    from ..step.program import cleanup, step_program, training_graph
+    from ..step.program import prepare_joint, step_program, training_graph
 
     imp = import_module(step.model, step._keywords(step._example), step._loss_fn, train=step.model.training,
                         num_targets=num_targets)
-    joint = cleanup(training_graph(imp.function, len(imp.param_names)))
+    joint = prepare_joint(training_graph(imp.function, len(imp.param_names)), step.dialects)
     return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
 
 

@@ -149,6 +149,17 @@ def _batch_norm_grad_infer(types, attrs):
     return (x, *w, *w)
 
 
+def _batch_norm_stats_infer(types, attrs):
+    if len(types) not in (1, 3):
+        raise TypeError(f"'batch_norm_stats' takes x, then optionally running_mean, running_var; got {len(types)} operands")
+    x, *running = types
+    vec = x.with_shape((_bn_x("batch_norm_stats", x),))
+    for r in running:
+        if r != vec:
+            raise TypeError(f"'batch_norm_stats': running statistics must be {vec} (one per channel of {x}), got {r}")
+    return (vec,) * (4 if running else 2)
+
+
 def _bn_saves(attrs, n: int):
     from ._vjp import Saves
 
@@ -168,6 +179,12 @@ def _bn_samples(r: np.random.Generator) -> list[Sample]:
             Sample([rand(r, 2, 3, 2, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False})]
 
 
+def _bn_stats_samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample([rand(r, 4, 3, 3, 2), rand(r, 3), rand(r, 3, low=0.5, high=1.5)], {"momentum": 0.2}),
+            Sample([rand(r, 5, 2, 3)], {"eps": 1e-3}),
+            Sample([rand(r, 6, 4)], {})]
+
+
 def _bn_grad_samples(r: np.random.Generator) -> list[Sample]:
     x = rand(r, 4, 3, 3, 2)
     mean = x.mean(axis=(0, 2, 3))
@@ -185,6 +202,14 @@ declare(OpDef("batch_norm", None, _BN_ATTRS, _batch_norm_infer, frozenset(), num
                   "unbiased variance in the running update. Eval (training=false): running statistics; result y "
                   "(ATen native_batch_norm)",
               sample=_bn_samples))
+declare(OpDef("batch_norm_stats", None, (Attr("momentum", "float", 0.1), Attr("eps", "float", 1e-5)),
+              _batch_norm_stats_infer, frozenset(), num_results=-1, flops=_norm_flops(4.0),
+              doc="the statistics half of training-mode batch_norm, over all dims but 1 (channels) of x[, "
+                  "running_mean, running_var]: (mean, invstd[, new running_mean, new running_var]), batch_norm's "
+                  "results 1.. (the biased variance in invstd, the unbiased one in the running update). The "
+                  "split-batch-norm pass pairs it with the normalisation as one element-wise instruction, so a "
+                  "recomputed output costs one pass over x",
+              sample=_bn_stats_samples))
 declare(OpDef("batch_norm_grad", None, (Attr("training", "bool", True), Attr("eps", "float", 1e-5)),
               _batch_norm_grad_infer, frozenset(), num_results=-1, min_operands=4, flops=_norm_flops(10.0),
               doc="backward of batch_norm from (grad_output, x, mean, invstd[, weight]) in training, "
@@ -244,6 +269,34 @@ def _channel(b, v, rank: int):
     return b.op("reshape", v, shape=(1, v.type.shape[0]) + (1,) * (rank - 2))
 
 
+def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: float):
+    """(cotangent on x, on running_mean, on running_var) from the cotangents of training batch
+    norm's statistics (mean ``s1``, invstd ``s2``) and new running statistics (None: zero)."""
+    xt = x.type
+    rank, n = xt.rank, xt.numel // xt.shape[1]
+    g_rm = g_rv = gx = None
+    if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
+        g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
+        g_mean = _add(b, g_mean, b.op("mul", g_rmean, _c(b, m, g_rmean)))
+    if g_rvar is not None:  # new_rv = (1 - m) rv + m n/(n-1) var, d var / dx = 2 (x - mean) / n
+        g_rv = b.op("mul", g_rvar, _c(b, 1.0 - m, g_rvar))
+        k = b.op("mul", g_rvar, _c(b, 2.0 * m / max(n - 1, 1), g_rvar))
+        gx = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), _channel(b, k, rank))
+    if g_mean is not None or g_invstd is not None:
+        mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
+        gm = _channel(b, g_mean, rank) if g_mean is not None else None
+        gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
+        gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
+    return gx, g_rm, g_rv
+
+
+@def_vjp("batch_norm_stats", saves=Saves(operands=(0,), results=(0, 1)))
+def _batch_norm_stats_vjp(b, p, g):
+    g = list(g) + [None] * (4 - len(g))
+    gx, g_rm, g_rv = _bn_stats_cotangents(b, p.x[0], p.y[0], p.y[1], *g, p.attrs["momentum"])
+    return [gx] + ([g_rm, g_rv] if len(p.in_types) == 3 else [])
+
+
 @def_vjp("batch_norm", saves=_bn_saves)
 def _batch_norm_vjp(b, p, g):
     g = ((list(g) if isinstance(g, list) else [g]) + [None] * 4)[:5]  # eval mode has the one result y
@@ -267,23 +320,8 @@ def _batch_norm_vjp(b, p, g):
             gx = outs
     g_rm = g_rv = None
     if training:
-        xt = p.in_types[0]
-        n = xt.numel // xt.shape[1]
-        m = p.attrs["momentum"]
-        if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
-            g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
-            g_mean = _add(b, g_mean, b.op("mul", g_rmean, _c(b, m, g_rmean)))
-        gx_var = None
-        if g_rvar is not None:  # new_rv = (1 - m) rv + m n/(n-1) var, d var / dx = 2 (x - mean) / n
-            g_rv = b.op("mul", g_rvar, _c(b, 1.0 - m, g_rvar))
-            k = b.op("mul", g_rvar, _c(b, 2.0 * m / max(n - 1, 1), g_rvar))
-            gx_var = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), _channel(b, k, rank))
-        if g_mean is not None or g_invstd is not None:
-            mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
-            gm = _channel(b, g_mean, rank) if g_mean is not None else None
-            gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
-            gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
-        gx = _add(b, gx, gx_var)
+        gs, g_rm, g_rv = _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, p.attrs["momentum"])
+        gx = _add(b, gx, gs)
     elif gy is not None:  # eval: y = (x - rm) (rv + eps)^-½ w + b also depends on the running statistics
         axes = [0] + list(range(2, rank))
         invstd = b.op("rsqrt", b.op("add", s2, _c(b, p.attrs["eps"], s2)))
@@ -371,14 +409,30 @@ def _batch_norm_decomp(b, xs, attrs):
     if not attrs["training"]:
         return [y]
     mean = b.op("reshape", mean, shape=(c,))
-    outs = [y, mean, b.op("reshape", rstd, shape=(c,))]
-    if running:  # (1 − m) running + m · batch statistic, the variance unbiased
-        m, n, var = attrs["momentum"], x.type.numel // c, b.op("reshape", var, shape=(c,))
-        keep = _c(b, 1.0 - m, mean)
-        outs.append(b.op("add", b.op("mul", keep, running[0]), b.op("mul", _c(b, m, mean), mean)))
-        unbiased = b.op("mul", b.op("mul", _c(b, m, var), var), _c(b, n / max(n - 1, 1), var))
-        outs.append(b.op("add", b.op("mul", keep, running[1]), unbiased))
-    return outs
+    return [y, mean, b.op("reshape", rstd, shape=(c,))] + running_update(
+        b, running, mean, var, attrs["momentum"], x.type.numel // c)
+
+
+@def_decomposition("batch_norm_stats")
+def _batch_norm_stats_decomp(b, xs, attrs):
+    x, running = xs[0], xs[1:]
+    c = x.type.shape[1]
+    _, mean, rstd, var = _moments(b, x, [0] + list(range(2, x.type.rank)), attrs["eps"])
+    mean = b.op("reshape", mean, shape=(c,))
+    return [mean, b.op("reshape", rstd, shape=(c,))] + running_update(b, running, mean, var, attrs["momentum"],
+                                                                         x.type.numel // c)
+
+
+def running_update(b, running, mean, var, m: float, n: int):
+    """(1 − m) running + m · batch statistic, the variance unbiased ([] without running statistics).
+    ``var``: the biased batch variance, any shape of ``mean``'s size."""
+    if not running:
+        return []
+    var = b.op("reshape", var, shape=mean.type.shape)
+    keep = _c(b, 1.0 - m, mean)
+    unbiased = b.op("mul", b.op("mul", _c(b, m, var), var), _c(b, n / max(n - 1, 1), var))
+    return [b.op("add", b.op("mul", keep, running[0]), b.op("mul", _c(b, m, mean), mean)),
+            b.op("add", b.op("mul", keep, running[1]), unbiased)]
 
 
 @def_decomposition("batch_norm_grad")

@@ -64,13 +64,15 @@ class ChainStage:
 def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None) -> Function:
     """The joint ``(params..., x, gy) -> (y, side outputs..., grads wrt ``wrt``...)`` of a stage
     ``(params..., x) -> (y, side outputs...)``, by autodiff of ``y`` alone (default ``wrt``: every
-    parameter, then the input), after the ``cleanup`` pipeline (which also merges the forward code
-    the gradient and the side outputs share)."""
+    parameter, then the input), training batch norms split, after the ``cleanup`` pipeline (which
+    also merges the forward code the gradient and the side outputs share)."""
     from ...autodiff import joint
     from ...passes import CLEANUP, run
+    from ...passes.batchnorm import split_batch_norm
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
-    return run(joint(forward, wrt, cotangents=True), CLEANUP).module["joint"].clone()
+    # Training batch norms split as in the whole step's joint (remat.step.prepare_joint): same kernels.
+    return run(split_batch_norm(joint(forward, wrt, cotangents=True)), CLEANUP).module["joint"].clone()
 
 
 def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
@@ -84,7 +86,15 @@ def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[i
     n_aux = len(forward.result_types) - 1
     joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()))
     split = split_joint(joint, n_primals=n_params + 1, n_outputs=1 + n_aux, direct=set(range(n_params)))
-    return ChainStage(name, forward, n_params, split, grad_params, n_aux)
+    return ChainStage(name, _split_batch_norms(forward), n_params, split, grad_params, n_aux)
+
+
+def _split_batch_norms(fn: Function) -> Function:
+    """``fn`` with its training batch norms split as the joint's are: a schedule that re-runs a stage's
+    forward without its tape computes the same bits as the tape's forward."""
+    from ...passes.batchnorm import split_batch_norm
+
+    return split_batch_norm(Module([fn.clone()]))[fn.name]
 
 
 @dataclass
