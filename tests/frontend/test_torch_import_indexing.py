@@ -1,5 +1,6 @@
 """Imports that real transformers emit: ``index.Tensor`` with several broadcast index tensors,
-``cumsum``, ``as_strided`` that restrides; refusals that name the op and the source line; and the
+``cumsum``, ``as_strided`` that restrides, ``roll``, ``F.fold`` of tiling windows and a ceil-mode
+average pool as one window; refusals that name the op and the source line; and the
 capture stages (export, then decompositions with a fallback table) named when they fail."""
 from __future__ import annotations
 
@@ -174,3 +175,62 @@ def test_slice_assignment_and_copy_match_eager():
     eager.w.grad = None
     eager(x).backward()
     torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=1e-12, atol=1e-12)
+
+
+class VisionIdioms(nn.Module):
+    """Swin's cyclic shift (``torch.roll``), MobileViTV2's patches folded back (``F.fold`` with
+    stride = kernel) and EfficientNet's global pool (``AvgPool2d(1280, ceil_mode=True)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 3, 4, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        y = x * self.w
+        patches = F.unfold(y, kernel_size=2, stride=2)                       # [2, 12, 6]
+        return (torch.roll(y, shifts=(-1, 2), dims=(2, 3)), torch.roll(y, 5), torch.roll(y, -7, 1),
+                F.fold(patches * 2.0, output_size=(4, 6), kernel_size=2, stride=2),
+                F.fold(patches[0], output_size=(4, 6), kernel_size=(2, 2), stride=2),   # unbatched
+                F.avg_pool2d(y, 1280, ceil_mode=True),                                 # one window past the input
+                F.avg_pool2d(y, 9, stride=9, padding=2, ceil_mode=True),               # padding counted
+                F.avg_pool2d(y, 9, stride=9, padding=2, ceil_mode=True, count_include_pad=False),
+                F.avg_pool2d(y, 9, ceil_mode=True, divisor_override=5))
+
+
+def test_roll_fold_and_ceil_mode_global_pool_match_eager():
+    torch.manual_seed(0)
+    model, x = VisionIdioms(), torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    im = import_module(model, (x,), train=False)
+    want = model(x)
+    got = evaluate(im, x)
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w.detach(), torch.float64, f"output {n}")
+    ops = [i.op.name for i in im.function.instructions()]
+    # roll: slices and concats; fold: a transpose; the pools: reductions. The one gather is F.unfold's.
+    assert ops.count("gather") == 1 and "avg_pool2d" not in ops and "roll" not in str(im.module), ops
+
+
+def test_gradients_through_roll_fold_and_ceil_mode_pool_match_eager():
+    class Net(VisionIdioms):
+        def forward(self, x):
+            return sum((o * (i + 1.0)).pow(2).sum() for i, o in enumerate(super().forward(x)))
+
+    torch.manual_seed(1)
+    model, x = Net(), torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    step = remat.compile(model, (x,), None, keep_grads=True)
+    loss = step(x)
+    want = eager(x)
+    want.backward()
+    assert_close(loss.detach().numpy(), want.detach(), torch.float64, "loss")
+    torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_overlapping_fold_is_refused_with_the_reason():
+    class Overlap(nn.Module):
+        def forward(self, x):
+            return F.fold(F.unfold(x, 3, padding=1), output_size=(4, 4), kernel_size=3, padding=1)
+
+    with pytest.raises(UnsupportedOpError, match="only windows that tile the output exactly"):
+        import_module(Overlap(), (torch.randn(1, 2, 4, 4),), train=False)
