@@ -289,9 +289,10 @@ def _expm1(L: Lowerer, x):
     return L.op("sub", L.op("exp", L.cast(x, dt)), L.const(1, dt))
 
 
-@lower("silu.default")
+@lower("silu.default", keep=True)
 def _silu(L: Lowerer, x):
-    return L.op("mul", x, L.op("sigmoid", x))
+    """One op, whose backward keeps only ``x`` as PyTorch's does (``x * sigmoid(x)`` kept both)."""
+    return L.op("silu", x)
 
 
 @lower("leaky_relu.default")
