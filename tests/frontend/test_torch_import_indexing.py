@@ -93,13 +93,13 @@ def test_as_strided_that_repeats_elements_is_refused_with_the_source_line():
     assert "repeats" in str(ei.value) and "test_torch_import_indexing.py" in ei.value.source
 
 
-class _Silu(nn.Module):
+class _ClampMin(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 3)
 
     def forward(self, x):
-        return F.silu(self.lin(x))
+        return self.lin(x).clamp_min(0.1)
 
 
 def _broken(*args, **kwargs):
@@ -107,17 +107,21 @@ def _broken(*args, **kwargs):
 
 
 def test_a_failing_decomposition_falls_back_to_keeping_the_op(monkeypatch):
-    # remat's table decomposes silu with PyTorch's rule; make that rule fail: the importer then
-    # tries the table that keeps every op it lowers itself, and silu is lowered whole.
+    # remat's table decomposes clamp_min with PyTorch's rule; make that rule fail: the importer then
+    # tries the table that keeps every op it lowers itself, and clamp_min is lowered whole.
+    # (silu was the example here until remat kept it whole in its own table.)
+    from remat.frontend._aten import decomposition_table
+
+    assert torch.ops.aten.clamp_min.default in decomposition_table()
     default = torch.export.default_decompositions
 
-    def with_broken_silu():
+    def with_broken_clamp_min():
         t = default()
-        t[torch.ops.aten.silu.default] = _broken
+        t[torch.ops.aten.clamp_min.default] = _broken
         return t
 
-    monkeypatch.setattr(torch.export, "default_decompositions", with_broken_silu)
-    model, x = _Silu(), torch.randn(2, 4)
+    monkeypatch.setattr(torch.export, "default_decompositions", with_broken_clamp_min)
+    model, x = _ClampMin(), torch.randn(2, 4)
     im = import_module(model, (x,), train=False)
     assert_close(evaluate(im, x)[0], model(x).detach(), torch.float32, "output")
 
