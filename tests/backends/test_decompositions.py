@@ -20,7 +20,7 @@ DECOMPOSED = sorted(n for n, o in OPS.items() if o.decompose is not None)
 
 # The composites with native kernels whose decompositions are promised (a dropped one fails here).
 COMPOSITES = {"linear", "softmax", "log_softmax", "softmax_grad", "log_softmax_grad", "gelu", "gelu_grad",
-              "relu_grad", "nll_loss", "nll_loss_grad", "layer_norm", "layer_norm_grad", "batch_norm",
+              "silu", "silu_grad", "relu_grad", "nll_loss", "nll_loss_grad", "layer_norm", "layer_norm_grad", "batch_norm",
               "batch_norm_grad", "attention", "attention_grad", "max_pool2d", "max_pool2d_grad",
               "max_pool2d_with_indices", "max_pool2d_index_grad", "avg_pool2d", "avg_pool2d_grad", "fused"}
 

@@ -1,5 +1,6 @@
 """Imports that real transformers emit: ``index.Tensor`` with several broadcast index tensors,
-``cumsum``, ``as_strided`` that restrides; refusals that name the op and the source line; and the
+``cumsum``, ``as_strided`` that restrides, ``roll``, ``F.fold`` of tiling windows and a ceil-mode
+average pool as one window; refusals that name the op and the source line; and the
 capture stages (export, then decompositions with a fallback table) named when they fail."""
 from __future__ import annotations
 
@@ -92,13 +93,13 @@ def test_as_strided_that_repeats_elements_is_refused_with_the_source_line():
     assert "repeats" in str(ei.value) and "test_torch_import_indexing.py" in ei.value.source
 
 
-class _Silu(nn.Module):
+class _ClampMin(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 3)
 
     def forward(self, x):
-        return F.silu(self.lin(x))
+        return self.lin(x).clamp_min(0.1)
 
 
 def _broken(*args, **kwargs):
@@ -106,17 +107,21 @@ def _broken(*args, **kwargs):
 
 
 def test_a_failing_decomposition_falls_back_to_keeping_the_op(monkeypatch):
-    # remat's table decomposes silu with PyTorch's rule; make that rule fail: the importer then
-    # tries the table that keeps every op it lowers itself, and silu is lowered whole.
+    # remat's table decomposes clamp_min with PyTorch's rule; make that rule fail: the importer then
+    # tries the table that keeps every op it lowers itself, and clamp_min is lowered whole.
+    # (silu was the example here until remat kept it whole in its own table.)
+    from remat.frontend._aten import decomposition_table
+
+    assert torch.ops.aten.clamp_min.default in decomposition_table()
     default = torch.export.default_decompositions
 
-    def with_broken_silu():
+    def with_broken_clamp_min():
         t = default()
-        t[torch.ops.aten.silu.default] = _broken
+        t[torch.ops.aten.clamp_min.default] = _broken
         return t
 
-    monkeypatch.setattr(torch.export, "default_decompositions", with_broken_silu)
-    model, x = _Silu(), torch.randn(2, 4)
+    monkeypatch.setattr(torch.export, "default_decompositions", with_broken_clamp_min)
+    model, x = _ClampMin(), torch.randn(2, 4)
     im = import_module(model, (x,), train=False)
     assert_close(evaluate(im, x)[0], model(x).detach(), torch.float32, "output")
 
@@ -174,3 +179,62 @@ def test_slice_assignment_and_copy_match_eager():
     eager.w.grad = None
     eager(x).backward()
     torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=1e-12, atol=1e-12)
+
+
+class VisionIdioms(nn.Module):
+    """Swin's cyclic shift (``torch.roll``), MobileViTV2's patches folded back (``F.fold`` with
+    stride = kernel) and EfficientNet's global pool (``AvgPool2d(1280, ceil_mode=True)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 3, 4, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        y = x * self.w
+        patches = F.unfold(y, kernel_size=2, stride=2)                       # [2, 12, 6]
+        return (torch.roll(y, shifts=(-1, 2), dims=(2, 3)), torch.roll(y, 5), torch.roll(y, -7, 1),
+                F.fold(patches * 2.0, output_size=(4, 6), kernel_size=2, stride=2),
+                F.fold(patches[0], output_size=(4, 6), kernel_size=(2, 2), stride=2),   # unbatched
+                F.avg_pool2d(y, 1280, ceil_mode=True),                                 # one window past the input
+                F.avg_pool2d(y, 9, stride=9, padding=2, ceil_mode=True),               # padding counted
+                F.avg_pool2d(y, 9, stride=9, padding=2, ceil_mode=True, count_include_pad=False),
+                F.avg_pool2d(y, 9, ceil_mode=True, divisor_override=5))
+
+
+def test_roll_fold_and_ceil_mode_global_pool_match_eager():
+    torch.manual_seed(0)
+    model, x = VisionIdioms(), torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    im = import_module(model, (x,), train=False)
+    want = model(x)
+    got = evaluate(im, x)
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w.detach(), torch.float64, f"output {n}")
+    ops = [i.op.name for i in im.function.instructions()]
+    # roll: slices and concats; fold: a transpose; the pools: reductions. The one gather is F.unfold's.
+    assert ops.count("gather") == 1 and "avg_pool2d" not in ops and "roll" not in str(im.module), ops
+
+
+def test_gradients_through_roll_fold_and_ceil_mode_pool_match_eager():
+    class Net(VisionIdioms):
+        def forward(self, x):
+            return sum((o * (i + 1.0)).pow(2).sum() for i, o in enumerate(super().forward(x)))
+
+    torch.manual_seed(1)
+    model, x = Net(), torch.randn(2, 3, 4, 6, dtype=torch.float64)
+    eager = copy.deepcopy(model)
+    step = remat.compile(model, (x,), None, keep_grads=True)
+    loss = step(x)
+    want = eager(x)
+    want.backward()
+    assert_close(loss.detach().numpy(), want.detach(), torch.float64, "loss")
+    torch.testing.assert_close(model.w.grad, eager.w.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_overlapping_fold_is_refused_with_the_reason():
+    class Overlap(nn.Module):
+        def forward(self, x):
+            return F.fold(F.unfold(x, 3, padding=1), output_size=(4, 4), kernel_size=3, padding=1)
+
+    with pytest.raises(UnsupportedOpError, match="only windows that tile the output exactly"):
+        import_module(Overlap(), (torch.randn(1, 2, 4, 4),), train=False)

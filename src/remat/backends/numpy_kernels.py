@@ -72,6 +72,20 @@ def gelu(x, approximate="none"):
     return _fresh(r, x.dtype)
 
 
+@k("silu")
+def silu(x):
+    y = _up(x)
+    return _fresh(y * scipy.special.expit(y), x.dtype)
+
+
+@k("silu_grad")
+def silu_grad(g, x):
+    """PyTorch's silu_backward: g * s (1 + x (1 - s)), s = sigmoid(x)."""
+    y = _up(x)
+    s = scipy.special.expit(y)
+    return _fresh(_up(g) * (s * (1.0 + y * (1.0 - s))), x.dtype)
+
+
 @k("not")
 def not_(x):
     return _fresh(np.logical_not(x))

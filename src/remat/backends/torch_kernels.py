@@ -89,6 +89,16 @@ def relu_grad(g, y):
     return torch.ops.aten.threshold_backward(g, y, 0)
 
 
+@k("silu")
+def silu(x):
+    return F.silu(x)
+
+
+@k("silu_grad")
+def silu_grad(g, x):
+    return _fresh(torch.ops.aten.silu_backward(g, x))
+
+
 @k("gelu")
 def gelu(x, approximate="none"):
     return F.gelu(x, approximate=approximate)

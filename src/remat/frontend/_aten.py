@@ -289,9 +289,10 @@ def _expm1(L: Lowerer, x):
     return L.op("sub", L.op("exp", L.cast(x, dt)), L.const(1, dt))
 
 
-@lower("silu.default")
+@lower("silu.default", keep=True)
 def _silu(L: Lowerer, x):
-    return L.op("mul", x, L.op("sigmoid", x))
+    """One op, whose backward keeps only ``x`` as PyTorch's does (``x * sigmoid(x)`` kept both)."""
+    return L.op("silu", x)
 
 
 @lower("leaky_relu.default")
@@ -550,6 +551,48 @@ def _cat(L: Lowerer, tensors, dim=0):
     if len(parts) == 1:
         return parts[0]
     return L.op("concat", *parts, axis=_axis(dim, t.rank))
+
+
+@lower("roll.default", keep=True)
+def _roll(L: Lowerer, x, shifts, dims=()):
+    """``torch.roll`` (Swin's cyclic shift) as the two slices of each rolled axis, concatenated in
+    swapped order (PyTorch's decomposition gathers at ``fmod(arange + shift, n)`` instead)."""
+    shifts = [int(shifts)] if isinstance(shifts, int) else [int(v) for v in shifts]
+    dims = [int(dims)] if isinstance(dims, int) else [int(d) for d in dims]
+    if not dims:  # roll of the flattened tensor
+        if len(shifts) != 1:
+            raise LoweringError(f"roll with shifts {shifts} and no dims: give one shift (PyTorch does too)")
+        return L.reshape(_roll(L, L.reshape(x, (x.type.numel,)), shifts, [0]), x.type.shape)
+    if len(shifts) != len(dims):
+        raise LoweringError(f"roll: shifts {shifts} and dims {dims} must have the same length")
+    for shift, d in zip(shifts, dims):
+        d = _axis(d, x.type.rank)
+        n = x.type.shape[d]
+        k = shift % n if n else 0
+        if k:
+            x = L.op("concat", _slice(L, x, d, n - k, n), _slice(L, x, d, 0, n - k), axis=d)
+    return x
+
+
+@lower("col2im.default", keep=True)
+def _col2im(L: Lowerer, x, output_size, kernel_size, dilation, padding, stride):
+    """``F.fold`` (MobileViTV2's patches back to a feature map) where the windows tile the output
+    exactly (stride = kernel, dilation 1, no padding, sizes divisible): a reshape and a transpose,
+    [N, C*kh*kw, nh*nw] -> [N, C, nh*kh, nw*kw]. PyTorch's decomposition scatter-adds with
+    ``index_put``; overlapping or padded windows (which need that sum) are refused."""
+    (h, w), (kh, kw) = _pair(output_size, "output_size"), _pair(kernel_size, "kernel_size")
+    if (_pair(dilation, "dilation") != (1, 1) or _pair(padding, "padding") != (0, 0)
+            or _pair(stride, "stride") != (kh, kw) or h % kh or w % kw):
+        raise LoweringError(f"col2im (F.fold) with kernel {[kh, kw]}, stride {list(_pair(stride, 'stride'))}, dilation "
+                            f"{list(_pair(dilation, 'dilation'))} and padding {list(_pair(padding, 'padding'))} to "
+                            f"{[h, w]} is not supported; only windows that tile the output exactly (stride = kernel, "
+                            "dilation 1, no padding, output sizes multiples of the kernel)")
+    batched = x.type.rank == 3
+    n = x.type.shape[0] if batched else 1
+    c = x.type.shape[-2] // (kh * kw)
+    nh, nw = h // kh, w // kw
+    v = L.op("transpose", L.reshape(x, (n, c, kh, kw, nh, nw)), perm=(0, 1, 4, 2, 5, 3))
+    return L.reshape(v, L.out_type().shape)
 
 
 @lower("constant_pad_nd.default")
@@ -897,6 +940,11 @@ def _max_pool(L: Lowerer, x, kernel, stride=(), padding=0, dilation=1, ceil_mode
 def _avg_pool(L: Lowerer, x, kernel, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
     k = _pair(kernel, "kernel_size")
     attrs = dict(kernel=k, stride=_pair(stride, "stride") if stride else k, padding=_pair(padding, "padding"))
+    out_hw = L.out_type().shape[-2:]
+    floor_hw = tuple((n + 2 * p - kk) // s + 1 for n, p, kk, s in
+                     zip(x.type.shape[-2:], attrs["padding"], k, attrs["stride"]))
+    if ceil_mode and floor_hw != out_hw and out_hw == (1, 1):
+        return _avg_pool_one_window(L, x, k, attrs["padding"], count_include_pad, divisor_override)
     y = L.op("avg_pool2d", x, **attrs)
     if ceil_mode and y.type.shape != L.out_type().shape:
         raise LoweringError("average pooling with ceil_mode=True is not supported when it changes the output size")
@@ -906,6 +954,27 @@ def _avg_pool(L: Lowerer, x, kernel, stride=(), padding=0, ceil_mode=False, coun
         ones = L.const(1, x.type.dtype, (1, 1) + x.type.shape[2:])
         y = L.op("div", y, L.op("avg_pool2d", ones, **attrs))
     return y
+
+
+def _avg_pool_one_window(L: Lowerer, x: Value, k: tuple[int, int], p: tuple[int, int], count_include_pad: bool,
+                        divisor_override) -> Value:
+    """Average pooling whose ``ceil_mode`` output is one window reaching past the input, e.g. Hugging
+    Face EfficientNet's ``AvgPool2d(1280, ceil_mode=True)`` as a global pool: the sum of the
+    elements the window covers over PyTorch's divisor (the window clipped to the padded input, or
+    the elements it covers without ``count_include_pad``, or ``divisor_override``)."""
+    h, w = x.type.shape[-2:]
+    rows, cols = min(k[0] - p[0], h), min(k[1] - p[1], w)  # the window starts at -padding
+    if divisor_override:
+        divisor = int(divisor_override)
+    elif count_include_pad:
+        divisor = (min(k[0] - p[0], h + p[0]) + p[0]) * (min(k[1] - p[1], w + p[1]) + p[1])
+    else:
+        divisor = rows * cols
+    r = x.type.rank
+    v = _slice(L, _slice(L, x, r - 2, 0, rows), r - 1, 0, cols)
+    if divisor == rows * cols:
+        return L.op("reduce_mean", v, axes=[r - 2, r - 1], keepdims=True)
+    return L.op("div", L.op("reduce_sum", v, axes=[r - 2, r - 1], keepdims=True), L.const(divisor, x.type.dtype))
 
 
 @lower("_adaptive_avg_pool2d.default", "adaptive_avg_pool2d.default")

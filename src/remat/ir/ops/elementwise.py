@@ -79,6 +79,28 @@ declare(OpDef("gelu_grad", 2, (Attr("approximate", "str", "none"),), _gelu_grad_
                                 Sample([rand(r, 2, 5), rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
 
 
+declare(OpDef("silu", 1, (), _unary_infer("silu", True), frozenset({"elementwise", "unary"}),
+              doc="x * sigmoid(x) (swish; PyTorch's silu, whose backward keeps only the input)", flops=per_output(4.0),
+              sample=_unary_sample(lambda r: rand(r, 3, 4, low=-4, high=4))))
+
+
+def _silu_grad_infer(types, attrs):
+    g, x = types
+    expect_same_dtype("silu_grad", types)
+    expect_float("silu_grad", x)
+    if g.shape != x.shape:
+        raise TypeError(f"'silu_grad': gradient {g} and input {x} must have the same shape")
+    return x
+
+
+declare(OpDef("silu_grad", 2, (), _silu_grad_infer, frozenset({"elementwise"}),
+              doc="gradient of silu from (grad_output, input): g * s (1 + x (1 - s)), s = sigmoid(x) "
+                  "(PyTorch's silu_backward)",
+              flops=lambda ins, outs, attrs: 8.0 * outs[0].numel,
+              sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4, low=-4, high=4)]),
+                                Sample([rand(r, 2, 5), rand(r, 2, 5, low=-4, high=4)])]))
+
+
 def _relu_grad_infer(types, attrs):
     g, y = types
     expect_same_dtype("relu_grad", types)
@@ -340,6 +362,22 @@ def _gelu_grad_vjp(b, p, g):
     return [b.op("gelu_grad", g, x, approximate=p.attrs["approximate"]), _mul(b, g, gy, d2)]
 
 
+@def_vjp("silu", saves="inputs")
+def _silu_vjp(b, p, g):
+    return [b.op("silu_grad", g, p.x[0])]
+
+
+@def_vjp("silu_grad", saves="inputs")
+def _silu_grad_vjp(b, p, g):
+    # r = gy * silu'(x), silu' = s (1 + x (1 - s)): linear in gy (d gy = silu_grad(u, x));
+    # d x = u * gy * silu''(x), silu'' = s (1 - s) (2 + x (1 - 2 s)), s = sigmoid(x).
+    gy, x = p.x
+    s = b.op("sigmoid", x)
+    one, two = _c(b, 1, g), _c(b, 2, g)
+    d2 = _mul(b, s, b.op("sub", one, s), b.op("add", two, b.op("mul", x, b.op("sub", one, b.op("mul", two, s)))))
+    return [b.op("silu_grad", g, x), _mul(b, g, gy, d2)]
+
+
 @def_vjp("cast", saves="none")
 def _cast_vjp(b, p, g):
     t = p.in_types[0]
@@ -447,6 +485,20 @@ def _gelu_grad_decomp(b, xs, attrs):
     # Φ(x) + x φ(x), φ(x) = exp(−x²/2) / √(2π)
     pdf = b.op("div", b.op("exp", b.op("mul", _c(b, -0.5, x), b.op("mul", x, x))), _c(b, _sqrt(2.0 * _pi), x))
     return [b.op("mul", g, b.op("add", _gelu_cdf(b, x), b.op("mul", x, pdf)))]
+
+
+@def_decomposition("silu")
+def _silu_decomp(b, xs, attrs):
+    (x,) = xs
+    return [b.op("mul", x, b.op("sigmoid", x))]
+
+
+@def_decomposition("silu_grad")
+def _silu_grad_decomp(b, xs, attrs):
+    g, x = xs
+    s = b.op("sigmoid", x)
+    one = _c(b, 1.0, x)
+    return [b.op("mul", g, b.op("mul", s, b.op("add", one, b.op("mul", x, b.op("sub", one, s)))))]
 
 
 @def_decomposition("relu_grad")
