@@ -78,6 +78,28 @@ def threads() -> int:
     return THREADS if torch is None else max(1, min(THREADS, torch.get_num_threads()))
 
 
+def _empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous result array from PyTorch's CPU allocator when torch is loaded, so
+    that torch.profiler's memory events (remat's allocator measurements, ``bench/``'s peaks) see the
+    numba kernels' results as they see torch's; from NumPy's otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return np.empty(shape, dtype)
+    return torch.empty(tuple(shape), dtype=_torch_dtype(np.dtype(dtype))).numpy()
+
+
+_TORCH_DTYPES: dict = {}
+
+
+def _torch_dtype(dt: np.dtype):
+    t = _TORCH_DTYPES.get(dt)
+    if t is None:
+        import torch
+
+        t = _TORCH_DTYPES[dt] = torch.from_numpy(np.empty(0, dt)).dtype
+    return t
+
+
 def _run_parts(fn: Callable, rows: int, parts: int, *args: Any) -> None:
     """``fn(lo, hi, *args)`` over ``parts`` contiguous slices of ``range(rows)``: the first on this
     thread, the others on pool threads meanwhile (``fn`` releases the GIL)."""
@@ -317,7 +339,7 @@ def fused(*args, body):
     p = _plans.get(key)
     if p is None:
         p = _plans[key] = _plan(body, key[1], key[2])
-    outs = [np.empty(p.out_shape, dt) for dt in p.out_dtypes]
+    outs = [_empty(p.out_shape, dt) for dt in p.out_dtypes]
     ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
            for a, s in zip(args, p.in_shapes)]
     arrays = [o.reshape(p.cshape) for o in outs] + ins
@@ -390,7 +412,7 @@ def bernoulli(seed, shape, p):
     """The reference's bits (``numpy_kernels.sample_bernoulli``), ~10x faster: one pass, no temporaries."""
     from .numpy_kernels import _M64, bernoulli_threshold
 
-    out = np.empty(tuple(shape), dtype=np.bool_)
+    out = _empty(tuple(shape), np.bool_)
     if p <= 0.0 or p >= 1.0:
         out.fill(p >= 1.0)
         return out
@@ -564,7 +586,7 @@ def _pool_parts(out_shape: tuple[int, ...], kernel) -> int:
 @kernel("max_pool2d", "numba", checker=_pool_check)
 def max_pool2d(x, kernel, stride, padding=(0, 0)):
     """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
-    out = np.empty(_pool_out_shape(x.shape, kernel, stride, padding), dtype=x.dtype)
+    out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
     _run_parts(_pool_kernel("fwd"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel, *stride,
                *padding)
@@ -574,7 +596,7 @@ def max_pool2d(x, kernel, stride, padding=(0, 0)):
 @kernel("max_pool2d_grad", "numba", checker=_pool_check)
 def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
-    gx = np.empty(x.shape, dtype=x.dtype)
+    gx = _empty(x.shape, x.dtype)
     g3 = gx.reshape(-1, x.shape[2], x.shape[3])
     _run_parts(_pool_kernel("bwd"), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3, *kernel,
                *stride, *padding)
@@ -584,8 +606,8 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
 @kernel("max_pool2d_with_indices", "numba", checker=_pool_check)
 def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
     """max_pool2d and each window's flat winner index in one pass (torch's rule, as ``max_pool2d``)."""
-    out = np.empty(_pool_out_shape(x.shape, kernel, stride, padding), dtype=x.dtype)
-    idx = np.empty(out.shape, dtype=index_dtype.numpy)
+    out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
+    idx = _empty(out.shape, index_dtype.numpy)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
     _run_parts(_pool_kernel("idx"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3,
                idx.reshape(o3.shape), *kernel, *stride, *padding)
@@ -595,7 +617,7 @@ def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType
 @kernel("max_pool2d_index_grad", "numba", checker=_index_grad_check)
 def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
     """Each window's gradient added at its saved index, in output raster order per plane (as ATen)."""
-    gx = np.empty(tuple(input_shape), dtype=gy.dtype)
+    gx = _empty(tuple(input_shape), gy.dtype)
     planes = gx.shape[0] * gx.shape[1]
     g2 = _planes(gy).reshape(planes, -1)
     _run_parts(_pool_kernel("scatter"), planes, _pool_parts(gy.shape, (1, 1)), g2,
@@ -668,7 +690,7 @@ def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
         x = np.array(x, order="C", copy=True)
     none = np.empty(0, dtype=x.dtype)
     rm, rv = (np.ascontiguousarray(running[0]), np.ascontiguousarray(running[1])) if running else (none, none)
-    outs = [np.empty(c, dtype=x.dtype) for _ in range(4 if running else 2)]
+    outs = [_empty((c,), x.dtype) for _ in range(4 if running else 2)]
     nrm, nrv = (outs[2], outs[3]) if running else (none, none)
     parts = 1 if x.size < PARALLEL_MIN_ELEMENTS else max(1, min(threads(), c))
     _run_parts(_bn_stats_kernel(), c, parts, x.reshape(x.shape[0], c, -1), rm, rv, outs[0], outs[1], nrm, nrv,
