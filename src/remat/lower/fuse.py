@@ -5,7 +5,9 @@ recomputed clones allowed). A group is a set of fusible instructions connected b
 consumer edges such that:
 
 * every member is an element-wise op the fused kernels support bit-exactly on its dtypes
-  (``supports``; by default the numba generator's table), never random, a view, in place or an effect;
+  (``supports``; by default the numba generator's table), never random, a view, in place or an effect,
+  or a ``fused`` instruction whose body's nodes all are (batch norm's normalisation, made before
+  planning by ``split-batch-norm``): its body is inlined into the group's;
 * its *outputs* (member results used outside the group, ignoring ``free``, or returned) all have
   the group's iteration shape, and are used only after the group's last member, where the fused
   instruction is placed; intermediates used only inside the group vanish with their frees;
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
-from ..ir.ops.fused import Body, Node, fusible_node_op
+from ..ir.ops.fused import Body, Node, fusible_node_op, parse_body
 from ..ir.types import DType, broadcast_shapes
 from ..plan.liveness import simulate
 
@@ -66,7 +68,13 @@ def _is_scalar_const(v: Value) -> bool:
 
 def _fusible(ins: Instruction, supports: Supports) -> bool:
     op = ins.op
-    if len(ins.results) != 1 or op.name in ("constant", "fused") or not fusible_node_op(op.name):
+    if op.name == "fused":  # a fused instruction already (batch norm's normalisation): its body joins a group
+        if len(ins.results) != 1:
+            return False
+        body = parse_body(ins.attrs["body"])
+        vals = body.value_types([v.type for v in ins.operands])
+        return all(supports(n.op, tuple(vals[a].dtype for a in n.args), n.attr_dict) for n in body.nodes)
+    if len(ins.results) != 1 or op.name == "constant" or not fusible_node_op(op.name):
         return False
     return bool(supports(op.name, tuple(v.type.dtype for v in ins.operands), ins.attrs))
 
@@ -206,6 +214,14 @@ def _body(g: Group) -> tuple[Body, list[Value]]:
         index[v] = len(ext) + len(nodes)
         nodes.append(node)
     for m in g.members:
+        if m.op.name == "fused":  # its body's nodes, inlined: local operand k is the member's operand k
+            inner = parse_body(m.attrs["body"])
+            local = [index[v] for v in m.operands]
+            for n in inner.nodes:
+                local.append(len(ext) + len(nodes))
+                nodes.append(Node(n.op, tuple(local[a] for a in n.args), n.attrs))
+            index[m.result] = local[inner.outputs[0]]
+            continue
         index[m.result] = len(ext) + len(nodes)
         nodes.append(Node(m.op.name, tuple(index[v] for v in m.operands), tuple(sorted(m.attrs.items()))))
     return Body(len(ext), tuple(nodes), tuple(index[o] for o in g.outputs)), ext
