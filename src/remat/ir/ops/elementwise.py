@@ -84,16 +84,20 @@ declare(OpDef("silu", 1, (), _unary_infer("silu", True), frozenset({"elementwise
               sample=_unary_sample(lambda r: rand(r, 3, 4, low=-4, high=4))))
 
 
-def _silu_grad_infer(types, attrs):
-    g, x = types
-    expect_same_dtype("silu_grad", types)
-    expect_float("silu_grad", x)
-    if g.shape != x.shape:
-        raise TypeError(f"'silu_grad': gradient {g} and input {x} must have the same shape")
-    return x
+def _grad_pair_infer(name: str, what: str):
+    """The type rule of an activation's gradient op (grad_output, ``what``): same float type, same shape."""
+    def infer(types, attrs):
+        g, v = types
+        expect_same_dtype(name, types)
+        expect_float(name, g)
+        if g.shape != v.shape:
+            raise TypeError(f"'{name}': gradient {g} and {what} {v} must have the same shape")
+        return g
+
+    return infer
 
 
-declare(OpDef("silu_grad", 2, (), _silu_grad_infer, frozenset({"elementwise"}),
+declare(OpDef("silu_grad", 2, (), _grad_pair_infer("silu_grad", "input"), frozenset({"elementwise"}),
               doc="gradient of silu from (grad_output, input): g * s (1 + x (1 - s)), s = sigmoid(x) "
                   "(PyTorch's silu_backward)",
               flops=lambda ins, outs, attrs: 8.0 * outs[0].numel,
@@ -101,16 +105,7 @@ declare(OpDef("silu_grad", 2, (), _silu_grad_infer, frozenset({"elementwise"}),
                                 Sample([rand(r, 2, 5), rand(r, 2, 5, low=-4, high=4)])]))
 
 
-def _relu_grad_infer(types, attrs):
-    g, y = types
-    expect_same_dtype("relu_grad", types)
-    expect_float("relu_grad", g)
-    if g.shape != y.shape:
-        raise TypeError(f"'relu_grad': gradient {g} and relu value {y} must have the same shape")
-    return g
-
-
-declare(OpDef("relu_grad", 2, (), _relu_grad_infer, frozenset({"elementwise"}),
+declare(OpDef("relu_grad", 2, (), _grad_pair_infer("relu_grad", "relu value"), frozenset({"elementwise"}),
               doc="gradient of relu from (grad_output, relu input or output): 0 where the value is <= 0, else "
                   "the gradient (PyTorch's threshold_backward at 0)",
               flops=lambda ins, outs, attrs: float(outs[0].numel),
