@@ -120,6 +120,25 @@ def test_inplace_update_splits_the_group() -> None:
     assert names == ["mul", "sgd_step", "fused", "return"]
 
 
+def test_inplace_update_through_a_view_splits_the_group() -> None:
+    """A member reads a view of %1 (reshape), and sgd_step then overwrites %1 itself: same rule."""
+    src = """func @f(%0: f32[8], %1: f32[8], %2: f32[8], %3: i64[]) -> (f32[2,4], f32[8], f32[8]) {
+  %4 = reshape %1 {shape=[2, 4]} : f32[2,4]
+  %5 = reshape %0 {shape=[2, 4]} : f32[2,4]
+  %6 = mul %5, %4 : f32[2,4]
+  %7, %8 = sgd_step %1, %0, %2, %3 {lr=0.1, momentum=0.9} : f32[8], f32[8]
+  %9 = add %6, %5 : f32[2,4]
+  %10 = neg %9 : f32[2,4]
+  return %10, %7, %8
+}
+"""
+    m = parse(src)
+    out = fuse(m)
+    verify(out)
+    names = [i.op.name for i in out["f"].instructions()]
+    assert names.index("mul") < names.index("sgd_step") < names.index("fused")
+
+
 def test_non_fusible_path_between_members_is_not_a_cycle() -> None:
     """%4 -> reduce_sum -> %6: fusing %4 and %6 together would need reduce_sum inside: two groups or none."""
     src = """func @f(%0: f32[4,8]) -> f32[4,8] {

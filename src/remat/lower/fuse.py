@@ -85,14 +85,21 @@ def find_groups(fn: Function, supports: Supports | None = None) -> list[Group]:
     instrs = fn.entry.instrs
     pos = {ins: i for i, ins in enumerate(instrs)}
     users: dict[Value, list[Instruction]] = {}
-    clobbers: dict[Value, list[int]] = {}  # positions of in-place updates of a value
+    root: dict[Value, Value] = {}  # a view's storage: the value it aliases (reshape(bias) -> bias)
+    by_root: dict[Value, list[int]] = {}  # positions of in-place updates of a storage
     for ins in instrs:
         if ins.op.name != "free":
             for v in ins.operands:
                 users.setdefault(v, []).append(ins)
+        for k, src in ins.op.aliases.items():
+            o = ins.operands[src]
+            root[ins.results[k]] = root.get(o, o)
         if ins.op.has("inplace"):
             for v in ins.operands:
-                clobbers.setdefault(v, []).append(pos[ins])
+                by_root.setdefault(root.get(v, v), []).append(pos[ins])
+    # positions of in-place updates of each value's storage, for the values read through a view too
+    clobbers = {v: by_root[r] for v, r in root.items() if r in by_root}
+    clobbers.update({r: ps for r, ps in by_root.items()})
     parent: dict[int, int] = {}
 
     def find(g: int) -> int:
