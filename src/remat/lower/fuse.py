@@ -79,27 +79,34 @@ def _fusible(ins: Instruction, supports: Supports) -> bool:
     return bool(supports(op.name, tuple(v.type.dtype for v in ins.operands), ins.attrs))
 
 
+def inplace_updates(instrs: list[Instruction]) -> dict[Value, list[int]]:
+    """For each value whose storage an instruction updates in place (``sgd_step`` on a parameter), the
+    positions of those updates; a view of such a value (``reshape(bias)``) maps to its storage's."""
+    root: dict[Value, Value] = {}  # a view's storage: the value it aliases
+    by_root: dict[Value, list[int]] = {}
+    for i, ins in enumerate(instrs):
+        for k, src in ins.op.aliases.items():
+            o = ins.operands[src]
+            root[ins.results[k]] = root.get(o, o)
+        if ins.op.has("inplace"):
+            for v in ins.operands:
+                by_root.setdefault(root.get(v, v), []).append(i)
+    out = {v: by_root[r] for v, r in root.items() if r in by_root}
+    out.update(by_root)
+    return out
+
+
 def find_groups(fn: Function, supports: Supports | None = None) -> list[Group]:
     """The fusion groups of a single-block function (see the module docstring for the rules)."""
     supports = supports or _default_supports()
     instrs = fn.entry.instrs
     pos = {ins: i for i, ins in enumerate(instrs)}
     users: dict[Value, list[Instruction]] = {}
-    root: dict[Value, Value] = {}  # a view's storage: the value it aliases (reshape(bias) -> bias)
-    by_root: dict[Value, list[int]] = {}  # positions of in-place updates of a storage
     for ins in instrs:
         if ins.op.name != "free":
             for v in ins.operands:
                 users.setdefault(v, []).append(ins)
-        for k, src in ins.op.aliases.items():
-            o = ins.operands[src]
-            root[ins.results[k]] = root.get(o, o)
-        if ins.op.has("inplace"):
-            for v in ins.operands:
-                by_root.setdefault(root.get(v, v), []).append(pos[ins])
-    # positions of in-place updates of each value's storage, for the values read through a view too
-    clobbers = {v: by_root[r] for v, r in root.items() if r in by_root}
-    clobbers.update({r: ps for r, ps in by_root.items()})
+    clobbers = inplace_updates(instrs)
     parent: dict[int, int] = {}
 
     def find(g: int) -> int:

@@ -8,8 +8,9 @@ on final straight-line programs (after autodiff and planning, like :mod:`remat.l
 pair with the same ``gy`` and attributes becomes one ``conv2d_grads(gy, x, w)`` at one of the two
 positions:
 
-* at the later one when the earlier's result is not read in between; frees in between of the
-  earlier's own operands move to just after the merged instruction;
+* at the later one when the earlier's result is not read in between and none of its operands is
+  updated in place in between; frees in between of the earlier's own operands move to just after
+  the merged instruction;
 * else at the earlier one when the later's operands all exist there.
 
 Values are bit-identical (the same oneDNN algorithms; ``tests/lower/test_siblings.py``). A merged
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.build import clone_into
-from .fuse import Judge, keep_accepted, within_peak
+from .fuse import Judge, inplace_updates, keep_accepted, within_peak
 
 _CONV_KEYS = ("stride", "padding", "dilation", "groups")
 
@@ -50,6 +51,7 @@ def find_pairs(fn: Function) -> list[Pair]:
         if ins.op.name != "free":
             for v in ins.operands:
                 reads.setdefault(v, []).append(i)
+    clobbers = inplace_updates(src)
     waiting: dict[tuple, list[Instruction]] = {}  # input grads by (gy, attributes, input shape, weight)
     for ins in src:
         if ins.op.name == "conv2d_input_grad" and ins.recomputes is None:
@@ -65,8 +67,9 @@ def find_pairs(fn: Function) -> list[Pair]:
         for ig in sorted(cands, key=lambda c: abs(pos[c] - pos[wg])):
             first, second = (ig, wg) if pos[ig] < pos[wg] else (wg, ig)
             p1, p2 = pos[first], pos[second]
-            if not any(p1 < i < p2 for i in reads.get(first.result, ())):
-                at = second
+            if not any(p1 < i < p2 for i in reads.get(first.result, ())) and not any(
+                    p1 < u < p2 for v in first.operands for u in clobbers.get(v, ())):
+                at = second  # (the first's operands must not be updated in place before it runs there)
             elif all(_defined_at(v, pos) < p1 for v in second.operands):
                 at = first
             else:
