@@ -181,7 +181,7 @@ class _Step:
 
     __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "family", "attrs", "ins_slots", "out_slots",
                  "alias", "expect", "single", "rel", "rel_top", "targets", "callee", "cond", "get", "nargs",
-                 "convs", "fast", "kinds", "kind0")
+                 "convs", "fast", "kinds", "kind0", "post")
 
 
 class _Target:
@@ -287,7 +287,7 @@ class VM:
                 st.rel, st.rel_top = rels(lv.dies_at.get(ins, ()))
                 st.single = len(ins.results) == 1
                 st.attrs = ins.attrs
-                st.fn = st.conv = st.family = st.targets = st.callee = st.cond = st.convs = None
+                st.fn = st.conv = st.family = st.targets = st.callee = st.cond = st.convs = st.post = None
                 st.get = _getter(st.ins_slots)
                 st.nargs = len(st.ins_slots)
                 st.fast = False
@@ -327,10 +327,15 @@ class VM:
                     convs = tuple(None if st.family is not None and family.get(s) is conv else conv
                                   for s in st.ins_slots)
                     st.convs = None if all(c is None for c in convs) else convs
+                    # The numba kernels' results are PyTorch allocations seen as NumPy arrays: with
+                    # torch on the CPU they are stored as tensors (converted once, zero-copy), so
+                    # their torch consumers need no conversion and the fast accounting applies.
+                    if ins.dialect == "numba" and cpu_torch:
+                        st.post = st.family = _to_torch  # st.family from here on: the results' type
                     for s in st.out_slots:
                         family[s] = st.family
                     st.expect = tuple(_expect(r.type, ins.dialect) for r in ins.results)
-                    st.fast = conv is _to_torch and cpu_torch and st.single
+                    st.fast = (conv is _to_torch or st.post is not None) and cpu_torch and st.single
                     if ins.dialect == "torch":
                         p.uses_torch = True
                 bp.steps.append(st)
@@ -529,6 +534,8 @@ class VM:
                         kind = IndexError if isinstance(e, IndexError) else RuntimeError
                         raise kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
                                    f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
+                    if st.post is not None:
+                        out = st.post(out) if st.single else tuple(map(st.post, out))
                     if st.fast:
                         # The contract of _store for the common case, inlined (same checks, same
                         # accounting): a plain CPU tensor of the result's dtype and shape that is
