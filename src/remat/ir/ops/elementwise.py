@@ -84,8 +84,9 @@ declare(OpDef("silu", 1, (), _unary_infer("silu", True), frozenset({"elementwise
               sample=_unary_sample(lambda r: rand(r, 3, 4, low=-4, high=4))))
 
 
-def _grad_pair_infer(name: str, what: str):
-    """The type rule of an activation's gradient op (grad_output, ``what``): same float type, same shape."""
+def grad_pair_infer(name: str, what: str):
+    """The type rule of a gradient op taking (grad_output, ``what``) of one type: that type (also
+    softmax's and log_softmax's, in :mod:`.nn`)."""
     def infer(types, attrs):
         g, v = types
         expect_same_dtype(name, types)
@@ -97,7 +98,7 @@ def _grad_pair_infer(name: str, what: str):
     return infer
 
 
-declare(OpDef("silu_grad", 2, (), _grad_pair_infer("silu_grad", "input"), frozenset({"elementwise"}),
+declare(OpDef("silu_grad", 2, (), grad_pair_infer("silu_grad", "input"), frozenset({"elementwise"}),
               doc="gradient of silu from (grad_output, input): g * s (1 + x (1 - s)), s = sigmoid(x) "
                   "(PyTorch's silu_backward)",
               flops=lambda ins, outs, attrs: 8.0 * outs[0].numel,
@@ -105,7 +106,7 @@ declare(OpDef("silu_grad", 2, (), _grad_pair_infer("silu_grad", "input"), frozen
                                 Sample([rand(r, 2, 5), rand(r, 2, 5, low=-4, high=4)])]))
 
 
-declare(OpDef("relu_grad", 2, (), _grad_pair_infer("relu_grad", "relu value"), frozenset({"elementwise"}),
+declare(OpDef("relu_grad", 2, (), grad_pair_infer("relu_grad", "relu value"), frozenset({"elementwise"}),
               doc="gradient of relu from (grad_output, relu input or output): 0 where the value is <= 0, else "
                   "the gradient (PyTorch's threshold_backward at 0)",
               flops=lambda ins, outs, attrs: float(outs[0].numel),

@@ -5,6 +5,7 @@ import numpy as np
 
 from ..opdef import Attr, IndexBounds, OpDef, Sample, declare
 from ..types import DType, TensorType
+from .elementwise import grad_pair_infer
 from ._util import bcast, check_axis, expect_float, expect_same_dtype, ints, max_numel, norm_axis, per_output, rand
 
 
@@ -86,12 +87,10 @@ for _name in ("softmax", "log_softmax"):
 
 # ---------------------------------------------------------------- softmax / log-softmax backward (native kernels)
 def _softmax_grad_infer(name):
+    pair = grad_pair_infer(name, "output")
+
     def infer(types, attrs):
-        g, y = types
-        expect_same_dtype(name, types)
-        expect_float(name, y)
-        if g.shape != y.shape:
-            raise TypeError(f"'{name}': gradient {g} and output {y} must have the same shape")
+        y = pair(types, attrs)
         check_axis(name, attrs["axis"], y.rank)
         return y
 
