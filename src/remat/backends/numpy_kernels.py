@@ -663,13 +663,8 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     y = _fresh(y, x.dtype)
     if not training:
         return y
-    return (y,) + _bn_stats_out(x, mean, rstd, var, running, momentum)
-
-
-def _bn_stats_out(x, mean, rstd, var, running, momentum) -> tuple:
-    """(mean, invstd[, new running_mean, new running_var]) of training batch norm, in x's dtype."""
     c = x.shape[1]
-    out = (_fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
+    out = (y, _fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
     if running:
         n = x.size // c
         new_mean = (1 - momentum) * _up(running[0]) + momentum * mean.reshape(c)

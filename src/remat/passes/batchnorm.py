@@ -10,15 +10,17 @@ the statistics alive anyway, so recomputing y never needs the statistics pass ag
 
 Why: a planner that drops y now recomputes it with one element-wise pass over x, where recomputing
 the composite ran the statistics again (the larger part of the kernel: ~1.7 of 1.9 ms on a
-[8, 32, 64, 64] f32 input, one thread; the numba dialect's statistics kernel takes 0.2 ms). Forward and recomputation evaluate y with the same ops, so a
-rematerialised step stays bit-identical to the unconstrained one. Runs on the joint graph, before
-planning (``remat.compile``'s ``passes`` stage). Eval-mode batch norm (running statistics, no
-reduction) is left whole.
+[8, 32, 64, 64] f32 input, one thread; the numba dialect's statistics kernel takes 0.2 ms). The
+``fuse`` stage later runs the ReLU that usually follows in the same kernel. Forward and
+recomputation evaluate y with the same ops, so a rematerialised step stays bit-identical to the
+unconstrained one. Runs on every training graph before planning (``remat.step.prepare_joint``, and
+the chain planner's stages). Eval-mode batch norm (running statistics, no reduction) is left whole.
 """
 from __future__ import annotations
 
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, Node
+from ..ir.ops.norm import _channel
 from .decompose import expand_function
 
 
@@ -31,10 +33,6 @@ def _body(affine: bool) -> str:
         return Body(5, nodes, (9,)).text()
     nodes = (Node("mul", (1, 2)), Node("neg", (3,)), Node("mul", (0, 2)), Node("add", (5, 4)))  # from 3
     return Body(3, nodes, (6,)).text()
-
-
-def _channel(b, v, rank: int):
-    return b.op("reshape", v, shape=(1, v.type.shape[0]) + (1,) * (rank - 2))
 
 
 def _split(b, xs, attrs):
