@@ -67,8 +67,9 @@ def prepare_joint(graph: Module, dialects=None) -> Function:
 
 def update_points(joint: Function, layout: Layout) -> list[int]:
     """For each parameter, the body position after which its update can go: once its gradient is
-    defined, its last read (directly or through a view of it) is done and every index bound has been checked (a step is atomic: no
-    update before the last check of a new index; -1: before the first instruction)."""
+    defined, its last read (directly or through a view of it) is done and every index bound has been
+    checked (a step is atomic: no update before the last check of a new index; -1: before the first
+    instruction)."""
     body = joint.entry.instrs[:-1]
     grads = joint.entry.instrs[-1].operands[1 + layout.n_buffers_out:]
     pos_of: dict[object, int] = {}
