@@ -26,14 +26,16 @@ Four parts, each with whatever op alternatives the op registry declares (this sc
 Targets (issue 10) are reported as pass/fail lines, never asserted. Timings are noisy on a shared
 machine: ratios come from alternating runs in one process.
 
-Run:  PYTHONPATH=src .venv/bin/python bench/floor.py [--quick] [--parts gpt,gpt_sgd,max_batch,zoo]
-Writes bench/results/floor.json (floor_quick.json with --quick).
+Run:  PYTHONPATH=src .venv/bin/python bench/floor.py [--quick] [--parts gpt,gpt_sgd,max_batch,zoo] [--merge]
+Writes bench/results/floor.json (floor_quick.json with --quick); with ``--merge`` the parts not run are
+kept from that file, and ``config.measured_at`` names the revision each part was measured at.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -54,6 +56,22 @@ MIB = 1 << 20
 
 def _log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def _revision(of: Path | None = None) -> str:
+    """The checkout's git revision (with ``+changes`` when the work tree differs from it), or with ``of``
+    the last commit that changed that file."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        cmd = ["git", "rev-parse", "--short", "HEAD"] if of is None else ["git", "log", "-1", "--format=%h", "--", str(of)]
+        rev = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        if of is not None:
+            return rev or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + ("+changes" if dirty else "")
 
 
 def minimum(model, example, loss_fn, **options) -> tuple[int, int]:
@@ -252,6 +270,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-doublings", type=int, default=5, help="zoo: batch doublings tried (default: 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the parts not run from the existing results file (each part records the revision "
+                         "it was measured at)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     parts = [p for p in args.parts.split(",") if p]
@@ -261,10 +282,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("floor_quick.json" if args.quick else "floor.json")
+    measured_at: dict[str, Any] = {}
+    if args.merge and path.exists():
+        old = json.loads(path.read_text())
+        measured_at = old.get("config", {}).get("measured_at", {})
+        res.update({k: v for k, v in old.items() if k in ("gpt", "gpt_sgd", "max_batch", "zoo") and k not in parts})
+        measured_at = {k: v for k, v in measured_at.items() if k in res}
+        for k in res:  # files written before parts recorded their revision: the commit that added the file
+            measured_at.setdefault(k, f"before {_revision(path)}")
 
     def write() -> None:  # after every part, so a long run interrupted keeps what it measured
         res["targets"] = targets({k: v for k, v in res.items() if not (isinstance(v, dict) and "error" in v)})
-        res["config"] = {"quick": args.quick, "parts": parts, "rounds": args.rounds,
+        res["config"] = {"quick": args.quick, "parts": parts, "measured_at": measured_at, "rounds": args.rounds,
                          "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t0,
                          "torch": torch.__version__}
         path.write_text(json.dumps(res, indent=1, default=str) + "\n")
@@ -279,6 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001  a part that fails is recorded, the others still run
                 traceback.print_exc()
                 res[part] = {"error": f"{type(e).__name__}: {e}"}
+            measured_at[part] = _revision()
             write()
     write()
     _log("\ntargets:")

@@ -1,0 +1,159 @@
+"""Convolution memory layout (issues 8 and 10): what NHWC (``torch.channels_last``) would buy remat's
+convolutions over today's NCHW, measured on the convolutions remat's compiled steps run.
+
+remat's IR and kernels keep every tensor contiguous NCHW. oneDNN (PyTorch's CPU convolution)
+computes in a blocked or NHWC layout, so an NCHW convolution reorders its operands and result:
+those reorders are kernel workspaces (the allocator bound of a plan counts them; they set the
+floors of ResNet and U-Net) and time. This script takes every ``conv2d`` of the compiled,
+unconstrained training steps of zoo ResNet and U-Net (size ``small``) with its shapes and
+attributes, and times each with both layouts:
+
+* ``fwd``: ``conv2d(x, w)``;
+* ``bwd``: ``convolution_backward`` for the input and weight gradients (one call, as remat's
+  ``conv2d_grads``; the first convolution of a model, whose input needs no gradient, weight only);
+
+as a whole-network layout (operands already NHWC: what a layout-assignment pass would give) and
+as conversions around an NCHW convolution (``.contiguous(memory_format=channels_last)`` in,
+``.contiguous()`` out: what a kernel-local change would give). Per call it records the median
+time over ``--rounds`` alternating rounds, the allocator's peak above operands and results
+(torch.profiler memory events: the workspace), and whether the results are bit-identical to
+NCHW's. Per model it sums them over the step's convolutions.
+
+    PYTHONPATH=src .venv/bin/python bench/conv_layout.py [--rounds 15] [--threads 2]
+
+Writes ``bench/results/conv_layout.json``. Timings are noisy on a shared machine: compare the
+ratios, which come from alternating runs in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import remat
+from remat import zoo
+from remat.runtime.allocator import allocation_trace, peak_of_trace
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CL = torch.channels_last
+
+
+def step_convolutions(name: str) -> list[dict[str, Any]]:
+    """The distinct ``conv2d`` calls of zoo ``name``'s unconstrained step (shapes, attributes, count,
+    and whether the input is the step's own input, which needs no gradient)."""
+    model, inputs, loss_fn = zoo.make(name, "small")
+    step = remat.compile(model, inputs, loss_fn)
+    params = set(step.program.params)  # a convolution of a step argument: the model's input, no gradient
+    seen: dict[tuple, dict[str, Any]] = {}
+    for ins in step.program.entry.instrs:
+        if ins.op.name != "conv2d":
+            continue
+        x, w = ins.operands
+        a = {k: tuple(v) if isinstance(v, (list, tuple)) else v for k, v in ins.attrs.items()}
+        key = (x.type.shape, w.type.shape, tuple(sorted(a.items())))
+        if key not in seen:
+            seen[key] = {"x": x.type.shape, "w": w.type.shape, "attrs": a, "count": 0, "input_grad": x not in params}
+        seen[key]["count"] += 1
+    return list(seen.values())
+
+
+def _workspace(fn: Callable[[], Any]) -> int:
+    _, events = allocation_trace(fn)
+    peak, end, _ = peak_of_trace(events)
+    return peak - end  # above what the call leaves allocated (its results)
+
+
+def measure(conv: dict[str, Any], rounds: int) -> dict[str, Any]:
+    a = conv["attrs"]
+    stride, padding = list(a.get("stride", (1, 1))), list(a.get("padding", (0, 0)))
+    dilation, groups = list(a.get("dilation", (1, 1))), a.get("groups", 1)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(conv["x"], generator=g), torch.randn(conv["w"], generator=g)
+    gy = torch.randn(torch.conv2d(x, w, None, stride, padding, dilation, groups).shape, generator=g)
+    mask = [conv["input_grad"], True, False]
+    xc, wc, gyc = (t.contiguous(memory_format=CL) for t in (x, w, gy))
+
+    def fwd(x, w):
+        return torch.conv2d(x, w, None, stride, padding, dilation, groups)
+
+    def bwd(gy, x, w):
+        gx, gw, _ = torch.ops.aten.convolution_backward(gy, x, w, None, stride, padding, dilation, False, [0, 0],
+                                                        groups, mask)
+        return gx, gw
+
+    def fwd_converted():
+        return fwd(x.contiguous(memory_format=CL), w.contiguous(memory_format=CL)).contiguous()
+
+    def bwd_converted():
+        gx, gw = bwd(gy.contiguous(memory_format=CL), x.contiguous(memory_format=CL), w.contiguous(memory_format=CL))
+        return (None if gx is None else gx.contiguous()), gw.contiguous()
+
+    calls = {"fwd_nchw": lambda: fwd(x, w), "fwd_nhwc": lambda: fwd(xc, wc), "fwd_converted": fwd_converted,
+             "bwd_nchw": lambda: bwd(gy, x, w), "bwd_nhwc": lambda: bwd(gyc, xc, wc), "bwd_converted": bwd_converted}
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for f in calls.values():
+        f()
+    for r in range(rounds):
+        names = list(calls)
+        names = names[r % len(names):] + names[: r % len(names)]
+        for k in names:
+            t0 = time.perf_counter()
+            calls[k]()
+            times[k].append(time.perf_counter() - t0)
+
+    def same(a, b) -> bool:
+        a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+        return all((p is None and q is None) or torch.equal(p, q.contiguous()) for p, q in zip(a, b))
+
+    out = {**conv, "x": list(conv["x"]), "w": list(conv["w"]),
+           "seconds": {k: statistics.median(v) for k, v in times.items()},
+           "workspace": {k: _workspace(f) for k, f in calls.items()},
+           "bit_identical": {"fwd_nhwc": same(calls["fwd_nchw"](), calls["fwd_nhwc"]()),
+                             "bwd_nhwc": same(calls["bwd_nchw"](), calls["bwd_nhwc"]())}}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds per call (default: 15)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {"models": {}}
+    for name in ("resnet", "unet"):
+        rows = [measure(c, args.rounds) for c in step_convolutions(name)]
+        total: dict[str, Any] = {}
+        for kind in ("fwd", "bwd"):
+            base = sum(r["seconds"][f"{kind}_nchw"] * r["count"] for r in rows)
+            for lay in ("nhwc", "converted"):
+                s = sum(r["seconds"][f"{kind}_{lay}"] * r["count"] for r in rows)
+                total[f"{kind}_{lay}_vs_nchw"] = s / base
+            total[f"{kind}_nchw_seconds"] = base
+            for lay in ("nchw", "nhwc", "converted"):
+                total[f"{kind}_{lay}_max_workspace"] = max(r["workspace"][f"{kind}_{lay}"] for r in rows)
+        res["models"][f"zoo {name} small"] = {"convolutions": rows, "per_step": total}
+        print(f"zoo {name} small: {sum(r['count'] for r in rows)} convolutions per step", flush=True)
+        for kind in ("fwd", "bwd"):
+            print(f"  {kind}: NCHW {total[f'{kind}_nchw_seconds'] * 1e3:.2f} ms; NHWC x{total[f'{kind}_nhwc_vs_nchw']:.2f},"
+                  f" converted around NCHW x{total[f'{kind}_converted_vs_nchw']:.2f}; largest workspace NCHW "
+                  f"{total[f'{kind}_nchw_max_workspace'] / 2**20:.2f} MiB, NHWC "
+                  f"{total[f'{kind}_nhwc_max_workspace'] / 2**20:.2f} MiB", flush=True)
+    res["config"] = {"rounds": args.rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                     "wall_s": time.perf_counter() - t0}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "conv_layout.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"wrote {out / 'conv_layout.json'}")
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
