@@ -67,8 +67,8 @@ def _revision(of: Path | None = None) -> str:
         rev = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
         if of is not None:
             return rev or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+changes" if dirty else "")
