@@ -95,3 +95,8 @@ def measure_peak(fn: Callable[[], Any], resident: int = 0) -> MemoryMeasurement:
     peak_net, end_net, allocated = peak_of_trace(events)
     n_alloc = sum(1 for _, d in events if d > 0)
     return MemoryMeasurement(resident + peak_net, resident, peak_net, end_net, allocated, n_alloc, result)
+
+
+def mib(b: int | None) -> str:
+    """Bytes as MiB with two decimals for the benchmarks' tables ("-" when not measured)."""
+    return "-" if b is None else f"{b / 2**20:.2f}"

@@ -52,7 +52,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import measure_peak, resident_bytes  # noqa: E402
+from _measure import measure_peak, mib as _mib, resident_bytes  # noqa: E402
 from train_bench import (LR, MOMENTUM, _clear_grads, _err, _num, _ratio, _report_dict,  # noqa: E402
                          _split, write_results)
 
@@ -450,10 +450,6 @@ def targets(rows: list[SpeedRow]) -> list[dict]:
 
 def _f(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
-
-
-def _mib(b: int | None) -> str:
-    return "-" if b is None else f"{b / 2**20:.2f}"
 
 
 def _stages_text(r: SpeedRow) -> str:

@@ -75,7 +75,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "models"))
-from _measure import measure_peak, resident_bytes  # noqa: E402
+from _measure import measure_peak, mib as _mib, resident_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LR = 0.1                 # tests/models' SGD (no momentum: no optimizer state)
@@ -477,10 +477,6 @@ def criteria(rows: list[Row], specs: dict[str, Spec]) -> list[dict]:
             "budget of the VM's count only (count_workspaces=False): 50% with workspaces counted is below "
             f"the minimum {_mib(r.half_minimum)} MiB" if r.half_status == "ok (VM)" else r.errors.get("50%", ""))
     return out
-
-
-def _mib(b: int | None) -> str:
-    return "-" if b is None else f"{b / 2**20:.2f}"
 
 
 def _f(x: float | None, spec: str) -> str:
