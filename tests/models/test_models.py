@@ -44,6 +44,13 @@ def test_one_step_at_half_the_peak_matches_eager(zm):
     step = remat.compile(model, inputs, optimizer=torch.optim.SGD(model.parameters(), lr=LR), budget=0.5,
                          count_workspaces=False)
     got = step(**inputs)
+    if step.channels_last:
+        # remat runs the convolutions channels-last: compare with eager PyTorch in that layout (remat's
+        # kernels are ATen's channels-last ones). Against NCHW eager the values agree to f32 rounding,
+        # but on one thread a ReLU of this ResNet flips at a pre-activation that rounds across zero, so
+        # its stem's weight gradient moves by 1% (eager channels-last moves by the same, bit for bit).
+        eager = eager.to(memory_format=torch.channels_last)
+        inputs = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v for k, v in inputs.items()}
     want = _eager_step(eager, opt_e, inputs)
     assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
     for (n, a), b in zip(model.named_parameters(), eager.parameters()):

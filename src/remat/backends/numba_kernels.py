@@ -158,7 +158,7 @@ class Pattern:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-_GEN_VERSION = 2  # bump when the generated code changes
+_GEN_VERSION = 3  # bump when the generated code changes
 
 
 def collapse(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
@@ -228,26 +228,55 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     for a in outs + [ins[k] for k in range(n_in) if p.full[k][0]]:
         lines.append(f"    {a} = {a}[lo:hi]")
     lines.append(f"    {', '.join(f'n{d}' for d in range(rank))}, = {outs[0]}.shape")
+    # Nodes that vary along the innermost dim only (a per-channel scale of a channels-last tensor) are
+    # computed once per call into a vector, before the main loop: LLVM hoists loop invariants out of
+    # inner loops, not out of outer ones. The same operations in the same order: the same bits.
+    inner = rank - 1
+    deps: dict[int, frozenset[int]] = {k: frozenset(d for d in range(rank) if p.full[k][d]) for k in range(n_in)}
+    for k, n in enumerate(body.nodes):
+        deps[n_in + k] = frozenset().union(*(deps[a] for a in n.args)) if n.args else frozenset()
+    hoisted: list[int] = []
+    for k, n in enumerate(body.nodes):  # in order: a node is hoisted when its node operands are
+        v = n_in + k
+        if (rank > 1 and n.op != "constant" and deps[v] == {inner} and vals[v].dtype in FLOATS
+                and all(a < n_in or a in hoisted or a in consts for a in n.args)):
+            hoisted.append(v)
+
+    def emit(ind: str, nodes: list[int], names: dict[int, str], index: list[str]) -> None:
+        needed = set(nodes)
+        for v in reversed(nodes):
+            needed.update(body.nodes[v - n_in].args)
+        for k in range(n_in):
+            if k in needed:
+                sub = ", ".join(index[d] if p.full[k][d] else "0" for d in range(rank))
+                names[k] = f"v{k}"
+                lines.append(f"{ind}v{k} = {ins[k]}[{sub}]")
+        for v in nodes:
+            n = body.nodes[v - n_in]
+            _, tmpl = NODE_CODE[n.op]
+            a0 = vals[n.args[0]].dtype if n.args else vals[v].dtype
+            expr = tmpl.format(*(names[a] for a in n.args), z=zero.get(a0, "0"),
+                               dt=_NB_TYPE.get(n.attr_dict.get("dtype"), ""))
+            names[v] = f"v{v}"
+            lines.append(f"{ind}v{v} = {expr}")
+
+    rest = [n_in + k for k, n in enumerate(body.nodes) if n.op != "constant" and n_in + k not in hoisted]
+    read = set(body.outputs).union(*(body.nodes[v - n_in].args for v in rest))
+    stored = [v for v in hoisted if v in read]
+    if stored:
+        for v in stored:
+            lines.append(f"    h{v} = np.empty(n{inner}, dtype=np.{_NB_TYPE[vals[v].dtype]})")
+        lines.append(f"    for j{inner} in range(n{inner}):")
+        emit("        ", hoisted, dict(consts), ["0"] * inner + [f"j{inner}"])
+        lines += [f"        h{v}[j{inner}] = v{v}" for v in stored]
     ind = "    "
     for d in range(rank):
         lines.append(f"{ind}for j{d} in range(n{d}):")
         ind += "    "
     names: dict[int, str] = dict(consts)
-    for k in range(n_in):
-        sub = ", ".join(idx[d] if p.full[k][d] else "0" for d in range(rank))
-        names[k] = f"v{k}"
-        lines.append(f"{ind}v{k} = {ins[k]}[{sub}]")
-    for k, n in enumerate(body.nodes):
-        v = n_in + k
-        if n.op == "constant":
-            continue
-        _, tmpl = NODE_CODE[n.op]
-        dt = vals[v].dtype
-        a0 = vals[n.args[0]].dtype if n.args else dt
-        expr = tmpl.format(*(names[a] for a in n.args), z=zero.get(a0, "0"),
-                           dt=_NB_TYPE.get(n.attr_dict.get("dtype"), ""))
-        names[v] = f"v{v}"
-        lines.append(f"{ind}v{v} = {expr}")
+    for v in stored:
+        names[v] = f"h{v}[j{inner}]"
+    emit(ind, rest, names, idx)
     sub = ", ".join(idx)
     for k, o in enumerate(body.outputs):
         lines.append(f"{ind}{outs[k]}[{sub}] = {names[o]}")
@@ -555,12 +584,14 @@ def _pool_kernel(which: str) -> Callable:
 
 def _pool_check(ins: Instruction) -> bool:
     x = ins.operands[0].type
-    return x.dtype in FLOATS and len(x.shape) == 4 and all(v.type.dtype == x.dtype for v in ins.operands)
+    return (x.dtype in FLOATS and len(x.shape) == 4 and all(v.type.dtype == x.dtype for v in ins.operands)
+            and ins.attrs.get("layout", "NCHW") == "NCHW")  # NHWC: ATen's channels-last kernels
 
 
 def _index_grad_check(ins: Instruction) -> bool:
     gy, idx = (v.type for v in ins.operands)
-    return gy.dtype in FLOATS and len(gy.shape) == 4 and idx.dtype in (DType.i32, DType.i64)
+    return (gy.dtype in FLOATS and len(gy.shape) == 4 and idx.dtype in (DType.i32, DType.i64)
+            and ins.attrs.get("layout", "NCHW") == "NCHW")
 
 
 def _planes(a: np.ndarray) -> np.ndarray:
@@ -584,7 +615,7 @@ def _pool_parts(out_shape: tuple[int, ...], kernel) -> int:
 
 
 @kernel("max_pool2d", "numba", checker=_pool_check)
-def max_pool2d(x, kernel, stride, padding=(0, 0)):
+def max_pool2d(x, kernel, stride, padding=(0, 0), layout="NCHW"):
     """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
     out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
@@ -594,7 +625,7 @@ def max_pool2d(x, kernel, stride, padding=(0, 0)):
 
 
 @kernel("max_pool2d_grad", "numba", checker=_pool_check)
-def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
+def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0), layout="NCHW"):
     """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
     gx = _empty(x.shape, x.dtype)
     g3 = gx.reshape(-1, x.shape[2], x.shape[3])
@@ -604,7 +635,7 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
 
 
 @kernel("max_pool2d_with_indices", "numba", checker=_pool_check)
-def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
+def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64, layout="NCHW"):
     """max_pool2d and each window's flat winner index in one pass (torch's rule, as ``max_pool2d``)."""
     out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     idx = _empty(out.shape, index_dtype.numpy)
@@ -615,7 +646,7 @@ def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType
 
 
 @kernel("max_pool2d_index_grad", "numba", checker=_index_grad_check)
-def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
+def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0), layout="NCHW"):
     """Each window's gradient added at its saved index, in output raster order per plane (as ATen)."""
     gx = _empty(tuple(input_shape), gy.dtype)
     planes = gx.shape[0] * gx.shape[1]
@@ -678,11 +709,11 @@ def _bn_stats_kernel() -> Callable:
 
 def _bn_stats_check(ins: Instruction) -> bool:
     x = ins.operands[0].type
-    return x.dtype in FLOATS and all(v.type.dtype == x.dtype for v in ins.operands)
+    return x.dtype in FLOATS and all(v.type.dtype == x.dtype for v in ins.operands) and ins.attrs.get("axis", 1) == 1
 
 
 @kernel("batch_norm_stats", "numba", checker=_bn_stats_check)
-def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
+def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5, axis=1):
     """Each channel's mean and biased variance in two passes over it, then its invstd and running
     update, in float64, rounded once; channels split across threads (same bits on any split)."""
     c = x.shape[1]

@@ -7,10 +7,13 @@ result dtype and shape; rank-0 results are 0-d arrays, never NumPy scalars.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import scipy.special
 from numpy.lib.stride_tricks import as_strided
 
+from ..ir.ops.nn import TO_NCHW, TO_NHWC
 from ..ir.types import DType
 from . import kernel
 
@@ -298,6 +301,42 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     return _fresh(out, g.dtype)
 
 
+# ---------------------------------------------------------------- layouts
+def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
+    """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts``
+    transposed to NCHW (``shape_kw`` permuted), the activation results ``outs`` transposed back."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def any_layout(*args, layout="NCHW", **kw):
+            if layout == "NCHW":
+                return fn(*args, **kw)
+            args = [a.transpose(TO_NCHW) if i in acts else a for i, a in enumerate(args)]
+            if shape_kw is not None:
+                kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
+            out = fn(*args, **kw)
+            back = [_fresh(r.transpose(TO_NHWC)) if i in outs else r
+                    for i, r in enumerate(out if isinstance(out, tuple) else (out,))]
+            return tuple(back) if isinstance(out, tuple) else back[0]
+        return any_layout
+    return wrap
+
+
+def _channels_at_1(fn):
+    """A batch-norm kernel written for channels on axis 1, for any channel ``axis``: x (and the
+    output gradient) moved so, the results of x's rank moved back."""
+    @functools.wraps(fn)
+    def any_axis(*args, axis=1, **kw):
+        if axis == 1:
+            return fn(*args, **kw)
+        rank = args[0].ndim if fn.__name__ != "batch_norm_grad" else args[1].ndim
+        n_acts = 2 if fn.__name__ == "batch_norm_grad" else 1
+        args = [np.moveaxis(a, axis, 1) if i < n_acts else a for i, a in enumerate(args)]
+        out = fn(*args, **kw)
+        back = [_fresh(np.moveaxis(r, 1, axis)) if r.ndim == rank else r for r in (out if isinstance(out, tuple) else (out,))]
+        return tuple(back) if isinstance(out, tuple) else back[0]
+    return any_axis
+
+
 # ---------------------------------------------------------------- convolution (NCHW, OIHW)
 def _windows(xp: np.ndarray, kh: int, kw: int, oh: int, ow: int, stride, dilation) -> np.ndarray:
     """Read-only view [N, C, OH, OW, kH, kW] of the windows of a padded input."""
@@ -320,6 +359,7 @@ def _out_hw(h, w, kh, kw, stride, padding, dilation):
 
 
 @k("conv2d")
+@_nchw_kernel((0,))
 def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     xd = _up(x)
     wd = _up(w)
@@ -334,6 +374,7 @@ def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
 
 
 @k("conv2d_input_grad")
+@_nchw_kernel((0,), 'input_shape')
 def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     gyd, wd = _up(gy), _up(w)
     n, c, h, wid = input_shape
@@ -352,6 +393,7 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
 
 
 @k("conv2d_weight_grad")
+@_nchw_kernel((0, 1), outs=())
 def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     xd, gyd = _up(x), _up(gy)
     n, c, h, wid = x.shape
@@ -364,6 +406,7 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
 
 
 @k("conv2d_grads")
+@_nchw_kernel((0, 1), outs=(0,))
 def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     a = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
     return conv2d_input_grad(gy, w, x.shape, **a), conv2d_weight_grad(x, gy, w.shape, **a)
@@ -377,12 +420,14 @@ def _pool_windows(x, kernel, stride, padding, fill):
 
 
 @k("max_pool2d")
+@_nchw_kernel((0,))
 def max_pool2d(x, kernel, stride, padding=(0, 0)):
     win, _, _ = _pool_windows(_up(x), kernel, stride, padding, -np.inf)  # padding never wins
     return _fresh(win.max(axis=(4, 5)), x.dtype)
 
 
 @k("avg_pool2d")
+@_nchw_kernel((0,))
 def avg_pool2d(x, kernel, stride, padding=(0, 0)):
     # Padding counts as zeros in the mean (torch's count_include_pad=True).
     win, _, _ = _pool_windows(_up(x), kernel, stride, padding, 0.0)
@@ -411,24 +456,28 @@ def _route(gy, rows, cols, input_shape, dtype):
 
 
 @k("max_pool2d_grad")
+@_nchw_kernel((0, 1))
 def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
     return _route(_up(gy), rows, cols, x.shape, x.dtype)
 
 
 @k("max_pool2d_with_indices")
+@_nchw_kernel((0,))
 def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
     rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
     return max_pool2d(x, kernel, stride, padding), _fresh(rows * x.shape[3] + cols, index_dtype.numpy)
 
 
 @k("max_pool2d_index_grad")
+@_nchw_kernel((0, 1), 'input_shape')
 def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
     rows, cols = np.divmod(indices, input_shape[3])
     return _route(_up(gy), rows, cols, input_shape, gy.dtype)
 
 
 @k("avg_pool2d_grad")
+@_nchw_kernel((0,), 'input_shape')
 def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
     gyd = _up(gy)
     n, c, h, w = input_shape
@@ -648,6 +697,7 @@ def _channel_np(v: np.ndarray, rank: int) -> np.ndarray:
 
 
 @k("batch_norm")
+@_channels_at_1
 def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     na = 2 if affine else 0
     w, b = (rest[0], rest[1]) if affine else (None, None)
@@ -674,6 +724,7 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
 
 
 @k("batch_norm_stats")
+@_channels_at_1
 def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
     """In float64 (the numba kernel's precision), rounded to x's dtype once."""
     x64 = x.astype(np.float64)
@@ -690,6 +741,7 @@ def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
 
 
 @k("batch_norm_grad")
+@_channels_at_1
 def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
     """s1, s2: (save_mean, save_invstd) in training, (running_mean, running_var) in eval."""
     r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))

@@ -26,7 +26,7 @@ from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.build import clone_into
 from .fuse import Judge, inplace_updates, keep_accepted, within_peak
 
-_CONV_KEYS = ("stride", "padding", "dilation", "groups")
+_CONV_KEYS = ("stride", "padding", "dilation", "groups", "layout")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from .dce import dce
 from .decompose import decompose_pass
 from .fold import fold
 from .inline import inline
+from .layout import channels_last
 from .pipeline import PassFn, PassRecord, PipelineResult, lookup, run_passes
 from .simplify import simplify
 
@@ -29,6 +30,7 @@ PASSES: dict[str, PassFn] = {
     "decompose": decompose_pass,
     "linear-cross-entropy": cross_entropy_pass,
     "split-batch-norm": split_batch_norm,
+    "channels-last": channels_last,
 }
 """The passes of this package by name."""
 

@@ -15,6 +15,11 @@ the composite ran the statistics again (the larger part of the kernel: ~1.7 of 1
 recomputation evaluate y with the same ops, so a rematerialised step stays bit-identical to the
 unconstrained one. Runs on every training graph before planning (``remat.step.prepare_joint``, and
 the chain planner's stages). Eval-mode batch norm (running statistics, no reduction) is left whole.
+
+Channels-last batch norms (channel ``axis`` not 1: ``remat.passes.layout``) are left whole too: ATen's
+channels-last kernel computes statistics and normalisation together faster than its statistics pass
+alone plus the element-wise instruction (zoo ResNet small, 15 batch norms per step: 1.5 ms whole
+against 1.2 + 1.9 ms split), and recomputing y with it costs about one extra pass over x.
 """
 from __future__ import annotations
 
@@ -38,15 +43,16 @@ def _body(affine: bool) -> str:
 def _split(b, xs, attrs):
     x, affine = xs[0], attrs["affine"]
     running = xs[1 + 2 * affine:]
-    stats = b.op("batch_norm_stats", x, *running, momentum=attrs["momentum"], eps=attrs["eps"])
+    stats = b.op("batch_norm_stats", x, *running, momentum=attrs["momentum"], eps=attrs["eps"], axis=attrs["axis"])
     rank = x.type.rank
-    per_channel = [_channel(b, v, rank) for v in [stats[0], stats[1]] + list(xs[1:3] if affine else [])]
+    per_channel = [_channel(b, v, rank, attrs["axis"]) for v in [stats[0], stats[1]] + list(xs[1:3] if affine else [])]
     y = b.op("fused", x, *per_channel, body=_body(affine))
     return [y, *stats]
 
 
 def _is_training_bn(ins: Instruction) -> bool:
-    return ins.op.name == "batch_norm" and ins.attrs["training"]
+    """A training-mode batch norm with its channels on axis 1 (NCHW), the form this pass splits."""
+    return ins.op.name == "batch_norm" and ins.attrs["training"] and ins.attrs["axis"] == 1
 
 
 def split_batch_norm(module: Module) -> Module:

@@ -34,6 +34,20 @@ from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_
 
 
 ALGORITHM_OPTIONS = ("auto", "reference")
+LAYOUT_OPTIONS = ("auto", "NCHW")
+"""``layout``: "auto" computes a convolutional model channels-last (``remat.passes.layout``), "NCHW" as
+captured."""
+
+
+def apply_layout(imp, layout: str):
+    """The imported model ``imp`` with its forward in the layout ``layout`` asks for (itself when
+    nothing changes): every path that differentiates the step starts from it, so all plans share it."""
+    if layout == "NCHW":
+        return imp
+    from ..passes.layout import channels_last
+
+    module = channels_last(imp.module)
+    return imp if module is imp.module else replace(imp, module=module, function=module[imp.function.name])
 """``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy, attention with
 dropout without its score matrix) when
 the reference step does not fit the budget and they are faster or the only feasible choice;
@@ -108,6 +122,7 @@ class Report:
     predicted_step_seconds: float | None = None  # the cost model's seconds for the whole step (all micro-batches)
     micro_batch_choice: list[str] = field(default_factory=list)  # each micro-batch count tried and why one won
     capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
+    channels_last: bool = False  # the convolutions run channels-last (NHWC; the ``layout`` option)
 
     def __str__(self) -> str:
         def b(v):
@@ -123,6 +138,7 @@ class Report:
             ("allocator peak: measured", b(self.measured_allocator_peak)),
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
+            ("layout", "channels-last (NHWC)" if self.channels_last else "as captured"),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
@@ -196,7 +212,7 @@ class TrainStep:
                  print_after: str | Sequence[str] | None = None, data_parallel: str | None = None,
                  bucket_bytes: int | None = None, count_workspaces: bool = True, measure_allocator: bool = True,
                  algorithms: str = "auto", micro_batches: int = 1, loss_reduction: str | None = None,
-                 full_batch_peak: int | None = None):
+                 layout: str = "auto", full_batch_peak: int | None = None):
         # The options, to compile this step again for other input shapes (``_call_other_shapes``).
         self._options = {k: v for k, v in locals().items()
                          if k not in ("self", "model", "example_inputs", "loss_fn", "optimizer", "budget",
@@ -216,6 +232,9 @@ class TrainStep:
         if algorithms not in ALGORITHM_OPTIONS:
             raise ValueError(f"algorithms must be one of {', '.join(map(repr, ALGORITHM_OPTIONS))}, got {algorithms!r}")
         self._algorithms = algorithms
+        if layout not in LAYOUT_OPTIONS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUT_OPTIONS))}, got {layout!r}")
+        self.layout_option = layout
         self._variant: Variant | None | bool = False  # the lean-algorithm variant, built on first need
         if solver not in SOLVER_OPTIONS:
             raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
@@ -251,8 +270,10 @@ class TrainStep:
         self.measured_allocator_peak: int | None = None   # profiler memory events of the first step (or on copies)
 
         # ---- the stages, in order (STAGES)
-        self.imported = imp = self._stage("capture", lambda: import_module(
+        captured = self._stage("capture", lambda: import_module(
             model, self._keywords(self._capture_example), loss_fn, train=model.training, num_targets=num_targets))
+        self.imported = imp = apply_layout(captured, layout)
+        self.channels_last = imp is not captured  # the convolutions run NHWC (remat.passes.layout)
         self._bind_torch(imp)
         if k > 1:
             self.loss_reduction = micro_batch_semantics(self, loss_reduction, num_targets)
@@ -724,7 +745,7 @@ class TrainStep:
                       self.measured_allocator_peak,
                       self.shapes_cached(), list(self.algorithm_choices), self.micro_batches,
                       self._example[0].shape[0] if self.micro_batches > 1 else None, self.predicted_seconds,
-                      list(self.micro_batch_choice), self.imported.from_cache)
+                      list(self.micro_batch_choice), self.imported.from_cache, self.channels_last)
 
     def _value_kinds(self) -> dict:
         """The kind of every value of the step program (``remat.distributed.memory.kinds``)."""
@@ -798,6 +819,10 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     algorithms (each language-model head's cross-entropy chunked, ``linear_cross_entropy``; attention with
     dropout without its score matrix, ``dropout_attention``); ``report().algorithms`` says what was chosen and why. Such a step's
     gradients equal the unconstrained step's up to summation order; "reference" keeps them bit-identical.
+    ``layout`` ("auto", the default, or "NCHW"): "auto" runs a model's convolutions, and the pooling, batch
+    norms and element-wise ops between them, channels-last (NHWC: faster kernels, smaller workspaces;
+    ``remat.passes.layout``); values equal the NCHW step's up to summation order, and every budget
+    plans the same layout. "NCHW" keeps the layout the model was captured in.
     ``micro_batches``: 1 (default: the whole batch at once), ``k`` (``k`` micro-batches of the batch
     with gradient accumulation in the step program; gradients equal the whole batch's up to
     summation order) or "auto" (the count chosen with recomputation: the least predicted step time

@@ -112,8 +112,10 @@ def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
     from ..plan.liveness import predict_peak
     from ..step.program import prepare_joint, step_program, training_graph
 
-    imp = import_module(step.model, step._keywords(step._example), step._loss_fn, train=step.model.training,
-                        num_targets=num_targets)
+    from .api import apply_layout
+
+    imp = apply_layout(import_module(step.model, step._keywords(step._example), step._loss_fn,
+                                     train=step.model.training, num_targets=num_targets), step.layout_option)
     joint = prepare_joint(training_graph(imp.function, len(imp.param_names)), step.dialects)
     return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
 

@@ -237,8 +237,54 @@ declare(OpDef("linear", 3, (), _linear_infer, frozenset({"matmul"}),
                                 Sample([rand(r, 2, 3, 4), rand(r, 2, 4), rand(r, 2)])]))
 
 
-# ---------------------------------------------------------------- convolution (NCHW, OIHW)
-_CONV_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("groups", "int", 1))
+# ---------------------------------------------------------------- layouts of image tensors
+LAYOUTS = ("NCHW", "NHWC")
+"""How a convolution or pooling op stores its [N, C, H, W] tensors: ``NCHW`` (PyTorch's default) or
+``NHWC`` (channels last: the shape is [N, H, W, C]; ``remat.passes.layout`` chooses it). Weights stay
+OIHW either way."""
+TO_NHWC = (0, 2, 3, 1)
+"""``transpose`` perm from NCHW to NHWC (physical axis p holds logical axis TO_NHWC[p])."""
+TO_NCHW = (0, 3, 1, 2)
+"""``transpose`` perm from NHWC back to NCHW."""
+_LAYOUT = Attr("layout", "str", "NCHW")
+
+
+def nchw(name: str, t: TensorType, attrs) -> tuple[int, ...]:
+    """The [N, C, H, W] shape of ``t`` stored in ``attrs['layout']`` (checked: rank 4, a known layout)."""
+    layout = attrs.get("layout", "NCHW")
+    if layout not in LAYOUTS:
+        raise TypeError(f"'{name}': layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if t.rank != 4:
+        raise TypeError(f"'{name}' needs an input [N,C,H,W] ({layout}), got {t}")
+    return t.shape if layout == "NCHW" else tuple(t.shape[i] for i in TO_NCHW)
+
+
+def stored(shape: tuple[int, ...], attrs) -> tuple[int, ...]:
+    """An [N, C, H, W] shape as ``attrs['layout']`` stores it."""
+    return tuple(shape) if attrs.get("layout", "NCHW") == "NCHW" else tuple(shape[i] for i in TO_NHWC)
+
+
+def nhwc_sample(s: Sample, acts: tuple[int, ...], shape_attr: str | None = None) -> Sample:
+    """A sample of an NCHW op as its NHWC twin: the activation operands ``acts`` transposed and the
+    shape attribute ``shape_attr`` (an activation's shape) permuted."""
+    args = [np.ascontiguousarray(a.transpose(TO_NHWC)) if i in acts else a for i, a in enumerate(s.args)]
+    attrs = {**s.attrs, "layout": "NHWC"}
+    if shape_attr is not None:
+        attrs[shape_attr] = tuple(s.attrs[shape_attr][i] for i in TO_NHWC)
+    return Sample(args, attrs)
+
+
+def with_nhwc(samples, acts: tuple[int, ...], shape_attr: str | None = None):
+    """``samples`` (a sample function) plus the NHWC twin of its first sample."""
+    def sample(r):
+        ss = samples(r)
+        return ss + [nhwc_sample(ss[0], acts, shape_attr)]
+    return sample
+
+
+# ---------------------------------------------------------------- convolution (NCHW or NHWC, OIHW)
+_CONV_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("groups", "int", 1),
+               _LAYOUT)
 
 
 def _pair(name, attrs, key):
@@ -264,17 +310,19 @@ def _conv_check(x, w, attrs):
     expect_same_dtype("conv2d", [x, w])
     expect_float("conv2d", x)
     if x.rank != 4 or w.rank != 4:
-        raise TypeError(f"'conv2d' needs input [N,C,H,W] and weight [O,C/groups,kH,kW], got {x} and {w}")
+        raise TypeError(f"'conv2d' needs input [N,C,H,W] ({attrs.get('layout', 'NCHW')}) and weight "
+                        f"[O,C/groups,kH,kW], got {x} and {w}")
+    xs = nchw("conv2d", x, attrs)
     g = attrs["groups"]
-    if g < 1 or x.shape[1] % g or w.shape[0] % g or w.shape[1] * g != x.shape[1]:
-        raise TypeError(f"'conv2d': {x.shape[1]} input channels and weight {w} do not fit groups={g}")
-    return conv_out_hw("conv2d", x.shape[2:], w.shape[2:], attrs)
+    if g < 1 or xs[1] % g or w.shape[0] % g or w.shape[1] * g != xs[1]:
+        raise TypeError(f"'conv2d': {xs[1]} input channels and weight {w} do not fit groups={g}")
+    return conv_out_hw("conv2d", xs[2:], w.shape[2:], attrs)
 
 
 def _conv_infer(types, attrs):
     x, w = types
     oh, ow = _conv_check(x, w, attrs)
-    return x.with_shape((x.shape[0], w.shape[0], oh, ow))
+    return x.with_shape(stored((x.shape[0], w.shape[0], oh, ow), attrs))
 
 
 def _conv_flops(ins, outs, attrs):
@@ -282,10 +330,11 @@ def _conv_flops(ins, outs, attrs):
 
 
 declare(OpDef("conv2d", 2, _CONV_ATTRS, _conv_infer, frozenset({"conv"}),
-              doc="2-d cross-correlation, NCHW input, OIHW weight", flops=_conv_flops,
-              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
-                                Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
-                                Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)})]))
+              doc="2-d cross-correlation, NCHW (or NHWC: layout) input, OIHW weight", flops=_conv_flops,
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
+                  Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
+                  Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)})], (0,))))
 
 
 def _conv_in_grad_infer(types, attrs):
@@ -309,13 +358,17 @@ def _conv_w_grad_infer(types, attrs):
 declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _conv_in_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its input, from (grad_output, weight)",
               flops=lambda ins, outs, attrs: 2.0 * ins[0].numel * _prod(ins[1].shape[1:]),
-              sample=lambda r: [Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
-                                Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1), "groups": 2})]))
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
+                  Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1),
+                                                                      "groups": 2})], (0,), "input_shape")))
 declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS, _conv_w_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its weight, from (input, grad_output)",
               flops=lambda ins, outs, attrs: 2.0 * ins[1].numel * _prod(outs[0].shape[1:]),
-              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 4, 6, 6)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1)}),
-                                Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1), "groups": 2})]))
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 4, 6, 6)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1)}),
+                  Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1),
+                                                                      "groups": 2})], (0, 1))))
 
 
 
@@ -333,12 +386,13 @@ declare(OpDef("conv2d_grads", 3, _CONV_ATTRS, _conv_grads_infer, frozenset({"con
                   "input, weight): ATen's convolution_backward prepares grad_output once for both. Made by "
                   "lowering (remat.lower.siblings), never by differentiation",
               flops=lambda ins, outs, attrs: 2.0 * ins[0].numel * (_prod(ins[2].shape[1:]) + _prod(outs[1].shape[1:])),
-              sample=lambda r: [Sample([rand(r, 2, 4, 6, 6), rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
-                                Sample([rand(r, 1, 4, 3, 4), rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)],
-                                       {"stride": (2, 1), "groups": 2})]))
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 4, 6, 6), rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
+                  Sample([rand(r, 1, 4, 3, 4), rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)],
+                         {"stride": (2, 1), "groups": 2})], (0, 1))))
 
-# ---------------------------------------------------------------- pooling (NCHW)
-_POOL_ATTRS = (ints("kernel"), ints("stride", ()), ints("padding", (0, 0)))
+# ---------------------------------------------------------------- pooling (NCHW or NHWC)
+_POOL_ATTRS = (ints("kernel"), ints("stride", ()), ints("padding", (0, 0)), _LAYOUT)
 
 
 def _pool_norm(types, attrs):
@@ -351,13 +405,12 @@ def _pool_infer(name):
     def infer(types, attrs):
         x = types[0]
         expect_float(name, x)
-        if x.rank != 4:
-            raise TypeError(f"'{name}' needs an input [N,C,H,W], got {x}")
+        xs = nchw(name, x, attrs)
         k = _pair(name, attrs, "kernel")
         if any(2 * p > kk for p, kk in zip(attrs["padding"], k)):
             raise TypeError(f"'{name}': padding {list(attrs['padding'])} must be at most half the kernel {list(k)}")
-        oh, ow = conv_out_hw(name, x.shape[2:], k, attrs)
-        return x.with_shape(x.shape[:2] + (oh, ow))
+        oh, ow = conv_out_hw(name, xs[2:], k, attrs)
+        return x.with_shape(stored(xs[:2] + (oh, ow), attrs))
 
     return infer
 
@@ -366,8 +419,9 @@ def _pool_flops(ins, outs, attrs):
     return float(max(outs[0].numel, ins[0].numel) * _prod(attrs["kernel"]))
 
 
-_POOL_SAMPLES = lambda r: [Sample([rand(r, 2, 3, 6, 6)], {"kernel": (2, 2)}),  # noqa: E731
-                           Sample([rand(r, 1, 2, 7, 5)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]
+_POOL_SAMPLES = with_nhwc(lambda r: [Sample([rand(r, 2, 3, 6, 6)], {"kernel": (2, 2)}),
+                                    Sample([rand(r, 1, 2, 7, 5)], {"kernel": (3, 3), "stride": (2, 2),
+                                                                   "padding": (1, 1)})], (0,))
 declare(OpDef("max_pool2d", 1, _POOL_ATTRS, _pool_infer("max_pool2d"), frozenset(), normalize=_pool_norm,
               doc="max over windows (padding never wins)", sample=_POOL_SAMPLES, flops=_pool_flops))
 declare(OpDef("avg_pool2d", 1, _POOL_ATTRS, _pool_infer("avg_pool2d"), frozenset(), normalize=_pool_norm,
@@ -396,7 +450,8 @@ def _max_pool_index_grad_infer(types, attrs):
 
 def _idx_samples(r):
     ss = _POOL_SAMPLES(r)
-    return ss + [Sample(ss[1].args, {**ss[1].attrs, "index_dtype": DType.i32})]
+    return ss + [Sample(ss[1].args, {**ss[1].attrs, "index_dtype": DType.i32}),
+                 nhwc_sample(Sample(ss[1].args, {**ss[1].attrs, "index_dtype": DType.i32}), (0,))]
 
 
 declare(OpDef("max_pool2d_with_indices", 1, _POOL_ATTRS + (Attr("index_dtype", "dtype", DType.i64),),
@@ -420,7 +475,7 @@ def _index_grad_samples(r):
         cols = np.clip(np.arange(ow)[None, :] * sw - pw + r.integers(0, kw, (n, c, oh, ow)), 0, w - 1)
         idx_dtype = np.int64 if not out else np.int32  # both index widths are accepted
         out.append(Sample([rand(r, n, c, oh, ow), (rows * w + cols).astype(idx_dtype)], {**attrs, "input_shape": shape}))
-    return out
+    return out + [nhwc_sample(out[1], (0, 1), "input_shape")]
 
 
 declare(OpDef("max_pool2d_index_grad", 2, (ints("input_shape"),) + _POOL_ATTRS, _max_pool_index_grad_infer,
@@ -450,12 +505,16 @@ def _avg_pool_grad_infer(types, attrs):
 declare(OpDef("max_pool2d_grad", 2, _POOL_ATTRS, _max_pool_grad_infer, frozenset(), normalize=_pool_norm,
               doc="gradient of max_pool2d from (input, grad_output): routed to the first maximum of each window",
               flops=_pool_flops,
-              sample=lambda r: [Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 3, 3, 3)], {"kernel": (2, 2)}),
-                                Sample([rand(r, 1, 2, 7, 5), rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)})]))
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 3, 3, 3)], {"kernel": (2, 2)}),
+                  Sample([rand(r, 1, 2, 7, 5), rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2),
+                                                                      "padding": (1, 1)})], (0, 1))))
 declare(OpDef("avg_pool2d_grad", 1, (ints("input_shape"),) + _POOL_ATTRS, _avg_pool_grad_infer, frozenset(),
               normalize=_pool_norm, doc="gradient of avg_pool2d from grad_output", flops=_pool_flops,
-              sample=lambda r: [Sample([rand(r, 2, 3, 3, 3)], {"kernel": (2, 2), "input_shape": (2, 3, 6, 6)}),
-                                Sample([rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1), "input_shape": (1, 2, 7, 5)})]))
+              sample=with_nhwc(lambda r: [
+                  Sample([rand(r, 2, 3, 3, 3)], {"kernel": (2, 2), "input_shape": (2, 3, 6, 6)}),
+                  Sample([rand(r, 1, 2, 4, 3)], {"kernel": (3, 3), "stride": (2, 2), "padding": (1, 1),
+                                                 "input_shape": (1, 2, 7, 5)})], (0,), "input_shape")))
 
 
 # ================================================================ VJP rules (reverse mode)
@@ -465,8 +524,8 @@ from math import prod as _prod  # noqa: E402
 from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves, const as _const, def_vjp_variant, expand_to as _expand, scalar_like as _c, unbroadcast as _unb  # noqa: E402
 
-_CONV_KEYS = ("stride", "padding", "dilation", "groups")
-_POOL_KEYS = ("kernel", "stride", "padding")
+_CONV_KEYS = ("stride", "padding", "dilation", "groups", "layout")
+_POOL_KEYS = ("kernel", "stride", "padding", "layout")
 
 
 def _keepdims_shape(p):
@@ -818,6 +877,22 @@ def _nll_loss_grad_decomp(b, xs, attrs):
 
 
 # ---------------------------------------------------------------- pooling through strided slices
+def _in_nchw(acts: tuple[int, ...], shape_attr: str | None = None):
+    """A decomposition written for NCHW, also for NHWC: the activation operands ``acts`` transposed
+    to NCHW first (``shape_attr`` permuted), the rank-4 results transposed back."""
+    def wrap(rule):
+        def rule_any_layout(b, xs, attrs):
+            if attrs.get("layout", "NCHW") == "NCHW":
+                return rule(b, xs, attrs)
+            xs = [b.op("transpose", v, perm=TO_NCHW) if i in acts else v for i, v in enumerate(xs)]
+            attrs = {**attrs, "layout": "NCHW"}
+            if shape_attr is not None:
+                attrs[shape_attr] = tuple(attrs[shape_attr][i] for i in TO_NCHW)
+            return [b.op("transpose", v, perm=TO_NHWC) if v.type.rank == 4 else v for v in rule(b, xs, attrs)]
+        return rule_any_layout
+    return wrap
+
+
 def _pool_geometry(x_shape, attrs):
     """(padding, (out_h, out_w)) of a pooling window over an [N, C, H, W] input."""
     return attrs["padding"], conv_out_hw("pool", x_shape[2:], attrs["kernel"], attrs)
@@ -871,11 +946,13 @@ def _max_pool_ir(b, x, attrs):
 
 
 @def_decomposition("max_pool2d")
+@_in_nchw((0,))
 def _max_pool2d_decomp(b, xs, attrs):
     return [_max_pool_ir(b, xs[0], attrs)[2]]
 
 
 @def_decomposition("avg_pool2d")
+@_in_nchw((0,))
 def _avg_pool2d_decomp(b, xs, attrs):
     (x,) = xs
     padding, out_hw = _pool_geometry(x.type.shape, attrs)
@@ -889,6 +966,7 @@ def _avg_pool2d_decomp(b, xs, attrs):
 
 
 @def_decomposition("avg_pool2d_grad")
+@_in_nchw((0,), 'input_shape')
 def _avg_pool2d_grad_decomp(b, xs, attrs):
     (gy,) = xs
     shape = attrs["input_shape"]
@@ -916,6 +994,7 @@ def _first_max_hits(b, wins, y):
 
 
 @def_decomposition("max_pool2d_grad")
+@_in_nchw((0, 1))
 def _max_pool2d_grad_decomp(b, xs, attrs):
     x, gy = xs
     xp, wins, y = _max_pool_ir(b, x, attrs)
@@ -928,6 +1007,7 @@ def _max_pool2d_grad_decomp(b, xs, attrs):
 
 
 @def_decomposition("max_pool2d_with_indices")
+@_in_nchw((0,))
 def _max_pool2d_with_indices_decomp(b, xs, attrs):
     (x,) = xs
     _, wins, y = _max_pool_ir(b, x, attrs)
@@ -948,6 +1028,7 @@ def _max_pool2d_with_indices_decomp(b, xs, attrs):
 
 
 @def_decomposition("max_pool2d_index_grad")
+@_in_nchw((0, 1), 'input_shape')
 def _max_pool2d_index_grad_decomp(b, xs, attrs):
     gy, idx = xs
     n, c, h, w = attrs["input_shape"]

@@ -100,15 +100,26 @@ declare(OpDef("layer_norm_grad", None, (Attr("axis", "int"),), _layer_norm_grad_
 
 
 # ---------------------------------------------------------------- batch norm
+_BN_AXIS = Attr("axis", "int", 1)
+"""The channel axis of batch norm's input: 1 ([N, C, ...], PyTorch's), or the last one of a
+channels-last layout ([N, H, W, C], ``remat.passes.layout``)."""
 _BN_ATTRS = (Attr("training", "bool", True), Attr("momentum", "float", 0.1), Attr("eps", "float", 1e-5),
-             Attr("affine", "bool", True))
+             Attr("affine", "bool", True), _BN_AXIS)
 
 
-def _bn_x(name: str, x: TensorType) -> int:
+def _bn_x(name: str, x: TensorType, attrs) -> int:
     expect_float(name, x)
     if x.rank < 2:
         raise TypeError(f"'{name}' needs an input [N, C, ...] of rank >= 2, got {x}")
-    return x.shape[1]
+    check_axis(name, attrs.get("axis", 1), x.rank, "channel axis")
+    if attrs.get("axis", 1) == 0:
+        raise TypeError(f"'{name}': the channel axis cannot be the batch axis 0 of {x}")
+    return x.shape[attrs.get("axis", 1)]
+
+
+def _bn_reduced(x: TensorType, axis: int) -> list[int]:
+    """The axes batch norm's statistics reduce over: all but the channel axis."""
+    return [a for a in range(x.rank) if a != axis]
 
 
 def _bn_split(types, attrs) -> tuple[TensorType, list[TensorType], list[TensorType]]:
@@ -123,7 +134,7 @@ def _bn_split(types, attrs) -> tuple[TensorType, list[TensorType], list[TensorTy
 
 def _batch_norm_infer(types, attrs):
     x, affine, running = _bn_split(types, attrs)
-    c = _bn_x("batch_norm", x)
+    c = _bn_x("batch_norm", x, attrs)
     vec = x.with_shape((c,))
     _check_affine("batch_norm", affine, (c,), x, "one per channel")
     for r in running:
@@ -141,7 +152,7 @@ def _batch_norm_grad_infer(types, attrs):
         raise TypeError(f"'batch_norm_grad' takes (grad_output, input, mean, invstd_or_var[, weight]), "
                         f"got {len(types)} operands")
     gy, x, s1, s2, *w = types
-    c = _bn_x("batch_norm_grad", x)
+    c = _bn_x("batch_norm_grad", x, attrs)
     vec = x.with_shape((c,))
     if gy != x or s1 != vec or s2 != vec:
         raise TypeError(f"'batch_norm_grad': grad_output {gy} must be {x}, the statistics {s1} and {s2} must be {vec}")
@@ -153,7 +164,7 @@ def _batch_norm_stats_infer(types, attrs):
     if len(types) not in (1, 3):
         raise TypeError(f"'batch_norm_stats' takes x, then optionally running_mean, running_var; got {len(types)} operands")
     x, *running = types
-    vec = x.with_shape((_bn_x("batch_norm_stats", x),))
+    vec = x.with_shape((_bn_x("batch_norm_stats", x, attrs),))
     for r in running:
         if r != vec:
             raise TypeError(f"'batch_norm_stats': running statistics must be {vec} (one per channel of {x}), got {r}")
@@ -176,13 +187,16 @@ def _bn_samples(r: np.random.Generator) -> list[Sample]:
     return [Sample([rand(r, 4, 3, 3, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"momentum": 0.2}),
             Sample([rand(r, 5, 2, 3)], {"affine": False, "eps": 1e-3}),
             Sample([rand(r, 6, 4), pos(4), rand(r, 4)], {}),
-            Sample([rand(r, 2, 3, 2, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False})]
+            Sample([rand(r, 2, 3, 2, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False}),
+            Sample([rand(r, 4, 3, 2, 3), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"momentum": 0.2, "axis": 3}),
+            Sample([rand(r, 2, 2, 2, 3), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False, "axis": 3})]
 
 
 def _bn_stats_samples(r: np.random.Generator) -> list[Sample]:
     return [Sample([rand(r, 4, 3, 3, 2), rand(r, 3), rand(r, 3, low=0.5, high=1.5)], {"momentum": 0.2}),
             Sample([rand(r, 5, 2, 3)], {"eps": 1e-3}),
-            Sample([rand(r, 6, 4)], {})]
+            Sample([rand(r, 6, 4)], {}),
+            Sample([rand(r, 4, 3, 2, 3), rand(r, 3), rand(r, 3, low=0.5, high=1.5)], {"momentum": 0.2, "axis": 3})]
 
 
 def _bn_grad_samples(r: np.random.Generator) -> list[Sample]:
@@ -190,27 +204,30 @@ def _bn_grad_samples(r: np.random.Generator) -> list[Sample]:
     mean = x.mean(axis=(0, 2, 3))
     invstd = 1.0 / np.sqrt(x.var(axis=(0, 2, 3)) + 1e-5)
     x2 = rand(r, 6, 4)
+    xl = rand(r, 4, 3, 2, 3)  # channels last
     return [Sample([rand(r, *x.shape), x, mean, invstd, rand(r, 3, low=0.5, high=1.5)], {}),
             Sample([rand(r, *x2.shape), x2, x2.mean(axis=0), 1.0 / np.sqrt(x2.var(axis=0) + 1e-3)], {"eps": 1e-3}),
-            Sample([rand(r, *x.shape), x, rand(r, 3), rand(r, 3, low=0.5, high=1.5), rand(r, 3)], {"training": False})]
+            Sample([rand(r, *x.shape), x, rand(r, 3), rand(r, 3, low=0.5, high=1.5), rand(r, 3)], {"training": False}),
+            Sample([rand(r, 4, 3, 2, 3), xl, xl.mean(axis=(0, 1, 2)), 1.0 / np.sqrt(xl.var(axis=(0, 1, 2)) + 1e-5),
+                    rand(r, 3, low=0.5, high=1.5)], {"axis": 3})]
 
 
 declare(OpDef("batch_norm", None, _BN_ATTRS, _batch_norm_infer, frozenset(), num_results=-1,
               flops=_norm_flops(8.0),
-              doc="batch normalisation over all dims but 1 (channels) of x[, weight, bias][, running_mean, running_var]. "
+              doc="batch normalisation over all dims but the channel axis (1, or axis) of x[, weight, bias][, running_mean, running_var]. "
                   "Training: batch statistics; results (y, mean, invstd[, new running_mean, new running_var]) with the "
                   "unbiased variance in the running update. Eval (training=false): running statistics; result y "
                   "(ATen native_batch_norm)",
               sample=_bn_samples))
-declare(OpDef("batch_norm_stats", None, (Attr("momentum", "float", 0.1), Attr("eps", "float", 1e-5)),
+declare(OpDef("batch_norm_stats", None, (Attr("momentum", "float", 0.1), Attr("eps", "float", 1e-5), _BN_AXIS),
               _batch_norm_stats_infer, frozenset(), num_results=-1, flops=_norm_flops(4.0),
-              doc="the statistics half of training-mode batch_norm, over all dims but 1 (channels) of x[, "
+              doc="the statistics half of training-mode batch_norm, over all dims but the channel axis of x[, "
                   "running_mean, running_var]: (mean, invstd[, new running_mean, new running_var]), batch_norm's "
                   "results 1.. (the biased variance in invstd, the unbiased one in the running update). The "
                   "split-batch-norm pass pairs it with the normalisation as one element-wise instruction, so a "
                   "recomputed output costs one pass over x",
               sample=_bn_stats_samples))
-declare(OpDef("batch_norm_grad", None, (Attr("training", "bool", True), Attr("eps", "float", 1e-5)),
+declare(OpDef("batch_norm_grad", None, (Attr("training", "bool", True), Attr("eps", "float", 1e-5), _BN_AXIS),
               _batch_norm_grad_infer, frozenset(), num_results=-1, min_operands=4, flops=_norm_flops(10.0),
               doc="backward of batch_norm from (grad_output, x, mean, invstd[, weight]) in training, "
                   "(grad_output, x, running_mean, running_var[, weight]) in eval: grad_x, and grad_weight, grad_bias "
@@ -264,16 +281,17 @@ def _layer_norm_vjp(b, p, g):
     return [gx, gw, gbias][: len(p.in_types)]
 
 
-def _channel(b, v, rank: int):
-    """A per-channel vector [C] shaped to broadcast over an [N, C, ...] tensor."""
-    return b.op("reshape", v, shape=(1, v.type.shape[0]) + (1,) * (rank - 2))
+def _channel(b, v, rank: int, axis: int = 1):
+    """A per-channel vector [C] shaped to broadcast over a tensor whose channels are on ``axis``
+    ([N, C, ...] by default)."""
+    return b.op("reshape", v, shape=(1,) * axis + (v.type.shape[0],) + (1,) * (rank - axis - 1))
 
 
-def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: float):
+def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: float, axis: int):
     """(cotangent on x, on running_mean, on running_var) from the cotangents of training batch
     norm's statistics (mean ``s1``, invstd ``s2``) and new running statistics (None: zero)."""
     xt = x.type
-    rank, n = xt.rank, xt.numel // xt.shape[1]
+    rank, n = xt.rank, xt.numel // xt.shape[axis]
     g_rm = g_rv = gx = None
     if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
         g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
@@ -281,11 +299,11 @@ def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: flo
     if g_rvar is not None:  # new_rv = (1 - m) rv + m n/(n-1) var, d var / dx = 2 (x - mean) / n
         g_rv = b.op("mul", g_rvar, _c(b, 1.0 - m, g_rvar))
         k = b.op("mul", g_rvar, _c(b, 2.0 * m / max(n - 1, 1), g_rvar))
-        gx = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), _channel(b, k, rank))
+        gx = b.op("mul", b.op("sub", x, _channel(b, s1, rank, axis)), _channel(b, k, rank, axis))
     if g_mean is not None or g_invstd is not None:
-        mean_c, rstd_c = _channel(b, s1, rank), _channel(b, s2, rank)
-        gm = _channel(b, g_mean, rank) if g_mean is not None else None
-        gr = _channel(b, g_invstd, rank) if g_invstd is not None else None
+        mean_c, rstd_c = _channel(b, s1, rank, axis), _channel(b, s2, rank, axis)
+        gm = _channel(b, g_mean, rank, axis) if g_mean is not None else None
+        gr = _channel(b, g_invstd, rank, axis) if g_invstd is not None else None
         gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
     return gx, g_rm, g_rv
 
@@ -293,7 +311,7 @@ def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: flo
 @def_vjp("batch_norm_stats", saves=Saves(operands=(0,), results=(0, 1)))
 def _batch_norm_stats_vjp(b, p, g):
     g = list(g) + [None] * (4 - len(g))
-    gx, g_rm, g_rv = _bn_stats_cotangents(b, p.x[0], p.y[0], p.y[1], *g, p.attrs["momentum"])
+    gx, g_rm, g_rv = _bn_stats_cotangents(b, p.x[0], p.y[0], p.y[1], *g, p.attrs["momentum"], p.attrs["axis"])
     return [gx] + ([g_rm, g_rv] if len(p.in_types) == 3 else [])
 
 
@@ -301,7 +319,7 @@ def _batch_norm_stats_vjp(b, p, g):
 def _batch_norm_vjp(b, p, g):
     g = ((list(g) if isinstance(g, list) else [g]) + [None] * 4)[:5]  # eval mode has the one result y
     gy, g_mean, g_invstd, g_rmean, g_rvar = g
-    x, rank = p.x[0], p.in_types[0].rank
+    x, rank, axis = p.x[0], p.in_types[0].rank, p.attrs["axis"]
     affine = p.attrs["affine"]
     w = p.x[1] if affine else None
     n_ops = len(p.in_types)
@@ -313,22 +331,24 @@ def _batch_norm_vjp(b, p, g):
         s1, s2 = p.x[n_ops - 2], p.x[n_ops - 1]
     gx = gw = gbias = None
     if gy is not None:
-        outs = b.op("batch_norm_grad", gy, x, s1, s2, *([w] if affine else []), training=training, eps=p.attrs["eps"])
+        outs = b.op("batch_norm_grad", gy, x, s1, s2, *([w] if affine else []), training=training, eps=p.attrs["eps"],
+                    axis=axis)
         if affine:
             gx, gw, gbias = outs
         else:
             gx = outs
     g_rm = g_rv = None
     if training:
-        gs, g_rm, g_rv = _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, p.attrs["momentum"])
+        gs, g_rm, g_rv = _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, p.attrs["momentum"],
+                                              axis)
         gx = _add(b, gx, gs)
     elif gy is not None:  # eval: y = (x - rm) (rv + eps)^-½ w + b also depends on the running statistics
-        axes = [0] + list(range(2, rank))
+        axes = _bn_reduced(x.type, axis)
         invstd = b.op("rsqrt", b.op("add", s2, _c(b, p.attrs["eps"], s2)))
-        gyw = b.op("mul", gy, _channel(b, w, rank)) if affine else gy
+        gyw = b.op("mul", gy, _channel(b, w, rank, axis)) if affine else gy
         g_rm = b.op("neg", b.op("mul", b.op("reduce_sum", gyw, axes=axes), invstd))
         dvar = b.op("mul", b.op("mul", invstd, b.op("mul", invstd, invstd)), _c(b, -0.5, invstd))
-        prod_ = b.op("mul", gyw, b.op("sub", x, _channel(b, s1, rank)))
+        prod_ = b.op("mul", gyw, b.op("sub", x, _channel(b, s1, rank, axis)))
         g_rv = b.op("mul", b.op("reduce_sum", prod_, axes=axes), dvar)
     return [gx] + ([gw, gbias] if affine else []) + ([g_rm, g_rv] if running else [])
 
@@ -393,19 +413,20 @@ def _layer_norm_grad_decomp(b, xs, attrs):
 
 @def_decomposition("batch_norm")
 def _batch_norm_decomp(b, xs, attrs):
-    x, rank, c = xs[0], xs[0].type.rank, xs[0].type.shape[1]
+    ax = attrs["axis"]
+    x, rank, c = xs[0], xs[0].type.rank, xs[0].type.shape[ax]
     affine = attrs["affine"]
     w, bias = (xs[1], xs[2]) if affine else (None, None)
     running = xs[1 + 2 * affine:]
-    axes = [0] + list(range(2, rank))
+    axes = _bn_reduced(x.type, ax)
     if attrs["training"]:
         xc, mean, rstd, var = _moments(b, x, axes, attrs["eps"])
     else:
-        xc = b.op("sub", x, _channel(b, running[0], rank))
-        rstd = b.op("rsqrt", b.op("add", _channel(b, running[1], rank), _c(b, attrs["eps"], x)))
+        xc = b.op("sub", x, _channel(b, running[0], rank, ax))
+        rstd = b.op("rsqrt", b.op("add", _channel(b, running[1], rank, ax), _c(b, attrs["eps"], x)))
     y = b.op("mul", xc, rstd)
     if affine:
-        y = b.op("add", b.op("mul", y, _channel(b, w, rank)), _channel(b, bias, rank))
+        y = b.op("add", b.op("mul", y, _channel(b, w, rank, ax)), _channel(b, bias, rank, ax))
     if not attrs["training"]:
         return [y]
     mean = b.op("reshape", mean, shape=(c,))
@@ -416,8 +437,8 @@ def _batch_norm_decomp(b, xs, attrs):
 @def_decomposition("batch_norm_stats")
 def _batch_norm_stats_decomp(b, xs, attrs):
     x, running = xs[0], xs[1:]
-    c = x.type.shape[1]
-    _, mean, rstd, var = _moments(b, x, [0] + list(range(2, x.type.rank)), attrs["eps"])
+    c = x.type.shape[attrs["axis"]]
+    _, mean, rstd, var = _moments(b, x, _bn_reduced(x.type, attrs["axis"]), attrs["eps"])
     mean = b.op("reshape", mean, shape=(c,))
     return [mean, b.op("reshape", rstd, shape=(c,))] + running_update(b, running, mean, var, attrs["momentum"],
                                                                          x.type.numel // c)
@@ -438,12 +459,12 @@ def running_update(b, running, mean, var, m: float, n: int):
 @def_decomposition("batch_norm_grad")
 def _batch_norm_grad_decomp(b, xs, attrs):
     gy, x, s1, s2, *w = xs
-    rank = x.type.rank
-    axes = [0] + list(range(2, rank))
-    rstd = _channel(b, s2, rank)
+    rank, ax = x.type.rank, attrs["axis"]
+    axes = _bn_reduced(x.type, ax)
+    rstd = _channel(b, s2, rank, ax)
     if not attrs["training"]:  # s2 is the running variance
         rstd = b.op("rsqrt", b.op("add", rstd, _c(b, attrs["eps"], rstd)))
-    xhat = b.op("mul", b.op("sub", x, _channel(b, s1, rank)), rstd)
-    gh = b.op("mul", gy, _channel(b, w[0], rank)) if w else gy
+    xhat = b.op("mul", b.op("sub", x, _channel(b, s1, rank, ax)), rstd)
+    gh = b.op("mul", gy, _channel(b, w[0], rank, ax)) if w else gy
     gx = _norm_grad_x(b, gh, xhat, rstd, axes) if attrs["training"] else b.op("mul", gh, rstd)
     return [gx] + (_affine_grads(b, gy, xhat, axes) if w else [])

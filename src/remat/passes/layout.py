@@ -1,0 +1,177 @@
+"""``channels-last``: a convolutional network's image tensors stored NHWC, not NCHW.
+
+PyTorch models compute in NCHW, but oneDNN's CPU convolutions, ATen's pooling and batch-norm
+kernels are faster channels-last, and hold smaller workspaces (``bench/conv_layout.py``: one zoo
+ResNet step's convolutions 0.86-0.88x, U-Net's 0.70-0.79x; largest workspace 2-3 MiB -> 0.6-1.1
+MiB). Converting around each convolution costs more than it saves (1.06-1.17x), so the layout is
+chosen for the whole graph (the layout assignment of XLA and TVM, done by hand in eager PyTorch with
+``model.to(memory_format=torch.channels_last)``):
+
+* every ``conv2d`` (and ``conv2d_input_grad``, a transposed convolution) of a rank-4 float input
+  becomes its ``layout="NHWC"`` form; its input is transposed to NHWC where it is first needed so
+  (the model's input, once);
+* an NHWC value flows on through the ops that do not care or can be told: pooling (``layout``), batch
+  norm (channel ``axis`` 3), element-wise ops (their broadcast operands reshaped: a [1, C, 1, 1]
+  bias becomes [1, 1, 1, C], no copy), ``concat`` (axis remapped) and reductions whose result keeps NCHW's order (a global average pool to [N, C]);
+* any other op reads the value transposed back to NCHW (a ``reshape`` when only unit dimensions
+  move), as does the function's result.
+
+The pass runs on the forward before differentiation, so the backward is built in the same layout
+(a ``transpose``'s cotangent is a transpose), and every budget plans the same program: gradients stay
+bit-identical across budgets. Values equal the NCHW program's up to the kernels' summation order.
+Weights stay OIHW.
+"""
+from __future__ import annotations
+
+from ..ir import Builder, Function, Instruction, Module, Value
+from ..ir.ops.nn import TO_NCHW, TO_NHWC
+
+_INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
+
+# op -> (its activation operands, its activation results, its activation-shaped attribute)
+_LAYOUT_OPS: dict[str, tuple[tuple[int, ...], tuple[int, ...], str | None]] = {
+    "conv2d": ((0,), (0,), None),
+    "conv2d_input_grad": ((0,), (0,), "input_shape"),
+    "conv2d_weight_grad": ((0, 1), (), None),
+    "conv2d_grads": ((0, 1), (0,), None),
+    "max_pool2d": ((0,), (0,), None),
+    "avg_pool2d": ((0,), (0,), None),
+    "max_pool2d_with_indices": ((0,), (0, 1), None),
+    "max_pool2d_grad": ((0, 1), (0,), None),
+    "max_pool2d_index_grad": ((0, 1), (0,), "input_shape"),
+    "avg_pool2d_grad": ((0,), (0,), "input_shape"),
+}
+_SEEDS = ("conv2d", "conv2d_input_grad")  # converted whatever their input's layout
+_BATCH_NORM = {"batch_norm": (0,), "batch_norm_stats": (0,), "batch_norm_grad": (0, 1)}  # activation operands
+_AXIS_OPS = ("concat",)  # not softmax: over a short last axis (a segmentation head's classes) ATen is slow
+_REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max")
+
+
+def _only_unit_dims_move(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
+    """Whether ``transpose(x, perm)`` keeps the order of x's non-unit dims (then it is a reshape)."""
+    kept = [p for p in perm if shape[p] != 1]
+    return kept == sorted(kept)
+
+
+class _Rewriter:
+    def __init__(self, f: Function):
+        self.f = f
+        self.nhwc: dict[Value, Value] = {}   # value -> the same data stored NHWC
+        self.plain: dict[Value, Value] = {}  # value computed NHWC only -> its NCHW version (made on demand)
+        self.computed_nhwc: set[Value] = set()
+        self.plain_results: dict[Value, Value] = {}  # old result -> the rewritten instruction's (same layout)
+        self.b: Builder | None = None
+
+    def _permute(self, v: Value, perm: tuple[int, ...]) -> Value:
+        shape = v.type.shape
+        if _only_unit_dims_move(shape, perm):
+            return self.b.op("reshape", v, shape=tuple(shape[p] for p in perm))
+        return self.b.op("transpose", v, perm=perm)
+
+    def to_nhwc(self, v: Value) -> Value:
+        if v not in self.nhwc:
+            self.nhwc[v] = self._permute(v, TO_NHWC)
+        return self.nhwc[v]
+
+    def to_plain(self, v: Value) -> Value:
+        if v not in self.computed_nhwc:
+            return v
+        if v not in self.plain:
+            self.plain[v] = self._permute(self.nhwc[v], TO_NCHW)
+        return self.plain[v]
+
+    def broadcast_operand(self, v: Value) -> Value:
+        """An operand of an element-wise op whose rank-4 result is stored NHWC."""
+        t = v.type
+        if t.rank == 4:
+            return self.to_nhwc(v)
+        if t.numel == 1:
+            return v  # a scalar broadcasts the same in any layout
+        v4 = self.b.op("reshape", v, shape=(1,) * (4 - t.rank) + t.shape)
+        return self.to_nhwc(v4)
+
+    # ---- the rewrite of one instruction: the new instruction, or None to keep it (operands plain)
+    def rewrite(self, ins: Instruction) -> Instruction | None:
+        name = ins.op.name
+        ops = [self.plain_results.get(v, v) for v in ins.operands]
+        has = [v in self.nhwc for v in ops]
+
+        def emit(operands, attrs, act_results):
+            new = self.b.create(name, operands, attrs)
+            for k, (old, r) in enumerate(zip(ins.results, new.results)):
+                if k in act_results:
+                    self.nhwc[old] = r
+                    self.computed_nhwc.add(old)
+                else:
+                    self.plain_results[old] = r
+            return new
+
+        if name in _LAYOUT_OPS and ins.attrs.get("layout") == "NCHW":
+            acts, outs, shape_attr = _LAYOUT_OPS[name]
+            if not all(ops[a].type.rank == 4 for a in acts):
+                return None
+            if not (name in _SEEDS and ops[0].type.dtype.is_float) and not any(has[a] for a in acts):
+                return None
+            attrs = {**ins.attrs, "layout": "NHWC"}
+            if shape_attr is not None:
+                attrs[shape_attr] = tuple(attrs[shape_attr][i] for i in TO_NHWC)
+            return emit([self.to_nhwc(v) if i in acts else v for i, v in enumerate(ops)], attrs, outs)
+        if name in _BATCH_NORM and ins.attrs.get("axis") == 1:
+            acts = _BATCH_NORM[name]
+            if not (ops[acts[-1]].type.rank == 4 and any(has[a] for a in acts)):
+                return None
+            return emit([self.to_nhwc(v) if i in acts else v for i, v in enumerate(ops)], {**ins.attrs, "axis": 3},
+                        (0,) if name != "batch_norm_stats" else ())
+        if ins.op.has("elementwise") and len(ins.results) == 1 and ins.results[0].type.rank == 4 and any(has):
+            return emit([self.broadcast_operand(v) for v in ops], dict(ins.attrs), (0,))
+        if name in _AXIS_OPS and ops and ops[0].type.rank == 4 and any(has):
+            return emit([self.to_nhwc(v) for v in ops], {**ins.attrs, "axis": _INV[ins.attrs["axis"]]}, (0,))
+        if name in _REDUCE_OPS and has[0] and ops[0].type.rank == 4:
+            axes = ins.attrs["axes"]
+            attrs = {**ins.attrs, "axes": tuple(sorted(_INV[a] for a in axes))}
+            if ins.attrs["keepdims"]:
+                return emit([self.to_nhwc(ops[0])], attrs, (0,))
+            left = [TO_NHWC[p] for p in range(4) if TO_NHWC[p] not in axes]
+            if left == sorted(left):  # the result is the same in both layouts (e.g. [N, C])
+                return emit([self.to_nhwc(ops[0])], attrs, ())
+        return None
+
+    def run(self) -> int:
+        block = self.f.blocks[0]
+        converted, i = 0, 0
+        while i < len(block.instrs):
+            ins = block.instrs[i]
+            self.b = Builder(block, index=i, loc=ins.loc)
+            new = self.rewrite(ins)
+            if new is not None:
+                del block.instrs[self.b.index]  # ins, now after what replaced it
+                i = self.b.index
+                converted += 1
+                continue
+            ins.operands = [self.plain_results.get(v, v) for v in ins.operands]
+            ins.operands = [self.to_plain(v) for v in ins.operands]
+            i = self.b.index + 1
+        return converted
+
+
+def _eligible(f: Function) -> bool:
+    """A one-block function with a convolution of a rank-4 float input in NCHW."""
+    return (not f.is_declaration and len(f.blocks) == 1
+            and any(ins.op.name in _SEEDS and ins.attrs.get("layout") == "NCHW" and ins.operands[0].type.rank == 4
+                    and ins.operands[0].type.dtype.is_float for ins in f.blocks[0].instrs))
+
+
+def channels_last(module: Module) -> Module:
+    """The ``channels-last`` pass: a copy of ``module`` whose functions with convolutions compute
+    them, and what follows them, in NHWC (see the module's doc); ``module`` itself when none has one.
+    Functions of several blocks are left as they are."""
+    if not any(_eligible(f) for f in module):
+        return module
+    out = module.clone()
+    for f in out:
+        if _eligible(f):
+            _Rewriter(f).run()
+    return out
+
+
+__all__ = ["channels_last"]
