@@ -304,13 +304,18 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
 # ---------------------------------------------------------------- layouts
 def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
     """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts``
-    transposed to NCHW (``shape_kw`` permuted), the activation results ``outs`` transposed back."""
+    transposed to NCHW (``shape_kw`` permuted), the activation results ``outs`` transposed back.
+    ``input_layout`` (convolutions): operand 0's own layout, when it differs."""
     def wrap(fn):
         @functools.wraps(fn)
-        def any_layout(*args, layout="NCHW", **kw):
+        def any_layout(*args, layout="NCHW", input_layout="", **kw):
+            if layout == "NCHW" and input_layout in ("", "NCHW"):
+                return fn(*args, **kw)
+            nhwc = [i in acts and (input_layout or layout) == "NHWC" if i == 0 else i in acts and layout == "NHWC"
+                    for i in range(len(args))]
+            args = [a.transpose(TO_NCHW) if t else a for a, t in zip(args, nhwc)]
             if layout == "NCHW":
                 return fn(*args, **kw)
-            args = [a.transpose(TO_NCHW) if i in acts else a for i, a in enumerate(args)]
             if shape_kw is not None:
                 kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
             out = fn(*args, **kw)

@@ -243,13 +243,18 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
 def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
     """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts`` viewed
     as NCHW (``shape_kw`` permuted), the activation results ``outs`` viewed back as NHWC (copied only
-    if ATen did not return them channels-last)."""
+    if ATen did not return them channels-last). ``input_layout`` (convolutions): operand 0's own
+    layout, when it differs (ATen reads an NCHW input of a channels-last convolution as it is)."""
     def wrap(fn):
         @functools.wraps(fn)
-        def any_layout(*args, layout="NCHW", **kw):
+        def any_layout(*args, layout="NCHW", input_layout="", **kw):
+            if layout == "NCHW" and input_layout in ("", "NCHW"):
+                return fn(*args, **kw)
+            nhwc = [i in acts and (input_layout or layout) == "NHWC" if i == 0 else i in acts and layout == "NHWC"
+                    for i in range(len(args))]
+            args = [a.permute(TO_NCHW) if t else a for a, t in zip(args, nhwc)]
             if layout == "NCHW":
                 return fn(*args, **kw)
-            args = [a.permute(TO_NCHW) if i in acts else a for i, a in enumerate(args)]
             if shape_kw is not None:
                 kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
             out = fn(*args, channels_last=True, **kw)
@@ -304,6 +309,9 @@ def _like(shape, t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 @k("conv2d")
 @_nchw_kernel((0,))
 def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False):
+    if channels_last and not x.is_contiguous(memory_format=torch.channels_last):
+        # An NCHW input (input_layout): with a channels-last weight ATen computes channels-last.
+        w = w.contiguous(memory_format=torch.channels_last)
     return _act(F.conv2d(x, w, None, stride, padding, dilation, groups), channels_last)
 
 
@@ -327,7 +335,7 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
                        channels_last=False):
     # As for the input gradient: only the weight's shape and layout are read, and a contiguous stand-in
     # (not torch.nn.grad.conv2d_weight's stride-0 expanded one) is 5-15% faster; bit-identical results.
-    like = _like(weight_shape, gy, False)
+    like = _like(weight_shape, gy, channels_last)  # channels-last also for an NCHW input (input_layout)
     gw = torch.ops.aten.convolution_backward(gy, x, like, None, list(stride), list(padding), list(dilation), False,
                                              [0, 0], groups, [False, True, False])[1]
     return _fresh(gw)  # a weight gradient in channels-last strides (NHWC activations) becomes OIHW here

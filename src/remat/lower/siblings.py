@@ -59,8 +59,8 @@ def find_pairs(fn: Function) -> list[Pair]:
             waiting.setdefault(key, []).append(ins)
     pairs: list[Pair] = []
     for wg in src:
-        if wg.op.name != "conv2d_weight_grad" or wg.recomputes is not None:
-            continue
+        if wg.op.name != "conv2d_weight_grad" or wg.recomputes is not None or wg.attrs["input_layout"]:
+            continue  # (an input read in another layout than the gradients has no input gradient to pair)
         x, gy = wg.operands
         cands = [ig for ig in waiting.get((gy, tuple(wg.attrs[k] for k in _CONV_KEYS), x.type.shape), ())
                  if ig.operands[1].type.shape == tuple(wg.attrs["weight_shape"])]

@@ -9,7 +9,8 @@ chosen for the whole graph (the layout assignment of XLA and TVM, done by hand i
 
 * every ``conv2d`` (and ``conv2d_input_grad``, a transposed convolution) of a rank-4 float input
   whose weight is at most twice as large as its input or output becomes its ``layout="NHWC"`` form; its
-  input is transposed to NHWC where it is first needed so (the model's input, once). Deep layers,
+  input is transposed to NHWC where it is first needed so, but for the model's input, which the
+  convolution reads in NCHW (``input_layout``: no transposed copy kept for the backward). Deep layers,
   where weights outweigh the feature maps, stay NCHW (no faster channels-last; larger workspaces);
 * an NHWC value flows on through the ops that do not care or can be told: pooling (``layout``), batch
   norm (channel ``axis`` 3), element-wise ops (their broadcast operands reshaped: a [1, C, 1, 1]
@@ -24,7 +25,7 @@ Weights stay OIHW.
 """
 from __future__ import annotations
 
-from ..ir import Builder, Function, Instruction, Module, Value
+from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import TO_NCHW, TO_NHWC
 
 _INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
@@ -129,6 +130,10 @@ class _Rewriter:
             attrs = {**ins.attrs, "layout": "NHWC"}
             if shape_attr is not None:
                 attrs[shape_attr] = tuple(attrs[shape_attr][i] for i in TO_NHWC)
+            if name == "conv2d" and isinstance(ops[0], BlockArg) and ops[0] not in self.nhwc:
+                # The model's input: read as it is (ATen converts it on the fly), so that the step does
+                # not keep a transposed copy of it until the weight gradient at the end of the backward.
+                return emit([ops[0], ops[1]], {**attrs, "input_layout": "NCHW"}, outs)
             return emit([self.to_nhwc(v) if i in acts else v for i, v in enumerate(ops)], attrs, outs)
         if name in _BATCH_NORM and ins.attrs.get("axis") == 1:
             acts = _BATCH_NORM[name]

@@ -247,6 +247,15 @@ TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 """``transpose`` perm from NHWC back to NCHW."""
 _LAYOUT = Attr("layout", "str", "NCHW")
+_INPUT_LAYOUT = Attr("input_layout", "str", "")
+"""conv2d / conv2d_weight_grad: the layout of the input x when it differs from ``layout`` ("": the
+same). An NHWC convolution of a model's NCHW input reads it as it is (ATen converts it on the fly),
+so the step does not keep a transposed copy of the input for the weight gradient."""
+
+
+def _x_attrs(attrs) -> dict:
+    """``attrs`` with the input's layout as ``layout`` (for checking the input x)."""
+    return {**attrs, "layout": attrs.get("input_layout") or attrs.get("layout", "NCHW")}
 
 
 def nchw(name: str, t: TensorType, attrs) -> tuple[int, ...]:
@@ -312,7 +321,7 @@ def _conv_check(x, w, attrs):
     if x.rank != 4 or w.rank != 4:
         raise TypeError(f"'conv2d' needs input [N,C,H,W] ({attrs.get('layout', 'NCHW')}) and weight "
                         f"[O,C/groups,kH,kW], got {x} and {w}")
-    xs = nchw("conv2d", x, attrs)
+    xs = nchw("conv2d", x, _x_attrs(attrs))
     g = attrs["groups"]
     if g < 1 or xs[1] % g or w.shape[0] % g or w.shape[1] * g != xs[1]:
         raise TypeError(f"'conv2d': {xs[1]} input channels and weight {w} do not fit groups={g}")
@@ -329,12 +338,14 @@ def _conv_flops(ins, outs, attrs):
     return 2.0 * outs[0].numel * _prod(ins[1].shape[1:])
 
 
-declare(OpDef("conv2d", 2, _CONV_ATTRS, _conv_infer, frozenset({"conv"}),
+declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozenset({"conv"}),
               doc="2-d cross-correlation, NCHW (or NHWC: layout) input, OIHW weight", flops=_conv_flops,
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
-                  Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)})], (0,))))
+                  Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)}),
+                  Sample([rand(r, 2, 3, 6, 5), rand(r, 4, 3, 3, 3)],
+                         {"padding": (1, 1), "layout": "NHWC", "input_layout": "NCHW"})], (0,))))
 
 
 def _conv_in_grad_infer(types, attrs):
@@ -362,13 +373,16 @@ declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _con
                   Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1),
                                                                       "groups": 2})], (0,), "input_shape")))
-declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS, _conv_w_grad_infer, frozenset({"conv"}),
+declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_w_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its weight, from (input, grad_output)",
               flops=lambda ins, outs, attrs: 2.0 * ins[1].numel * _prod(outs[0].shape[1:]),
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 3, 6, 6), rand(r, 2, 4, 6, 6)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 7, 5), rand(r, 1, 4, 3, 4)], {"weight_shape": (4, 2, 3, 2), "stride": (2, 1),
-                                                                      "groups": 2})], (0, 1))))
+                                                                      "groups": 2}),
+                  Sample([rand(r, 2, 3, 6, 5), rand(r, 2, 6, 5, 4)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1),
+                                                                      "layout": "NHWC", "input_layout": "NCHW"})],
+                  (0, 1))))
 
 
 
@@ -699,12 +713,22 @@ def _conv_attrs(p):
     return {k: p.attrs[k] for k in _CONV_KEYS}
 
 
+def _input_grad(b, g, w, x_type, a, input_layout: str):
+    """conv2d_input_grad in the gradients' layout, transposed to the input's when it differs."""
+    if not input_layout or input_layout == a["layout"]:
+        return b.op("conv2d_input_grad", g, w, input_shape=x_type.shape, **a)
+    to, back = (TO_NHWC, TO_NCHW) if a["layout"] == "NHWC" else (TO_NCHW, TO_NHWC)
+    gx = b.op("conv2d_input_grad", g, w, input_shape=tuple(x_type.shape[i] for i in to), **a)
+    return b.op("transpose", gx, perm=back)
+
+
 @def_vjp("conv2d", saves="inputs")
 def _conv2d_vjp(b, p, g):
     x, w = p.x
     a = _conv_attrs(p)
-    return [b.op("conv2d_input_grad", g, w, input_shape=p.in_types[0].shape, **a),
-            b.op("conv2d_weight_grad", x, g, weight_shape=p.in_types[1].shape, **a)]
+    il = p.attrs["input_layout"]
+    return [_input_grad(b, g, w, p.in_types[0], a, il),
+            b.op("conv2d_weight_grad", x, g, weight_shape=p.in_types[1].shape, input_layout=il, **a)]
 
 
 @def_vjp("conv2d_input_grad", saves="inputs")
@@ -720,7 +744,8 @@ def _conv2d_weight_grad_vjp(b, p, g):
     # <g, Jw^T gy> = <conv2d(x, g), gy>.
     x, gy = p.x
     a = _conv_attrs(p)
-    return [b.op("conv2d_input_grad", gy, g, input_shape=p.in_types[0].shape, **a), b.op("conv2d", x, g, **a)]
+    il = p.attrs["input_layout"]
+    return [_input_grad(b, gy, g, p.in_types[0], a, il), b.op("conv2d", x, g, input_layout=il, **a)]
 
 
 def _pool_attrs(p):
