@@ -1,12 +1,14 @@
-"""Convolution memory layout (issues 8 and 10): what NHWC (``torch.channels_last``) would buy remat's
-convolutions over today's NCHW, measured on the convolutions remat's compiled steps run.
+"""Convolution memory layout (issues 8 and 10): what NHWC (``torch.channels_last``) buys remat's
+convolutions over NCHW, per kernel and per training step.
 
-remat's IR and kernels keep every tensor contiguous NCHW. oneDNN (PyTorch's CPU convolution)
-computes in a blocked or NHWC layout, so an NCHW convolution reorders its operands and result:
-those reorders are kernel workspaces (the allocator bound of a plan counts them; they set the
-floors of ResNet and U-Net) and time. This script takes every ``conv2d`` of the compiled,
-unconstrained training steps of zoo ResNet and U-Net (size ``small``) with its shapes and
-attributes, and times each with both layouts:
+oneDNN (PyTorch's CPU convolution) computes in a blocked or NHWC layout, so an NCHW convolution
+reorders its operands and result: those reorders are kernel workspaces (the allocator bound of a
+plan counts them; they set the floors of ResNet and U-Net) and time. Since the ``channels-last``
+pass (``remat.passes.layout``), remat computes convolutional steps NHWC; ``layout="NCHW"`` keeps
+the captured layout. Two parts:
+
+**Kernels.** Every ``conv2d`` of the compiled, unconstrained NCHW training steps of zoo ResNet and
+U-Net (size ``small``) with its shapes and attributes, timed with both layouts:
 
 * ``fwd``: ``conv2d(x, w)``;
 * ``bwd``: ``convolution_backward`` for the input and weight gradients (one call, as remat's
@@ -19,7 +21,13 @@ time over ``--rounds`` alternating rounds, the allocator's peak above operands a
 (torch.profiler memory events: the workspace), and whether the results are bit-identical to
 NCHW's. Per model it sums them over the step's convolutions.
 
-    PYTHONPATH=src .venv/bin/python bench/conv_layout.py [--rounds 15] [--threads 2]
+**Steps.** Whole training steps (SGD with momentum), alternating in one process: eager PyTorch in
+NCHW (the baseline of every ratio) and channels-last (``model.to(memory_format=channels_last)``),
+and remat with ``layout="NCHW"`` and the default ``layout="auto"``, unconstrained and at 50%
+(where feasible). Per method: median step time over ``--step-rounds`` rounds, its ratio to eager
+NCHW, and remat's predicted peaks.
+
+    PYTHONPATH=src .venv/bin/python bench/conv_layout.py [--rounds 15] [--step-rounds 21] [--threads 2]
 
 Writes ``bench/results/conv_layout.json``. Timings are noisy on a shared machine: compare the
 ratios, which come from alternating runs in one process.
@@ -48,7 +56,7 @@ def step_convolutions(name: str) -> list[dict[str, Any]]:
     """The distinct ``conv2d`` calls of zoo ``name``'s unconstrained step (shapes, attributes, count,
     and whether the input is the step's own input, which needs no gradient)."""
     model, inputs, loss_fn = zoo.make(name, "small")
-    step = remat.compile(model, inputs, loss_fn)
+    step = remat.compile(model, inputs, loss_fn, layout="NCHW")
     params = set(step.program.params)  # a convolution of a step argument: the model's input, no gradient
     seen: dict[tuple, dict[str, Any]] = {}
     for ins in step.program.entry.instrs:
@@ -119,9 +127,68 @@ def measure(conv: dict[str, Any], rounds: int) -> dict[str, Any]:
     return out
 
 
+def step_methods(name: str, budget: str | None) -> dict[str, Callable[[], Any]]:
+    """One training step of zoo ``name`` (size small, SGD with momentum) per method, each on its own
+    model: eager NCHW and channels-last; remat with ``layout="NCHW"`` and ``"auto"`` (``budget``)."""
+    methods: dict[str, Callable[[], Any]] = {}
+    for how in ("eager", "eager channels_last", "remat NCHW", "remat auto"):
+        if budget is not None and how.startswith("eager"):
+            continue
+        torch.manual_seed(0)
+        model, inputs, loss_fn = zoo.make(name, "small")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        if how.startswith("eager"):
+            if how.endswith("channels_last"):
+                model = model.to(memory_format=CL)
+                inputs = [inputs[0].contiguous(memory_format=CL), *inputs[1:]]
+
+            def eager(model=model, inputs=inputs, opt=opt, loss_fn=loss_fn):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(*inputs[:-1]), inputs[-1]).backward()
+                opt.step()
+            methods[how] = eager
+        else:
+            step = remat.compile(model, inputs, loss_fn, optimizer=opt, budget=budget, layout=how.split()[1])
+            methods[how] = lambda step=step, inputs=inputs: step(*inputs)
+            methods[how].step = step  # type: ignore[attr-defined]
+    return methods
+
+
+def measure_steps(name: str, rounds: int) -> dict[str, Any]:
+    """Step times of every method of :func:`step_methods`, unconstrained and at 50%, alternating."""
+    methods = step_methods(name, None)
+    try:
+        for k, f in step_methods(name, "50%").items():
+            methods[f"{k} @50%"] = f
+    except remat.BudgetTooSmall:
+        pass  # (ResNet small: 50% is below the floor)
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for f in methods.values():
+        for _ in range(2):
+            f()
+    for r in range(rounds):
+        names = list(methods)
+        for k in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            methods[k]()
+            times[k].append(time.perf_counter() - t0)
+    eager = statistics.median(times["eager"])
+    out: dict[str, Any] = {}
+    for k, f in methods.items():
+        row: dict[str, Any] = {"step_s": statistics.median(times[k]), "x_eager": statistics.median(times[k]) / eager}
+        step = getattr(f, "step", None)
+        if step is not None:
+            row.update(channels_last=step.channels_last, predicted_peak=step.predicted_peak,
+                       unconstrained_peak=step.unconstrained_peak,
+                       recomputed_instructions=step.report().recomputed_instructions)
+        out[k] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=15, help="alternating timing rounds per call (default: 15)")
+    ap.add_argument("--step-rounds", type=int, default=21, help="alternating rounds of whole steps (default: 21)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
     args = ap.parse_args(argv)
@@ -146,7 +213,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f" converted around NCHW x{total[f'{kind}_converted_vs_nchw']:.2f}; largest workspace NCHW "
                   f"{total[f'{kind}_nchw_max_workspace'] / 2**20:.2f} MiB, NHWC "
                   f"{total[f'{kind}_nhwc_max_workspace'] / 2**20:.2f} MiB", flush=True)
-    res["config"] = {"rounds": args.rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
+    for name in ("resnet", "unet"):
+        steps = measure_steps(name, args.step_rounds)
+        res["models"][f"zoo {name} small"]["steps"] = steps
+        print(f"zoo {name} small, whole steps (x eager NCHW): "
+              + ", ".join(f"{k} {v['x_eager']:.3f}" for k, v in steps.items()), flush=True)
+    res["config"] = {"rounds": args.rounds, "step_rounds": args.step_rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
                      "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
