@@ -7,15 +7,13 @@ result dtype and shape; rank-0 results are 0-d arrays, never NumPy scalars.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import scipy.special
 from numpy.lib.stride_tricks import as_strided
 
-from ..ir.ops.nn import TO_NCHW, TO_NHWC
 from ..ir.types import DType
 from . import kernel
+from ._layout import channels_at_1, nchw_kernel
 
 _BF16 = DType.bf16.numpy
 _F16 = DType.f16.numpy
@@ -301,45 +299,13 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     return _fresh(out, g.dtype)
 
 
-# ---------------------------------------------------------------- layouts
+# ---------------------------------------------------------------- layouts (remat.backends._layout)
 def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
-    """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts``
-    transposed to NCHW (``shape_kw`` permuted), the activation results ``outs`` transposed back.
-    ``input_layout`` (convolutions): operand 0's own layout, when it differs."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def any_layout(*args, layout="NCHW", input_layout="", **kw):
-            if layout == "NCHW" and input_layout in ("", "NCHW"):
-                return fn(*args, **kw)
-            nhwc = [i in acts and (input_layout or layout) == "NHWC" if i == 0 else i in acts and layout == "NHWC"
-                    for i in range(len(args))]
-            args = [a.transpose(TO_NCHW) if t else a for a, t in zip(args, nhwc)]
-            if layout == "NCHW":
-                return fn(*args, **kw)
-            if shape_kw is not None:
-                kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
-            out = fn(*args, **kw)
-            back = [_fresh(r.transpose(TO_NHWC)) if i in outs else r
-                    for i, r in enumerate(out if isinstance(out, tuple) else (out,))]
-            return tuple(back) if isinstance(out, tuple) else back[0]
-        return any_layout
-    return wrap
+    return nchw_kernel(lambda a, perm: a.transpose(perm), _fresh, acts, shape_kw, outs)
 
 
-def _channels_at_1(fn):
-    """A batch-norm kernel written for channels on axis 1, for any channel ``axis``: x (and the
-    output gradient) moved so, the results of x's rank moved back."""
-    @functools.wraps(fn)
-    def any_axis(*args, axis=1, **kw):
-        if axis == 1:
-            return fn(*args, **kw)
-        rank = args[0].ndim if fn.__name__ != "batch_norm_grad" else args[1].ndim
-        n_acts = 2 if fn.__name__ == "batch_norm_grad" else 1
-        args = [np.moveaxis(a, axis, 1) if i < n_acts else a for i, a in enumerate(args)]
-        out = fn(*args, **kw)
-        back = [_fresh(np.moveaxis(r, 1, axis)) if r.ndim == rank else r for r in (out if isinstance(out, tuple) else (out,))]
-        return tuple(back) if isinstance(out, tuple) else back[0]
-    return any_axis
+def _channels_at_1(n_acts: int):
+    return channels_at_1(np.moveaxis, _fresh, n_acts)
 
 
 # ---------------------------------------------------------------- convolution (NCHW, OIHW)
@@ -702,7 +668,7 @@ def _channel_np(v: np.ndarray, rank: int) -> np.ndarray:
 
 
 @k("batch_norm")
-@_channels_at_1
+@_channels_at_1(1)
 def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     na = 2 if affine else 0
     w, b = (rest[0], rest[1]) if affine else (None, None)
@@ -729,7 +695,7 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
 
 
 @k("batch_norm_stats")
-@_channels_at_1
+@_channels_at_1(1)
 def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
     """In float64 (the numba kernel's precision), rounded to x's dtype once."""
     x64 = x.astype(np.float64)
@@ -746,7 +712,7 @@ def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
 
 
 @k("batch_norm_grad")
-@_channels_at_1
+@_channels_at_1(2)
 def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
     """s1, s2: (save_mean, save_invstd) in training, (running_mean, running_var) in eval."""
     r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))

@@ -8,15 +8,13 @@ bit-identical samples. Checkers refuse what torch cannot do here
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..ir.ops.nn import TO_NCHW, TO_NHWC
 from ..ir.types import DType
 from . import kernel, numpy_kernels as npk
+from ._layout import channels_at_1, nchw_kernel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -237,49 +235,17 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     return _fresh(torch.ops.aten.nll_loss_backward(g, like, t, None, _REDUCTION[reduction], ignore_index, total))
 
 
-# ---------------------------------------------------------------- layouts
+# ---------------------------------------------------------------- layouts (remat.backends._layout)
 # An NHWC operand is handed to ATen as an NCHW view with channels-last strides (no copy): ATen then
-# runs its channels-last kernels and returns channels-last results, whose NHWC view is contiguous.
+# runs its channels-last kernels and returns channels-last results, whose NHWC view is contiguous
+# (``_act`` keeps them as they are; ``_fresh`` of the view then copies nothing). An NCHW input of a
+# channels-last convolution (``input_layout``) is read as it is.
 def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
-    """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts`` viewed
-    as NCHW (``shape_kw`` permuted), the activation results ``outs`` viewed back as NHWC (copied only
-    if ATen did not return them channels-last). ``input_layout`` (convolutions): operand 0's own
-    layout, when it differs (ATen reads an NCHW input of a channels-last convolution as it is)."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def any_layout(*args, layout="NCHW", input_layout="", **kw):
-            if layout == "NCHW" and input_layout in ("", "NCHW"):
-                return fn(*args, **kw)
-            nhwc = [i in acts and (input_layout or layout) == "NHWC" if i == 0 else i in acts and layout == "NHWC"
-                    for i in range(len(args))]
-            args = [a.permute(TO_NCHW) if t else a for a, t in zip(args, nhwc)]
-            if layout == "NCHW":
-                return fn(*args, **kw)
-            if shape_kw is not None:
-                kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
-            out = fn(*args, channels_last=True, **kw)
-            back = [_fresh(r.permute(TO_NHWC)) if i in outs else r
-                    for i, r in enumerate(out if isinstance(out, tuple) else (out,))]
-            return tuple(back) if isinstance(out, tuple) else back[0]
-        return any_layout
-    return wrap
+    return nchw_kernel(lambda a, perm: a.permute(perm), _fresh, acts, shape_kw, outs, pass_channels_last=True)
 
 
 def _channels_at_1(n_acts: int):
-    """A batch-norm kernel for any channel ``axis``: its first ``n_acts`` operands viewed with the
-    channels on axis 1 (no copy), the results of their rank viewed back."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def any_axis(*args, axis=1, **kw):
-            if axis == 1:
-                return fn(*args, **kw)
-            rank = args[n_acts - 1].dim()
-            args = [a.movedim(axis, 1) if i < n_acts else a for i, a in enumerate(args)]
-            out = fn(*args, channels_last=rank == 4 and axis == 3, **kw)
-            back = [_fresh(r.movedim(1, axis)) if r.dim() == rank else r for r in (out if isinstance(out, tuple) else (out,))]
-            return tuple(back) if isinstance(out, tuple) else back[0]
-        return any_axis
-    return wrap
+    return channels_at_1(lambda a, src, dst: a.movedim(src, dst), _fresh, n_acts, pass_channels_last=True)
 
 
 def _act(t: torch.Tensor, channels_last: bool) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""Kernels of image ops written for NCHW (channels on axis 1), run in any layout: the wrappers
+both dialects use for the ``layout`` / ``input_layout`` attributes of convolution and pooling ops
+and the channel ``axis`` of batch norm (``remat.passes.layout`` chooses them).
+
+Each dialect passes its own ``permute(a, perm)`` / ``move(a, src, dst)`` (NumPy: transposed views;
+torch: views whose channels-last strides ATen recognises, so its channels-last kernels run without
+a copy) and ``fresh(r)`` (a result that owns exactly its contiguous bytes).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from ..ir.ops.nn import TO_NCHW, TO_NHWC
+
+
+def _results(out: Any, convert: Callable[[int, Any], Any]) -> Any:
+    back = [convert(i, r) for i, r in enumerate(out if isinstance(out, tuple) else (out,))]
+    return tuple(back) if isinstance(out, tuple) else back[0]
+
+
+def nchw_kernel(permute: Callable, fresh: Callable, acts: tuple[int, ...], shape_kw: str | None = None,
+                outs: tuple[int, ...] = (0, 1), pass_channels_last: bool = False):
+    """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts``
+    permuted to NCHW (``shape_kw`` permuted), the activation results ``outs`` permuted back.
+    ``input_layout`` (convolutions): operand 0's own layout, when it differs from ``layout``.
+    ``pass_channels_last``: the kernel takes ``channels_last=True`` when its results are NHWC."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def any_layout(*args, layout="NCHW", input_layout="", **kw):
+            if layout == "NCHW" and input_layout in ("", "NCHW"):
+                return fn(*args, **kw)
+            nhwc = [i in acts and ((input_layout or layout) if i == 0 else layout) == "NHWC" for i in range(len(args))]
+            args = [permute(a, TO_NCHW) if t else a for a, t in zip(args, nhwc)]
+            if layout == "NCHW":
+                return fn(*args, **kw)
+            if shape_kw is not None:
+                kw[shape_kw] = tuple(kw[shape_kw][i] for i in TO_NCHW)
+            out = fn(*args, **({"channels_last": True} if pass_channels_last else {}), **kw)
+            return _results(out, lambda i, r: fresh(permute(r, TO_NHWC)) if i in outs else r)
+        return any_layout
+    return wrap
+
+
+def channels_at_1(move: Callable, fresh: Callable, n_acts: int, pass_channels_last: bool = False):
+    """A batch-norm kernel written for channels on axis 1, for any channel ``axis``: its first
+    ``n_acts`` operands (x, and the output gradient before it) moved so, the results of their rank
+    moved back. ``pass_channels_last``: the kernel takes ``channels_last`` (rank 4, channels last)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def any_axis(*args, axis=1, **kw):
+            if axis == 1:
+                return fn(*args, **kw)
+            rank = len(args[n_acts - 1].shape)
+            args = [move(a, axis, 1) if i < n_acts else a for i, a in enumerate(args)]
+            extra = {"channels_last": rank == 4 and axis == 3} if pass_channels_last else {}
+            out = fn(*args, **extra, **kw)
+            return _results(out, lambda i, r: fresh(move(r, 1, axis)) if len(r.shape) == rank else r)
+        return any_axis
+    return wrap
