@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from ..ir.ops.nn import TO_NCHW, TO_NHWC
+from ..ir.ops.nn import LAYOUT_OPERANDS, TO_NCHW, TO_NHWC
 
 
 def _results(out: Any, convert: Callable[[int, Any], Any]) -> Any:
@@ -19,12 +19,14 @@ def _results(out: Any, convert: Callable[[int, Any], Any]) -> Any:
     return tuple(back) if isinstance(out, tuple) else back[0]
 
 
-def nchw_kernel(permute: Callable, fresh: Callable, acts: tuple[int, ...], shape_kw: str | None = None,
-                outs: tuple[int, ...] = (0, 1), pass_channels_last: bool = False):
-    """A kernel written for NCHW, also for NHWC (``layout``): the activation operands ``acts``
-    permuted to NCHW (``shape_kw`` permuted), the activation results ``outs`` permuted back.
-    ``input_layout`` (convolutions): operand 0's own layout, when it differs from ``layout``.
-    ``pass_channels_last``: the kernel takes ``channels_last=True`` when its results are NHWC."""
+def nchw_kernel(permute: Callable, fresh: Callable, op: str, pass_channels_last: bool = False):
+    """A kernel of ``op`` written for NCHW, also for NHWC (``layout``): its activation operands
+    permuted to NCHW (its activation-shaped attribute permuted), its activation results permuted back
+    (``remat.ir.ops.nn.LAYOUT_OPERANDS``). ``input_layout`` (convolutions): operand 0's own layout,
+    when it differs from ``layout``. ``pass_channels_last``: the kernel takes ``channels_last=True``
+    when its results are NHWC."""
+    acts, outs, shape_kw = LAYOUT_OPERANDS[op]
+
     def wrap(fn):
         @functools.wraps(fn)
         def any_layout(*args, layout="NCHW", input_layout="", **kw):

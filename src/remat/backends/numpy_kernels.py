@@ -300,8 +300,8 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
 
 
 # ---------------------------------------------------------------- layouts (remat.backends._layout)
-def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
-    return nchw_kernel(lambda a, perm: a.transpose(perm), _fresh, acts, shape_kw, outs)
+def _nchw_kernel(op: str):
+    return nchw_kernel(lambda a, perm: a.transpose(perm), _fresh, op)
 
 
 def _channels_at_1(n_acts: int):
@@ -330,7 +330,7 @@ def _out_hw(h, w, kh, kw, stride, padding, dilation):
 
 
 @k("conv2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("conv2d")
 def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     xd = _up(x)
     wd = _up(w)
@@ -345,7 +345,7 @@ def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
 
 
 @k("conv2d_input_grad")
-@_nchw_kernel((0,), 'input_shape')
+@_nchw_kernel("conv2d_input_grad")
 def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     gyd, wd = _up(gy), _up(w)
     n, c, h, wid = input_shape
@@ -364,7 +364,7 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
 
 
 @k("conv2d_weight_grad")
-@_nchw_kernel((0, 1), outs=())
+@_nchw_kernel("conv2d_weight_grad")
 def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     xd, gyd = _up(x), _up(gy)
     n, c, h, wid = x.shape
@@ -377,7 +377,7 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
 
 
 @k("conv2d_grads")
-@_nchw_kernel((0, 1), outs=(0,))
+@_nchw_kernel("conv2d_grads")
 def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
     a = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
     return conv2d_input_grad(gy, w, x.shape, **a), conv2d_weight_grad(x, gy, w.shape, **a)
@@ -391,14 +391,14 @@ def _pool_windows(x, kernel, stride, padding, fill):
 
 
 @k("max_pool2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("max_pool2d")
 def max_pool2d(x, kernel, stride, padding=(0, 0)):
     win, _, _ = _pool_windows(_up(x), kernel, stride, padding, -np.inf)  # padding never wins
     return _fresh(win.max(axis=(4, 5)), x.dtype)
 
 
 @k("avg_pool2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("avg_pool2d")
 def avg_pool2d(x, kernel, stride, padding=(0, 0)):
     # Padding counts as zeros in the mean (torch's count_include_pad=True).
     win, _, _ = _pool_windows(_up(x), kernel, stride, padding, 0.0)
@@ -427,28 +427,28 @@ def _route(gy, rows, cols, input_shape, dtype):
 
 
 @k("max_pool2d_grad")
-@_nchw_kernel((0, 1))
+@_nchw_kernel("max_pool2d_grad")
 def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0)):
     rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
     return _route(_up(gy), rows, cols, x.shape, x.dtype)
 
 
 @k("max_pool2d_with_indices")
-@_nchw_kernel((0,))
+@_nchw_kernel("max_pool2d_with_indices")
 def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64):
     rows, cols = _max_pool_argmax(_up(x), kernel, stride, padding)
     return max_pool2d(x, kernel, stride, padding), _fresh(rows * x.shape[3] + cols, index_dtype.numpy)
 
 
 @k("max_pool2d_index_grad")
-@_nchw_kernel((0, 1), 'input_shape')
+@_nchw_kernel("max_pool2d_index_grad")
 def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0)):
     rows, cols = np.divmod(indices, input_shape[3])
     return _route(_up(gy), rows, cols, input_shape, gy.dtype)
 
 
 @k("avg_pool2d_grad")
-@_nchw_kernel((0,), 'input_shape')
+@_nchw_kernel("avg_pool2d_grad")
 def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
     gyd = _up(gy)
     n, c, h, w = input_shape

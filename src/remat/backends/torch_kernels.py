@@ -240,8 +240,8 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
 # runs its channels-last kernels and returns channels-last results, whose NHWC view is contiguous
 # (``_act`` keeps them as they are; ``_fresh`` of the view then copies nothing). An NCHW input of a
 # channels-last convolution (``input_layout``) is read as it is.
-def _nchw_kernel(acts: tuple[int, ...], shape_kw: str | None = None, outs: tuple[int, ...] = (0, 1)):
-    return nchw_kernel(lambda a, perm: a.permute(perm), _fresh, acts, shape_kw, outs, pass_channels_last=True)
+def _nchw_kernel(op: str):
+    return nchw_kernel(lambda a, perm: a.permute(perm), _fresh, op, pass_channels_last=True)
 
 
 def _channels_at_1(n_acts: int):
@@ -273,7 +273,7 @@ def _like(shape, t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 # ---------------------------------------------------------------- convolution and pooling
 @k("conv2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("conv2d")
 def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False):
     if channels_last and not x.is_contiguous(memory_format=torch.channels_last):
         # An NCHW input (input_layout): with a channels-last weight ATen computes channels-last.
@@ -282,7 +282,7 @@ def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, chann
 
 
 @k("conv2d_input_grad")
-@_nchw_kernel((0,), "input_shape")
+@_nchw_kernel("conv2d_input_grad")
 def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
                       channels_last=False):
     # convolution_backward reads only the input's shape and layout here; an uninitialised contiguous
@@ -296,7 +296,7 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
 
 
 @k("conv2d_weight_grad")
-@_nchw_kernel((0, 1), outs=())
+@_nchw_kernel("conv2d_weight_grad")
 def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
                        channels_last=False):
     # As for the input gradient: only the weight's shape and layout are read, and a contiguous stand-in
@@ -308,7 +308,7 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
 
 
 @k("conv2d_grads")
-@_nchw_kernel((0, 1), outs=(0,))
+@_nchw_kernel("conv2d_grads")
 def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False):
     # One call for both gradients: bit-identical to the two single-gradient calls above (same oneDNN
     # algorithms), and ~30% faster on small feature maps, where preparing gy once dominates.
@@ -320,19 +320,19 @@ def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), group
 
 
 @k("max_pool2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("max_pool2d")
 def max_pool2d(x, kernel, stride, padding=(0, 0), channels_last=False):
     return _act(F.max_pool2d(x, kernel, stride, padding), channels_last)
 
 
 @k("avg_pool2d")
-@_nchw_kernel((0,))
+@_nchw_kernel("avg_pool2d")
 def avg_pool2d(x, kernel, stride, padding=(0, 0), channels_last=False):
     return _act(F.avg_pool2d(x, kernel, stride, padding, ceil_mode=False, count_include_pad=True), channels_last)
 
 
 @k("max_pool2d_grad")
-@_nchw_kernel((0, 1))
+@_nchw_kernel("max_pool2d_grad")
 def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0), channels_last=False):
     """Routes each window's gradient to the index torch's forward picks (first maximum on ties)."""
     _, idx = F.max_pool2d(x, kernel, stride, padding, return_indices=True)
@@ -341,14 +341,14 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0), channels_last=False):
 
 
 @k("max_pool2d_with_indices")
-@_nchw_kernel((0,))
+@_nchw_kernel("max_pool2d_with_indices")
 def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType.i64, channels_last=False):
     y, idx = torch.ops.aten.max_pool2d_with_indices(x, list(kernel), list(stride), list(padding))
     return _act(y, channels_last), _act(idx.to(TORCH_DTYPE[index_dtype]), channels_last)
 
 
 @k("max_pool2d_index_grad")
-@_nchw_kernel((0, 1), "input_shape")
+@_nchw_kernel("max_pool2d_index_grad")
 def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0), channels_last=False):
     like = _like(input_shape, gy, channels_last)  # only its shape and memory format are read
     return _act(torch.ops.aten.max_pool2d_with_indices_backward(gy, like, list(kernel), list(stride), list(padding),
@@ -356,7 +356,7 @@ def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 
 
 
 @k("avg_pool2d_grad")
-@_nchw_kernel((0,), "input_shape")
+@_nchw_kernel("avg_pool2d_grad")
 def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0), channels_last=False):
     like = _like(input_shape, gy, channels_last)  # only its shape and memory format are read
     return _act(torch.ops.aten.avg_pool2d_backward(gy, like, list(kernel), list(stride), list(padding),

@@ -26,27 +26,21 @@ Weights stay OIHW.
 from __future__ import annotations
 
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
-from ..ir.ops.nn import TO_NCHW, TO_NHWC
+from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC
 
 _INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
 
-# op -> (its activation operands, its activation results, its activation-shaped attribute)
-_LAYOUT_OPS: dict[str, tuple[tuple[int, ...], tuple[int, ...], str | None]] = {
-    "conv2d": ((0,), (0,), None),
-    "conv2d_input_grad": ((0,), (0,), "input_shape"),
-    "conv2d_weight_grad": ((0, 1), (), None),
-    "conv2d_grads": ((0, 1), (0,), None),
-    "max_pool2d": ((0,), (0,), None),
-    "avg_pool2d": ((0,), (0,), None),
-    "max_pool2d_with_indices": ((0,), (0, 1), None),
-    "max_pool2d_grad": ((0, 1), (0,), None),
-    "max_pool2d_index_grad": ((0, 1), (0,), "input_shape"),
-    "avg_pool2d_grad": ((0,), (0,), "input_shape"),
-}
 _SEEDS = ("conv2d", "conv2d_input_grad")  # converted whatever their input's layout
 _BATCH_NORM = {"batch_norm": (0,), "batch_norm_stats": (0,), "batch_norm_grad": (0, 1)}  # activation operands
 _AXIS_OPS = ("concat",)  # not softmax: over a short last axis (a segmentation head's classes) ATen is slow
 _REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max")
+
+
+def _seed(ins: Instruction) -> bool:
+    """A convolution the pass makes NHWC whatever its input's layout: NCHW, of a rank-4 float input,
+    activation-bound."""
+    return (ins.op.name in _SEEDS and ins.attrs.get("layout") == "NCHW" and ins.operands[0].type.rank == 4
+            and ins.operands[0].type.dtype.is_float and _activation_bound(ins))
 
 
 def _activation_bound(ins: Instruction) -> bool:
@@ -123,7 +117,7 @@ class _Rewriter:
             if not all(ops[a].type.rank == 4 for a in acts):
                 return None
             if name in _SEEDS:
-                if not (ops[0].type.dtype.is_float and _activation_bound(ins)):
+                if not _seed(ins):
                     return None
             elif not any(has[a] for a in acts):
                 return None
@@ -155,29 +149,23 @@ class _Rewriter:
                 return emit([self.to_nhwc(ops[0])], attrs, ())
         return None
 
-    def run(self) -> int:
+    def run(self) -> None:
         block = self.f.blocks[0]
-        converted, i = 0, 0
+        i = 0
         while i < len(block.instrs):
             ins = block.instrs[i]
             self.b = Builder(block, index=i, loc=ins.loc)
-            new = self.rewrite(ins)
-            if new is not None:
+            if self.rewrite(ins) is not None:
                 del block.instrs[self.b.index]  # ins, now after what replaced it
                 i = self.b.index
-                converted += 1
                 continue
-            ins.operands = [self.plain_results.get(v, v) for v in ins.operands]
-            ins.operands = [self.to_plain(v) for v in ins.operands]
+            ins.operands = [self.to_plain(self.plain_results.get(v, v)) for v in ins.operands]
             i = self.b.index + 1
-        return converted
 
 
 def _eligible(f: Function) -> bool:
-    """A one-block function with a convolution of a rank-4 float input in NCHW that pays channels-last."""
-    return (not f.is_declaration and len(f.blocks) == 1
-            and any(ins.op.name in _SEEDS and ins.attrs.get("layout") == "NCHW" and ins.operands[0].type.rank == 4
-                    and ins.operands[0].type.dtype.is_float and _activation_bound(ins) for ins in f.blocks[0].instrs))
+    """A one-block function with a convolution the pass makes NHWC."""
+    return not f.is_declaration and len(f.blocks) == 1 and any(_seed(ins) for ins in f.blocks[0].instrs)
 
 
 def channels_last(module: Module) -> Module:

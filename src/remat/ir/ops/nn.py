@@ -258,6 +258,23 @@ def _x_attrs(attrs) -> dict:
     return {**attrs, "layout": attrs.get("input_layout") or attrs.get("layout", "NCHW")}
 
 
+LAYOUT_OPERANDS: dict[str, tuple[tuple[int, ...], tuple[int, ...], str | None]] = {
+    "conv2d": ((0,), (0,), None),
+    "conv2d_input_grad": ((0,), (0,), "input_shape"),
+    "conv2d_weight_grad": ((0, 1), (), None),
+    "conv2d_grads": ((0, 1), (0,), None),
+    "max_pool2d": ((0,), (0,), None),
+    "avg_pool2d": ((0,), (0,), None),
+    "max_pool2d_with_indices": ((0,), (0, 1), None),
+    "max_pool2d_grad": ((0, 1), (0,), None),
+    "max_pool2d_index_grad": ((0, 1), (0,), "input_shape"),
+    "avg_pool2d_grad": ((0,), (0,), "input_shape"),
+}
+"""What ``layout`` changes of each op that has it: (its activation operands, its activation results,
+its activation-shaped attribute). Weights and weight gradients stay OIHW. Read by the layout pass,
+the dialects' kernel wrappers and the decompositions."""
+
+
 def nchw(name: str, t: TensorType, attrs) -> tuple[int, ...]:
     """The [N, C, H, W] shape of ``t`` stored in ``attrs['layout']`` (checked: rank 4, a known layout)."""
     layout = attrs.get("layout", "NCHW")
@@ -902,9 +919,12 @@ def _nll_loss_grad_decomp(b, xs, attrs):
 
 
 # ---------------------------------------------------------------- pooling through strided slices
-def _in_nchw(acts: tuple[int, ...], shape_attr: str | None = None):
-    """A decomposition written for NCHW, also for NHWC: the activation operands ``acts`` transposed
-    to NCHW first (``shape_attr`` permuted), the rank-4 results transposed back."""
+def _in_nchw(op: str):
+    """A decomposition written for NCHW, also for NHWC: ``op``'s activation operands transposed to
+    NCHW first (its activation-shaped attribute permuted), its activation results transposed back
+    (``LAYOUT_OPERANDS``)."""
+    acts, outs, shape_attr = LAYOUT_OPERANDS[op]
+
     def wrap(rule):
         def rule_any_layout(b, xs, attrs):
             if attrs.get("layout", "NCHW") == "NCHW":
@@ -913,7 +933,7 @@ def _in_nchw(acts: tuple[int, ...], shape_attr: str | None = None):
             attrs = {**attrs, "layout": "NCHW"}
             if shape_attr is not None:
                 attrs[shape_attr] = tuple(attrs[shape_attr][i] for i in TO_NCHW)
-            return [b.op("transpose", v, perm=TO_NHWC) if v.type.rank == 4 else v for v in rule(b, xs, attrs)]
+            return [b.op("transpose", v, perm=TO_NHWC) if i in outs else v for i, v in enumerate(rule(b, xs, attrs))]
         return rule_any_layout
     return wrap
 
@@ -971,13 +991,13 @@ def _max_pool_ir(b, x, attrs):
 
 
 @def_decomposition("max_pool2d")
-@_in_nchw((0,))
+@_in_nchw("max_pool2d")
 def _max_pool2d_decomp(b, xs, attrs):
     return [_max_pool_ir(b, xs[0], attrs)[2]]
 
 
 @def_decomposition("avg_pool2d")
-@_in_nchw((0,))
+@_in_nchw("avg_pool2d")
 def _avg_pool2d_decomp(b, xs, attrs):
     (x,) = xs
     padding, out_hw = _pool_geometry(x.type.shape, attrs)
@@ -991,7 +1011,7 @@ def _avg_pool2d_decomp(b, xs, attrs):
 
 
 @def_decomposition("avg_pool2d_grad")
-@_in_nchw((0,), 'input_shape')
+@_in_nchw("avg_pool2d_grad")
 def _avg_pool2d_grad_decomp(b, xs, attrs):
     (gy,) = xs
     shape = attrs["input_shape"]
@@ -1019,7 +1039,7 @@ def _first_max_hits(b, wins, y):
 
 
 @def_decomposition("max_pool2d_grad")
-@_in_nchw((0, 1))
+@_in_nchw("max_pool2d_grad")
 def _max_pool2d_grad_decomp(b, xs, attrs):
     x, gy = xs
     xp, wins, y = _max_pool_ir(b, x, attrs)
@@ -1032,7 +1052,7 @@ def _max_pool2d_grad_decomp(b, xs, attrs):
 
 
 @def_decomposition("max_pool2d_with_indices")
-@_in_nchw((0,))
+@_in_nchw("max_pool2d_with_indices")
 def _max_pool2d_with_indices_decomp(b, xs, attrs):
     (x,) = xs
     _, wins, y = _max_pool_ir(b, x, attrs)
@@ -1053,7 +1073,7 @@ def _max_pool2d_with_indices_decomp(b, xs, attrs):
 
 
 @def_decomposition("max_pool2d_index_grad")
-@_in_nchw((0, 1), 'input_shape')
+@_in_nchw("max_pool2d_index_grad")
 def _max_pool2d_index_grad_decomp(b, xs, attrs):
     gy, idx = xs
     n, c, h, w = attrs["input_shape"]
