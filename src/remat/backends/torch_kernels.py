@@ -350,17 +350,20 @@ def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType
 @k("max_pool2d_index_grad")
 @_nchw_kernel("max_pool2d_index_grad")
 def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 0), channels_last=False):
-    like = _like(input_shape, gy, channels_last)  # only its shape and memory format are read
-    return _act(torch.ops.aten.max_pool2d_with_indices_backward(gy, like, list(kernel), list(stride), list(padding),
-                                                                [1, 1], False, indices.long()), channels_last)
+    """ATen's backward (the ``grad_input=`` form) into a result buffer that is also the input it is
+    given: the index-based backward reads only the input's shape and memory format, so no input-sized
+    stand-in is allocated beside the result (the kernel's workspace is the int64 copy of the indices)."""
+    gx = _like(input_shape, gy, channels_last)  # ATen reads the input's shape and memory format only
+    return _act(torch.ops.aten.max_pool2d_with_indices_backward.grad_input(
+        gy, gx, list(kernel), list(stride), list(padding), [1, 1], False, indices.long(), grad_input=gx), channels_last)
 
 
 @k("avg_pool2d_grad")
 @_nchw_kernel("avg_pool2d_grad")
 def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0), channels_last=False):
-    like = _like(input_shape, gy, channels_last)  # only its shape and memory format are read
-    return _act(torch.ops.aten.avg_pool2d_backward(gy, like, list(kernel), list(stride), list(padding),
-                                                   False, True, None), channels_last)
+    gx = _like(input_shape, gy, channels_last)  # the input's stand-in and the result (see max_pool2d_index_grad)
+    return _act(torch.ops.aten.avg_pool2d_backward.grad_input(gy, gx, list(kernel), list(stride), list(padding),
+                                                              False, True, None, grad_input=gx), channels_last)
 
 
 # ---------------------------------------------------------------- random: the numpy samplers, converted
