@@ -89,3 +89,53 @@ def test_a_compiled_unet_splits_every_nchw_batch_norm_and_stays_bit_identical_un
             assert len(whole) == 0 if layout == "NCHW" else len(whole) > len(stats)  # deep layers stay NCHW
     assert recomputed[0] == 0 < recomputed[1]
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+# ---------------------------------------------------------------- split-batch-norm-grad
+def _bn_grad(axis: int, affine: bool) -> Function:
+    x = TensorType(F32, (4, 3, 5, 2) if axis == 1 else (4, 5, 2, 3))
+    v = TensorType(F32, (3,))
+    f = Function("g", [x, x, v, v] + [v] * affine)
+    b = Builder(f.entry)
+    outs = b.op("batch_norm_grad", *f.params, training=True, eps=1e-3, axis=axis)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    f.result_types = [o.type for o in outs]
+    b.ret(*outs)
+    return f
+
+
+@pytest.mark.parametrize("axis", [1, 3])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dialect", ["numpy", "torch"])
+def test_split_grad_gives_the_whole_backwards_results(axis, affine, dialect):
+    """grad_x within float rounding of the whole op; grad_weight and grad_bias are the reduction's own
+    results, bit for bit the whole op's on the torch dialect (ATen's same reduction)."""
+    from remat.passes.batchnorm import split_batch_norm_grad
+
+    f = _bn_grad(axis, affine)
+    m = split_batch_norm_grad(Module([f]))
+    verify(m)
+    ops = [i.op.name for i in m["g"].entry.instrs]
+    assert "batch_norm_grad" not in ops and ops.count("batch_norm_grad_sums") == 1 and ops.count("fused") == 1
+    args = _args(f, seed=3)
+    want, _ = run(f, *args, dialects=[dialect])
+    got, _ = run(m["g"], *args, dialects=[dialect])
+    assert len(got) == len(want) == 1 + 2 * affine
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(got[1:], want[1:]):
+        (np.testing.assert_array_equal if dialect == "torch" else np.testing.assert_allclose)(a, b)
+
+
+def test_split_grad_leaves_eval_mode_alone_and_is_registered():
+    from remat.passes.batchnorm import split_batch_norm_grad
+
+    x, v = TensorType(F32, (4, 3, 2, 2)), TensorType(F32, (3,))
+    f = Function("e", [x, x, v, v])
+    b = Builder(f.entry)
+    gx = b.op("batch_norm_grad", *f.params, training=False)
+    f.result_types = [gx.type]
+    b.ret(gx)
+    m = Module([f])
+    assert split_batch_norm_grad(m) is m
+    out = run_pipeline(Module([_bn_grad(1, True)]), ["split-batch-norm-grad"]).module["g"]
+    assert "batch_norm_grad_sums" in [i.op.name for i in out.entry.instrs]

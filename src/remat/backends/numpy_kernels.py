@@ -731,6 +731,16 @@ def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
     return gx, _fresh(np.sum(gy * xhat, axis=axes), x.dtype), _fresh(np.sum(gy, axis=axes), x.dtype)
 
 
+@k("batch_norm_grad_sums")
+@_channels_at_1(2)
+def batch_norm_grad_sums(gy, x, mean, invstd):
+    """(Σ gy·(x − mean)·invstd, Σ gy) per channel, in float64, rounded once."""
+    r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))
+    gy = _up(gy)
+    xhat = (_up(x) - _channel_np(mean, r)) * _channel_np(invstd, r)
+    return _fresh(np.sum(gy * xhat, axis=axes), x.dtype), _fresh(np.sum(gy, axis=axes), x.dtype)
+
+
 # ---------------------------------------------------------------- optimizer updates (in place)
 def _write(dst: np.ndarray, value: np.ndarray) -> None:
     """Store ``value`` into ``dst`` in place, rounding to dst's dtype."""

@@ -511,6 +511,17 @@ def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5, channels_last=Fa
     return (_act(gx, channels_last), _fresh(gw), _fresh(gb)) if w else _act(gx, channels_last)
 
 
+@k("batch_norm_grad_sums")
+@_channels_at_1(2)
+def batch_norm_grad_sums(gy, x, mean, invstd, channels_last=False):
+    # ATen's backward without grad_input: its reduction pass alone, whose grad_weight (Σ gy·(x − mean)
+    # times invstd) and grad_bias (Σ gy) need no weight. With grad_input, ATen allocates the
+    # input-sized result twice (the first one unused), a workspace this avoids.
+    _, gw, gb = torch.ops.aten.native_batch_norm_backward(gy, x, None, None, None, mean, invstd, True, 0.0,
+                                                          [False, True, True])
+    return _fresh(gw), _fresh(gb)
+
+
 # ---------------------------------------------------------------- optimizer updates (in place)
 @k("sgd_step")
 def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..ir import Module
 from .attention import attention_pass
-from .batchnorm import split_batch_norm
+from .batchnorm import split_batch_norm, split_batch_norm_grad
 from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
@@ -30,6 +30,7 @@ PASSES: dict[str, PassFn] = {
     "decompose": decompose_pass,
     "linear-cross-entropy": cross_entropy_pass,
     "split-batch-norm": split_batch_norm,
+    "split-batch-norm-grad": split_batch_norm_grad,
     "channels-last": channels_last,
 }
 """The passes of this package by name."""

@@ -49,7 +49,7 @@ def apply_layout(imp, layout: str):
     module = channels_last(imp.module)
     return imp if module is imp.module else replace(imp, module=module, function=module[imp.function.name])
 """``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy, attention with
-dropout without its score matrix) when
+dropout without its score matrix, batch norm backwards without ATen's unused buffer) when
 the reference step does not fit the budget and they are faster or the only feasible choice;
 "reference" keeps every op's reference algorithm (gradients bit-identical to the unconstrained step
 under any budget)."""
@@ -489,8 +489,9 @@ class TrainStep:
         return plan_choosing_algorithms(problem, self._lean_variant)
 
     def _lean_variant(self, p: StepProblem) -> Variant | None:
-        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``) and
-        each attention with dropout memory-efficient (``dropout_attention``): built once (capture reused,
+        """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``),
+        each attention with dropout memory-efficient (``dropout_attention``) and each training batch
+        norm's backward split (``split-batch-norm-grad``): built once (capture reused,
         differentiated again), then given ``p``'s budget and workspaces."""
         from ..passes.attention import recognise_dropout_attention
         from ..passes.crossentropy import fuse_cross_entropy
@@ -498,11 +499,13 @@ class TrainStep:
         if self._variant is False:
             forward, sites = fuse_cross_entropy(self.imported.function)
             forward, att_sites = recognise_dropout_attention(forward)
-            if not sites and not att_sites:
+            bns = sum(1 for ins in forward.instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
+            if not sites and not att_sites and not bns:
                 self._variant = None
             else:
                 def make() -> StepProblem:  # differentiated on first use only
-                    joint = prepare_joint(training_graph(forward, len(self.imported.param_names)), self.dialects)
+                    joint = prepare_joint(training_graph(forward, len(self.imported.param_names)), self.dialects,
+                                          lean_batch_norm_grad=bns > 0)
                     unconstrained = self._make_step(joint, check=True)
                     return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
                                    costs=static_costs(joint), example_args=None, workspaces=None)
@@ -515,6 +518,10 @@ class TrainStep:
                     lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
                                  f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
                                  f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
+                if bns:
+                    lines.append(f"batch_norm_grad at {bns} batch norm(s) as a reduction and an element-wise grad_x "
+                                 f"(ATen's backward allocates an input-sized buffer it does not use; grad_x may "
+                                 f"differ in the last bit)")
                 self._variant = Variant(lines, make)
         if self._variant is None:
             return None

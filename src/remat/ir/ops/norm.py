@@ -171,6 +171,17 @@ def _batch_norm_stats_infer(types, attrs):
     return (vec,) * (4 if running else 2)
 
 
+def _batch_norm_grad_sums_infer(types, attrs):
+    if len(types) != 4:
+        raise TypeError(f"'batch_norm_grad_sums' takes (grad_output, input, mean, invstd), got {len(types)} operands")
+    gy, x, mean, invstd = types
+    vec = x.with_shape((_bn_x("batch_norm_grad_sums", x, attrs),))
+    if gy != x or mean != vec or invstd != vec:
+        raise TypeError(f"'batch_norm_grad_sums': grad_output {gy} must be {x}, mean {mean} and invstd {invstd} "
+                        f"must be {vec}")
+    return (vec, vec)
+
+
 def _bn_saves(attrs, n: int):
     from ._vjp import Saves
 
@@ -190,6 +201,14 @@ def _bn_samples(r: np.random.Generator) -> list[Sample]:
             Sample([rand(r, 2, 3, 2, 2), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False}),
             Sample([rand(r, 4, 3, 2, 3), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"momentum": 0.2, "axis": 3}),
             Sample([rand(r, 2, 2, 2, 3), pos(3), rand(r, 3), rand(r, 3), pos(3)], {"training": False, "axis": 3})]
+
+
+def _bn_grad_sums_samples(r: np.random.Generator) -> list[Sample]:
+    x, xl, x2 = rand(r, 4, 3, 3, 2), rand(r, 4, 3, 2, 3), rand(r, 6, 4)
+    return [Sample([rand(r, *x.shape), x, x.mean(axis=(0, 2, 3)), 1.0 / np.sqrt(x.var(axis=(0, 2, 3)) + 1e-5)], {}),
+            Sample([rand(r, *x2.shape), x2, x2.mean(axis=0), 1.0 / np.sqrt(x2.var(axis=0) + 1e-3)], {}),
+            Sample([rand(r, *xl.shape), xl, xl.mean(axis=(0, 1, 2)), 1.0 / np.sqrt(xl.var(axis=(0, 1, 2)) + 1e-5)],
+                   {"axis": 3})]
 
 
 def _bn_stats_samples(r: np.random.Generator) -> list[Sample]:
@@ -234,6 +253,14 @@ declare(OpDef("batch_norm_grad", None, (Attr("training", "bool", True), Attr("ep
                   "when a weight is given (ATen native_batch_norm_backward)",
               sample=_bn_grad_samples))
 
+declare(OpDef("batch_norm_grad_sums", 4, (_BN_AXIS,), _batch_norm_grad_sums_infer, frozenset(), num_results=2,
+              nondiff=True, flops=_norm_flops(3.0),
+              doc="the reduction half of training-mode batch_norm_grad from (grad_output, x, mean, invstd), over all "
+                  "dims but the channel axis: (Σ grad_output·(x − mean)·invstd, Σ grad_output), which are "
+                  "batch_norm_grad's grad_weight and grad_bias. The split-batch-norm-grad pass (a memory-lean algorithm) "
+                  "pairs it with grad_x as one element-wise instruction, so no kernel holds a second input-sized buffer "
+                  "(ATen native_batch_norm_backward without grad_input)",
+              sample=_bn_grad_sums_samples))
 
 # ================================================================ VJP rules (reverse mode)
 # rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. The forward ops have several
