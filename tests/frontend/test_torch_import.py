@@ -141,6 +141,22 @@ def test_dropout_rate_scaling_and_determinism():
     assert not np.array_equal(y, y3)
 
 
+def test_inplace_dropout_exports_as_bernoulli_and_is_imported():
+    """``nn.Dropout(inplace=True)`` (Hugging Face MobileNetV2's classifier) exports as ``bernoulli.p``
+    on a fresh tensor, times the input: a seeded keep mask of rate 1-p, kept values scaled by 1/(1-p)."""
+    p = 0.25
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64).double()
+    x = torch.randn(64, 64, dtype=torch.float64)
+    im = import_module(nn.Sequential(lin, nn.Dropout(p, inplace=True)), (x,), train=True)
+    assert im.has_seed and [i.op.name for i in im.function.instructions()].count("bernoulli") == 1
+    (y,) = evaluate(im, x, seed=3)
+    kept = y != 0
+    assert abs(kept.mean() - (1 - p)) < 0.03  # 4096 draws, std ≈ 0.007
+    np.testing.assert_allclose(y[kept], lin(x).detach().numpy()[kept] / (1 - p), rtol=1e-12)
+    np.testing.assert_array_equal(evaluate(im, x, seed=3)[0], y)
+
+
 def test_dropout_off_in_eval_mode_and_with_p0():
     x = torch.randn(3, 4)
     net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5))

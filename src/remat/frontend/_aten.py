@@ -1107,6 +1107,20 @@ def _rand(L: Lowerer, *args, **kwargs):
     return L.op("uniform", L.seed(), shape=t.shape, dtype=t.dtype)
 
 
+@lower("bernoulli.p")
+def _bernoulli_p(L: Lowerer, x, p=0.5, generator=None):
+    """``x.bernoulli(p)``: ones with probability p, else zeros, of x's shape and dtype (in-place
+    dropout, ``F.dropout(..., inplace=True)``, exports as this mask times x). Drawn from a seed
+    folded from the function's seed parameter, like dropout."""
+    if generator is not None:
+        raise LoweringError("bernoulli with an explicit generator is not supported (remat draws from its own seed)")
+    t = L.out_type()
+    if not t.dtype.is_float:
+        raise LoweringError(f"bernoulli produces floats here, got {t}")
+    mask = L.op("bernoulli", L.seed(), shape=t.shape, p=float(p))
+    return L.op("select", mask, L.const(1, t.dtype), L.const(0, t.dtype))
+
+
 @lower("native_dropout.default")
 def _native_dropout(L: Lowerer, x, p, train):
     y, mask = _dropout(L, x, p, train)
