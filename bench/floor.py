@@ -1,6 +1,6 @@
 """Memory-floor benchmark (issue 10): how low can a training step's budget go, and how large a batch fits?
 
-Four parts, each with whatever op alternatives the op registry declares (this script names none):
+Five parts, each with whatever op alternatives the op registry declares (this script names none):
 
 * ``gpt``: the GPT medium of bench/speed.py (``zoo.make("gpt", "medium")``: 8 layers, d512, seq 256,
   batch 8, vocab 8000, no optimizer: gradients only). Its unconstrained peak; the minimum feasible
@@ -22,11 +22,14 @@ Four parts, each with whatever op alternatives the op registry declares (this sc
   batch's unconstrained peak (at most ``--max-doublings``); at that batch one step at 25% (measured ==
   predicted <= budget). Each model's least percentage reached is reported, and the minimum with kernel
   workspaces not counted beside it.
+* ``hf``: models nobody here wrote, Hugging Face ``transformers`` image classifiers with batch norm (tiny
+  configs, random weights, batch 16 of 64x64 images, no optimizer): the minimum with the reference
+  algorithms and with the planner's choice, and one step at the latter (measured == predicted).
 
 Targets (issue 10) are reported as pass/fail lines, never asserted. Timings are noisy on a shared
 machine: ratios come from alternating runs in one process.
 
-Run:  PYTHONPATH=src .venv/bin/python bench/floor.py [--quick] [--parts gpt,gpt_sgd,max_batch,zoo] [--merge]
+Run:  PYTHONPATH=src .venv/bin/python bench/floor.py [--quick] [--parts gpt,gpt_sgd,max_batch,zoo,hf] [--merge]
 Writes bench/results/floor.json (floor_quick.json with --quick); with ``--merge`` the parts not run are
 kept from that file, and ``config.measured_at`` names the revision each part was measured at.
 """
@@ -51,6 +54,7 @@ from remat.train.max_batch import eager_max_batch, max_batch
 from remat.train.microbatch import MicroBatchingRefused
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("gpt", "gpt_sgd", "max_batch", "zoo", "hf")
 MIB = 1 << 20
 
 
@@ -229,6 +233,51 @@ def zoo_part(size: str, max_doublings: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _hf_conv_nets() -> dict[str, Callable[[], torch.nn.Module]]:
+    """Hugging Face ``transformers`` image classifiers with batch norm, tiny configs, random weights."""
+    import transformers as tf
+
+    return {
+        "hf ResNet (bottleneck)": lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
+            num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[2, 2, 2], layer_type="bottleneck",
+            num_labels=10)),
+        "hf RegNet": lambda: tf.RegNetForImageClassification(tf.RegNetConfig(
+            num_channels=3, embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 2, 1], groups_width=8,
+            num_labels=10)),
+        "hf MobileNetV2": lambda: tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
+            num_channels=3, image_size=64, depth_multiplier=0.35, num_labels=10)),
+    }
+
+
+def _hf_loss(out, target):
+    return torch.nn.functional.cross_entropy(out.logits if hasattr(out, "logits") else out, target)
+
+
+def hf_part(batch: int) -> list[dict[str, Any]]:
+    """Models nobody here wrote: each ``_hf_conv_nets`` model on random 64x64 images, no optimizer. Its
+    minimum feasible budget with the reference algorithms only and with the planner's choice
+    (``algorithms="auto"``: the split batch-norm backward, without ATen's unused buffer), as fractions
+    of the unconstrained peak; one step at the "auto" minimum (measured == predicted <= budget) and the
+    choice it reports."""
+    rows = []
+    for name, make in _hf_conv_nets().items():
+        torch.manual_seed(0)
+        model = make()
+        example = (torch.randn(batch, 3, 64, 64), torch.randint(0, 10, (batch,)))
+        t0 = time.perf_counter()
+        ref, U = minimum(model, example, _hf_loss, algorithms="reference")
+        auto, _ = minimum(model, example, _hf_loss)
+        step = remat.compile(model, example, _hf_loss, budget=auto)
+        row = {"model": name, "batch": batch, "unconstrained_peak": U, "minimum_reference": ref,
+               "fraction_reference": ref / U, "minimum_auto": auto, "fraction_auto": auto / U,
+               "algorithms": step.report().algorithms, **one_step(step, example),
+               "seconds": time.perf_counter() - t0}
+        _log(f"{name} batch {batch}: minimum {ref / U:.1%} (reference algorithms) -> {auto / U:.1%} (auto) of "
+             f"{format_bytes(U)}; at it measured == predicted: {row['measured_eq_predicted']}")
+        rows.append(row)
+    return rows
+
+
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets as pass/fail lines (None: not measured)."""
     out = []
@@ -265,7 +314,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="GPT tiny instead of medium, a 2 MiB cap, zoo at tiny")
-    ap.add_argument("--parts", default="gpt,gpt_sgd,max_batch,zoo", help="comma-separated parts (default: all)")
+    ap.add_argument("--parts", default="gpt,gpt_sgd,max_batch,zoo,hf", help="comma-separated parts (default: all)")
     ap.add_argument("--rounds", type=int, default=5, help="alternating timing rounds (default: 5)")
     ap.add_argument("--max-doublings", type=int, default=5, help="zoo: batch doublings tried (default: 5)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
@@ -286,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.merge and path.exists():
         old = json.loads(path.read_text())
         measured_at = old.get("config", {}).get("measured_at", {})
-        res.update({k: v for k, v in old.items() if k in ("gpt", "gpt_sgd", "max_batch", "zoo") and k not in parts})
+        res.update({k: v for k, v in old.items() if k in PARTS and k not in parts})
         measured_at = {k: v for k, v in measured_at.items() if k in res}
         for k in res:  # files written before parts recorded their revision: the commit that added the file
             measured_at.setdefault(k, f"before {_revision(path)}")
@@ -301,7 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for part, run in (("gpt", lambda: gpt_part(gsize, args.rounds)),
                       ("gpt_sgd", lambda: gpt_part(gsize, args.rounds, sgd=True)),
                       ("max_batch", lambda: max_batch_part(gsize, cap)),
-                      ("zoo", lambda: zoo_part(zsize, args.max_doublings))):
+                      ("zoo", lambda: zoo_part(zsize, args.max_doublings)),
+                      ("hf", lambda: hf_part(4 if args.quick else 16))):
         if part in parts:
             try:
                 res[part] = run()
