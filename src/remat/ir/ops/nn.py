@@ -389,7 +389,13 @@ declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _con
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 4, 6, 6), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 3, 4), rand(r, 4, 2, 3, 2)], {"input_shape": (1, 4, 7, 5), "stride": (2, 1),
-                                                                      "groups": 2})], (0,), "input_shape")))
+                                                                      "groups": 2}),
+                  # input sizes a strided convolution maps to the same output: the kernels' output padding
+                  Sample([rand(r, 2, 4, 3, 3), rand(r, 4, 3, 3, 3)], {"input_shape": (2, 3, 6, 6), "stride": (2, 2),
+                                                                      "padding": (1, 1)}),
+                  Sample([rand(r, 1, 2, 4, 4), rand(r, 2, 2, 3, 3)], {"input_shape": (1, 2, 8, 8), "stride": (2, 2),
+                                                                      "padding": (2, 2), "dilation": (2, 2)})],
+                  (0,), "input_shape")))
 declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_w_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its weight, from (input, grad_output)",
               flops=lambda ins, outs, attrs: 2.0 * ins[1].numel * _prod(outs[0].shape[1:]),
