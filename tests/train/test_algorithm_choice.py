@@ -173,9 +173,36 @@ def test_batch_norm_backward_without_atens_spare_buffer_lowers_the_minimum():
     eager = copy.deepcopy(model)
     step = remat.compile(model, inputs, loss_fn, budget=auto)
     assert any(line.startswith("batch_norm_grad at ") and ": chosen;" in line for line in step.report().algorithms)
-    assert any(i.op.name == "batch_norm_grad_sums" for i in step.program.entry.instrs)
+    ops = [i.op.name for i in step.program.entry.instrs]
+    assert "batch_norm_grad_sums" in ops and "batch_norm_grad" not in ops  # every one split, as reported
     step(*inputs)
     assert step.last_stats.peak_bytes == step.predicted_peak <= auto
     loss_fn(eager(*inputs[:-1]), inputs[-1]).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_chain_planner_differentiates_blocks_with_the_chosen_batch_norm_backward(monkeypatch):
+    """The chain DP re-differentiates the forward block by block: under the lean choice its blocks
+    split their batch-norm backwards as the step's joint does (``StepProblem.split_bn_grad``), so
+    its plan runs the algorithm the report names (and reaches the same low minimum)."""
+    import remat.plan.portfolio as portfolio
+    from remat import zoo
+    from remat.plan.frontier import forget_plans
+
+    forget_plans()  # plans of this model made earlier in the process would be reused
+    monkeypatch.setattr(portfolio, "plan_graph", lambda *a, **k: None)  # only the chain of blocks plans
+    try:
+        model, inputs, loss_fn = zoo.make("resnet", "tiny", batch=32)
+        with pytest.raises(remat.BudgetTooSmall) as e:
+            remat.compile(model, inputs, loss_fn, budget=1)
+        model, inputs, loss_fn = zoo.make("resnet", "tiny", batch=32)
+        step = remat.compile(model, inputs, loss_fn, budget=e.value.minimum)
+    finally:
+        forget_plans()  # nor should later tests reuse these chain-only plans
+    assert step.solver.startswith("chain DP")
+    assert any(line.startswith("batch_norm_grad at ") and ": chosen;" in line for line in step.report().algorithms)
+    ops = [i.op.name for i in step.program.entry.instrs]
+    assert "batch_norm_grad_sums" in ops and "batch_norm_grad" not in ops
+    step(*inputs)
+    assert step.last_stats.peak_bytes == step.predicted_peak <= e.value.minimum

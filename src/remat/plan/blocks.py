@@ -77,13 +77,13 @@ def _renamed(fn: Function, name: str, salts: dict[int, int], locs: dict[Loc, Loc
 
 
 def _stage(name: str, fn: Function, n_lead: int, grad_pos: tuple[int, ...], diff_input: bool,
-           cache: StageCache) -> tuple[ChainStage, int]:
+           cache: StageCache, split_bn_grad: bool = False) -> tuple[ChainStage, int]:
     """The differentiated stage of ``fn`` and its kind: differentiated once per distinct block, and
     for a repeat, the first one's forward, split and costs with the repeat's name and salts."""
     key = canonical_key(fn, n_lead, grad_pos, diff_input)
     hit = cache.get(key)
     if hit is None:
-        stage = make_stage(name, fn, n_lead, grad_pos, diff_input=diff_input)
+        stage = make_stage(name, fn, n_lead, grad_pos, diff_input=diff_input, split_bn_grad=split_bn_grad)
         cache[key] = (stage, _salts(fn), len(cache), [ins.loc for ins in fn.entry.instrs])
         return stage, len(cache) - 1
     first, first_salts, kind, first_locs = hit
@@ -109,13 +109,14 @@ def _deps(body: list[Instruction], roots: set[Value]) -> set[Value]:
 
 def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 48,
         min_stages: int = 3, min_blocks: int = 12, backward_kept_only: bool = True,
-        cache: StageCache | None = None) -> Blocks | None:
+        cache: StageCache | None = None, split_bn_grad: bool = False) -> Blocks | None:
     """Stages of ``forward: (params..., other args...) -> (loss, side outputs...)`` along the data
     input ``forward.params[data_index]``, or None when the graph has too few separators.
 
     ``backward_kept_only``: cut only at separators the backward keeps anyway (topped up to
     ``min_blocks`` with others); otherwise at every separator (finer blocks, more to hold).
-    Identical blocks (repeated layers) are differentiated once; ``cache`` shares them between cuts.
+    Identical blocks (repeated layers) are differentiated once; ``cache`` shares them between cuts
+    (of one ``split_bn_grad``: batch-norm backwards split as the step's joint, the lean algorithm).
     Time: linear in the forward's size plus, per stage, its slice (stages partition the body)."""
     cache = {} if cache is None else cache
     if len(forward.blocks) != 1:
@@ -206,7 +207,7 @@ def cut(forward: Function, data_index: int, n_trainable: int, max_stages: int = 
         fn = _slice(f"stage{k + 1}", lead_vals + [vin], pos, needed, results)
         lead = [param_pos[v] for v in lead_vals]
         grad_pos = tuple(i for i, p in enumerate(lead) if p < n_trainable)
-        stage, kind = _stage(f"stage{k + 1}", fn, len(lead), grad_pos, vin.type.dtype.is_float, cache)
+        stage, kind = _stage(f"stage{k + 1}", fn, len(lead), grad_pos, vin.type.dtype.is_float, cache, split_bn_grad)
         stages.append(stage)
         kinds.append(kind)
         leads.append(lead)

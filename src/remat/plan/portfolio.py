@@ -68,6 +68,9 @@ class StepProblem:
     # set, a plan fits when its allocator bound (VM high-water marks + workspaces) is within the
     # budget, and the chain DP's per-stage transient terms include the stages' workspaces.
     workspace_fn: Callable[[Function], dict[Instruction, int]] | None = None
+    # The joint's training batch-norm backwards are split (remat.passes.batchnorm.split_batch_norm_grad,
+    # a memory-lean algorithm): the chain planner's blocks are differentiated the same way.
+    split_bn_grad: bool = False
 
 
 def fit_peak(p: StepProblem, program: Function) -> int:
@@ -303,7 +306,8 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     from .blocks import cut
 
     t0 = time.perf_counter()
-    blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, cache=cache)
+    blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, cache=cache,
+                 split_bn_grad=p.split_bn_grad)
     if blocks is None:
         return None
     measure = p.example_args is not None

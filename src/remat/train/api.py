@@ -508,7 +508,8 @@ class TrainStep:
                                           lean_batch_norm_grad=bns > 0)
                     unconstrained = self._make_step(joint, check=True)
                     return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
-                                   costs=static_costs(joint), example_args=None, workspaces=None)
+                                   costs=static_costs(joint), example_args=None, workspaces=None,
+                                   split_bn_grad=bns > 0)
 
                 lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
                          f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "

@@ -61,30 +61,36 @@ class ChainStage:
         return self.split.forward.result_types[1 + self.n_aux:]
 
 
-def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None) -> Function:
+def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None,
+                   split_bn_grad: bool = False) -> Function:
     """The joint ``(params..., x, gy) -> (y, side outputs..., grads wrt ``wrt``...)`` of a stage
     ``(params..., x) -> (y, side outputs...)``, by autodiff of ``y`` alone (default ``wrt``: every
-    parameter, then the input), training batch norms split, after the ``cleanup`` pipeline (which
-    also merges the forward code the gradient and the side outputs share)."""
+    parameter, then the input), training batch norms split (with ``split_bn_grad`` their backwards
+    too), after the ``cleanup`` pipeline (which also merges the forward code the gradient and the
+    side outputs share)."""
     from ...autodiff import joint
     from ...passes import CLEANUP, run
-    from ...passes.batchnorm import split_batch_norm
+    from ...passes.batchnorm import split_batch_norm, split_batch_norm_grad
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
     # Training batch norms split as in the whole step's joint (remat.step.prepare_joint): same kernels.
-    return run(split_batch_norm(joint(forward, wrt, cotangents=True)), CLEANUP).module["joint"].clone()
+    graph = split_batch_norm(joint(forward, wrt, cotangents=True))
+    if split_bn_grad:
+        graph = split_batch_norm_grad(graph)
+    return run(graph, CLEANUP).module["joint"].clone()
 
 
 def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
-               diff_input: bool = True) -> ChainStage:
+               diff_input: bool = True, split_bn_grad: bool = False) -> ChainStage:
     """Differentiate a stage ``(params..., x) -> (y, side outputs...)`` and split its joint into
-    forward/backward parts. ``diff_input=False`` for an input without gradient (integer data)."""
+    forward/backward parts. ``diff_input=False`` for an input without gradient (integer data);
+    ``split_bn_grad``: batch-norm backwards split (:func:`joint_function`)."""
     if len(forward.params) != n_params + 1 or not forward.result_types:
         raise ValueError(f"stage {name}: expected (params[{n_params}], x) -> (y, ...), got "
                          f"{len(forward.params)} parameters and {len(forward.result_types)} results")
     grad_params = tuple(range(n_params)) if grad_params is None else tuple(grad_params)
     n_aux = len(forward.result_types) - 1
-    joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()))
+    joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()), split_bn_grad)
     split = split_joint(joint, n_primals=n_params + 1, n_outputs=1 + n_aux, direct=set(range(n_params)))
     return ChainStage(name, _split_batch_norms(forward), n_params, split, grad_params, n_aux)
 
