@@ -10,6 +10,7 @@ from typing import Sequence
 from ..ir import Module
 from .attention import attention_pass
 from .batchnorm import split_batch_norm, split_batch_norm_grad
+from .concatconv import split_concat_conv_pass
 from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
@@ -31,6 +32,7 @@ PASSES: dict[str, PassFn] = {
     "linear-cross-entropy": cross_entropy_pass,
     "split-batch-norm": split_batch_norm,
     "split-batch-norm-grad": split_batch_norm_grad,
+    "split-concat-conv": split_concat_conv_pass,
     "channels-last": channels_last,
 }
 """The passes of this package by name."""

@@ -5,7 +5,9 @@ An alternative is a whole-step variant whose forward had some ops rewritten to a
 algorithm before differentiation (today: the head's ``matmul -> log_softmax -> nll_loss`` as the
 chunked ``linear_cross_entropy``, :mod:`remat.passes.crossentropy`; attention with dropout on its
 probabilities as ``dropout_attention``, one score matrix at a time with the keep mask replayed from
-its seed, :func:`remat.passes.attention.recognise_dropout_attention`; and, after differentiation, each
+its seed, :func:`remat.passes.attention.recognise_dropout_attention`; a convolution over a channel
+concatenation as one convolution per input, summed, :func:`remat.passes.concatconv.split_concat_conv`;
+and, after differentiation, each
 training batch norm's backward as a reduction and an element-wise grad_x, without the unused
 input-sized buffer ATen's kernel allocates, :func:`remat.passes.batchnorm.split_batch_norm_grad`). Its planning problem is built
 on demand by the caller (differentiating and building a step program sit above this package), once

@@ -49,7 +49,8 @@ def apply_layout(imp, layout: str):
     module = channels_last(imp.module)
     return imp if module is imp.module else replace(imp, module=module, function=module[imp.function.name])
 """``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy, attention with
-dropout without its score matrix, batch norm backwards without ATen's unused buffer) when
+dropout without its score matrix, convolutions over a concatenation without it, batch norm backwards without
+ATen's unused buffer) when
 the reference step does not fit the budget and they are faster or the only feasible choice;
 "reference" keeps every op's reference algorithm (gradients bit-identical to the unconstrained step
 under any budget)."""
@@ -490,17 +491,20 @@ class TrainStep:
 
     def _lean_variant(self, p: StepProblem) -> Variant | None:
         """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``),
-        each attention with dropout memory-efficient (``dropout_attention``) and each training batch
-        norm's backward split (``split-batch-norm-grad``): built once (capture reused,
+        each attention with dropout memory-efficient (``dropout_attention``), each convolution over a
+        channel concatenation split per input (``split-concat-conv``) and each training batch norm's
+        backward split (``split-batch-norm-grad``): built once (capture reused,
         differentiated again), then given ``p``'s budget and workspaces."""
         from ..passes.attention import recognise_dropout_attention
+        from ..passes.concatconv import split_concat_conv
         from ..passes.crossentropy import fuse_cross_entropy
 
         if self._variant is False:
             forward, sites = fuse_cross_entropy(self.imported.function)
             forward, att_sites = recognise_dropout_attention(forward)
+            forward, cat_sites = split_concat_conv(forward)
             bns = sum(1 for ins in forward.instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
-            if not sites and not att_sites and not bns:
+            if not sites and not att_sites and not cat_sites and not bns:
                 self._variant = None
             else:
                 def make() -> StepProblem:  # differentiated on first use only
@@ -519,6 +523,11 @@ class TrainStep:
                     lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
                                  f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
                                  f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
+                if cat_sites:
+                    lines.append(f"conv2d over concat at {len(cat_sites)} convolution(s) ({', '.join(s.where for s in cat_sites)}) "
+                                 f"as one convolution per concatenated input, summed (never the concatenated "
+                                 f"activations, {format_bytes(sum(s.concat_bytes for s in cat_sites))} in all, or one "
+                                 f"gradient for them; values differ by summation order)")
                 if bns:
                     lines.append(f"batch_norm_grad at {bns} batch norm(s) as a reduction and an element-wise grad_x "
                                  f"(ATen's backward allocates an input-sized buffer it does not use; grad_x may "

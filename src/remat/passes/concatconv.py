@@ -1,0 +1,103 @@
+"""``split-concat-conv``: a convolution over a channel concatenation as one convolution per
+concatenated input, summed (issue 10: a memory-lean algorithm for U-Net-style skip connections).
+
+The pattern::
+
+    c = concat(a, b, ...) {axis = channels}     # no other user
+    y = conv2d(c, w) {groups = 1}
+
+becomes ``y = conv2d(a, w[:, :Ca]) + conv2d(b, w[:, Ca:Ca+Cb]) + ...`` (the weight sliced along its
+input channels). The concatenated activation is never built, and the backward gives each input its
+own gradient instead of slices of one concatenated gradient, which stays alive, whole, as long as
+either half is needed (a U-Net's skip gradient waits for the whole lower backward). It costs one
+convolution call per input and the sum, and the values differ from the reference by summation order
+(the channels are summed in parts), so the rewrite is not in a default pipeline: the planner applies
+it as an algorithm choice it reports (``remat.plan.algorithms``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir.ops.nn import nchw
+from ._rewrite import apply_replacements, use_counts
+
+
+@dataclass
+class Site:
+    """One convolution rewritten: where, how many inputs, and the concatenation's bytes."""
+
+    where: str
+    inputs: int
+    concat_bytes: int
+
+
+def _channel_axis(conv: Instruction) -> int:
+    return 1 if conv.attrs.get("layout", "NCHW") == "NCHW" else 3
+
+
+def _match(conv: Instruction, uses: dict[Value, int]) -> Instruction | None:
+    """The ``concat`` feeding ``conv`` along its channels (only user, float operands), or None."""
+    x = conv.operands[0]
+    cat = getattr(x, "instr", None)
+    if cat is None or cat.op.name != "concat" or uses.get(x, 0) != 1 or len(cat.operands) < 2:
+        return None
+    if conv.attrs.get("groups", 1) != 1 or conv.attrs.get("input_layout", "") not in ("", conv.attrs.get("layout", "NCHW")):
+        return None
+    rank = x.type.rank
+    if cat.attrs["axis"] % rank != _channel_axis(conv) or cat.block is not conv.block:
+        return None
+    return cat
+
+
+def split_concat_conv(f: Function) -> tuple[Function, list[Site]]:
+    """A copy of ``f`` with every matching ``concat -> conv2d`` replaced (see the module's doc), and
+    one :class:`Site` per rewritten convolution (none when nothing matched)."""
+    g = f.clone()
+    if g.is_declaration:
+        return g, []
+    uses = use_counts(g)
+    repl: dict[Value, Value] = {}
+    sites: list[Site] = []
+    for blk in g.blocks:
+        matches = {ins: cat for ins in blk.instrs if ins.op.name == "conv2d" and (cat := _match(ins, uses)) is not None}
+        if not matches:
+            continue
+        dead = set(matches.values())
+        out: list[Instruction] = []
+        for ins in blk.instrs:
+            if ins in dead:
+                continue
+            if ins not in matches:
+                out.append(ins)
+                continue
+            cat, w = matches[ins], ins.operands[1]
+            axis = _channel_axis(ins)
+            scratch = Block()
+            b = Builder(scratch)
+            b.loc = ins.loc
+            y, start = None, 0
+            for a in cat.operands:
+                c = nchw("conv2d", a.type, ins.attrs)[1]
+                wa = b.op("slice", w, start=(0, start, 0, 0), stop=(w.type.shape[0], start + c) + w.type.shape[2:])
+                part = b.op("conv2d", a, wa, **ins.attrs)
+                y = part if y is None else b.op("add", y, part)
+                start += c
+            assert start == ins.operands[0].type.shape[axis]
+            for ni in scratch.instrs:
+                ni.block = blk
+            out.extend(scratch.instrs)
+            repl[ins.results[0]] = y
+            sites.append(Site("(unknown)" if ins.loc is None else (ins.loc.path or "(top level)"), len(cat.operands),
+                              cat.results[0].type.nbytes))
+        blk.instrs = out
+    apply_replacements(g, repl)
+    return g, sites
+
+
+def split_concat_conv_pass(module: Module) -> Module:
+    """Replace each convolution over a channel concatenation by one convolution per input, summed."""
+    return Module([split_concat_conv(f)[0] for f in module])
+
+
+__all__ = ["Site", "split_concat_conv", "split_concat_conv_pass"]
