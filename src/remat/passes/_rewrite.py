@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..ir import Function, Instruction, Module, Value
+from typing import Any, Callable
+
+from ..ir import Block, Builder, Function, Instruction, Module, Value
 
 
 def resolve(repl: dict[Value, Value], v: Value) -> Value:
@@ -25,6 +27,46 @@ def apply_replacements(f: Function, repl: dict[Value, Value]) -> None:
         ins.operands = [resolve(repl, v) for v in ins.operands]
         for s in ins.successors:
             s.args = [resolve(repl, v) for v in s.args]
+
+
+def rewrite_matches(f: Function, match: Callable[[Instruction, dict[Value, int]], tuple[list[Instruction], Any] | None],
+                    emit: Callable[[Builder, Instruction, Any], tuple[Value, Any]]) -> tuple[Function, list]:
+    """A copy of ``f`` with each instruction that ``match(ins, uses)`` accepts replaced by what
+    ``emit(builder, ins, data)`` builds in its place, and the sites ``emit`` reports.
+
+    ``match`` returns (the other instructions the rewrite removes, all in ``ins``'s block, data for
+    ``emit``) or None; ``emit`` returns (the value replacing ``ins``'s first result, a site record).
+    ``uses``: each value's use count in ``f``."""
+    g = f.clone()
+    if g.is_declaration:
+        return g, []
+    uses = use_counts(g)
+    repl: dict[Value, Value] = {}
+    sites: list = []
+    for blk in g.blocks:
+        matches = {}
+        for ins in blk.instrs:
+            m = match(ins, uses)
+            if m is not None and all(d.block is blk for d in m[0]):
+                matches[ins] = m
+        if not matches:
+            continue
+        dead = {d for m in matches.values() for d in m[0]}
+        out: list[Instruction] = []
+        for ins in blk.instrs:
+            if ins in matches:
+                scratch = Block()
+                value, site = emit(Builder(scratch), ins, matches[ins][1])
+                for ni in scratch.instrs:
+                    ni.block = blk
+                out.extend(scratch.instrs)
+                repl[ins.results[0]] = value
+                sites.append(site)
+            elif ins not in dead:
+                out.append(ins)
+        blk.instrs = out
+    apply_replacements(g, repl)
+    return g, sites
 
 
 def use_counts(f: Function) -> dict[Value, int]:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import nchw
-from ._rewrite import apply_replacements, use_counts
+from ._rewrite import rewrite_matches
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _match(conv: Instruction, uses: dict[Value, int]) -> Instruction | None:
     if conv.attrs.get("groups", 1) != 1 or conv.attrs.get("input_layout", "") not in ("", conv.attrs.get("layout", "NCHW")):
         return None
     rank = x.type.rank
-    if cat.attrs["axis"] % rank != _channel_axis(conv) or cat.block is not conv.block:
+    if cat.attrs["axis"] % rank != _channel_axis(conv):
         return None
     return cat
 
@@ -53,46 +53,24 @@ def _match(conv: Instruction, uses: dict[Value, int]) -> Instruction | None:
 def split_concat_conv(f: Function) -> tuple[Function, list[Site]]:
     """A copy of ``f`` with every matching ``concat -> conv2d`` replaced (see the module's doc), and
     one :class:`Site` per rewritten convolution (none when nothing matched)."""
-    g = f.clone()
-    if g.is_declaration:
-        return g, []
-    uses = use_counts(g)
-    repl: dict[Value, Value] = {}
-    sites: list[Site] = []
-    for blk in g.blocks:
-        matches = {ins: cat for ins in blk.instrs if ins.op.name == "conv2d" and (cat := _match(ins, uses)) is not None}
-        if not matches:
-            continue
-        dead = set(matches.values())
-        out: list[Instruction] = []
-        for ins in blk.instrs:
-            if ins in dead:
-                continue
-            if ins not in matches:
-                out.append(ins)
-                continue
-            cat, w = matches[ins], ins.operands[1]
-            axis = _channel_axis(ins)
-            scratch = Block()
-            b = Builder(scratch)
-            b.loc = ins.loc
-            y, start = None, 0
-            for a in cat.operands:
-                c = nchw("conv2d", a.type, ins.attrs)[1]
-                wa = b.op("slice", w, start=(0, start, 0, 0), stop=(w.type.shape[0], start + c) + w.type.shape[2:])
-                part = b.op("conv2d", a, wa, **ins.attrs)
-                y = part if y is None else b.op("add", y, part)
-                start += c
-            assert start == ins.operands[0].type.shape[axis]
-            for ni in scratch.instrs:
-                ni.block = blk
-            out.extend(scratch.instrs)
-            repl[ins.results[0]] = y
-            sites.append(Site("(unknown)" if ins.loc is None else (ins.loc.path or "(top level)"), len(cat.operands),
-                              cat.results[0].type.nbytes))
-        blk.instrs = out
-    apply_replacements(g, repl)
-    return g, sites
+    def match(ins: Instruction, uses: dict[Value, int]):
+        cat = _match(ins, uses) if ins.op.name == "conv2d" else None
+        return None if cat is None else ([cat], cat)
+
+    def emit(b: Builder, ins: Instruction, cat: Instruction) -> tuple[Value, Site]:
+        w = ins.operands[1]
+        b.loc = ins.loc
+        y, start = None, 0
+        for a in cat.operands:
+            c = nchw("conv2d", a.type, ins.attrs)[1]
+            wa = b.op("slice", w, start=(0, start, 0, 0), stop=(w.type.shape[0], start + c) + w.type.shape[2:])
+            part = b.op("conv2d", a, wa, **ins.attrs)
+            y = part if y is None else b.op("add", y, part)
+            start += c
+        return y, Site("(unknown)" if ins.loc is None else (ins.loc.path or "(top level)"), len(cat.operands),
+                       cat.results[0].type.nbytes)
+
+    return rewrite_matches(f, match, emit)
 
 
 def split_concat_conv_pass(module: Module) -> Module:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.ops.crossentropy import DEFAULT_CHUNK
-from ._rewrite import apply_replacements, use_counts
+from ._rewrite import rewrite_matches
 
 CHUNK_BYTES = 8 * 2**20
 """Target size of one chunk's logits (bytes): small against the whole [N, V] logits, large enough
@@ -77,46 +77,22 @@ def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list
 def fuse_cross_entropy(f: Function, chunk: int | None = None) -> tuple[Function, list[Site]]:
     """A copy of ``f`` with every matching head and loss replaced by ``linear_cross_entropy``, and
     the sites replaced. ``chunk``: rows per chunk (default :func:`default_chunk`)."""
-    g = f.clone()
-    if g.is_declaration:
-        return g, []
-    uses = use_counts(g)
-    repl: dict[Value, Value] = {}
-    sites: list[Site] = []
-    for blk in g.blocks:
-        matches = {}
-        for ins in blk.instrs:
-            if ins.op.name == "nll_loss":
-                m = _match(ins, uses)
-                if m is not None and all(c.block is blk for c in m[2]):
-                    matches[ins] = m
-        if not matches:
-            continue
-        dead = {c for m in matches.values() for c in m[2]}
-        out: list[Instruction] = []
-        for ins in blk.instrs:
-            if ins in matches:
-                x, w, chain = matches[ins]
-                n, v = ins.operands[0].type.shape
-                rows = chunk or default_chunk(n, v, x.type.dtype.itemsize)
-                scratch = Block()
-                b = Builder(scratch)
-                b.loc = chain[-1].loc
-                x2 = x if x.type.rank == 2 else b.op("reshape", x, shape=(n, x.type.shape[-1]))
-                loss, _ = b.op("linear_cross_entropy", x2, w, ins.operands[1], reduction=ins.attrs["reduction"],
-                               ignore_index=ins.attrs["ignore_index"], chunk=rows)
-                for ni in scratch.instrs:
-                    ni.block = blk
-                out.extend(scratch.instrs)
-                repl[ins.results[0]] = loss
-                loc = chain[-1].loc
-                sites.append(Site("(unknown)" if loc is None else (loc.path or "(top level)"), n, v, rows,
-                                  ins.operands[0].type.nbytes))
-            elif ins not in dead:
-                out.append(ins)
-        blk.instrs = out
-    apply_replacements(g, repl)
-    return g, sites
+    def match(ins: Instruction, uses: dict[Value, int]):
+        m = _match(ins, uses) if ins.op.name == "nll_loss" else None
+        return None if m is None else (m[2], m)
+
+    def emit(b: Builder, ins: Instruction, m) -> tuple[Value, Site]:
+        x, w, chain = m
+        n, v = ins.operands[0].type.shape
+        rows = chunk or default_chunk(n, v, x.type.dtype.itemsize)
+        b.loc = loc = chain[-1].loc
+        x2 = x if x.type.rank == 2 else b.op("reshape", x, shape=(n, x.type.shape[-1]))
+        loss, _ = b.op("linear_cross_entropy", x2, w, ins.operands[1], reduction=ins.attrs["reduction"],
+                       ignore_index=ins.attrs["ignore_index"], chunk=rows)
+        return loss, Site("(unknown)" if loc is None else (loc.path or "(top level)"), n, v, rows,
+                          ins.operands[0].type.nbytes)
+
+    return rewrite_matches(f, match, emit)
 
 
 def cross_entropy_pass(module: Module) -> Module:
