@@ -118,4 +118,12 @@ def split_batch_norm_grad(module: Module) -> Module:
     return _expand(module, _is_training_bn_grad, _split_grad)
 
 
-__all__ = ["split_batch_norm", "split_batch_norm_grad"]
+def split_batch_norms(module: Module, grads: bool = False) -> Module:
+    """What every differentiated training graph goes through (the whole step's joint and the chain
+    planner's blocks alike, so that all plans run the same kernels): ``split-batch-norm``, and with
+    ``grads`` (the lean algorithm chosen) ``split-batch-norm-grad``."""
+    module = split_batch_norm(module)
+    return split_batch_norm_grad(module) if grads else module
+
+
+__all__ = ["split_batch_norm", "split_batch_norm_grad", "split_batch_norms"]

@@ -53,21 +53,18 @@ def cleanup(m: Module) -> Function:
     return out
 
 
-def prepare_joint(graph: Module, dialects=None, lean_batch_norm_grad: bool = False) -> Function:
+def prepare_joint(graph: Module, dialects=None, split_bn_grad: bool = False) -> Function:
     """The training graph as the planners see it: training batch norms split (``split-batch-norm``),
     the composites no dialect of ``dialects`` claims expanded (``decompose_unclaimed``), then
     :func:`cleanup`. Every path that differentiates a whole step goes through here (the chain
     planner's blocks split batch norms the same way), so a plan made on any of them runs the
     unconstrained step's kernels: gradients stay bit-identical across budgets.
-    ``lean_batch_norm_grad``: their backwards split too (``split-batch-norm-grad``, a memory-lean
+    ``split_bn_grad``: their backwards split too (``split-batch-norm-grad``, a memory-lean
     algorithm the planner chooses only where the reference does not fit)."""
-    from ..passes.batchnorm import split_batch_norm, split_batch_norm_grad
+    from ..passes.batchnorm import split_batch_norms
     from ..passes.decompose import decompose_unclaimed
 
-    graph = split_batch_norm(graph)
-    if lean_batch_norm_grad:
-        graph = split_batch_norm_grad(graph)
-    return cleanup(decompose_unclaimed(graph, dialects))
+    return cleanup(decompose_unclaimed(split_batch_norms(graph, split_bn_grad), dialects))
 
 
 def update_points(joint: Function, layout: Layout) -> list[int]:

@@ -509,7 +509,7 @@ class TrainStep:
             else:
                 def make() -> StepProblem:  # differentiated on first use only
                     joint = prepare_joint(training_graph(forward, len(self.imported.param_names)), self.dialects,
-                                          lean_batch_norm_grad=bns > 0)
+                                          split_bn_grad=bns > 0)
                     unconstrained = self._make_step(joint, check=True)
                     return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
                                    costs=static_costs(joint), example_args=None, workspaces=None,

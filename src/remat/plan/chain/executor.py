@@ -70,14 +70,11 @@ def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None
     side outputs share)."""
     from ...autodiff import joint
     from ...passes import CLEANUP, run
-    from ...passes.batchnorm import split_batch_norm, split_batch_norm_grad
+    from ...passes.batchnorm import split_batch_norms
 
     wrt = tuple(range(n_params + 1)) if wrt is None else wrt
     # Training batch norms split as in the whole step's joint (remat.step.prepare_joint): same kernels.
-    graph = split_batch_norm(joint(forward, wrt, cotangents=True))
-    if split_bn_grad:
-        graph = split_batch_norm_grad(graph)
-    return run(graph, CLEANUP).module["joint"].clone()
+    return run(split_batch_norms(joint(forward, wrt, cotangents=True), split_bn_grad), CLEANUP).module["joint"].clone()
 
 
 def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[int, ...] | None = None,
