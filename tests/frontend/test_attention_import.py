@@ -109,3 +109,25 @@ def test_sdpa_grouped_query_attention_is_refused():
     q, k = torch.randn(1, 4, 3, 2), torch.randn(1, 2, 3, 2)
     with pytest.raises(UnsupportedOpError, match="grouped-query attention"):
         import_module(GQA(), (q, k))
+
+
+@pytest.mark.parametrize("mode", ["causal", "bool", "float"])
+def test_training_step_reads_heads_transposed_operands_in_place(mode):
+    """The model transposes its [B, T, H, D] projections to heads-first and the output back: the
+    training step's attention and attention_grad read and write [B, T, H, D] themselves
+    (``seq_first``, by fold-head-transposes before differentiation), so no transpose is left, except
+    with an additive mask, whose cotangent is built on [B, H, T, D]; gradients as eager's."""
+    torch.manual_seed(3)
+    model = Attn(mode=mode).double()
+    ref = copy.deepcopy(model)
+    x, keep = _inputs(torch.float64)
+    step = remat.compile(model, (x, keep), lambda y: y, num_targets=0)
+    step(x, keep)
+    ops = [i.op.name for i in step.program.instructions()]
+    folded = mode != "float"
+    assert all(i.attrs["seq_first"] == folded for i in step.program.instructions()
+               if i.op.name in ("attention", "attention_grad"))
+    assert ("transpose" in ops) != folded
+    ref(x, keep).backward()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q.grad, p.grad if p.grad is not None else torch.zeros_like(p), torch.float64, f"grad of {name}")

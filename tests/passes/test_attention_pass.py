@@ -123,3 +123,59 @@ def test_zoo_gpt_attention_is_recognised_without_dropout_only():
         ops = _ops(im.function)
         assert ops.count("attention") == (len(model.blocks) if matched else 0)
         assert ops.count("softmax") == (0 if matched else len(model.blocks))
+
+
+# ---------------------------------------------------------------- heads transposed in and out (fold-head-transposes)
+HEADS = """func @f(%0: f64[2,4,3,5], %1: f64[2,6,3,5], %2: {vtype}, %3: {mask}) -> f64[2,4,15] {{
+  %4 = transpose %0 {{perm=[0, 2, 1, 3]}} : f64[2,3,4,5]
+  %5 = transpose %1 {{perm=[0, 2, 1, 3]}} : f64[2,3,6,5]
+  {value}
+  %7, %8 = attention %4, %5, %6, %3 {{scale=0.5}} : f64[2,3,4,5], f64[2,3,4]
+  %9 = transpose %7 {{perm=[0, 2, 1, 3]}} : f64[2,4,3,5]
+  %10 = reshape %9 {{shape=[2, 4, 15]}} : f64[2,4,15]
+  return %10
+}}
+"""
+TRANSPOSED_V = dict(vtype="f64[2,6,3,5]", value="%6 = transpose %2 {perm=[0, 2, 1, 3]} : f64[2,3,6,5]")
+PLAIN_V = dict(vtype="f64[2,3,6,5]", value="%6 = neg %2 : f64[2,3,6,5]")  # already [B, H, S, D]
+
+
+def _heads_args(rng, mask_dtype, v_heads_first=False):
+    mask = rng.random((2, 1, 4, 6)) > 0.4 if mask_dtype == "bool" else rng.standard_normal((2, 1, 4, 6))
+    if mask_dtype == "bool":
+        mask[..., 0] = True
+    v = rng.standard_normal((2, 3, 6, 5) if v_heads_first else (2, 6, 3, 5))
+    return [rng.standard_normal((2, 4, 3, 5)), rng.standard_normal((2, 6, 3, 5)), v, mask]
+
+
+def _fold(text):
+    m = parse(text)
+    verify(m)
+    before = str(m)
+    out = run_pipeline(m, ["fold-head-transposes", "simplify", "dce"]).module  # verifies after each pass
+    assert str(m) == before, "the pass mutated its input"
+    return m, out
+
+
+def test_attention_reads_heads_transposed_operands_in_place():
+    """q, k and v transposed [B, T, H, D] -> [B, H, T, D] and the output transposed back: the op reads
+    and writes [B, T, H, D] itself (seq_first) and no transpose is left; same numbers."""
+    m, out = _fold(HEADS.format(mask="bool[2,1,4,6]", **TRANSPOSED_V))
+    (att,) = [i for i in out["f"].instructions() if i.op.name == "attention"]
+    assert att.attrs["seq_first"] and att.operands[:3] == out["f"].params[:3]
+    assert "transpose" not in _ops(out["f"]), str(out)
+    args = _heads_args(np.random.default_rng(2), "bool")
+    np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["float_mask", "value_not_transposed"])
+def test_heads_transposes_are_kept_where_the_op_cannot_take_them(case):
+    """An additive mask (its cotangent is built from primitives on [..., H, T, D]), or an operand that
+    is not a heads transpose: nothing changes."""
+    text = (HEADS.format(mask="f64[2,1,4,6]", **TRANSPOSED_V) if case == "float_mask" else
+            HEADS.format(mask="bool[2,1,4,6]", **PLAIN_V))
+    m, out = _fold(text)
+    assert str(out) == str(m)
+    args = _heads_args(np.random.default_rng(3), "f64" if case == "float_mask" else "bool",
+                       v_heads_first=case == "value_not_transposed")
+    np.testing.assert_array_equal(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0])

@@ -840,17 +840,25 @@ def _f32_mask(mask):
     return None if mask is None else (mask if mask.dtype == np.bool_ else _up(mask))
 
 
+def _heads_first(x, seq_first: bool):
+    """A [..., T, H, D] operand of a ``seq_first`` attention as the [..., H, T, D] view it computes on (and back)."""
+    return np.swapaxes(x, -3, -2) if seq_first else x
+
+
 @k("attention")
-def attention(q, k, v, mask=None, *, scale, is_causal=False):
-    out, lse = reference_forward(_up(q), _up(k), _up(v), _f32_mask(mask), scale=scale, is_causal=is_causal)
-    return _fresh(out, q.dtype), _fresh(lse)
+def attention(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
+    dt = q.dtype
+    q, k, v = (_heads_first(_up(x), seq_first) for x in (q, k, v))
+    out, lse = reference_forward(q, k, v, _f32_mask(mask), scale=scale, is_causal=is_causal)
+    return _fresh(_heads_first(out, seq_first), dt), _fresh(lse)
 
 
 @k("attention_grad")
-def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False):
-    grads = reference_backward(_up(g), _up(q), _up(k), _up(v), _up(out), _up(lse), _f32_mask(mask), scale=scale,
-                               is_causal=is_causal)
-    return tuple(_fresh(x, q.dtype) for x in grads)
+def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+    dt = q.dtype
+    g, q, k, v, out = (_heads_first(_up(x), seq_first) for x in (g, q, k, v, out))
+    grads = reference_backward(g, q, k, v, out, _up(lse), _f32_mask(mask), scale=scale, is_causal=is_causal)
+    return tuple(_fresh(_heads_first(x, seq_first), dt) for x in grads)
 
 
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)

@@ -299,3 +299,56 @@ def recognise_dropout_attention(f: Function) -> tuple[Function, list[Site]]:
     return g, [Site(scores_shape(ins.operands[0].type, ins.operands[1].type), ins.attrs["p"],
                     prod(scores_shape(ins.operands[0].type, ins.operands[1].type)) * ins.operands[0].type.dtype.itemsize)
                for blk in g.blocks for ins in blk.instrs if ins.op.name == "dropout_attention"]
+
+
+# ---------------------------------------------------------------- heads transposed in and out of attention
+def _heads_swapped(v: Value) -> Value | None:
+    """x when ``v = transpose(x)`` swaps only x's axes -3 and -2 ([..., T, H, D] <-> [..., H, T, D])."""
+    d = _def(v, "transpose")
+    if d is None:
+        return None
+    r = len(d.attrs["perm"])
+    return d.operands[0] if r >= 3 and list(d.attrs["perm"]) == list(range(r - 3)) + [r - 2, r - 3, r - 1] else None
+
+
+def fold_head_transposes(f: Function) -> tuple[Function, int]:
+    """A copy of ``f`` where each ``attention`` whose query, key and value are all transposes of
+    ``[..., T, H, D]`` values (a projection reshaped to heads, then ``transpose(1, 2)``) reads those
+    values itself (``seq_first``), its output transposed back for its users; also how many.
+
+    ``simplify`` then cancels that transpose against the model's own transpose of the output, and
+    DCE drops the operands' transposes: the flash kernels read [B, T, H, D] through views and write
+    their output (and, in the backward, the gradients) [B, T, H, D]-contiguous, so the copies the
+    transposes and the kernels' own layout changes made are gone (bit-identical results). Additive
+    (float) masks are left alone: their cotangent is built from primitives on [..., H, T, D]."""
+    g = f.clone()
+    if g.is_declaration:
+        return g, 0
+    repl: dict[Value, Value] = {}
+    count = 0
+    for blk in g.blocks:
+        out: list[Instruction] = []
+        for ins in blk.instrs:
+            srcs = [_heads_swapped(v) for v in ins.operands[:3]] if ins.op.name == "attention" else [None]
+            if (None in srcs or ins.attrs.get("seq_first", False)
+                    or (len(ins.operands) == 4 and ins.operands[3].type.dtype != DType.bool)):
+                out.append(ins)
+                continue
+            scratch = Block()
+            b = Builder(scratch)
+            o, lse = b.op("attention", *srcs, *ins.operands[3:], **{**ins.attrs, "seq_first": True})
+            r = o.type.rank
+            repl[ins.results[0]] = b.op("transpose", o, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
+            repl[ins.results[1]] = lse
+            for ni in scratch.instrs:
+                ni.block = blk
+            out.extend(scratch.instrs)
+            count += 1
+        blk.instrs = out
+    apply_replacements(g, repl)
+    return g, count
+
+
+def fold_head_transposes_pass(module: Module) -> Module:
+    """Attention reads heads-transposed operands in place (``seq_first``); see :func:`fold_head_transposes`."""
+    return Module([fold_head_transposes(f)[0] for f in module])

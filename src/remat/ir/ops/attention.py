@@ -10,6 +10,11 @@ Masks follow ``torch.nn.functional.scaled_dot_product_attention``: a bool mask k
 where it is true, a float mask (same dtype as q) is added to them; either broadcasts to
 ``[..., T, S]``. ``is_causal`` keeps the lower triangle (top-left aligned, as PyTorch). A row
 whose scores are all masked has no defined softmax (NaN, as the explicit formula gives).
+``seq_first`` (``attention`` and ``attention_grad``): q, k, v, the output and the gradients are
+``[..., T, H, D]``, the sequence axis before the heads axis, as a projection reshaped to heads
+gives them; the op computes on their ``[..., H, T, D]`` transposes, read in place (the logsumexp
+stays ``[..., H, T]``). ``remat.passes.attention.fold_head_transposes`` sets it where a model
+transposes heads in and out of attention, so no transposed copy is made either way.
 ``attention`` has no dropout. ``dropout_attention(q, k, v, seed[, mask])`` is the same with inverted
 dropout on the probabilities, its keep mask drawn from the seed operand exactly as the explicit form's
 ``bernoulli(seed, shape=scores, p=1-p)`` draws it (SplitMix64 words are counter-based, so a kernel
@@ -29,6 +34,23 @@ from ..types import DType, TensorType
 from ._util import bcast, expect_float, rand
 
 _ATTRS = (Attr("scale", "float"), Attr("is_causal", "bool", False))
+_SEQ_ATTRS = _ATTRS + (Attr("seq_first", "bool", False),)
+
+
+def swap_heads(t: TensorType) -> TensorType:
+    """``t`` with its axes -3 and -2 swapped: ``[..., T, H, D]`` <-> ``[..., H, T, D]``."""
+    s = t.shape
+    return TensorType(t.dtype, s[:-3] + (s[-2], s[-3], s[-1]))
+
+
+def _heads_first(name: str, types, attrs):
+    """The operand types as the op computes on them: with ``seq_first``, [..., T, H, D] -> [..., H, T, D]."""
+    if not attrs.get("seq_first", False):
+        return list(types)
+    if any(t.rank < 3 for t in types):
+        raise TypeError(f"'{name}' with seq_first=true needs operands [..., T, H, D] of rank >= 3, "
+                        f"got {', '.join(map(str, types))}")
+    return [swap_heads(t) for t in types]
 
 
 def lse_dtype(dt: DType) -> DType:
@@ -64,16 +86,18 @@ def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: Ten
 def _attention_infer(types, attrs):
     if len(types) not in (3, 4):
         raise TypeError(f"'attention' takes query, key, value and an optional mask, got {len(types)} operands")
-    q, k, v = types[:3]
+    q, k, v = _heads_first("attention", types[:3], attrs)
     _check_qkv("attention", q, k, v, types[3] if len(types) == 4 else None, attrs)
-    return TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],)), TensorType(lse_dtype(q.dtype), q.shape[:-1])
+    out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
+    return (swap_heads(out) if attrs.get("seq_first", False) else out), TensorType(lse_dtype(q.dtype), q.shape[:-1])
 
 
 def _attention_grad_infer(types, attrs):
     if len(types) not in (6, 7):
         raise TypeError(f"'attention_grad' takes (grad_out, query, key, value, out, logsumexp[, mask]), "
                         f"got {len(types)} operands")
-    g, q, k, v, out, lse = types[:6]
+    g, q, k, v, out = _heads_first("attention_grad", types[:5], attrs)
+    lse = types[5]
     _check_qkv("attention_grad", q, k, v, types[6] if len(types) == 7 else None, attrs)
     want_out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
     if g != want_out or out != want_out:
@@ -81,7 +105,7 @@ def _attention_grad_infer(types, attrs):
     if not lse.dtype.is_float or lse.shape != q.shape[:-1]:  # attention gives lse_dtype(q); any float is read
         raise TypeError(f"'attention_grad': logsumexp must be {TensorType(lse_dtype(q.dtype), q.shape[:-1])}, "
                         f"got {lse}")
-    return q, k, v
+    return tuple(types[1:4])
 
 
 def _scores(types) -> float:
@@ -154,23 +178,44 @@ def _attention_samples(r: np.random.Generator) -> list[Sample]:
         Sample([rand(r, 2, 2, 4, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 2, 6, 4), _keep_mask(r, 4, 6)], {"scale": 0.5}),
         Sample([rand(r, 1, 2, 5, 4), rand(r, 1, 2, 5, 4), rand(r, 1, 2, 5, 4)], {"scale": 0.3, "is_causal": True}),
         Sample([rand(r, 2, 2, 4, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 2, 6, 4), rand(r, 2, 1, 4, 6)], {"scale": 0.7}),
+    ] + _seq_first_samples(r)
+
+
+def _seq_first_samples(r: np.random.Generator) -> list[Sample]:
+    """[B, T, H, D] operands (``seq_first``): a bool mask over [B, 1, T, S], causal, rank 3."""
+    return [
+        Sample([rand(r, 2, 4, 3, 4), rand(r, 2, 6, 3, 4), rand(r, 2, 6, 3, 4), _keep_mask(r, 2, 1, 4, 6)],
+               {"scale": 0.5, "seq_first": True}),
+        Sample([rand(r, 1, 5, 2, 4), rand(r, 1, 5, 2, 4), rand(r, 1, 5, 2, 3)], {"scale": 0.3, "is_causal": True,
+                                                                               "seq_first": True}),
+        Sample([rand(r, 4, 2, 4), rand(r, 5, 2, 4), rand(r, 5, 2, 4)], {"scale": 0.6, "seq_first": True}),
     ]
+
+
+def seq_first_args(arrays, attrs):
+    """NumPy operands in the layout the reference computes on: [..., H, T, D] (swapped when ``seq_first``)."""
+    return [np.swapaxes(a, -3, -2) for a in arrays] if attrs.get("seq_first", False) else list(arrays)
 
 
 def _attention_grad_samples(r: np.random.Generator) -> list[Sample]:
     out = []
-    for s in _attention_samples(r)[:3]:
-        o, lse = reference_forward(*s.args, **{"is_causal": False, **s.attrs})
+    samples = _attention_samples(r)
+    for s in samples[:3] + samples[4:]:
+        attrs = {"is_causal": False, **s.attrs}
+        seq_first = attrs.pop("seq_first", False)
+        o, lse = reference_forward(*seq_first_args(s.args[:3], s.attrs), *s.args[3:], **attrs)
+        if seq_first:
+            o = np.swapaxes(o, -3, -2)
         g = rand(r, *o.shape)
         args = [g, *s.args[:3], o, lse] + s.args[3:]
         out.append(Sample(args, s.attrs))
     return out
 
 
-declare(OpDef("attention", None, _ATTRS, _attention_infer, frozenset(), num_results=2, min_operands=3,
+declare(OpDef("attention", None, _SEQ_ATTRS, _attention_infer, frozenset(), num_results=2, min_operands=3,
               doc="softmax(q @ kᵀ · scale, masked) @ v and the scores' row logsumexp; mask: bool (keep) or additive",
               sample=_attention_samples, flops=_attention_flops))
-declare(OpDef("attention_grad", None, _ATTRS, _attention_grad_infer, frozenset(), num_results=3, min_operands=6,
+declare(OpDef("attention_grad", None, _SEQ_ATTRS, _attention_grad_infer, frozenset(), num_results=3, min_operands=6,
               doc="gradients of attention wrt q, k, v from (grad_out, q, k, v, out, logsumexp[, mask])",
               sample=_attention_grad_samples, flops=_attention_grad_flops))
 
@@ -277,6 +322,11 @@ from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves, const as _const, unbroadcast as _unb  # noqa: E402
 
 
+def _swap_heads(b, v):
+    r = v.type.rank
+    return b.op("transpose", v, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
+
+
 def _mT(b, v):
     r = v.type.rank
     return b.op("transpose", v, perm=list(range(r - 2)) + [r - 1, r - 2])
@@ -306,12 +356,19 @@ def _attention_vjp(b, p, g):
     q, k, v = p.x[:3]
     mask = p.x[3] if len(p.x) == 4 else None
     out, lse = p.y
-    attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"]}
+    seq_first = p.attrs.get("seq_first", False)
+    attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"], "seq_first": seq_first}
     extra = [mask] if mask is not None else []
     gq, gk, gv = b.op("attention_grad", g_out, q, k, v, out, lse, *extra, **attrs)
     cts = [gq, gk, gv]
     if mask is not None:
-        cts.append(_mask_cotangent(b, p, g_out, q, k, v, out, lse, mask) if mask.type.dtype.is_float else None)
+        if mask.type.dtype.is_float:
+            ops = [g_out, q, k, v, out]
+            if seq_first:  # the primitives below compute on [..., H, T, D]
+                ops = [_swap_heads(b, x) for x in ops]
+            cts.append(_mask_cotangent(b, p, ops[0], *ops[1:], lse, mask))
+        else:
+            cts.append(None)
     return cts
 
 
@@ -400,15 +457,19 @@ def _softmax_parts(b, s):
 
 @def_decomposition("attention")
 def _attention_decomp(b, xs, attrs):
-    q, k, v = xs[:3]
+    seq_first = attrs.get("seq_first", False)
+    q, k, v = [_swap_heads(b, x) for x in xs[:3]] if seq_first else xs[:3]
     s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
     e, tot, lse = _softmax_parts(b, s)
-    return [b.op("matmul", b.op("div", e, tot), v), lse]
+    out = b.op("matmul", b.op("div", e, tot), v)
+    return [_swap_heads(b, out) if seq_first else out, lse]
 
 
 @def_decomposition("attention_grad")
 def _attention_grad_decomp(b, xs, attrs):
-    g, q, k, v, out, lse = xs[:6]
+    seq_first = attrs.get("seq_first", False)
+    g, q, k, v, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
+    lse = xs[5]
     dt = q.type.dtype
     s = _masked_scores(b, q, k, xs[6] if len(xs) == 7 else None, attrs)
     lse = b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse
@@ -417,7 +478,8 @@ def _attention_grad_decomp(b, xs, attrs):
     rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
     ds = b.op("mul", p, b.op("sub", b.op("matmul", g, v, transpose_b=True), rows))
     scale = _const(b, attrs["scale"], dt)
-    return [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]
+    grads = [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]
+    return [_swap_heads(b, x) for x in grads] if seq_first else grads
 
 
 @def_decomposition("dropout_attention")
