@@ -74,3 +74,31 @@ def test_low_precision_logsumexp_stays_f32():
     for d in ("numpy", "torch"):
         ops, outs = run_kernel(ins, attrs, args, d)
         check_contract(ins, ops, outs, d)
+
+
+def test_flash_drops_a_mask_that_hides_nothing_and_takes_the_causal_mask_as_is_causal():
+    """As eager's SDPA path runs a Hugging Face model: an all-true bool mask (or an additive one of
+    zeros) is no mask, an exact causal bool mask is is_causal. The results are the flash kernel's
+    without the mask, bit for bit, forward and backward; any other mask is still applied."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    q, k, v, g = (torch.from_numpy(rng.standard_normal((2, 3, 6, 4)).astype(np.float32)) for _ in range(4))
+    fwd, bwd = tk.attention_flash, tk.attention_grad_flash
+    plain, plain_lse = fwd(q, k, v, scale=0.5)
+    causal, causal_lse = fwd(q, k, v, scale=0.5, is_causal=True)
+    tril = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6)
+    for mask, want, want_lse, is_causal in ((torch.ones(2, 1, 6, 6, dtype=torch.bool), plain, plain_lse, False),
+                                            (torch.zeros(2, 1, 6, 6), plain, plain_lse, False),
+                                            (tril, causal, causal_lse, True)):
+        assert tk._flash_args(mask, q, k, False)[0] is None
+        out, lse = fwd(q, k, v, mask, scale=0.5)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        got = bwd(g, q, k, v, out, lse, mask, scale=0.5)
+        ref = bwd(g, q, k, v, want, want_lse, scale=0.5, is_causal=is_causal)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    holes = tril.clone()
+    holes[1, 0, 5, 2] = False  # one more masked score: a mask again
+    assert tk._flash_args(holes, q, k, False)[0] is not None
+    out, _ = fwd(q, k, v, holes, scale=0.5)
+    assert torch.equal(out[0], causal[0]) and not torch.equal(out[1], causal[1])
