@@ -2,8 +2,13 @@
 
 Models: ``remat.zoo``'s MLP, ResNet, GPT and U-Net at size ``small`` with
 ``torch.optim.SGD(lr=1e-3, momentum=0.9)``, and ``gpt-medium`` (``zoo.make("gpt", "medium")``, the
-issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Every method gets its own
-fresh copy of the model built from the same seed (same weights, inputs, targets).
+issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Then models nobody here
+wrote: Hugging Face ``transformers`` classes with random weights (:data:`HF_MODELS`: GPT-2, Llama,
+BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images),
+in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
+loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
+Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
+targets).
 
 Methods, per model:
 
@@ -62,9 +67,62 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+def _hf_text(cls: str, config: str, **cfg: Any) -> Callable[[str], tuple[torch.nn.Module, dict]]:
+    """A builder of a ``transformers`` language model: random weights, batch 8 of 256 tokens (16 of 32
+    with ``size="tiny"``), labels included (a class per sequence for classifiers, the tokens otherwise)."""
+    def build(size: str) -> tuple[torch.nn.Module, dict]:
+        import transformers as tf
+
+        torch.manual_seed(0)
+        small = size != "tiny"
+        b, t, vocab = (8, 256, 4000) if small else (4, 32, 256)
+        model = getattr(tf, cls)(getattr(tf, config)(vocab_size=vocab, **(cfg if small else _tiny_cfg(cfg))))
+        ids = torch.randint(0, vocab, (b, t))
+        if cls.endswith("ForSequenceClassification"):
+            return model, dict(input_ids=ids, attention_mask=torch.ones(b, t, dtype=torch.long),
+                               labels=torch.randint(0, model.config.num_labels, (b,)))
+        return model, dict(input_ids=ids, labels=ids.clone())
+    return build
+
+
+def _tiny_cfg(cfg: dict) -> dict:
+    """The same architecture at width 32 and 2 layers (``--quick``)."""
+    tiny = {"n_embd": 32, "hidden_size": 32, "n_layer": 2, "num_hidden_layers": 2, "intermediate_size": 64,
+            "n_positions": 64, "max_position_embeddings": 64}
+    return {k: tiny.get(k, v) for k, v in cfg.items()}
+
+
+def _hf_vit(size: str) -> tuple[torch.nn.Module, dict]:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = size != "tiny"
+    width, layers, batch = (256, 4, 16) if small else (32, 2, 4)
+    model = tf.ViTForImageClassification(tf.ViTConfig(
+        image_size=64, patch_size=8, num_channels=3, hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
+        intermediate_size=4 * width, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return model, dict(pixel_values=torch.randn(batch, 3, 64, 64), labels=torch.randint(0, 10, (batch,)))
+
+
+HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
+    "hf-gpt2": _hf_text("GPT2LMHeadModel", "GPT2Config", n_positions=256, n_embd=256, n_layer=4, n_head=4,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
+    "hf-llama": _hf_text("LlamaForCausalLM", "LlamaConfig", hidden_size=256, intermediate_size=688,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, use_cache=False),
+    "hf-bert": _hf_text("BertForSequenceClassification", "BertConfig", hidden_size=256, num_hidden_layers=4,
+                        num_attention_heads=4, intermediate_size=1024, max_position_embeddings=256, num_labels=4,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "hf-vit": _hf_vit,
+}
+"""Hugging Face ``transformers`` models nobody here wrote, by benchmark name: ``build(size)`` gives a
+seeded model (random weights) and its keyword inputs with ``labels``."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
-    """One benchmarked model: a zoo model at a size, trained with SGD-momentum or gradients only."""
+    """One benchmarked model: a zoo model at a size, or a Hugging Face model (``hf``: ``zoo_name`` is
+    its :data:`HF_MODELS` key), trained with SGD-momentum or gradients only."""
 
     name: str
     zoo_name: str
@@ -72,23 +130,33 @@ class ModelSpec:
     optimizer: bool
     second_compile: bool = False  # also time a second remat.compile (in process and in a fresh one)
     kwargs: tuple = ()            # extra zoo.make keyword arguments, as (key, value) pairs
+    hf: bool = False              # a Hugging Face model: keyword inputs with labels, the model's own loss
 
-    def make(self) -> tuple[torch.nn.Module, tuple, tuple, Callable]:
+    def make(self) -> tuple[torch.nn.Module, tuple, tuple, Callable | None]:
         """A new model (same seed: same weights and data every call) in training mode, its inputs,
-        its targets and its loss."""
+        its targets and its loss. A Hugging Face model: ``((keyword inputs,), (), None)``."""
+        if self.hf:
+            model, kw = HF_MODELS[self.zoo_name](self.size)
+            model.train()
+            return model, (kw,), (), None
         model, inputs, loss_fn = zoo.make(self.zoo_name, self.size, **dict(self.kwargs))
         model.train()
         xs, ts = _split(inputs, loss_fn)
         return model, xs, ts, loss_fn
 
+    def loss(self, forward: Callable, xs: tuple, ts: tuple, loss_fn: Callable | None) -> torch.Tensor:
+        """The loss of one forward (eager or torch.compile'd)."""
+        return forward(**xs[0]).loss if self.hf else loss_fn(forward(*xs), *ts)
+
 
 def model_specs(quick: bool) -> dict[str, ModelSpec]:
-    """The five models of the issue; with ``quick`` the same five at size tiny (gpt-medium becomes a
-    dropout-free tiny GPT without optimizer)."""
+    """The five models of the issue and the Hugging Face ones; with ``quick`` the same at size tiny
+    (gpt-medium becomes a dropout-free tiny GPT without optimizer)."""
     size = "tiny" if quick else "small"
     specs = {n: ModelSpec(n, n, size, True) for n in zoo.MODELS}
     specs["gpt-medium"] = (ModelSpec("gpt-medium", "gpt", "tiny", False, True, (("dropout", 0.0),)) if quick
                            else ModelSpec("gpt-medium", "gpt", "medium", False, True))
+    specs.update({n: ModelSpec(n, n, size, True, hf=True) for n in HF_MODELS})
     return specs
 
 
@@ -165,13 +233,18 @@ def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor") -> _Met
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
 
     def step() -> torch.Tensor:
-        loss = loss_fn(fwd(*xs), *ts)
+        loss = spec.loss(fwd, xs, ts, loss_fn)
         loss.backward()
         if opt is not None:
             opt.step()
         return loss.detach()
 
-    return _Method(SpeedRow(spec.name, method), model, opt, xs + ts, step, loss_fn, setup_wrap_s=wrap)
+    return _Method(SpeedRow(spec.name, method), model, opt, _tensors(xs + ts), step, loss_fn, setup_wrap_s=wrap)
+
+
+def _tensors(inputs: tuple) -> tuple:
+    """The input tensors (a Hugging Face model's keyword inputs: their values)."""
+    return tuple(t for x in inputs for t in (x.values() if isinstance(x, dict) else (x,)))
 
 
 def _stage_split(marks: list[tuple[str, float]], end: float) -> dict[str, float]:
@@ -219,18 +292,19 @@ def _remat(spec: ModelSpec, method: str) -> _Method:
     row = SpeedRow(spec.name, method)
     model, xs, ts, loss_fn = spec.make()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
-    inputs = xs + ts
+    inputs = xs[0] if spec.hf else xs + ts
     try:
         compiled, row.setup_s, progress = timed_remat_compile(model, inputs, loss_fn, opt, remat_budget(method))
     except BudgetTooSmall as e:
         row.status, row.error = "infeasible", _err(e)
         row.budget_bytes, row.minimum_budget_bytes = int(e.budget), int(e.minimum)
-        return _Method(row, model, opt, inputs, lambda: torch.zeros(()), loss_fn)
+        return _Method(row, model, opt, _tensors(xs + ts), lambda: torch.zeros(()), loss_fn)
     row.extra["setup_stages_progress"] = progress
     stages = report_stages(compiled.report())
     if stages is not None:
         row.extra["setup_stages_report"] = stages
-    return _Method(row, model, opt, inputs, lambda: compiled(*inputs), loss_fn, compiled)
+    step = (lambda: compiled(**inputs)) if spec.hf else (lambda: compiled(*inputs))
+    return _Method(row, model, opt, _tensors(xs + ts), step, loss_fn, compiled)
 
 
 def _fill_report(m: _Method) -> None:
@@ -304,7 +378,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
     names = ["eager", "remat", *(f"remat@{b}" for b in args.budgets)] + ([] if args.no_compile else ["compile"])
     # one untimed eager step of a throwaway copy: process-wide one-time costs land on nobody
     model, xs, ts, loss_fn = spec.make()
-    loss_fn(model(*xs), *ts).backward()
+    spec.loss(model, xs, ts, loss_fn).backward()
     del model
     methods: list[_Method] = []
     for name in names:
@@ -541,6 +615,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -588,6 +670,7 @@ def main(argv: list[str] | None = None) -> dict:
               "cold_remat_cache": remat_cache is not None,
               "remat_budgets": list(args.budgets),
               "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium: none, gradients only)",
+              "transformers": _transformers_version(),
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
               "cpu_s": time.process_time() - cpu_start}  # this process's CPU time (the fresh-process compile not included)
     print()

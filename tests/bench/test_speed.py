@@ -20,7 +20,7 @@ import speed  # noqa: E402
 def test_parse_args_defaults_and_validation() -> None:
     a = speed.parse_args([])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (5, 2, ("50%", "25%"), "inductor", 0)
-    assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium"]
+    assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium", "hf-gpt2", "hf-llama", "hf-bert", "hf-vit"]
     a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
     for bad in (["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
@@ -34,16 +34,18 @@ def test_model_specs() -> None:
     assert (full["gpt-medium"].size, full["gpt-medium"].optimizer, full["gpt-medium"].second_compile) == ("medium", False, True)
     assert all(s.size == "small" and s.optimizer for n, s in full.items() if n != "gpt-medium")
     assert all(s.size == "tiny" for s in quick.values())
+    assert [n for n, s in full.items() if s.hf] == list(speed.HF_MODELS)
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
-    """One real --quick run: mlp (SGD; 90% is below its minimum) and gpt-medium's tiny stand-in (no
-    optimizer; 90% is feasible), no torch.compile, two rounds, one thread (speed is not checked)."""
+    """One real --quick run: mlp (SGD; 90% is below its minimum), gpt-medium's tiny stand-in (no
+    optimizer; 90% is feasible) and a tiny Hugging Face BERT (keyword inputs, its own loss), no
+    torch.compile, two rounds, one thread (speed is not checked)."""
     out = tmp_path_factory.mktemp("speed")
     threads, cache_env = torch.get_num_threads(), os.environ.get("REMAT_CACHE_DIR")
     try:
-        speed.main(["--quick", "--models", "mlp,gpt-medium", "--no-compile", "--no-fresh-process", "--rounds", "2",
+        speed.main(["--quick", "--models", "mlp,gpt-medium,hf-bert", "--no-compile", "--no-fresh-process", "--rounds", "2",
                     "--budgets", "90%", "--threads", "1", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
@@ -59,7 +61,7 @@ def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
     assert doc["config"]["wall_s"] > 0 and doc["config"]["cpu_s"] > 0
     rows = {(r["model"], r["method"]): r for r in doc["rows"]}
     assert [(r["model"], r["method"]) for r in doc["rows"]] == [
-        (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@90%")]
+        (m, k) for m in ("mlp", "gpt-medium", "hf-bert") for k in ("eager", "remat", "remat@90%")]
     for (model, method), r in rows.items():
         eager = rows[(model, "eager")]
         if r["status"] == "infeasible":  # BudgetTooSmall: its minimum is recorded and exceeds the budget

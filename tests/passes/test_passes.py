@@ -132,6 +132,36 @@ def test_matmul_over_a_batch_broadcast_operand_reads_the_operand_itself():
     _same_numerics(m, out, [rng.standard_normal(s) for s in ((3, 4, 5), (5, 2), (1, 5), (4, 5))])
 
 
+def test_elementwise_ops_read_a_broadcast_operand_in_place():
+    """An element-wise op broadcasts its operands itself: a broadcast feeding it goes when the other
+    operands span the result (a mean's cotangent spread over its input, as RMSNorm's backward has
+    it); it stays where it sets the result's shape (a unary op; a sum with another [2,3,1])."""
+    text = """func @f(%0: f64[2,3,1], %1: f64[2,3,4], %2: f64[1,1,4], %3: i64[2,3,4]) -> (f64[2,3,4], f64[2,3,4], f64[2,3,4], f64[2,3,4], f64[2,3,4]) {
+  %4 = broadcast %0 {shape=[2, 3, 4]} : f64[2,3,4]
+  %5 = mul %4, %1 : f64[2,3,4]
+  %6 = broadcast %2 {shape=[2, 3, 4]} : f64[2,3,4]
+  %7 = add %4, %6 : f64[2,3,4]
+  %8 = relu %4 : f64[2,3,4]
+  %9 = cast %3 {dtype=f64} : f64[2,3,4]
+  %10 = gt %1, %9 : bool[2,3,4]
+  %11 = select %10, %4, %9 : f64[2,3,4]
+  %12 = add %4, %0 : f64[2,3,4]
+  return %5, %7, %8, %11, %12
+}
+"""
+    m, out = _run(text, ["simplify", "dce"])
+    f = out["f"]
+    ins = [i for i in f.instructions() if i.op.name not in ("return", "broadcast", "cast", "gt")]
+    assert [i.op.name for i in ins] == ["mul", "add", "relu", "select", "add"]
+    mul, add, relu, select, add2 = ins
+    assert mul.operands[0] is f.params[0] and select.operands[1] is f.params[0]  # [2,3,1] read in place
+    assert add.operands == [f.params[0], f.params[2]]  # [2,3,1] + [1,1,4] spans [2,3,4] without either copy
+    assert relu.operands[0].type.shape == add2.operands[0].type.shape == (2, 3, 4)  # the broadcast sets the shape
+    rng = np.random.default_rng(0)
+    _same_numerics(m, out, [rng.standard_normal((2, 3, 1)), rng.standard_normal((2, 3, 4)), rng.standard_normal((1, 1, 4)),
+                            rng.integers(-2, 3, (2, 3, 4))])
+
+
 @pytest.mark.parametrize("body", [
     "%1 = constant {value=0.0, dtype=f64} : f64[]\n  %2 = mul %0, %1 : f64[2,3]",   # x*0 is NaN for inf/NaN
     "%2 = sub %0, %0 : f64[2,3]",                                                      # x-x is NaN for inf/NaN

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..ir import Block, Builder, Function, Instruction, Module, Value
+from ..ir import OPS, Block, Builder, Function, Instruction, Module, Value
+from ..ir.types import broadcast_shapes
 from ._rewrite import apply_replacements, constant_value, resolve, splat_value
 
 Rule = Callable[[Instruction, Builder], "Value | None"]
@@ -207,6 +208,33 @@ def matmul_broadcast_operand(ins, b):
     return _same(ins, b.op("matmul", *ops, **ins.attrs))
 
 
+def elementwise_broadcast_operand(ins, b):
+    """op(.., broadcast(x), ..) -> op(.., x, ..) for an element-wise op whose result keeps its shape
+    without the broadcast (its other operands span it): element-wise ops broadcast their operands
+    (NumPy rules, as ``broadcast`` itself), so the expanded copy need not exist. Such broadcasts
+    come from VJPs (a mean's cotangent spread over its input, RMSNorm's backward) and feed fused
+    kernels, which read a broadcasting operand in place."""
+    ops = list(ins.operands)
+    shape = ins.results[0].type.shape
+    for i, v in enumerate(ops):
+        d = _def(v, "broadcast")
+        if d is None:
+            continue
+        trial = ops[:i] + [d.operands[0]] + ops[i + 1:]
+        try:
+            if broadcast_shapes(*(o.type.shape for o in trial)) == shape:
+                ops = trial
+        except ValueError:
+            continue
+    if ops == list(ins.operands):
+        return None
+    try:  # ops that pair a gradient with a value (relu_grad, ...) want equal shapes: no broadcasting
+        ins.op.result_types([o.type for o in ops], ins.attrs)
+    except TypeError:
+        return None
+    return _same(ins, b.op(ins.op.name, *ops, **ins.attrs))
+
+
 RULES: dict[str, list[Rule]] = {
     "matmul": [matmul_transposed_operand, matmul_broadcast_operand],
     "mul": [_right_identity(1), _left_identity(1)],
@@ -227,6 +255,9 @@ RULES: dict[str, list[Rule]] = {
     "pad": [pad_nothing],
     "concat": [concat_one, concat_concat],
 }
+for _name, _op in OPS.items():  # every element-wise op reads a broadcast operand in place
+    if "elementwise" in _op.tags and _op.num_results == 1 and not _op.aliases:
+        RULES[_name] = RULES.get(_name, []) + [elementwise_broadcast_operand]
 
 
 def rewrite_function(f: Function, rules: dict[str, list[Rule]], max_rounds: int = 20) -> tuple[Function, list[str]]:
