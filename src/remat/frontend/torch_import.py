@@ -38,7 +38,7 @@ __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpErr
 _SEED = TensorType(DType.i64, ())
 # Passes that clean up the imported forward before anything differentiates it: explicit attention
 # becomes the fused op (its backward is then the fused backward), and what that leaves dead goes.
-IMPORT_PASSES: list[str] = ["attention", "dce"]
+IMPORT_PASSES: list[str] = ["attention", "gelu", "dce"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CWD = os.getcwd() + os.sep  # source files under it are recorded relative to it
 _SKIPPED = object()  # the value of a node not translated (unsupported, or computed from one)

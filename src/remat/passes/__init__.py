@@ -16,6 +16,7 @@ from .cse import cse
 from .dce import dce
 from .decompose import decompose_pass
 from .fold import fold
+from .gelu import gelu_pass
 from .inline import inline
 from .layout import channels_last
 from .pipeline import PassFn, PassRecord, PipelineResult, lookup, run_passes
@@ -29,6 +30,7 @@ PASSES: dict[str, PassFn] = {
     "dce": dce,
     "attention": attention_pass,
     "fold-head-transposes": fold_head_transposes_pass,
+    "gelu": gelu_pass,
     "decompose": decompose_pass,
     "linear-cross-entropy": cross_entropy_pass,
     "split-batch-norm": split_batch_norm,
