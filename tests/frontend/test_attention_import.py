@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import remat
-from remat.frontend.torch_import import UnsupportedOpError, import_module
+from remat.frontend.torch_import import import_module
 
 from test_torch_import import _imported_roundtrips, assert_close, evaluate
 
@@ -101,14 +101,36 @@ def test_sdpa_explicit_form_matches_eager_without_its_dropout():
     assert_close(evaluate(im, x, keep)[0], model.eval()(x, keep), torch.float64, "loss")
 
 
-def test_sdpa_grouped_query_attention_is_refused():
+@pytest.mark.parametrize("masked", [False, True])
+def test_sdpa_grouped_query_attention_matches_eager_and_reads_the_shared_heads(masked):
+    """enable_gqa=True with fewer key/value heads imports as the heads' repeat; before differentiation
+    the op takes the shared heads itself (no repeat left in the training step); loss and gradients as eager's."""
     class GQA(nn.Module):
-        def forward(self, q, k):
-            return F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv = nn.Linear(8, 16), nn.Linear(8, 16)
 
-    q, k = torch.randn(1, 4, 3, 2), torch.randn(1, 2, 3, 2)
-    with pytest.raises(UnsupportedOpError, match="grouped-query attention"):
-        import_module(GQA(), (q, k))
+        def forward(self, x, keep):
+            b, t, _ = x.shape
+            q = self.q(x).reshape(b, t, 4, 4).transpose(1, 2)
+            k, v = (z.reshape(b, t, 2, 4).transpose(1, 2) for z in self.kv(x).split(8, dim=2))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep if masked else None, is_causal=not masked,
+                                               enable_gqa=True)
+            return y.square().mean()
+
+    torch.manual_seed(4)
+    model = GQA().double()
+    ref = copy.deepcopy(model)
+    x, keep = _inputs(torch.float64)
+    step = remat.compile(model, (x, keep), lambda y: y, num_targets=0)
+    loss = step(x, keep)
+    (att,) = [i for i in step.program.instructions() if i.op.name == "attention"]
+    assert att.operands[1].type.shape[-3] == 2 and "broadcast" not in [i.op.name for i in step.program.instructions()]
+    want = ref(x, keep)
+    want.backward()
+    assert_close(loss, want, torch.float64, "loss")
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q.grad, p.grad, torch.float64, f"grad of {name}")
 
 
 @pytest.mark.parametrize("mode", ["causal", "bool", "float"])

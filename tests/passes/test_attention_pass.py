@@ -179,3 +179,45 @@ def test_heads_transposes_are_kept_where_the_op_cannot_take_them(case):
     args = _heads_args(np.random.default_rng(3), "f64" if case == "float_mask" else "bool",
                        v_heads_first=case == "value_not_transposed")
     np.testing.assert_array_equal(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0])
+
+
+# ---------------------------------------------------------------- key/value heads repeated (fold-kv-repeats)
+REPEAT = """func @f(%0: f64[2,4,3,5], %1: f64[2,2,6,5], %2: f64[2,2,6,5], %3: bool[2,1,3,6]) -> f64[2,4,3,5] {{
+  %4 = reshape %1 {{shape=[2, 2, 1, 6, 5]}} : f64[2,2,1,6,5]
+  %5 = broadcast %4 {{shape=[2, 2, 2, 6, 5]}} : f64[2,2,2,6,5]
+  %6 = reshape %5 {{shape=[2, 4, 6, 5]}} : f64[2,4,6,5]
+  %7 = reshape %2 {{shape=[2, 2, 1, 6, 5]}} : f64[2,2,1,6,5]
+  %8 = broadcast %7 {{shape=[2, 2, 2, 6, 5]}} : f64[2,2,2,6,5]
+  %9 = reshape %8 {{shape=[2, 4, 6, 5]}} : f64[2,4,6,5]
+  %10, %11 = attention %0, %6, {value}, %3 {{scale=0.5}} : f64[2,4,3,5], f64[2,4,3]
+  return %10
+}}
+"""
+
+
+def _repeat_args(rng):
+    mask = rng.random((2, 1, 3, 6)) > 0.4
+    mask[..., 0] = True
+    return [rng.standard_normal((2, 4, 3, 5)), rng.standard_normal((2, 2, 6, 5)), rng.standard_normal((2, 2, 6, 5)), mask]
+
+
+def test_grouped_query_attention_reads_its_shared_key_value_heads():
+    """Key and value heads repeated for grouped-query attention (Hugging Face's repeat_kv: unsqueeze,
+    expand, reshape) are read by the op itself: no broadcast is left; same numbers."""
+    m = parse(REPEAT.format(value="%9"))
+    verify(m)
+    out = run_pipeline(m, ["fold-kv-repeats", "simplify", "dce"]).module
+    (att,) = [i for i in out["f"].instructions() if i.op.name == "attention"]
+    assert att.operands[1:3] == out["f"].params[1:3], str(out)
+    assert not {"broadcast", "reshape"} & set(_ops(out["f"])), str(out)
+    args = _repeat_args(np.random.default_rng(4))
+    np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_kv_repeats_are_kept_unless_key_and_value_both_repeat():
+    """The value is computed from the repeated key (not a repeat itself): nothing changes."""
+    text = REPEAT.format(value="%12").replace("  %10, %11 = attention", "  %12 = neg %6 : f64[2,4,6,5]\n  %10, %11 = attention")
+    m = parse(text)
+    verify(m)
+    out = run_pipeline(m, ["fold-kv-repeats"]).module
+    assert str(out) == str(m)

@@ -656,9 +656,11 @@ _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _flash_ok(ins) -> bool:
-    """The flash kernels accept rank 2-4 operands with equal q/k and v head sizes, on CPU."""
-    q, _, v = (o.type for o in (ins.operands[:3] if ins.op.name == "attention" else ins.operands[1:4]))
-    return DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1]
+    """The flash kernels accept rank 2-4 operands with equal q/k and v head sizes, on CPU; grouped-query
+    (fewer key/value heads) at rank 4, where they read the shared heads themselves."""
+    q, k, v = (o.type for o in (ins.operands[:3] if ins.op.name == "attention" else ins.operands[1:4]))
+    grouped = q.shape[-2] != k.shape[-2] if ins.attrs.get("seq_first", False) else q.shape[:-2] != k.shape[:-2]
+    return DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1] and (not grouped or q.rank == 4)
 
 
 def _as4(x: torch.Tensor) -> torch.Tensor:
@@ -751,10 +753,22 @@ def _up(x):
     return x.float() if x.dtype in _LOWP else x
 
 
+def _repeat_kv(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query key/value heads repeated to the query's (head h reads head h // groups)."""
+    return x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) if x.dim() >= 3 and x.shape[-3] != q.shape[-3] else x
+
+
+def _sum_groups(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if g.shape == like.shape:
+        return g
+    return g.unflatten(-3, (like.shape[-3], g.shape[-3] // like.shape[-3])).sum(-3)
+
+
 @kernel("attention", "torch", priority=5)
 def attention_math(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
-    """Explicit softmax (any rank, any head sizes); f16/bf16 compute in f32."""
+    """Explicit softmax (any rank, any head sizes, grouped-query); f16/bf16 compute in f32."""
     q, k, v = (_heads_first(x, seq_first) for x in (q, k, v))
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     s = _math_scores(_up(q), _up(k), mask, scale, is_causal)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), _up(v))
@@ -763,14 +777,14 @@ def attention_math(q, k, v, mask=None, *, scale, is_causal=False, seq_first=Fals
 
 @kernel("attention_grad", "torch", priority=5)
 def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
-    g, q, k, v, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
-    g, q32, k32, v32, out = _up(g), _up(q), _up(k), _up(v), _up(out)
+    g, q, k0, v0, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
+    g, q32, k32, v32, out = _up(g), _up(q), _up(_repeat_kv(k0, q)), _up(_repeat_kv(v0, q)), _up(out)
     p = torch.exp(_math_scores(q32, k32, mask, scale, is_causal) - _lse_for(lse, q).unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), g)
     ds = p * (torch.matmul(g, v32.transpose(-1, -2)) - (g * out).sum(-1, keepdim=True))
     dq = torch.matmul(ds, k32) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q32) * scale
-    return tuple(_fresh(_heads_first(x.to(q.dtype), seq_first)) for x in (dq, dk, dv))
+    dk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q32) * scale, k0)
+    return tuple(_fresh(_heads_first(x.to(q.dtype), seq_first)) for x in (dq, dk, _sum_groups(dv, v0)))
 
 
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)

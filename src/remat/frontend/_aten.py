@@ -831,6 +831,14 @@ def _explicit_attention(L: Lowerer, q: Value, k: Value, v: Value, mask: Value | 
     return L.op("matmul", p, v)
 
 
+def _repeat_heads(L: Lowerer, x, n: int):
+    """x's heads (axis -3) each repeated n times in place: [..., H, S, D] -> [..., H * n, S, D]."""
+    sh = x.type.shape
+    x5 = L.op("broadcast", L.op("reshape", x, shape=sh[:-3] + (sh[-3], 1) + sh[-2:]),
+              shape=sh[:-3] + (sh[-3], n) + sh[-2:])
+    return L.op("reshape", x5, shape=sh[:-3] + (sh[-3] * n,) + sh[-2:])
+
+
 @lower("scaled_dot_product_attention.default", keep=True)
 def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as one ``attention`` op (the fused flash kernel on CPU); with
@@ -838,8 +846,15 @@ def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *
     if q.type.rank != k.type.rank or q.type.rank != v.type.rank or q.type.rank < 2:
         raise LoweringError(f"attention needs query, key and value of the same rank >= 2, got {q.type}, {k.type}, {v.type}")
     if enable_gqa and q.type.shape[:-2] != k.type.shape[:-2]:
-        raise LoweringError("grouped-query attention (enable_gqa=True with fewer key/value heads) is not supported; "
-                            "repeat the key and value heads first")
+        # Grouped-query: each key/value head serves H / H_kv query heads (repeat_interleave on axis -3, as
+        # PyTorch and Hugging Face's repeat_kv). Written as that repeat; fold-kv-repeats hands the shared
+        # heads to the op itself before differentiation where it can take them (no additive mask).
+        qs, ks = q.type.shape, k.type.shape
+        if (q.type.rank < 3 or qs[:-3] != ks[:-3] or ks != v.type.shape[:-1] + ks[-1:] or ks[-3] == 0
+                or qs[-3] % ks[-3]):
+            raise LoweringError(f"grouped-query attention needs key and value heads (axis -3) dividing the query's, "
+                                f"got {q.type}, {k.type}, {v.type}")
+        k, v = (_repeat_heads(L, x, qs[-3] // ks[-3]) for x in (k, v))
     if is_causal and attn_mask is not None:
         raise LoweringError("attention takes either attn_mask or is_causal=True, not both")
     dt = L.out_type().dtype

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..ir import Module
-from .attention import attention_pass, fold_head_transposes_pass
+from .attention import attention_pass, fold_head_transposes_pass, fold_kv_repeats_pass
 from .batchnorm import split_batch_norm, split_batch_norm_grad
 from .concatconv import split_concat_conv_pass
 from .crossentropy import cross_entropy_pass
@@ -30,6 +30,7 @@ PASSES: dict[str, PassFn] = {
     "dce": dce,
     "attention": attention_pass,
     "fold-head-transposes": fold_head_transposes_pass,
+    "fold-kv-repeats": fold_kv_repeats_pass,
     "gelu": gelu_pass,
     "decompose": decompose_pass,
     "linear-cross-entropy": cross_entropy_pass,

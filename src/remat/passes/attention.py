@@ -352,3 +352,63 @@ def fold_head_transposes(f: Function) -> tuple[Function, int]:
 def fold_head_transposes_pass(module: Module) -> Module:
     """Attention reads heads-transposed operands in place (``seq_first``); see :func:`fold_head_transposes`."""
     return Module([fold_head_transposes(f)[0] for f in module])
+
+
+# ---------------------------------------------------------------- key/value heads repeated for grouped-query attention
+def _repeated_heads(v: Value) -> tuple[Value, int] | None:
+    """``(x, n)`` when ``v = reshape(broadcast(x5))`` repeats each of x's heads n times in place, as
+    Hugging Face's ``repeat_kv`` does: x5 ``[..., Hkv, 1, S, D]`` broadcast to ``[..., Hkv, n, S, D]``
+    and merged to ``[..., Hkv * n, S, D]``; x is x5 viewed ``[..., Hkv, S, D]`` (a reshape)."""
+    r = _def(v, "reshape")
+    d = _def(r.operands[0], "broadcast") if r is not None else None
+    if d is None:
+        return None
+    x5 = d.operands[0]
+    sh, full = x5.type.shape, d.results[0].type.shape
+    if (len(sh) < 4 or len(full) != len(sh) or sh[-4] != full[-4] or sh[-3] != 1 or sh[-2:] != full[-2:]
+            or sh[:-4] != full[:-4] or v.type.shape != full[:-4] + (full[-4] * full[-3],) + full[-2:]):
+        return None
+    return x5, full[-3]
+
+
+def fold_kv_repeats(f: Function) -> tuple[Function, int]:
+    """A copy of ``f`` where each ``attention`` whose key and value repeat their heads for grouped-query
+    attention (``repeat_kv``) reads the shared heads itself; also how many.
+
+    PyTorch's CPU flash kernels read a grouped key and value as they are (eager's SDPA path with
+    ``enable_gqa``), so the repeated copies, which the backward also kept alive, and the sums of their
+    gradients over the repeats go; the key and value gradients are summed over query heads inside the
+    kernel, in another order (values equal to rounding). Bool masks or none (the grouped op takes no
+    additive mask), heads-first operands."""
+    g = f.clone()
+    if g.is_declaration:
+        return g, 0
+    repl: dict[Value, Value] = {}
+    count = 0
+    for blk in g.blocks:
+        out: list[Instruction] = []
+        for ins in blk.instrs:
+            rk = rv = None
+            if (ins.op.name == "attention" and not ins.attrs.get("seq_first", False)
+                    and (len(ins.operands) == 3 or ins.operands[3].type.dtype == DType.bool)):
+                rk, rv = _repeated_heads(ins.operands[1]), _repeated_heads(ins.operands[2])
+            if rk is None or rv is None or rk[1] != rv[1]:
+                out.append(ins)
+                continue
+            scratch = Block()
+            b = Builder(scratch)
+            kv = [b.op("reshape", x5, shape=x5.type.shape[:-3] + x5.type.shape[-2:]) for x5, _ in (rk, rv)]
+            o, lse = b.op("attention", ins.operands[0], *kv, *ins.operands[3:], **ins.attrs)
+            repl[ins.results[0]], repl[ins.results[1]] = o, lse
+            for ni in scratch.instrs:
+                ni.block = blk
+            out.extend(scratch.instrs)
+            count += 1
+        blk.instrs = out
+    apply_replacements(g, repl)
+    return g, count
+
+
+def fold_kv_repeats_pass(module: Module) -> Module:
+    """Grouped-query attention reads its shared key/value heads in place; see :func:`fold_kv_repeats`."""
+    return Module([fold_kv_repeats(f)[0] for f in module])

@@ -39,9 +39,10 @@ def training_graph(forward: Function, n_params: int) -> Module:
     # Simplify before differentiating, so that the backward is built from the simplified forward
     # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
     # not a cotangent transposed back by a materialised copy; attention reading heads-transposed
-    # operands in place gets a backward that writes its gradients in that layout).
-    fwd = run_pipeline(Module([forward.clone("forward")]), ["simplify", "fold-head-transposes", "simplify", "dce"]
-                       ).module["forward"]
+    # operands in place gets a backward that writes its gradients in that layout; grouped-query
+    # attention reading its shared key/value heads keeps no repeated copies for the backward).
+    passes = ["simplify", "fold-head-transposes", "fold-kv-repeats", "simplify", "dce"]
+    fwd = run_pipeline(Module([forward.clone("forward")]), passes).module["forward"]
     loss_t = fwd.result_types[0]
     if loss_t.rank != 0 or not loss_t.dtype.is_float:
         raise ValueError(f"the loss must be a floating-point scalar, got {loss_t}")

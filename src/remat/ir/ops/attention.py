@@ -15,6 +15,11 @@ whose scores are all masked has no defined softmax (NaN, as the explicit formula
 gives them; the op computes on their ``[..., H, T, D]`` transposes, read in place (the logsumexp
 stays ``[..., H, T]``). ``remat.passes.attention.fold_head_transposes`` sets it where a model
 transposes heads in and out of attention, so no transposed copy is made either way.
+Grouped-query attention (``attention`` and ``attention_grad``): k and v may have fewer heads (axis
+-3) than q, a divisor of them; query head ``h`` reads key/value head ``h // (H / H_kv)``, as
+Hugging Face's ``repeat_kv`` lays the repeated heads out (``remat.passes.attention.fold_kv_repeats``
+folds that repeat into the op), with a bool mask or none. The gradients of k and v are summed over
+their query heads.
 ``attention`` has no dropout. ``dropout_attention(q, k, v, seed[, mask])`` is the same with inverted
 dropout on the probabilities, its keep mask drawn from the seed operand exactly as the explicit form's
 ``bernoulli(seed, shape=scores, p=1-p)`` draws it (SplitMix64 words are counter-based, so a kernel
@@ -58,8 +63,13 @@ def lse_dtype(dt: DType) -> DType:
     return DType.f32 if dt in (DType.f16, DType.bf16) else dt
 
 
+def kv_groups(q: TensorType, k: TensorType) -> int:
+    """Query heads per key/value head: 1, or H / H_kv for grouped-query attention."""
+    return q.shape[-3] // k.shape[-3] if q.rank >= 3 and k.shape[-3] and q.shape[:-3] == k.shape[:-3] else 1
+
+
 def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None,
-               attrs) -> None:
+               attrs, grouped: bool = False) -> None:
     for t, what in ((q, "query"), (k, "key"), (v, "value")):
         expect_float(name, t, what)
     if not (q.dtype == k.dtype == v.dtype):
@@ -67,8 +77,13 @@ def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: Ten
     if q.rank < 2 or not (q.rank == k.rank == v.rank):
         raise TypeError(f"'{name}' needs query [..., T, D], key [..., S, D] and value [..., S, Dv] of the same "
                         f"rank >= 2, got {q}, {k}, {v}")
-    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-        raise TypeError(f"'{name}': query, key and value must have the same batch axes, got {q}, {k}, {v}")
+    gqa = (grouped and q.rank >= 3 and q.shape[:-3] == k.shape[:-3] == v.shape[:-3] and k.shape[-3] == v.shape[-3]
+           and 0 < k.shape[-3] < q.shape[-3] and q.shape[-3] % k.shape[-3] == 0)
+    if not gqa and not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        more = (" (or, grouped-query, key and value heads dividing the query's at axis -3)" if grouped else "")
+        raise TypeError(f"'{name}': query, key and value must have the same batch axes{more}, got {q}, {k}, {v}")
+    if gqa and mask is not None and mask.dtype != DType.bool:
+        raise TypeError(f"'{name}': grouped-query attention takes a bool mask or none, got {mask}")
     if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise TypeError(f"'{name}': key must be [..., S, {q.shape[-1]}] and value [..., S, Dv] with the same S, "
                         f"got {k} and {v}")
@@ -87,7 +102,7 @@ def _attention_infer(types, attrs):
     if len(types) not in (3, 4):
         raise TypeError(f"'attention' takes query, key, value and an optional mask, got {len(types)} operands")
     q, k, v = _heads_first("attention", types[:3], attrs)
-    _check_qkv("attention", q, k, v, types[3] if len(types) == 4 else None, attrs)
+    _check_qkv("attention", q, k, v, types[3] if len(types) == 4 else None, attrs, grouped=True)
     out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
     return (swap_heads(out) if attrs.get("seq_first", False) else out), TensorType(lse_dtype(q.dtype), q.shape[:-1])
 
@@ -98,7 +113,7 @@ def _attention_grad_infer(types, attrs):
                         f"got {len(types)} operands")
     g, q, k, v, out = _heads_first("attention_grad", types[:5], attrs)
     lse = types[5]
-    _check_qkv("attention_grad", q, k, v, types[6] if len(types) == 7 else None, attrs)
+    _check_qkv("attention_grad", q, k, v, types[6] if len(types) == 7 else None, attrs, grouped=True)
     want_out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
     if g != want_out or out != want_out:
         raise TypeError(f"'attention_grad': grad_out and out must be {want_out}, got {g} and {out}")
@@ -138,8 +153,24 @@ def reference_scores(q: np.ndarray, k: np.ndarray, mask: np.ndarray | None, scal
     return s
 
 
+def _repeat_kv(x, q):
+    """Grouped-query key/value heads repeated to the query's (head h reads head h // groups)."""
+    if x.ndim >= 3 and x.shape[-3] != q.shape[-3]:
+        return np.repeat(x, q.shape[-3] // x.shape[-3], axis=-3)
+    return x
+
+
+def _sum_groups(g, like):
+    """A gradient over the repeated heads summed back to ``like``'s heads (grouped-query attention)."""
+    if g.shape == like.shape:
+        return g
+    n = g.shape[-3] // like.shape[-3]
+    return g.reshape(g.shape[:-3] + (like.shape[-3], n) + g.shape[-2:]).sum(axis=-3)
+
+
 def reference_forward(q, k, v, mask=None, *, scale: float, is_causal: bool = False):
     """(softmax(scores) @ v, logsumexp of the scores' rows)."""
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     prob, lse = _reference_softmax(reference_scores(q, k, mask, scale, is_causal))
     return np.matmul(prob, v), lse
 
@@ -156,13 +187,15 @@ def _reference_softmax(s):
 
 def reference_backward(g, q, k, v, out, lse, mask=None, *, scale: float, is_causal: bool = False):
     """(dq, dk, dv) from the probabilities recomputed as exp(scores - logsumexp)."""
+    k0, v0 = k, v
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     s = reference_scores(q, k, mask, scale, is_causal)
     p = np.exp(s - lse[..., None].astype(s.dtype))
     dv = np.matmul(np.swapaxes(p, -1, -2), g)
     dp = np.matmul(g, np.swapaxes(v, -1, -2))
     ds = p * (dp - np.sum(g * out, axis=-1, keepdims=True))
     sc = np.asarray(scale, q.dtype)
-    return np.matmul(ds, k) * sc, np.matmul(np.swapaxes(ds, -1, -2), q) * sc, dv
+    return np.matmul(ds, k) * sc, _sum_groups(np.matmul(np.swapaxes(ds, -1, -2), q) * sc, k0), _sum_groups(dv, v0)
 
 
 def _keep_mask(r: np.random.Generator, *shape: int) -> np.ndarray:
@@ -189,6 +222,9 @@ def _seq_first_samples(r: np.random.Generator) -> list[Sample]:
         Sample([rand(r, 1, 5, 2, 4), rand(r, 1, 5, 2, 4), rand(r, 1, 5, 2, 3)], {"scale": 0.3, "is_causal": True,
                                                                                "seq_first": True}),
         Sample([rand(r, 4, 2, 4), rand(r, 5, 2, 4), rand(r, 5, 2, 4)], {"scale": 0.6, "seq_first": True}),
+        # grouped-query: 4 query heads over 2 key/value heads; a bool mask, causal
+        Sample([rand(r, 2, 4, 3, 4), rand(r, 2, 2, 5, 4), rand(r, 2, 2, 5, 4), _keep_mask(r, 2, 1, 3, 5)], {"scale": 0.5}),
+        Sample([rand(r, 1, 6, 4, 4), rand(r, 1, 2, 4, 4), rand(r, 1, 2, 4, 3)], {"scale": 0.4, "is_causal": True}),
     ]
 
 
@@ -455,10 +491,32 @@ def _softmax_parts(b, s):
     return e, tot, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)
 
 
+def _repeat_kv_ir(b, x, q):
+    """Grouped-query key/value heads repeated to the query's, as HF's ``repeat_kv`` (unsqueeze, expand, reshape)."""
+    sh = x.type.shape
+    if x.type.rank < 3 or sh[-3] == q.type.shape[-3]:
+        return x
+    n = q.type.shape[-3] // sh[-3]
+    x5 = b.op("reshape", x, shape=sh[:-3] + (sh[-3], 1) + sh[-2:])
+    x5 = b.op("broadcast", x5, shape=sh[:-3] + (sh[-3], n) + sh[-2:])
+    return b.op("reshape", x5, shape=sh[:-3] + (sh[-3] * n,) + sh[-2:])
+
+
+def _sum_groups_ir(b, g, like):
+    """A gradient over repeated heads summed back to ``like``'s (grouped-query attention)."""
+    if g.type.shape == like.type.shape:
+        return g
+    sh = like.type.shape
+    n = g.type.shape[-3] // sh[-3]
+    g5 = b.op("reshape", g, shape=sh[:-3] + (sh[-3], n) + g.type.shape[-2:])
+    return b.op("reduce_sum", g5, axes=[len(sh) - 2])
+
+
 @def_decomposition("attention")
 def _attention_decomp(b, xs, attrs):
     seq_first = attrs.get("seq_first", False)
     q, k, v = [_swap_heads(b, x) for x in xs[:3]] if seq_first else xs[:3]
+    k, v = _repeat_kv_ir(b, k, q), _repeat_kv_ir(b, v, q)
     s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
     e, tot, lse = _softmax_parts(b, s)
     out = b.op("matmul", b.op("div", e, tot), v)
@@ -468,7 +526,8 @@ def _attention_decomp(b, xs, attrs):
 @def_decomposition("attention_grad")
 def _attention_grad_decomp(b, xs, attrs):
     seq_first = attrs.get("seq_first", False)
-    g, q, k, v, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
+    g, q, k0, v0, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
+    k, v = _repeat_kv_ir(b, k0, q), _repeat_kv_ir(b, v0, q)
     lse = xs[5]
     dt = q.type.dtype
     s = _masked_scores(b, q, k, xs[6] if len(xs) == 7 else None, attrs)
@@ -478,7 +537,8 @@ def _attention_grad_decomp(b, xs, attrs):
     rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
     ds = b.op("mul", p, b.op("sub", b.op("matmul", g, v, transpose_b=True), rows))
     scale = _const(b, attrs["scale"], dt)
-    grads = [b.op("mul", b.op("matmul", ds, k), scale), b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), dv]
+    grads = [b.op("mul", b.op("matmul", ds, k), scale),
+             _sum_groups_ir(b, b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), k0), _sum_groups_ir(b, dv, v0)]
     return [_swap_heads(b, x) for x in grads] if seq_first else grads
 
 
