@@ -221,3 +221,41 @@ def test_kv_repeats_are_kept_unless_key_and_value_both_repeat():
     verify(m)
     out = run_pipeline(m, ["fold-kv-repeats"]).module
     assert str(out) == str(m)
+
+
+ROTARY = """func @f(%0: f64[2,4,3,4], %1: f64[2,4,3,4], %2: f64[2,4,3,4], %3: f64[4,4], %4: f64[4,4]) -> f64[2,4,12] {{
+  %5 = transpose %0 {{perm=[0, 2, 1, 3]}} : f64[2,3,4,4]
+  %6 = transpose %1 {{perm=[0, 2, 1, 3]}} : f64[2,3,4,4]
+  %7 = transpose %2 {{perm=[0, 2, 1, 3]}} : f64[2,3,4,4]
+  %8 = reshape %3 {{shape=[1, 1, 4, 4]}} : f64[1,1,4,4]
+  %9 = reshape %4 {{shape=[1, 1, 4, 4]}} : f64[1,1,4,4]
+  %10 = mul %5, %8 : f64[2,3,4,4]
+  %11 = slice %5 {{start=[0, 0, 0, 0], stop=[2, 3, 4, 2], step=[1, 1, 1, 1]}} : f64[2,3,4,2]
+  %12 = slice %5 {{start=[0, 0, 0, 2], stop=[2, 3, 4, 4], step=[1, 1, 1, 1]}} : f64[2,3,4,2]
+  %13 = neg %12 : f64[2,3,4,2]
+  %14 = concat %13, %11 {{axis=3}} : f64[2,3,4,4]
+  %15 = mul %14, %9 : f64[2,3,4,4]
+  %16 = add %10, %15 : f64[2,3,4,4]
+  %17 = mul %6, %8 : f64[2,3,4,4]
+  %18, %19 = attention %16, %17, %7 {{scale=0.5, is_causal=true}} : f64[2,3,4,4], f64[2,3,4]
+  %20 = transpose %18 {{perm=[0, 2, 1, 3]}} : f64[2,4,3,4]
+  %21 = reshape %20 {{shape=[2, 4, 12]}} : f64[2,4,12]
+  {extra}return %21
+}}
+"""
+
+
+def test_a_rotary_embedding_is_computed_on_the_sequence_first_values():
+    """q rotated (q * cos + rotate_half(q) * sin) and k scaled from their heads transposes: the rotation
+    runs on [B, T, H, D] (cos and sin [1, 1, T, D] read as [1, T, 1, D] reshapes, the slices and the
+    concatenation on the same last axis), attention is seq_first, no transpose is left; same numbers.
+    Something else reading the rotated query keeps everything as it was."""
+    m, out = _fold(ROTARY.format(extra=""))
+    (att,) = [i for i in out["f"].instructions() if i.op.name == "attention"]
+    assert att.attrs["seq_first"] and "transpose" not in _ops(out["f"]), str(out)
+    rng = np.random.default_rng(6)
+    args = [rng.standard_normal((2, 4, 3, 4)) for _ in range(3)] + [rng.standard_normal((4, 4)) for _ in range(2)]
+    np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
+    m, out = _fold(ROTARY.format(extra="%22 = reduce_sum %16 {axes=[0, 1, 2, 3]} : f64[]\n  ").replace(
+        "-> f64[2,4,12]", "-> (f64[2,4,12], f64[])").replace("return %21", "return %21, %22"))
+    assert not any(i.attrs.get("seq_first") for i in out["f"].instructions() if i.op.name == "attention")

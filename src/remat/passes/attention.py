@@ -311,10 +311,83 @@ def _heads_swapped(v: Value) -> Value | None:
     return d.operands[0] if r >= 3 and list(d.attrs["perm"]) == list(range(r - 3)) + [r - 2, r - 3, r - 1] else None
 
 
+_SINKS = frozenset({"add", "sub", "mul", "div", "neg"})
+
+
+def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape[:-3] + (shape[-2], shape[-3], shape[-1])
+
+
+class _SeqFirst:
+    """Rebuilds a heads-first value ``[..., H, T, D]`` in the sequence-first layout ``[..., T, H, D]``
+    from the transposes it was computed from, through element-wise ops (operands broadcasting over
+    the heads or the sequence read as reshapes), slices and concatenations: a rotary embedding of
+    the query and key (``q * cos + rotate_half(q) * sin``) becomes the same ops on [..., T, H, D].
+    ``tree``: the instructions the rebuilt values replace."""
+
+    def __init__(self, b: Builder) -> None:
+        self.b = b
+        self.memo: dict[Value, Value | None] = {}
+        self.tree: set[Instruction] = set()
+
+    def __call__(self, v: Value) -> Value | None:
+        if v not in self.memo:
+            self.memo[v] = self._rebuild(v)
+        return self.memo[v]
+
+    def _operand(self, o: Value, like: Value) -> Value | None:
+        """An operand of an element-wise op on ``like``: rebuilt when it has ``like``'s shape, else
+        (a broadcasting operand) viewed in the other layout when that is a reshape."""
+        if o.type.shape == like.type.shape:
+            return self(o)
+        r = like.type.rank
+        full = (1,) * (r - o.type.rank) + o.type.shape
+        if o.type.rank > r or 1 not in full[-3:-1]:
+            return None  # swapping two axes longer than 1 would be a copy
+        return self.b.op("reshape", o, shape=_swapped(full))
+
+    def _rebuild(self, v: Value) -> Value | None:
+        r = v.type.rank
+        src = _heads_swapped(v) if r >= 3 else None
+        if src is not None:
+            self.tree.add(v.instr)
+            return src
+        ins = getattr(v, "instr", None)
+        if r < 3 or ins is None or len(ins.results) != 1:
+            return None
+        name = ins.op.name
+        if name in _SINKS:
+            ops = [self._operand(o, v) for o in ins.operands]
+            if None in ops or not any(o.type.shape == v.type.shape for o in ins.operands):
+                return None
+            out = self.b.op(name, *ops, **ins.attrs)
+        elif name == "slice":
+            x = self(ins.operands[0])
+            if x is None:
+                return None
+            start, stop, step = (list(ins.attrs[a] or (1,) * r) for a in ("start", "stop", "step"))
+            for a in (start, stop, step):
+                a[-3], a[-2] = a[-2], a[-3]
+            out = self.b.op("slice", x, start=start, stop=stop, step=step)
+        elif name == "concat":
+            xs = [self(o) for o in ins.operands]
+            if None in xs:
+                return None
+            axis = ins.attrs["axis"] % r
+            out = self.b.op("concat", *xs, axis={r - 3: r - 2, r - 2: r - 3}.get(axis, axis))
+        else:
+            return None
+        self.tree.add(ins)
+        return out
+
+
 def fold_head_transposes(f: Function) -> tuple[Function, int]:
     """A copy of ``f`` where each ``attention`` whose query, key and value are all transposes of
     ``[..., T, H, D]`` values (a projection reshaped to heads, then ``transpose(1, 2)``) reads those
-    values itself (``seq_first``), its output transposed back for its users; also how many.
+    values itself (``seq_first``), its output transposed back for its users; also how many. An
+    operand computed from such transposes by element-wise ops, slices and concatenations (a rotary
+    embedding) is computed on the [..., T, H, D] values instead (:class:`_SeqFirst`), when nothing
+    else reads what it replaces.
 
     ``simplify`` then cancels that transpose against the model's own transpose of the output, and
     DCE drops the operands' transposes: the flash kernels read [B, T, H, D] through views and write
@@ -326,16 +399,25 @@ def fold_head_transposes(f: Function) -> tuple[Function, int]:
         return g, 0
     repl: dict[Value, Value] = {}
     count = 0
+    users: dict[Value, list[Instruction]] = {}
+    for ins in g.instructions():
+        for v in ins.operands:
+            users.setdefault(v, []).append(ins)
     for blk in g.blocks:
         out: list[Instruction] = []
         for ins in blk.instrs:
-            srcs = [_heads_swapped(v) for v in ins.operands[:3]] if ins.op.name == "attention" else [None]
-            if (None in srcs or ins.attrs.get("seq_first", False)
+            if (ins.op.name != "attention" or ins.attrs.get("seq_first", False) or ins.operands[0].type.rank < 3
                     or (len(ins.operands) == 4 and ins.operands[3].type.dtype != DType.bool)):
                 out.append(ins)
                 continue
             scratch = Block()
             b = Builder(scratch)
+            seq_first = _SeqFirst(b)
+            srcs = [seq_first(v) for v in ins.operands[:3]]
+            inside = seq_first.tree | {ins}
+            if None in srcs or any(u not in inside for t in seq_first.tree for u in users.get(t.results[0], ())):
+                out.append(ins)  # not all rebuilt, or something else reads what would be replaced
+                continue
             o, lse = b.op("attention", *srcs, *ins.operands[3:], **{**ins.attrs, "seq_first": True})
             r = o.type.rank
             repl[ins.results[0]] = b.op("transpose", o, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])

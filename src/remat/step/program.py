@@ -41,7 +41,7 @@ def training_graph(forward: Function, n_params: int) -> Module:
     # not a cotangent transposed back by a materialised copy; attention reading heads-transposed
     # operands in place gets a backward that writes its gradients in that layout; grouped-query
     # attention reading its shared key/value heads keeps no repeated copies for the backward).
-    passes = ["simplify", "fold-head-transposes", "fold-kv-repeats", "simplify", "dce"]
+    passes = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify", "dce"]
     fwd = run_pipeline(Module([forward.clone("forward")]), passes).module["forward"]
     loss_t = fwd.result_types[0]
     if loss_t.rank != 0 or not loss_t.dtype.is_float:
