@@ -8,6 +8,7 @@ import pytest
 from remat.ir import parse, verify
 from remat.pipeline import run_pipeline
 
+from _checked import run_checked
 from _interp import evaluate
 
 HEAD = "func @f(%0: f64[2,3,4,5], %1: f64[2,3,6,5], %2: f64[2,3,6,7], %3: bool[4,6], %4: f64[3,1,6]) -> {ret} {{\n"
@@ -72,12 +73,7 @@ def _args(rng):
 
 
 def _run(text):
-    m = parse(text)
-    verify(m)
-    before = str(m)
-    out = run_pipeline(m, ["attention", "dce"]).module  # verifies after each pass
-    assert str(m) == before, "the pass mutated its input"
-    return m, out
+    return run_checked(text, ["attention", "dce"])
 
 
 def _ops(f):
@@ -149,12 +145,7 @@ def _heads_args(rng, mask_dtype, v_heads_first=False):
 
 
 def _fold(text):
-    m = parse(text)
-    verify(m)
-    before = str(m)
-    out = run_pipeline(m, ["fold-head-transposes", "simplify", "dce"]).module  # verifies after each pass
-    assert str(m) == before, "the pass mutated its input"
-    return m, out
+    return run_checked(text, ["fold-head-transposes", "simplify", "dce"])
 
 
 def test_attention_reads_heads_transposed_operands_in_place():

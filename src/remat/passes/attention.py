@@ -394,6 +394,26 @@ def fold_head_transposes(f: Function) -> tuple[Function, int]:
     their output (and, in the backward, the gradients) [B, T, H, D]-contiguous, so the copies the
     transposes and the kernels' own layout changes made are gone (bit-identical results). Additive
     (float) masks are left alone: their cotangent is built from primitives on [..., H, T, D]."""
+    def rewrite(ins: Instruction, b: Builder, users: dict[Value, list[Instruction]]):
+        if (ins.attrs.get("seq_first", False) or ins.operands[0].type.rank < 3
+                or (len(ins.operands) == 4 and ins.operands[3].type.dtype != DType.bool)):
+            return None
+        seq_first = _SeqFirst(b)
+        srcs = [seq_first(v) for v in ins.operands[:3]]
+        inside = seq_first.tree | {ins}
+        if None in srcs or any(u not in inside for t in seq_first.tree for u in users.get(t.results[0], ())):
+            return None  # not all rebuilt, or something else reads what would be replaced
+        o, lse = b.op("attention", *srcs, *ins.operands[3:], **{**ins.attrs, "seq_first": True})
+        r = o.type.rank
+        return b.op("transpose", o, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1]), lse
+
+    return _rewrite_attentions(f, rewrite)
+
+
+def _rewrite_attentions(f: Function, rewrite) -> tuple[Function, int]:
+    """A copy of ``f`` with each ``attention`` for which ``rewrite(ins, builder, users)`` returns the
+    values replacing its two results (emitted through the builder, in its place) rewritten; also how
+    many. ``users``: each value's reading instructions in ``f``'s copy."""
     g = f.clone()
     if g.is_declaration:
         return g, 0
@@ -406,22 +426,14 @@ def fold_head_transposes(f: Function) -> tuple[Function, int]:
     for blk in g.blocks:
         out: list[Instruction] = []
         for ins in blk.instrs:
-            if (ins.op.name != "attention" or ins.attrs.get("seq_first", False) or ins.operands[0].type.rank < 3
-                    or (len(ins.operands) == 4 and ins.operands[3].type.dtype != DType.bool)):
+            new = None
+            if ins.op.name == "attention":
+                scratch = Block()  # what a rewrite that gives up emitted is dropped with it
+                new = rewrite(ins, Builder(scratch), users)
+            if new is None:
                 out.append(ins)
                 continue
-            scratch = Block()
-            b = Builder(scratch)
-            seq_first = _SeqFirst(b)
-            srcs = [seq_first(v) for v in ins.operands[:3]]
-            inside = seq_first.tree | {ins}
-            if None in srcs or any(u not in inside for t in seq_first.tree for u in users.get(t.results[0], ())):
-                out.append(ins)  # not all rebuilt, or something else reads what would be replaced
-                continue
-            o, lse = b.op("attention", *srcs, *ins.operands[3:], **{**ins.attrs, "seq_first": True})
-            r = o.type.rank
-            repl[ins.results[0]] = b.op("transpose", o, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
-            repl[ins.results[1]] = lse
+            repl[ins.results[0]], repl[ins.results[1]] = new
             for ni in scratch.instrs:
                 ni.block = blk
             out.extend(scratch.instrs)
@@ -462,33 +474,16 @@ def fold_kv_repeats(f: Function) -> tuple[Function, int]:
     gradients over the repeats go; the key and value gradients are summed over query heads inside the
     kernel, in another order (values equal to rounding). Bool masks or none (the grouped op takes no
     additive mask), heads-first operands."""
-    g = f.clone()
-    if g.is_declaration:
-        return g, 0
-    repl: dict[Value, Value] = {}
-    count = 0
-    for blk in g.blocks:
-        out: list[Instruction] = []
-        for ins in blk.instrs:
-            rk = rv = None
-            if (ins.op.name == "attention" and not ins.attrs.get("seq_first", False)
-                    and (len(ins.operands) == 3 or ins.operands[3].type.dtype == DType.bool)):
-                rk, rv = _repeated_heads(ins.operands[1]), _repeated_heads(ins.operands[2])
-            if rk is None or rv is None or rk[1] != rv[1]:
-                out.append(ins)
-                continue
-            scratch = Block()
-            b = Builder(scratch)
-            kv = [b.op("reshape", x5, shape=x5.type.shape[:-3] + x5.type.shape[-2:]) for x5, _ in (rk, rv)]
-            o, lse = b.op("attention", ins.operands[0], *kv, *ins.operands[3:], **ins.attrs)
-            repl[ins.results[0]], repl[ins.results[1]] = o, lse
-            for ni in scratch.instrs:
-                ni.block = blk
-            out.extend(scratch.instrs)
-            count += 1
-        blk.instrs = out
-    apply_replacements(g, repl)
-    return g, count
+    def rewrite(ins: Instruction, b: Builder, users) -> tuple[Value, Value] | None:
+        if ins.attrs.get("seq_first", False) or (len(ins.operands) == 4 and ins.operands[3].type.dtype != DType.bool):
+            return None
+        rk, rv = _repeated_heads(ins.operands[1]), _repeated_heads(ins.operands[2])
+        if rk is None or rv is None or rk[1] != rv[1]:
+            return None
+        kv = [b.op("reshape", x5, shape=x5.type.shape[:-3] + x5.type.shape[-2:]) for x5, _ in (rk, rv)]
+        return tuple(b.op("attention", ins.operands[0], *kv, *ins.operands[3:], **ins.attrs))
+
+    return _rewrite_attentions(f, rewrite)
 
 
 def fold_kv_repeats_pass(module: Module) -> Module:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
-from ..ir import Block, Builder, Function, Instruction, Module, Value
-from ._rewrite import apply_replacements, splat_value, use_counts
+from ..ir import Function, Instruction, Module, Value
+from ._rewrite import rewrite_matches, splat_value
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 KAPPA = 0.044715
@@ -66,8 +66,8 @@ def _cube_of(v: Value, used: list[Instruction]) -> Value | None:
     return None
 
 
-def match(y_ins: Instruction, uses: dict[Value, int]) -> tuple[Value, list[Instruction]] | None:
-    """``(x, the instructions the op replaces)`` when ``y_ins`` ends a written-out tanh GELU, else None."""
+def match(y_ins: Instruction, uses: dict[Value, int]) -> tuple[list[Instruction], Value] | None:
+    """``(the instructions the op replaces, x)`` when ``y_ins`` ends a written-out tanh GELU, else None."""
     if y_ins.op.name != "mul":
         return None
     for half, outer in (y_ins.operands, y_ins.operands[::-1]):
@@ -91,42 +91,14 @@ def match(y_ins: Instruction, uses: dict[Value, int]) -> tuple[Value, list[Instr
         inner = [r for ins in used if ins is not y_ins for r in ins.results]
         if any(uses.get(r, 0) != 1 for r in inner) or not x.type.dtype.is_float:
             continue
-        return x, used
+        return used, x
     return None
 
 
 def recognise_gelu(f: Function) -> tuple[Function, int]:
     """A copy of ``f`` with every written-out tanh GELU replaced by the op; also how many."""
-    g = f.clone()
-    if g.is_declaration:
-        return g, 0
-    uses = use_counts(g)
-    repl: dict[Value, Value] = {}
-    count = 0
-    for blk in g.blocks:
-        matches = {}
-        for ins in blk.instrs:
-            m = match(ins, uses)
-            if m is not None and all(d.block is blk for d in m[1]):
-                matches[ins] = m
-        if not matches:
-            continue
-        dead = {d for _, used in matches.values() for d in used}
-        out: list[Instruction] = []
-        for ins in blk.instrs:
-            if ins in matches:
-                scratch = Block()
-                y = Builder(scratch).op("gelu", matches[ins][0], approximate="tanh")
-                for ni in scratch.instrs:
-                    ni.block = blk
-                out.extend(scratch.instrs)
-                repl[ins.results[0]] = y
-                count += 1
-            elif ins not in dead:
-                out.append(ins)
-        blk.instrs = out
-    apply_replacements(g, repl)
-    return g, count
+    g, sites = rewrite_matches(f, match, lambda b, ins, x: (b.op("gelu", x, approximate="tanh"), ins))
+    return g, len(sites)
 
 
 def gelu_pass(module: Module) -> Module:
