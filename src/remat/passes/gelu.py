@@ -89,7 +89,7 @@ def match(y_ins: Instruction, uses: dict[Value, int]) -> tuple[list[Instruction]
             continue
         used += [h, e, t, u, s, a]
         inner = [r for ins in used if ins is not y_ins for r in ins.results]
-        if any(uses.get(r, 0) != 1 for r in inner) or not x.type.dtype.is_float:
+        if any(uses.get(r, 0) != 1 for r in inner) or not x.type.dtype.is_float or y_ins.results[0].type != x.type:
             continue
         return used, x
     return None
