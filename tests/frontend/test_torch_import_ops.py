@@ -56,6 +56,7 @@ class ManyOps(nn.Module):
             torch.baddbmm(x[:, 0], x[:, 1], x[:, 2], beta=0.5, alpha=2.0), torch.bmm(x[:, 0], x[:, 1]),
             torch.addmm(x[0, 0], x[0, 1], x[0, 2], beta=0.0),
             x.mean(), x.sum(), x.sum(dim=[1, 2], keepdim=True), F.normalize(x, dim=1),
+            x.repeat(1, 2, 1, 3), x[0, 0].repeat(2, 1, 2), x.repeat(1, 1, 1, 1),  # tiling, also with a new axis
         ]
         return tuple(outs)
 

@@ -439,6 +439,20 @@ def _expand(L: Lowerer, x, size, implicit=False):
     return x if x.type.shape == shape else L.op("broadcast", x, shape=shape)
 
 
+@lower("repeat.default")
+def _repeat(L: Lowerer, x, repeats):
+    """``Tensor.repeat`` (tiling, as ``np.tile``): each axis of size d becomes the reps-fold of itself,
+    as a broadcast of x with a new axis of the reps before each of its axes, merged back."""
+    reps = [int(r) for r in repeats]
+    shape = (1,) * (len(reps) - x.type.rank) + x.type.shape
+    if all(r == 1 for r in reps):
+        return x if x.type.shape == shape else L.op("reshape", x, shape=shape)
+    spread = tuple(d for pair in zip([1] * len(shape), shape) for d in pair)
+    tiled = tuple(d for pair in zip(reps, shape) for d in pair)
+    b = L.op("broadcast", L.op("reshape", x, shape=spread), shape=tiled)
+    return L.op("reshape", b, shape=tuple(r * d for r, d in zip(reps, shape)))
+
+
 def _positions(shape: Sequence[int], strides: Sequence[int], offset: int) -> np.ndarray:
     """Storage position of every element of a strided tensor, in logical (row-major) order."""
     pos = np.full((), offset, dtype=np.int64)
