@@ -139,3 +139,33 @@ def test_normalisations_import_as_one_composite_op_each():
         assert bn.attrs["training"] is train and len(bn.results) == (5 if train else 1)
         got = evaluate(im, x)
         assert_close(got[0], net(x), torch.float32, f"output (train={train})")
+
+
+def test_embedding_padding_row_gets_no_gradient_and_scaled_gradients_are_refused():
+    """nn.Embedding(padding_idx=p): PyTorch's backward leaves row p's gradient zero (the row is never
+    trained); remat's gather carries padding_idx into its VJP. scale_grad_by_freq is refused by name."""
+    import copy
+
+    import remat
+
+    class Emb(nn.Module):
+        def __init__(self, **kw):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(10, 4, **kw), nn.Linear(4, 1)
+
+        def forward(self, ids):
+            return self.lin(self.emb(ids)).square().mean()
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 1, 2, 0, 3], [3, 0, 9, 9, 1]])
+    for pad in (0, -1):  # nn.Embedding turns -1 into 9
+        model = Emb(padding_idx=pad).double()
+        ref = copy.deepcopy(model)
+        step = remat.compile(model, (ids,), lambda y: y, num_targets=0)
+        step(ids)
+        ref(ids).backward()
+        row = pad % 10
+        assert torch.equal(model.emb.weight.grad[row], torch.zeros(4, dtype=torch.float64))
+        assert_close(model.emb.weight.grad, ref.emb.weight.grad, torch.float64, f"embedding gradient, padding_idx={pad}")
+    with pytest.raises(Exception, match="scale_grad_by_freq"):
+        import_module(Emb(scale_grad_by_freq=True), (ids,))

@@ -595,8 +595,8 @@ def concat(*xs, axis):
 
 
 @k("gather")
-def gather(table, idx, axis=0):
-    """numpy.take; indices must lie in [0, n) (negative or out-of-range indices are errors)."""
+def gather(table, idx, axis=0, padding_idx=-1):
+    """numpy.take (``padding_idx`` only shapes the gradient); indices must lie in [0, n) (negative or out-of-range indices are errors)."""
     check_indices("gather", idx, table.shape[axis], f"index (axis {axis})")
     return _fresh(np.take(table, idx, axis=axis))
 

@@ -433,7 +433,7 @@ def concat(*xs, axis):
 
 
 @k("gather")
-def gather(table, idx, axis=0):
+def gather(table, idx, axis=0, padding_idx=-1):  # padding_idx only shapes the gradient
     npk.check_indices("gather", idx, table.shape[axis], f"index (axis {axis})")
     out_shape = tuple(table.shape[:axis]) + tuple(idx.shape) + tuple(table.shape[axis + 1:])
     return _fresh(torch.index_select(table, axis, idx.reshape(-1).to(torch.int64)).reshape(out_shape))

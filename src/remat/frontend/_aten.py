@@ -625,7 +625,12 @@ def _pad(L: Lowerer, x, pad, value=0):
 
 @lower("embedding.default")
 def _embedding(L: Lowerer, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
-    return L.op("gather", weight, indices, axis=0)
+    """A gather of the table's rows; ``padding_idx``'s row gets no gradient (as PyTorch's backward)."""
+    if scale_grad_by_freq:
+        raise LoweringError("embedding with scale_grad_by_freq=True is not supported (its gradient is scaled by "
+                            "each index's count in the batch)")
+    pad = int(padding_idx) if padding_idx is not None else -1
+    return L.op("gather", weight, indices, axis=0, padding_idx=pad if pad >= 0 else -1)
 
 
 @lower("index_select.default")

@@ -132,9 +132,11 @@ def _gather_infer(types, attrs):
     return table.with_shape(table.shape[:axis] + idx.shape + table.shape[axis + 1:])
 
 
-declare(OpDef("gather", 2, (Attr("axis", "int", 0),), _gather_infer, frozenset({"shape"}), normalize=_axis_norm,
+declare(OpDef("gather", 2, (Attr("axis", "int", 0), Attr("padding_idx", "int", -1)), _gather_infer, frozenset({"shape"}),
+              normalize=_axis_norm,
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[attrs["axis"]]),
-              doc="numpy take(table, indices, axis): embedding lookup when axis=0", flops=max_numel,
+              doc="numpy take(table, indices, axis): embedding lookup when axis=0; padding_idx >= 0: that index's "
+                  "entries get no gradient (nn.Embedding's padding_idx)", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 5, 3), r.integers(0, 5, size=(2, 4))]),
                                 Sample([rand(r, 2, 4), r.integers(0, 4, size=(3,))], {"axis": 1})]))
 
@@ -183,7 +185,7 @@ declare(OpDef("iota", 0, (ints("shape"), Attr("axis", "int", 0), Attr("dtype", "
 # rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. Data movement keeps nothing
 # from the forward except integer indices.
 from ..opdef import def_vjp  # noqa: E402
-from ._vjp import unbroadcast as _unb  # noqa: E402
+from ._vjp import const as _const, unbroadcast as _unb  # noqa: E402
 
 
 @def_vjp("transpose", saves="none")
@@ -238,7 +240,13 @@ def _concat_vjp(b, p, g):
 
 @def_vjp("gather", saves=(1,))
 def _gather_vjp(b, p, g):
-    return [b.op("scatter_add", p.x[1], g, shape=p.in_types[0].shape, axis=p.attrs["axis"]), None]
+    idx, axis, pad = p.x[1], p.attrs["axis"], p.attrs.get("padding_idx", -1)
+    if pad >= 0:  # nn.Embedding(padding_idx=pad): the padding entry's row gets no gradient, as in PyTorch
+        keep = b.op("ne", idx, _const(b, pad, idx.type.dtype))
+        table = p.in_types[0]
+        keep = b.op("reshape", keep, shape=(1,) * axis + idx.type.shape + (1,) * (table.rank - axis - 1))
+        g = b.op("select", keep, g, _const(b, 0.0, g.type.dtype))
+    return [b.op("scatter_add", idx, g, shape=p.in_types[0].shape, axis=axis), None]
 
 
 @def_vjp("scatter_add", saves=(0,))
