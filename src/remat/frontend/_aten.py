@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..ir import Builder, DType, TensorType, Value
+from ..ir.ops.attention import repeat_kv
 from ..ir.types import broadcast_shapes
 
 _TORCH_TO_DTYPE = {
@@ -850,14 +851,6 @@ def _explicit_attention(L: Lowerer, q: Value, k: Value, v: Value, mask: Value | 
     return L.op("matmul", p, v)
 
 
-def _repeat_heads(L: Lowerer, x, n: int):
-    """x's heads (axis -3) each repeated n times in place: [..., H, S, D] -> [..., H * n, S, D]."""
-    sh = x.type.shape
-    x5 = L.op("broadcast", L.op("reshape", x, shape=sh[:-3] + (sh[-3], 1) + sh[-2:]),
-              shape=sh[:-3] + (sh[-3], n) + sh[-2:])
-    return L.op("reshape", x5, shape=sh[:-3] + (sh[-3] * n,) + sh[-2:])
-
-
 @lower("scaled_dot_product_attention.default", keep=True)
 def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention as one ``attention`` op (the fused flash kernel on CPU); with
@@ -873,7 +866,7 @@ def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *
                 or qs[-3] % ks[-3]):
             raise LoweringError(f"grouped-query attention needs key and value heads (axis -3) dividing the query's, "
                                 f"got {q.type}, {k.type}, {v.type}")
-        k, v = (_repeat_heads(L, x, qs[-3] // ks[-3]) for x in (k, v))
+        k, v = repeat_kv(L, k, q), repeat_kv(L, v, q)
     if is_causal and attn_mask is not None:
         raise LoweringError("attention takes either attn_mask or is_causal=True, not both")
     dt = L.out_type().dtype

@@ -38,7 +38,7 @@ from math import prod
 import numpy as np
 
 from ..ir import Block, Builder, Function, Instruction, Module, Value
-from ..ir.ops.attention import scores_shape
+from ..ir.ops.attention import scores_shape, swap_heads
 from ..ir.types import DType
 from ._rewrite import apply_replacements, splat_value, use_counts
 
@@ -314,10 +314,6 @@ def _heads_swapped(v: Value) -> Value | None:
 _SINKS = frozenset({"add", "sub", "mul", "div", "neg"})
 
 
-def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return shape[:-3] + (shape[-2], shape[-3], shape[-1])
-
-
 class _SeqFirst:
     """Rebuilds a heads-first value ``[..., H, T, D]`` in the sequence-first layout ``[..., T, H, D]``
     from the transposes it was computed from, through element-wise ops (operands broadcasting over
@@ -344,7 +340,7 @@ class _SeqFirst:
         full = (1,) * (r - o.type.rank) + o.type.shape
         if o.type.rank > r or 1 not in full[-3:-1]:
             return None  # swapping two axes longer than 1 would be a copy
-        return self.b.op("reshape", o, shape=_swapped(full))
+        return self.b.op("reshape", o, shape=swap_heads(o.type.with_shape(full)).shape)
 
     def _rebuild(self, v: Value) -> Value | None:
         r = v.type.rank

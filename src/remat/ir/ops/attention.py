@@ -63,11 +63,6 @@ def lse_dtype(dt: DType) -> DType:
     return DType.f32 if dt in (DType.f16, DType.bf16) else dt
 
 
-def kv_groups(q: TensorType, k: TensorType) -> int:
-    """Query heads per key/value head: 1, or H / H_kv for grouped-query attention."""
-    return q.shape[-3] // k.shape[-3] if q.rank >= 3 and k.shape[-3] and q.shape[:-3] == k.shape[:-3] else 1
-
-
 def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None,
                attrs, grouped: bool = False) -> None:
     for t, what in ((q, "query"), (k, "key"), (v, "value")):
@@ -491,8 +486,9 @@ def _softmax_parts(b, s):
     return e, tot, lse if want == lse.type.dtype else b.op("cast", lse, dtype=want)
 
 
-def _repeat_kv_ir(b, x, q):
-    """Grouped-query key/value heads repeated to the query's, as HF's ``repeat_kv`` (unsqueeze, expand, reshape)."""
+def repeat_kv(b, x, q):
+    """Grouped-query key/value heads repeated to the query's, as HF's ``repeat_kv`` (unsqueeze, expand,
+    reshape); ``b``: anything with ``op(name, *operands, **attrs)`` (a Builder, the importer's Lowerer)."""
     sh = x.type.shape
     if x.type.rank < 3 or sh[-3] == q.type.shape[-3]:
         return x
@@ -516,7 +512,7 @@ def _sum_groups_ir(b, g, like):
 def _attention_decomp(b, xs, attrs):
     seq_first = attrs.get("seq_first", False)
     q, k, v = [_swap_heads(b, x) for x in xs[:3]] if seq_first else xs[:3]
-    k, v = _repeat_kv_ir(b, k, q), _repeat_kv_ir(b, v, q)
+    k, v = repeat_kv(b, k, q), repeat_kv(b, v, q)
     s = _masked_scores(b, q, k, xs[3] if len(xs) == 4 else None, attrs)
     e, tot, lse = _softmax_parts(b, s)
     out = b.op("matmul", b.op("div", e, tot), v)
@@ -527,7 +523,7 @@ def _attention_decomp(b, xs, attrs):
 def _attention_grad_decomp(b, xs, attrs):
     seq_first = attrs.get("seq_first", False)
     g, q, k0, v0, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
-    k, v = _repeat_kv_ir(b, k0, q), _repeat_kv_ir(b, v0, q)
+    k, v = repeat_kv(b, k0, q), repeat_kv(b, v0, q)
     lse = xs[5]
     dt = q.type.dtype
     s = _masked_scores(b, q, k, xs[6] if len(xs) == 7 else None, attrs)
