@@ -175,13 +175,13 @@ class _Step:
 
     Kernel steps: ``get(frame)`` gives the operands (a tuple, or the value itself when ``nargs`` is
     1); ``convs`` is None when every operand is already of the kernel's dialect (known at plan
-    time), else one converter or None per operand; ``fast`` marks a single torch result on a CPU
-    torch device, whose contract check is inlined in the run loop.
+    time), else one converter or None per operand; ``fast`` marks torch results on a CPU torch
+    device, whose contract checks are inlined in the run loop.
     """
 
     __slots__ = ("kind", "index", "ins", "name", "fn", "conv", "family", "attrs", "ins_slots", "out_slots",
                  "alias", "expect", "single", "rel", "rel_top", "targets", "callee", "cond", "get", "nargs",
-                 "convs", "fast", "kinds", "kind0", "post")
+                 "convs", "fast", "kinds", "post")
 
 
 class _Target:
@@ -292,7 +292,6 @@ class VM:
                 st.nargs = len(st.ins_slots)
                 st.fast = False
                 st.kinds = (0,) * len(ins.results)  # kind index per result (set_kinds)
-                st.kind0 = 0
                 st.alias = tuple(ins.op.aliases.get(k, -1) for k in range(len(ins.results)))
                 st.expect = ()
                 name = st.name
@@ -335,7 +334,7 @@ class VM:
                     for s in st.out_slots:
                         family[s] = st.family
                     st.expect = tuple(_expect(r.type, ins.dialect) for r in ins.results)
-                    st.fast = (conv is _to_torch or st.post is not None) and cpu_torch and st.single
+                    st.fast = (conv is _to_torch or st.post is not None) and cpu_torch
                     if ins.dialect == "torch":
                         p.uses_torch = True
                 bp.steps.append(st)
@@ -374,7 +373,6 @@ class VM:
         for bp in plan.blocks:
             for st in bp.steps:
                 st.kinds = tuple(at[r] for r in st.ins.results)
-                st.kind0 = st.kinds[0] if st.kinds else 0
         plan.tagged = True
 
     # -------------------------------------------------------------- running
@@ -538,10 +536,10 @@ class VM:
                         out = st.post(out) if st.single else tuple(map(st.post, out))
                     if st.fast:
                         # The contract of _store for the common case, inlined (same checks, same
-                        # accounting): a plain CPU tensor of the result's dtype and shape that is
-                        # either a view of its aliased operand's storage or, for other ops, contiguous
-                        # with a storage holding exactly its bytes and not live. Anything else takes
-                        # the general path, which names the violation or copies.
+                        # accounting): plain CPU tensors of the results' dtypes and shapes, each
+                        # either a view of its aliased operand's storage or, for other results,
+                        # contiguous with a storage holding exactly its bytes and not live. Anything
+                        # else takes the general path, which names the violation or copies.
                         # These checks run on every result of every run, not once per plan: whether
                         # a kernel returns a fresh buffer can depend on its operand values and
                         # strides (e.g. an op returning its input when it has nothing to do), and
@@ -549,28 +547,27 @@ class VM:
                         # run can prove them for later ones. What cannot change between runs (the
                         # expected dtype, shape and bytes, the aliased operand, the conversions)
                         # is decided in _plan.
-                        _, tdt, shape, nbytes = st.expect[0]
-                        if type(out) is tensor and out.dtype is tdt and out.shape == shape and out.is_cpu:
-                            sto = out.untyped_storage()
-                            key = sto.data_ptr()
-                            a = st.alias[0]
-                            if a < 0:
-                                if key not in refs and sto.nbytes() == nbytes and out.is_contiguous():
-                                    tracker.add(key, nbytes, sto, st.kind0)
-                                    s = st.out_slots[0]
-                                    frame[s] = out
+                        for r, o in enumerate((out,) if st.single else out):
+                            _, tdt, shape, nbytes = st.expect[r]
+                            if type(o) is tensor and o.dtype is tdt and o.shape == shape and o.is_cpu:
+                                sto = o.untyped_storage()
+                                key = sto.data_ptr()
+                                a = st.alias[r]
+                                if a < 0:
+                                    if key not in refs and sto.nbytes() == nbytes and o.is_contiguous():
+                                        tracker.add(key, nbytes, sto, st.kinds[r])
+                                        s = st.out_slots[r]
+                                        frame[s] = o
+                                        keys[s] = key
+                                        continue
+                                elif key == keys[st.ins_slots[a]]:
+                                    tracker.acquire_key(key)
+                                    s = st.out_slots[r]
+                                    frame[s] = o
                                     keys[s] = key
-                                else:
-                                    self._store(plan, st, 0, out, frame, keys, tracker)
-                            elif key == keys[st.ins_slots[a]]:
-                                tracker.acquire_key(key)
-                                s = st.out_slots[0]
-                                frame[s] = out
-                                keys[s] = key
-                            else:
-                                self._store(plan, st, 0, out, frame, keys, tracker)
-                        else:
-                            self._store(plan, st, 0, out, frame, keys, tracker)
+                                    continue
+                            self._store(plan, st, r, o, frame, keys, tracker)
+                        o = None
                     elif st.single:
                         self._store(plan, st, 0, out, frame, keys, tracker)
                     else:
