@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -203,6 +204,7 @@ class SpeedRow:
     instructions: int | None = None
     recomputed_instructions: int | None = None
     loss0: float | None = None            # first step's loss (same weights and data for every method)
+    minor_faults: float | None = None     # median minor page faults per timed step (process-wide; see _one_step)
     extra: dict = field(default_factory=dict)  # step times per round, stage splits, the remat report
 
 
@@ -357,13 +359,24 @@ def fresh_process_setup(spec: ModelSpec, timeout: float = 600.0) -> float:
 
 
 # ---------------------------------------------------------------- measuring
-def _one_step(m: _Method) -> tuple[float, torch.Tensor]:
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _one_step(m: _Method, faults: list | None = None) -> tuple[float, torch.Tensor]:
     """One timed step (``.grad`` cleared outside the timer, so every method allocates its
-    gradients inside it): its seconds and its loss."""
+    gradients inside it): its seconds and its loss. ``faults``: the step's minor page faults are
+    appended. They explain much of the spread between processes: glibc returns freed memory at
+    the top of its heap to the OS, and the next step pays a fault per page to get it back (a zoo
+    U-Net step: 1.5k-4.5k of them per step, about 15% of its time, varying from process to process)."""
     _clear_grads(m.model)
+    f0 = _minor_faults()
     t = time.perf_counter()
     loss = m.step()
-    return time.perf_counter() - t, loss
+    dt = time.perf_counter() - t
+    if faults is not None:
+        faults.append(_minor_faults() - f0)
+    return dt, loss
 
 
 def _fail(m: _Method, e: BaseException, verbose: bool) -> None:
@@ -418,6 +431,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
     log(f"{spec.name}: warmed up, peaks measured; timing {args.rounds} rounds of {len(live)} methods")
 
     times: dict[str, list[float | None]] = {m.row.method: [] for m in live}
+    faults: dict[str, list[int]] = {m.row.method: [] for m in live}
     for r in range(args.rounds):
         gc.collect()
         k = r % len(live) if live else 0
@@ -426,7 +440,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
                 times[m.row.method].append(None)
                 continue
             try:
-                times[m.row.method].append(_one_step(m)[0])
+                times[m.row.method].append(_one_step(m, faults[m.row.method])[0])
             except Exception as e:
                 _fail(m, e, args.verbose)
                 times[m.row.method].append(None)
@@ -460,6 +474,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
         if row.status == "ok" and ok:
             row.step_s, row.step_s_min, row.rounds = statistics.median(ok), min(ok), len(ok)
             row.extra["step_s_rounds"] = ts_
+            if faults.get(row.method):
+                row.minor_faults = statistics.median(faults[row.method])
             ratios = [a / b for a, b in zip(ts_, et) if a is not None and b]
             row.x_eager = statistics.median(ratios) if ratios else None
             row.x_eager_of_medians = _ratio(row.step_s, eager.row.step_s if eager else None)
@@ -534,7 +550,7 @@ def _stages_text(r: SpeedRow) -> str:
 def print_table(rows: list[SpeedRow], comps: list[dict]) -> None:
     """The readable summary: one line per (model, method), setup splits, then the targets."""
     hdr = (f"{'model':10} {'method':10} {'step ms':>9} {'x eager':>7} {'peak MiB':>9} {'x eager':>7} "
-           f"{'setup s':>7} {'budget':>8} {'predicted':>9} {'VM peak':>8}  notes")
+           f"{'setup s':>7} {'budget':>8} {'predicted':>9} {'VM peak':>8} {'faults':>7}  notes")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -552,7 +568,8 @@ def print_table(rows: list[SpeedRow], comps: list[dict]) -> None:
                 note += f" recomputed {r.recomputed_instructions}/{r.instructions}"
         print(f"{r.model:10} {r.method:10} {_f(None if r.step_s is None else r.step_s * 1e3, '.1f'):>9} "
               f"{_f(r.x_eager, '.2f'):>7} {_mib(r.peak_bytes):>9} {_f(r.peak_x_eager, '.2f'):>7} "
-              f"{_f(r.setup_s, '.1f'):>7} {_mib(r.budget_bytes):>8} {_mib(r.predicted_peak):>9} {_mib(r.vm_peak):>8}  {note}")
+              f"{_f(r.setup_s, '.1f'):>7} {_mib(r.budget_bytes):>8} {_mib(r.predicted_peak):>9} {_mib(r.vm_peak):>8} "
+              f"{_f(r.minor_faults, '.0f'):>7}  {note}")
     print("\nSetup split (remat.compile, s):")
     for r in rows:
         if _is_remat(r.method) and r.status == "ok":

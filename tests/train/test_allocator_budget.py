@@ -130,6 +130,53 @@ def test_kernel_workspace_is_measured_once_per_kernel_and_shape_and_cached_on_di
         allocator.clear_cache()
 
 
+CAUSAL_ATTENTION = """func @f(%0: f32[4,16,2,16], %1: f32[4,16,2,16], %2: f32[4,16,2,16], %3: bool[16,16]) -> f32[4,16,2,16] {
+  %4, %5 = attention %0, %1, %2, %3 {scale=0.25, seq_first=true} : f32[4,16,2,16], f32[4,2,16]
+  return %4
+}
+"""
+
+
+_WORKSPACE_PROBE = """
+import sys, torch, remat
+from remat.ir import parse
+from remat.runtime import allocator
+torch.set_num_threads(1)
+fn = parse(sys.argv[1])["f"]
+ins = fn.entry.instrs[0]
+q, k, v = (torch.randn(4, 16, 2, 16) for _ in range(3))
+causal = torch.ones(16, 16, dtype=torch.bool).tril()
+if sys.argv[2] == "after":
+    remat.run(fn, q, k, v, causal, dialects=("torch",))  # the kernel meets a causal mask first
+allocator.clear_cache()
+ws = allocator.kernel_workspace(ins, ("torch",))
+peak = allocator.measure_allocator_peak(fn, [q, k, v, causal], ("torch",))
+print(ws, peak - sum(p.type.nbytes for p in fn.params) - sum(r.type.nbytes for r in ins.results))
+"""
+
+
+def test_a_kernel_workspace_does_not_depend_on_what_earlier_calls_left_behind(tmp_path):
+    """The flash attention kernel recognises a causal mask. It used to compare it with a template
+    built on first use and cached across calls, so its workspace (measured on zeros) depended on
+    whether the measuring process had met a causal mask before (3,456 bytes in a fresh process,
+    3,200 after one, for this zoo GPT attention): measured after one, it left the template out, and a
+    fresh process's first budgeted step (building it) went 256 bytes over the GPT's budget. Each
+    state in a fresh process: the workspace is the same, and bounds what a real call allocates."""
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for state in ("fresh", "after"):
+        env = dict(os.environ, REMAT_CACHE_DIR=str(tmp_path / state))  # each measures afresh
+        out = subprocess.run([sys.executable, "-c", _WORKSPACE_PROBE, CAUSAL_ATTENTION, state], env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        got[state] = (int(out[-2]), int(out[-1]))
+    (ws_fresh, used_fresh), (ws_after, used_after) = got["fresh"], got["after"]
+    assert ws_fresh == ws_after, got
+    assert used_fresh <= ws_fresh and used_after <= ws_after, got
+
+
 BN_AFTER_EXP = """func @f(%0: f32[2,4,8,8], %1: f32[4], %2: f32[4], %3: f32[4], %4: f32[4]) -> f32[2,4,8,8] {
   %5 = exp %0 : f32[2,4,8,8]
   %6, %7, %8, %9, %10 = batch_norm %5, %1, %2, %3, %4 : f32[2,4,8,8], f32[4], f32[4], f32[4], f32[4]

@@ -670,9 +670,6 @@ def _as4(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 4 else x.reshape((1, 1) + tuple(x.shape))
 
 
-_TRIL: dict[tuple, torch.Tensor] = {}
-
-
 def _all_true(b: torch.Tensor) -> bool:
     """Whether a bool tensor is true everywhere: its bytes' minimum (``Tensor.all`` on bool is ~20x slower
     on CPU, 130 µs on an [8, 1, 256, 256] mask)."""
@@ -689,7 +686,7 @@ def _flash_args(mask, q: torch.Tensor, k: torch.Tensor, is_causal: bool):
     flash kernels give an explicit mask's and ``is_causal``'s alike); what goes is the additive
     float copy of a bool mask made per call (an [8, 1, 256, 256] one: ~0.2 ms, 2 MiB) and 1-10% of
     the kernels' own time (measured on [8, 4, 256, 64] operands). The check costs ~6 µs for an
-    all-true mask, ~35 µs for the causal comparison; forward and backward decide alike, since they
+    all-true mask, ~45 µs for the causal comparison; forward and backward decide alike, since they
     see the same mask, so a recomputed attention gives the same bits."""
     if mask is None:
         return None, is_causal
@@ -698,9 +695,9 @@ def _flash_args(mask, q: torch.Tensor, k: torch.Tensor, is_causal: bool):
             return None, is_causal
         t, s = q.shape[-2], k.shape[-2]
         if not is_causal and mask.shape[-2:] == (t, s):
-            tril = _TRIL.get((t, s, mask.device))
-            if tril is None:
-                tril = _TRIL[(t, s, mask.device)] = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril()
+            # A temporary, not a template cached across calls: the kernel's workspace (measured once
+            # on zeros, remat.runtime.allocator) must not depend on what earlier calls left behind.
+            tril = torch.ones(t, s, dtype=torch.bool, device=mask.device).tril_()
             if _all_true(mask == tril):
                 return None, True
         mask = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
