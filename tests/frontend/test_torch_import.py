@@ -247,7 +247,7 @@ def test_unsupported_variant_explains_why():
 
     class BoolIndex(nn.Module):
         def forward(self, x):
-            return torch.div(x, 2, rounding_mode="floor")
+            return torch.div(x, 2, rounding_mode="trunc")
 
     with pytest.raises(UnsupportedOpError, match="rounding_mode"):
         import_module(BoolIndex(), (torch.randn(3, 5),))

@@ -2,12 +2,15 @@
 to keep the test fast), each output compared with PyTorch eager in float64."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import remat
 from remat.frontend.torch_import import UnsupportedOpError, import_module
 from remat.ir import parse, verify
 
@@ -57,6 +60,9 @@ class ManyOps(nn.Module):
             torch.addmm(x[0, 0], x[0, 1], x[0, 2], beta=0.0),
             x.mean(), x.sum(), x.sum(dim=[1, 2], keepdim=True), F.normalize(x, dim=1),
             x.repeat(1, 2, 1, 3), x[0, 0].repeat(2, 1, 2), x.repeat(1, 1, 1, 1),  # tiling, also with a new axis
+            torch.ceil(x * 3), (x * 3).int().ceil(), x.remainder(0.7), torch.remainder(x, x.abs() + 0.5),
+            idx % 4, idx.remainder(-3), (idx - 3) % 4,  # the divisor's sign, as Python's %
+            torch.div(idx - 3, 4, rounding_mode="floor"), torch.div(x, 0.3, rounding_mode="floor"),
         ]
         return tuple(outs)
 
@@ -169,3 +175,25 @@ def test_embedding_padding_row_gets_no_gradient_and_scaled_gradients_are_refused
         assert_close(model.emb.weight.grad, ref.emb.weight.grad, torch.float64, f"embedding gradient, padding_idx={pad}")
     with pytest.raises(Exception, match="scale_grad_by_freq"):
         import_module(Emb(scale_grad_by_freq=True), (ids,))
+
+
+def test_remainder_and_ceil_gradients_match_eager():
+    """``a % b`` is ``a - floor(a / b) * b``: gradient 1 for ``a`` and ``-floor(a / b)`` for ``b``, as
+    PyTorch's; ``ceil`` (like ``floor``) has none."""
+    class Rem(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(3, 5, dtype=torch.float64) * 3)
+            self.b = nn.Parameter(torch.rand(3, 5, dtype=torch.float64) + 0.5)
+
+        def forward(self, x):
+            return ((self.a % self.b) * x + torch.ceil(self.a) * self.a).sum()
+
+    torch.manual_seed(0)
+    model, x = Rem(), torch.randn(3, 5, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref(x).backward()
+    step = remat.compile(model, (x,), lambda out: out)
+    step(x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -216,9 +216,34 @@ def _div(L: Lowerer, a, b):
 
 @lower("div.Tensor_mode")
 def _div_mode(L: Lowerer, a, b, rounding_mode=None):
-    if rounding_mode is not None:
-        raise LoweringError(f"division with rounding_mode={rounding_mode!r} is not supported (only true division)")
-    return _div(L, a, b)
+    if rounding_mode is None:
+        return _div(L, a, b)
+    if rounding_mode != "floor":
+        raise LoweringError(f"division with rounding_mode={rounding_mode!r} is not supported (true division "
+                            "or rounding_mode='floor')")
+    q = _div(L, a, b)  # the IR divides integers rounding down already
+    return L.op("floor", q) if L.out_type().dtype.is_float else q
+
+
+@lower("remainder.Scalar", "remainder.Tensor")
+def _remainder(L: Lowerer, a, b):
+    """``a - floor(a / b) * b``: the sign of the divisor, as Python's ``%`` (hash buckets, block ids
+    of Hugging Face's CANINE and LongT5). Integers exactly; floats up to rounding (ATen takes
+    ``fmod`` and corrects its sign). The gradient is 1 for ``a`` and ``-floor(a / b)`` for ``b``."""
+    dt = L.out_type().dtype
+    a, b = L.value(a, dt), L.value(b, dt)
+    q = L.op("div", a, b)
+    if dt.is_float:
+        q = L.op("floor", q)
+    return L.op("sub", a, L.op("mul", q, b))
+
+
+@lower("ceil.default")
+def _ceil(L: Lowerer, x):
+    """``-floor(-x)`` (DeBERTa-v2's log-bucketed relative positions); integers are their own ceiling."""
+    dt = L.out_type().dtype
+    x = L.cast(x, dt)
+    return L.op("neg", L.op("floor", L.op("neg", x))) if dt.is_float else x
 
 
 @lower("rsub.Scalar", "rsub.Tensor")
