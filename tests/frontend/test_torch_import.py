@@ -284,7 +284,8 @@ def test_lifted_constants_and_unused_parameters():
     torch.manual_seed(0)
     net, x = WithConstant(), torch.randn(4, 2)
     im = import_module(net, (x,))
-    assert im.param_names == ["lin.weight", "lin.bias", "unused.weight", "unused.bias"]
+    assert im.param_names == ["lin.weight", "lin.bias"]  # trainable: some output depends on them
+    assert im.frozen_names == ["unused.weight", "unused.bias"]  # still arguments, never differentiated
     assert len(im.constant_names) == 1 and im.state_count == 5
     assert_close(evaluate(im, x)[0], net(x), torch.float32, "output")
 

@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import remat
 from _train_util import assert_snapshot_equal, batches, grads_of, make, snapshot
@@ -181,8 +183,8 @@ def test_out_of_range_targets_raise_and_change_nothing(opt_name, budget):
                 step(x, yb)
             assert_snapshot_equal(snapshot(model, opt), before)
         step(x, y)
-    if budget is None:
-        assert not torch.equal(model.unused, torch.ones(3))  # weight decay reached it: good steps update it
+    if budget is None:  # no gradient reaches it: as eager PyTorch's optimizers, the step leaves it alone
+        assert torch.equal(model.unused, torch.ones(3)) and model.unused not in opt.state
 
 
 def test_out_of_range_token_id_raises_naming_gather_and_changes_nothing():
@@ -269,3 +271,53 @@ def test_slices_of_a_larger_batch_are_counted_as_predicted():
     assert s.kind_stats.at_peak["inputs"] >= big_x[:n].nbytes + big_y[:n].nbytes
     assert s.kind_stats.at_peak["optimizer state"] == sum(2 * p.numel() * p.element_size() for p in model.parameters())
     assert s.report().memory == s.kind_stats.at_peak
+
+
+@pytest.mark.parametrize("budget", [None, "min"])
+def test_frozen_and_unused_parameters_get_no_gradient_and_no_update(budget):
+    """As in eager PyTorch: a parameter with ``requires_grad=False``, and one computed with but never
+    reaching the loss, get no ``.grad`` and no optimizer update (AdamW's weight decay would move
+    them), and an optimizer over the trainable parameters alone is accepted. An unused parameter
+    used to get a zero gradient and an update, and made every budgeted compile fail in the chain
+    planner (found on Hugging Face's CANINE)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.unused, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            _ = self.unused(h)  # computed, never used
+            return self.c(torch.tanh(self.b(h)))
+
+    torch.manual_seed(0)
+    model = Net()
+    model.b.weight.requires_grad_(False)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    for trainable_only in (False, True):
+        eager, ours = copy.deepcopy(model), copy.deepcopy(model)
+
+        def adamw(m):
+            ps = [p for p in m.parameters() if p.requires_grad] if trainable_only else m.parameters()
+            return torch.optim.AdamW(ps, lr=0.1, weight_decay=0.5)
+        opt_e, opt_o = adamw(eager), adamw(ours)
+        b = budget
+        if budget == "min":
+            probe = copy.deepcopy(model)
+            with pytest.raises(remat.BudgetTooSmall) as e:
+                remat.compile(probe, (x, y), F.cross_entropy, optimizer=adamw(probe), budget=1)
+            b = e.value.minimum
+        step = remat.compile(ours, (x, y), F.cross_entropy, optimizer=opt_o, budget=b, keep_grads=True)
+        for _ in range(2):
+            opt_e.zero_grad()
+            F.cross_entropy(eager(x), y).backward()
+            opt_e.step()
+            step(x, y)
+        for (name, p), q, p0 in zip(ours.named_parameters(), eager.parameters(), model.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # summation order
+            if name in ("b.weight", "unused.weight", "unused.bias"):
+                assert p.grad is None and torch.equal(p, p0), name
+        def with_state(m, opt):
+            return [n for n, p in m.named_parameters() if p in opt.state]
+        assert with_state(ours, opt_o) == with_state(eager, opt_e)

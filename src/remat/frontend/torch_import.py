@@ -148,7 +148,13 @@ def supported_ops() -> tuple[str, ...]:
 @dataclass
 class ImportedModel:
     """A PyTorch model as a remat module. ``function`` takes
-    ``(*param_tensors(), *inputs[, seed])`` and returns the values named by ``output_names``."""
+    ``(*param_tensors(), *inputs[, seed])`` and returns the values named by ``output_names``.
+
+    The model's tensors come in the order ``param_names`` (the trainable parameters: those with
+    ``requires_grad`` that some output depends on, which training differentiates and updates),
+    ``frozen_names`` (the other parameters: frozen with ``requires_grad=False``, or computed
+    with but never reaching an output, so that eager PyTorch leaves their ``.grad`` None and its
+    optimizers skip them), ``buffer_names``, ``constant_names``."""
 
     module: Module
     function: Function
@@ -158,6 +164,7 @@ class ImportedModel:
     has_seed: bool
     output_names: list[str]
     constant_names: list[str] = field(default_factory=list)
+    frozen_names: list[str] = field(default_factory=list)
     input_names: tuple[str, ...] | None = None  # keyword names of the inputs, in order (None: positional)
     _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
     _state: list[tuple[str, str]] = field(default_factory=list, repr=False)  # (kind, export name) per tensor
@@ -166,7 +173,7 @@ class ImportedModel:
     @property
     def state_count(self) -> int:
         """Number of leading function parameters holding the model's own tensors."""
-        return len(self.param_names) + len(self.buffer_names) + len(self.constant_names)
+        return len(self.param_names) + len(self.frozen_names) + len(self.buffer_names) + len(self.constant_names)
 
     def __remat_function__(self) -> Function:
         """The entry function, so that ``remat.run(imported, *imported.arguments(...))`` works."""
@@ -428,7 +435,8 @@ def _to_entry(imported: ImportedModel, ep: "torch.export.ExportedProgram") -> ca
     """What the capture cache keeps of an import: the IR as text, the names, the lifted constants."""
     state = [[kind, target] for kind, target in imported._state]
     constants = {t: ep.constants[t] for kind, t in imported._state if kind == "constant"}
-    fields = {"param_names": imported.param_names, "buffer_names": imported.buffer_names,
+    fields = {"param_names": imported.param_names, "frozen_names": imported.frozen_names,
+              "buffer_names": imported.buffer_names,
               "input_count": imported.input_count, "has_seed": imported.has_seed,
               "output_names": imported.output_names, "constant_names": imported.constant_names}
     return capture_cache.Entry(print_module(imported.module), imported.function.name, state, fields, constants)
@@ -527,10 +535,6 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     def ttype(t: torch.Tensor) -> TensorType:
         return TensorType(to_dtype(t.dtype), tuple(int(d) for d in t.shape))
 
-    state = [("param", p) for p in params] + [("buffer", b) for b in buffers] + [("constant", c) for c in constants]
-    tensors = [tensor_of(k, t) for k, t in state]
-    input_types = [ttype(n.meta["val"]) for n in placeholders if kinds[n.name][0] == "input"]
-
     # Results: user outputs, then buffer mutations.
     out_node = next(n for n in graph.nodes if n.op == "output")
     out_args = list(out_node.args[0])
@@ -546,6 +550,16 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     for u in user_outs:
         if not isinstance(u, torch.fx.Node):
             raise UnsupportedOpError("non-tensor output", "", "", f"the model returns {u!r}; return tensors only")
+
+    # Trainable parameters first, then the others (frozen, or never reaching an output: eager
+    # PyTorch gives them no gradient, and its optimizers leave them alone).
+    reaching = {kinds[n.name][1] for n in _upstream(user_outs) if n.op == "placeholder" and kinds[n.name][0] == "param"}
+    trainable = [p for p in params if named_params[p].requires_grad and p in reaching]
+    frozen = [p for p in params if p not in set(trainable)]
+    state = ([("param", p) for p in trainable + frozen] + [("buffer", b) for b in buffers]
+             + [("constant", c) for c in constants])
+    tensors = [tensor_of(k, t) for k, t in state]
+    input_types = [ttype(n.meta["val"]) for n in placeholders if kinds[n.name][0] == "input"]
 
     f = Function(name, [ttype(t) for t in tensors] + input_types, [])
     b = Builder(f.entry)
@@ -645,11 +659,24 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
     out_names = (["loss"] if has_loss and len(user_outs) == 1 else
                  [f"output{i}" if len(user_outs) > 1 else "output" for i in range(len(user_outs))])
     out_names += [_strip(t) for t, _ in mutations]
-    return ImportedModel(module=module, function=f, param_names=[_strip(p) for p in params],
+    return ImportedModel(module=module, function=f, param_names=[_strip(p) for p in trainable],
+                         frozen_names=[_strip(p) for p in frozen],
                          buffer_names=[_strip(x) for x in buffers], input_count=len(inputs),
                          has_seed=bool(seed_holder), output_names=out_names,
                          constant_names=[_strip(c) for c in constants], _tensors=tensors,
                          _state=state)
+
+
+def _upstream(outs: list) -> set:
+    """Every node of the graph that ``outs`` are computed from (themselves included)."""
+    seen: set = set()
+    stack = [u for u in outs if isinstance(u, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def _check(node: torch.fx.Node, result: Any) -> None:

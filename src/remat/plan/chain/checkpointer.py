@@ -69,7 +69,7 @@ class SequentialCheckpointer:
         for k, m in enumerate(self.modules):
             named = dict(m.named_parameters())
             key = (type(m), repr(m), m.training, tuple(x.shape), x.dtype,
-                   tuple((n, tuple(p.shape), p.dtype) for n, p in named.items()),
+                   tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named.items()),
                    tuple((n, tuple(b.shape), b.dtype) for n, b in m.named_buffers()))
             if key in cache:
                 imp, stage = cache[key]
@@ -89,7 +89,7 @@ class SequentialCheckpointer:
             # Constants are only lifted from the imported module itself (never shared via the cache).
             buffers = dict(m.named_buffers())
             params.append(list(imp.param_tensors()) if imp.constant_names
-                          else [named[n].detach() for n in imp.param_names] +
+                          else [named[n].detach() for n in imp.param_names + imp.frozen_names] +
                           [buffers[n].detach() for n in imp.buffer_names])
             live.append([named[n] for n in imp.param_names])
             with torch.no_grad():
