@@ -5,7 +5,7 @@ optimizer updates generated in it, laid out as one function ``(params, state, in
 it for data parallelism.
 """
 from .optim import STEP_TYPE, ParamUpdate, emit_update
-from .program import Layout, cleanup, prepare_joint, step_program, training_graph, update_points
+from .program import Layout, cleanup, prepare_joint, step_program, training_forward, training_graph, update_points
 
-__all__ = ["Layout", "ParamUpdate", "STEP_TYPE", "cleanup", "emit_update", "prepare_joint", "step_program", "training_graph",
-           "update_points"]
+__all__ = ["Layout", "ParamUpdate", "STEP_TYPE", "cleanup", "emit_update", "prepare_joint", "step_program",
+           "training_forward", "training_graph", "update_points"]

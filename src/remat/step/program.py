@@ -33,20 +33,31 @@ class Layout:
         return self.n_state + self.n_inputs + int(self.has_seed)
 
 
+PRE_DIFFERENTIATION = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify", "dce"]
+"""The passes run on a forward before it is differentiated. Simplifying first builds the backward
+from the simplified forward (e.g. a matmul reading a transposed weight through its flags gets
+flagged-matmul cotangents, not a cotangent transposed back by a materialised copy); attention
+reading heads-transposed operands in place gets a backward that writes its gradients in that layout;
+grouped-query attention reading its shared key/value heads keeps no repeated copies for the backward."""
+
+
+def training_forward(forward: Function) -> Function:
+    """``forward`` as every training program differentiates it (:data:`PRE_DIFFERENTIATION`): the
+    whole step's :func:`training_graph`, and the blocks the chain planner differentiates one by one
+    (``StepProblem.forward``). Both must start from this same function, or a budget the chain planner
+    wins computes other bits than the unconstrained step (the key and value gradients of a
+    grouped-query attention whose head repeats were folded in one and not in the other)."""
+    return run_pipeline(Module([forward.clone("forward")]), PRE_DIFFERENTIATION).module["forward"]
+
+
 def training_graph(forward: Function, n_params: int) -> Module:
     """The training graph as a module: ``train_joint(args...) -> (loss, other outputs..., grad params...)``
-    calling the forward and the gradient of its loss (differentiated, not yet cleaned up)."""
-    # Simplify before differentiating, so that the backward is built from the simplified forward
-    # (e.g. a matmul reading a transposed weight through its flags gets flagged-matmul cotangents,
-    # not a cotangent transposed back by a materialised copy; attention reading heads-transposed
-    # operands in place gets a backward that writes its gradients in that layout; grouped-query
-    # attention reading its shared key/value heads keeps no repeated copies for the backward).
-    passes = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify", "dce"]
-    fwd = run_pipeline(Module([forward.clone("forward")]), passes).module["forward"]
-    loss_t = fwd.result_types[0]
+    calling ``forward`` (from :func:`training_forward`) and the gradient of its loss wrt its first
+    ``n_params`` arguments (differentiated, not yet cleaned up)."""
+    loss_t = forward.result_types[0]
     if loss_t.rank != 0 or not loss_t.dtype.is_float:
         raise ValueError(f"the loss must be a floating-point scalar, got {loss_t}")
-    return joint(fwd, range(n_params), name="train_joint")
+    return joint(forward, range(n_params), name="train_joint")
 
 
 def cleanup(m: Module) -> Function:

@@ -29,7 +29,7 @@ from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from ..step.microbatch import microbatch_step
-from ..step.program import Layout, prepare_joint, step_program, training_graph
+from ..step.program import Layout, prepare_joint, step_program, training_forward, training_graph
 from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_peak
 
 
@@ -192,6 +192,8 @@ def _printable(x) -> str:
     """The IR a stage produced, as text."""
     from ..ir import print_function, print_module
 
+    if isinstance(x, tuple):  # "training graph": (the forward it differentiated, the graph)
+        return _printable(x[-1])
     if isinstance(x, Module):
         return print_module(x)
     if isinstance(x, Function):
@@ -279,7 +281,11 @@ class TrainStep:
         if k > 1:
             self.loss_reduction = micro_batch_semantics(self, loss_reduction, num_targets)
         n_params = len(imp.param_names)
-        graph = self._stage("training graph", lambda: training_graph(imp.function, n_params))
+        # The forward every planner differentiates (the whole step's and the chain planner's blocks).
+        def differentiate() -> tuple[Function, Module]:
+            fwd = training_forward(imp.function)
+            return fwd, training_graph(fwd, n_params)
+        forward, graph = self._stage("training graph", differentiate)
         # Forward + backward, before planning; composites no chosen dialect has a kernel for are
         # expanded into their decompositions first (so the plan is made for the program that runs).
         # Training batch norms split into statistics + element-wise normalisation (a recomputed
@@ -298,7 +304,7 @@ class TrainStep:
             self.costs = self._stage("profile", lambda: self._profile(joint, unconstrained, profile_repeats))
         else:
             self.costs = static_costs(joint)
-        problem = StepProblem(imp.function, imp.state_count, n_params, joint, unconstrained, self.budget,
+        problem = StepProblem(forward, imp.state_count, n_params, joint, unconstrained, self.budget,
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(self._capture_example, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
@@ -508,10 +514,11 @@ class TrainStep:
                 self._variant = None
             else:
                 def make() -> StepProblem:  # differentiated on first use only
-                    joint = prepare_joint(training_graph(forward, len(self.imported.param_names)), self.dialects,
+                    fwd = training_forward(forward)
+                    joint = prepare_joint(training_graph(fwd, len(self.imported.param_names)), self.dialects,
                                           split_bn_grad=bns > 0)
                     unconstrained = self._make_step(joint, check=True)
-                    return replace(self.problem, forward=forward, joint=joint, unconstrained=unconstrained,
+                    return replace(self.problem, forward=fwd, joint=joint, unconstrained=unconstrained,
                                    costs=static_costs(joint), example_args=None, workspaces=None,
                                    split_bn_grad=bns > 0)
 
@@ -770,7 +777,8 @@ class TrainStep:
 
         n_state = sum(len(ts) for ts in self._state_types) if self.updates else 0
         first = self.layout.n_args
-        return kinds(self.program, self.layout.n_params, range(first, first + n_state))
+        n_params = self.layout.n_params + len(self.imported.frozen_names)  # frozen ones are parameters too
+        return kinds(self.program, n_params, range(first, first + n_state))
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the peak: measured by

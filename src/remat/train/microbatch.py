@@ -110,13 +110,13 @@ def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
     relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
     from ..frontend.torch_import import import_module
     from ..plan.liveness import predict_peak
-    from ..step.program import prepare_joint, step_program, training_graph
+    from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
     from .api import apply_layout
 
     imp = apply_layout(import_module(step.model, step._keywords(step._example), step._loss_fn,
                                      train=step.model.training, num_targets=num_targets), step.layout_option)
-    joint = prepare_joint(training_graph(imp.function, len(imp.param_names)), step.dialects)
+    joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), step.dialects)
     return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
 
 
