@@ -80,6 +80,27 @@ def test_late_merge_moves_the_free_of_the_first_members_operand() -> None:
     _same_run(fn, out)
 
 
+SHARED_INPUT = """func @f(%0: f32[2,4,6,6], %1: f32[4,1,3,3], %2: f32[4,1,3,3], %3: f32[2,4,3,3], %4: f32[2,4,3,3]) -> (f32[4,1,3,3], f32[4,1,3,3], f32[2,4,6,6], f32[2,4,6,6]) {
+  %5 = conv2d_weight_grad %0, %3 {weight_shape=[4,1,3,3], stride=[2,2], padding=[1,1], groups=4} : f32[4,1,3,3]
+  %6 = conv2d_weight_grad %0, %4 {weight_shape=[4,1,3,3], stride=[2,2], padding=[1,1], groups=4} : f32[4,1,3,3]
+  free %0
+  %7 = conv2d_input_grad %3, %1 {input_shape=[2,4,6,6], stride=[2,2], padding=[1,1], groups=4} : f32[2,4,6,6]
+  %8 = conv2d_input_grad %4, %2 {input_shape=[2,4,6,6], stride=[2,2], padding=[1,1], groups=4} : f32[2,4,6,6]
+  return %5, %6, %7, %8
+}
+"""
+
+
+def test_two_late_merges_reading_one_input_free_it_once_after_both() -> None:
+    """Two convolutions of one input (Hugging Face CvT's key and value projections), both weight
+    gradients before both input gradients: each late merge deferred the input's free to after
+    itself, so it was freed after the first merged call, while the second still read it, and twice."""
+    fn = parse(SHARED_INPUT)["f"]
+    out = merge_conv_grads(fn)
+    assert [i.op.name for i in out.instructions()] == ["conv2d_grads", "conv2d_grads", "free", "return"]
+    _same_run(fn, out)
+
+
 def test_no_late_merge_past_an_in_place_update_of_the_first_members_operand() -> None:
     """The weight %1 (read by the input gradient) is updated in place before the weight gradient:
     merged there, the input gradient would read the updated weight, so the pair is not merged late."""

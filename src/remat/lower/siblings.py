@@ -100,6 +100,14 @@ def _rewrite(fn: Function, pairs: list[Pair]) -> tuple[Function, dict[int, tuple
                     if v in ops:
                         moved.setdefault(ins, set()).add(v)
                         deferred.setdefault(id(p), []).append(v)
+    # A value several late merges read (two convolutions of one input, CvT's key and value
+    # projections) is freed once, after the last of them: not after each.
+    last: dict[Value, Pair] = {}
+    for p in pairs:
+        for v in deferred.get(id(p), ()):
+            if v not in last or pos[p.at] > pos[last[v].at]:
+                last[v] = p
+    deferred = {k: [v for v in vs if id(last[v]) == k] for k, vs in deferred.items()}
     out = Function(fn.name, fn.param_types, fn.result_types)
     vmap: dict[Value, Value] = dict(zip(fn.params, out.params))
     b = Builder(out.entry)
