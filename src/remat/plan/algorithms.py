@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
 from .liveness import predict_peak
-from .portfolio import Candidate, StepProblem, plan_step
+from .portfolio import Candidate, StepProblem, fit_peak, plan_step
 
 
 @dataclass
@@ -59,7 +59,10 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
     fits: gradients stay bit-identical), then the lean variant; a budget neither fits raises
     ``BudgetTooSmall`` with the smaller of their minimums. The result's ``algorithms`` says what was
     chosen and why (bytes saved)."""
-    if lean is None or p.budget is None or predict_peak(p.unconstrained) <= p.budget:
+    if lean is None or p.budget is None or fit_peak(p, p.unconstrained) <= p.budget:
+        # (the peak a plan must keep within the budget: with workspaces counted, the allocator
+        # bound; the VM's count alone fitting is not enough, or a minimum reached with the lean
+        # algorithms would be refused when asked for again)
         return plan_step(p)
     ref: Candidate | None = None
     minimums: list[int] = []
