@@ -40,6 +40,8 @@ _LAZY = {
     "compile": "remat.train.api",
     "max_batch": "remat.train.max_batch",
     "MicroBatchingRefused": "remat.train.microbatch",
+    "UnsupportedOpError": "remat.frontend.torch_import",  # what a capture raises, to catch by name
+    "CaptureError": "remat.frontend.torch_import",
 }
 
 

@@ -357,3 +357,17 @@ def test_unsupported_op_list_is_capped():
     msg = str(UnsupportedOpError(problems=problems))
     assert "25 PyTorch ops" in msg and "aten.op19.default: 1 use" in msg
     assert "aten.op20.default: 1 use" not in msg and "... and 5 more ops: aten.op20.default" in msg
+
+
+def test_a_non_tensor_keyword_input_is_refused_by_name():
+    """CLIP's ``return_loss=True`` among the keyword inputs crashed deep in the importer."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, return_loss=False):
+            return {"loss": self.lin(x).square().mean(), "logits": x}
+
+    with pytest.raises(TypeError, match=r"return_loss=True is a bool: bind such options into the model"):
+        remat.compile(M(), dict(x=torch.randn(4, 8), return_loss=True))

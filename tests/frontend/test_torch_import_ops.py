@@ -63,6 +63,9 @@ class ManyOps(nn.Module):
             torch.ceil(x * 3), (x * 3).int().ceil(), x.remainder(0.7), torch.remainder(x, x.abs() + 0.5),
             idx % 4, idx.remainder(-3), (idx - 3) % 4,  # the divisor's sign, as Python's %
             torch.div(idx - 3, 4, rounding_mode="floor"), torch.div(x, 0.3, rounding_mode="floor"),
+            F.interpolate(x, size=(9, 7), mode="bilinear"), F.interpolate(x, scale_factor=2, mode="bilinear",
+                                                                         align_corners=True),
+            x.argmax(dim=2), x.argmax(), torch.eye(3, dtype=x.dtype) * 2, torch.eye(2, 4) > 0,
         ]
         return tuple(outs)
 
@@ -194,6 +197,20 @@ def test_remainder_and_ceil_gradients_match_eager():
     ref = copy.deepcopy(model)
     ref(x).backward()
     step = remat.compile(model, (x,), lambda out: out)
+    step(x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_bilinear_resizing_trains_as_in_eager():
+    """``F.interpolate(mode="bilinear")`` (BEiT's relative position bias, Segformer's and DPT's heads)
+    through PyTorch's own decomposition: gradients as eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Upsample(size=(13, 11), mode="bilinear")).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    ref = copy.deepcopy(model)
+    ref(x).square().mean().backward()
+    step = remat.compile(model, (x,), lambda out: out.square().mean())
     step(x)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)

@@ -134,9 +134,19 @@ def lower(*names: str, keep: bool = False):
     return deco
 
 
+# Core ATen ops export keeps whole, whose PyTorch decomposition is made of ops remat lowers.
+DECOMPOSE = ("upsample_bilinear2d.default", "upsample_bilinear2d.vec")
+
+
 def decomposition_table(keep: set[str] | None = None) -> dict:
-    """PyTorch's default export decompositions, less the overloads in ``keep`` (default :data:`KEEP`)."""
+    """PyTorch's default export decompositions and those of :data:`DECOMPOSE` (bilinear resizing:
+    BEiT's relative position bias, Segformer, DPT), less the overloads in ``keep`` (default
+    :data:`KEEP`)."""
+    from torch._decomp import get_decompositions
+
     table = torch.export.default_decompositions()
+    table.update(get_decompositions([getattr(getattr(torch.ops.aten, n.partition(".")[0]), n.partition(".")[2])
+                                     for n in DECOMPOSE]))
     for n in KEEP if keep is None else keep:
         packet, _, overload = n.partition(".")
         op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
@@ -750,18 +760,38 @@ def _amin(L: Lowerer, x, dim=(), keepdim=False):
     return L.op("neg", L.op("reduce_max", L.op("neg", x), axes=_axes(dim, x.type.rank), keepdims=keepdim))
 
 
+def _first_max_index(L: Lowerer, x: Value, ax: int, m: Value, it) -> Value:
+    """The first index along ``ax`` where ``x`` equals its maximum ``m`` (kept dims), as PyTorch's
+    argmax: ``-max(-where(x == max, i, n))``, shaped ``it``."""
+    i = L.op("iota", shape=x.type.shape, axis=ax, dtype=it.dtype)
+    cand = L.op("select", L.op("eq", x, m), L.op("neg", i), L.const(-x.type.shape[ax], it.dtype))
+    return L.reshape(L.op("neg", L.op("reduce_max", cand, axes=[ax], keepdims=True)), it.shape)
+
+
 @lower("max.dim")
 def _max_dim(L: Lowerer, x, dim, keepdim=False):
     ax = _axis(dim, x.type.rank)
     m = L.op("reduce_max", x, axes=[ax], keepdims=True)
     values = m if keepdim else L.reshape(m, L.out_type(0).shape)
-    indices = None
-    if 1 in L.used_outputs():  # first index of the maximum: -max(-where(x == max, i, n))
-        it = L.out_type(1)
-        i = L.op("iota", shape=x.type.shape, axis=ax, dtype=it.dtype)
-        cand = L.op("select", L.op("eq", x, m), L.op("neg", i), L.const(-x.type.shape[ax], it.dtype))
-        indices = L.reshape(L.op("neg", L.op("reduce_max", cand, axes=[ax], keepdims=True)), it.shape)
+    indices = _first_max_index(L, x, ax, m, L.out_type(1)) if 1 in L.used_outputs() else None
     return values, indices
+
+
+@lower("argmax.default")
+def _argmax(L: Lowerer, x, dim=None, keepdim=False):
+    """CLIP's text pooling (the end-of-text token's position)."""
+    if dim is None:  # over all elements, as one flat axis
+        x, dim = L.reshape(x, (x.type.numel,)), 0
+    ax = _axis(dim, x.type.rank)
+    return _first_max_index(L, x, ax, L.op("reduce_max", x, axes=[ax], keepdims=True), L.out_type())
+
+
+@lower("eye.default", "eye.m", keep=True)
+def _eye(L: Lowerer, n, m=None, **kwargs):
+    """``iota(rows) == iota(columns)`` (PyTorch's decomposition builds a uint8 arange; SigLIP's loss)."""
+    t = L.out_type()
+    eq = L.op("eq", L.op("iota", shape=t.shape, axis=0, dtype=DType.i64), L.op("iota", shape=t.shape, axis=1, dtype=DType.i64))
+    return eq if t.dtype == DType.bool else L.op("cast", eq, dtype=t.dtype)
 
 
 @lower("any.dim", "any.dims", "any.default")

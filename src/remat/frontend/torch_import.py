@@ -262,6 +262,12 @@ def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., An
     bad = [k for k in example_inputs if not isinstance(k, str) or not k.isidentifier()]
     if bad:
         raise TypeError(f"keyword example inputs need identifier names, got {bad!r}")
+    other = {k: v for k, v in example_inputs.items() if not isinstance(v, (torch.Tensor, np.ndarray))}
+    if other:
+        k, v = next(iter(other.items()))
+        raise TypeError(f"keyword example inputs must be tensors (the step's arguments); {k}={v!r} is a "
+                        f"{type(v).__name__}: bind such options into the model instead, e.g. a module whose forward "
+                        f"calls model(**inputs, {k}={v!r}) (non-tensor entries: {', '.join(other)})")
     targets: list[str] = []
     if loss_fn is not None:
         try:
