@@ -49,6 +49,36 @@ def _ops(im) -> list[str]:
     return [i.op.name for i in im.function.instructions()]
 
 
+def test_multi_query_attention_reads_its_one_key_value_head():
+    """Multi-query attention broadcasting one key/value head to all query heads (Falcon's
+    ``expand``) reads the shared head itself: no broadcast copy kept; loss and gradients as eager's."""
+    class MQA(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.kv = nn.Linear(8, 16), nn.Linear(8, 8)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q = self.q(x).reshape(b, t, 4, 4).transpose(1, 2)
+            k, v = (z.reshape(b, t, 1, 4).transpose(1, 2).expand(b, 4, t, 4) for z in self.kv(x).split(4, dim=2))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).square().mean()
+
+    torch.manual_seed(5)
+    model = MQA().double()
+    ref = copy.deepcopy(model)
+    x, _ = _inputs(torch.float64)
+    step = remat.compile(model, (x,), lambda y: y, num_targets=0)
+    loss = step(x)
+    (att,) = [i for i in step.program.instructions() if i.op.name == "attention"]
+    heads = -2 if att.attrs["seq_first"] else -3
+    assert att.operands[1].type.shape[heads] == 1 and "broadcast" not in [i.op.name for i in step.program.instructions()]
+    want = ref(x)
+    want.backward()
+    assert_close(loss, want, torch.float64, "loss")
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q.grad, p.grad, torch.float64, f"grad of {name}")
+
+
 @pytest.mark.parametrize("mode", ["causal", "bool", "float"])
 def test_sdpa_imports_as_one_op_and_matches_eager(mode):
     from remat.autodiff.api import gradient_transform

@@ -446,9 +446,18 @@ def fold_head_transposes_pass(module: Module) -> Module:
 
 # ---------------------------------------------------------------- key/value heads repeated for grouped-query attention
 def _repeated_heads(v: Value) -> tuple[Value, int] | None:
-    """``(x, n)`` when ``v = reshape(broadcast(x5))`` repeats each of x's heads n times in place, as
-    Hugging Face's ``repeat_kv`` does: x5 ``[..., Hkv, 1, S, D]`` broadcast to ``[..., Hkv, n, S, D]``
-    and merged to ``[..., Hkv * n, S, D]``; x is x5 viewed ``[..., Hkv, S, D]`` (a reshape)."""
+    """``(x, n)`` when ``v`` repeats each of the heads of ``x`` ``[..., Hkv, S, D]`` n times in place:
+    Hugging Face's ``repeat_kv``, ``v = reshape(broadcast(x5))`` with x5 ``[..., Hkv, 1, S, D]``
+    broadcast to ``[..., Hkv, n, S, D]`` and merged to ``[..., Hkv * n, S, D]`` (x is x5 viewed
+    ``[..., Hkv, S, D]``); or multi-query attention's ``v = broadcast(x)`` of one head ``[..., 1, S, D]``
+    (Falcon). ``x`` may be a value to view so (a reshape the caller emits): see :func:`fold_kv_repeats`."""
+    d = _def(v, "broadcast")
+    if d is not None:  # one shared head
+        x, full = d.operands[0], v.type.shape
+        sh = x.type.shape
+        if len(sh) >= 3 and len(sh) == len(full) and sh[-3] == 1 and sh[-2:] == full[-2:] and sh[:-3] == full[:-3]:
+            return x, full[-3]
+        return None
     r = _def(v, "reshape")
     d = _def(r.operands[0], "broadcast") if r is not None else None
     if d is None:
@@ -463,7 +472,8 @@ def _repeated_heads(v: Value) -> tuple[Value, int] | None:
 
 def fold_kv_repeats(f: Function) -> tuple[Function, int]:
     """A copy of ``f`` where each ``attention`` whose key and value repeat their heads for grouped-query
-    attention (``repeat_kv``) reads the shared heads itself; also how many.
+    attention (``repeat_kv``), or broadcast one head to all (multi-query), reads the shared heads
+    itself; also how many.
 
     PyTorch's CPU flash kernels read a grouped key and value as they are (eager's SDPA path with
     ``enable_gqa``), so the repeated copies, which the backward also kept alive, and the sums of their
@@ -476,7 +486,8 @@ def fold_kv_repeats(f: Function) -> tuple[Function, int]:
         rk, rv = _repeated_heads(ins.operands[1]), _repeated_heads(ins.operands[2])
         if rk is None or rv is None or rk[1] != rv[1]:
             return None
-        kv = [b.op("reshape", x5, shape=x5.type.shape[:-3] + x5.type.shape[-2:]) for x5, _ in (rk, rv)]
+        kv = [x if x.type.rank == ins.operands[1].type.rank else
+              b.op("reshape", x, shape=x.type.shape[:-3] + x.type.shape[-2:]) for x, _ in (rk, rv)]
         return tuple(b.op("attention", ins.operands[0], *kv, *ins.operands[3:], **ins.attrs))
 
     return _rewrite_attentions(f, rewrite)
