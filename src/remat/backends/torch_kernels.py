@@ -287,9 +287,22 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
                       channels_last=False):
     """The transposed convolution of ``gy`` with ``w`` (ATen's ``conv_transpose2d``), its output
     padding chosen to give ``input_shape``. Bit-identical to ``convolution_backward``'s input
-    gradient, which needs an input-sized stand-in for the input (ATen reads only its shape), an
-    allocation as large as the result: on the zoo U-Net's channels-last shapes this is 1-4 MiB less
-    workspace and up to 3.5x faster (stride-2 2x2 kernels)."""
+    gradient (``conv2d_grads``, which the siblings pass merges a pair into where the plan's peak
+    allows, so the two must agree for gradients to stay bit-identical across budgets), which needs
+    an input-sized stand-in for the input (ATen reads only its shape), an allocation as large as the
+    result: on the zoo U-Net's channels-last shapes this is 1-4 MiB less workspace and up to 3.5x
+    faster (stride-2 2x2 kernels).
+
+    But for 1x1 kernels: on one thread oneDNN's transposed convolution and its backward differ in
+    the last bits when the input channels are no multiple of 4 on some small maps (1x1 and 3x3,
+    NCHW and channels-last; EfficientNet's squeeze-excite), so those take ``convolution_backward``
+    itself: 2-4% slower on 1x1 convolutions, with an input-sized stand-in. Larger kernels agreed on
+    every shape scanned (2 and 3 pixels, strides 1-2, both layouts, 1 and 2 threads)."""
+    if tuple(w.shape[2:]) == (1, 1):
+        gx = torch.ops.aten.convolution_backward(gy, _like(input_shape, gy, channels_last), _cl_weight(w, channels_last),
+                                                 None, list(stride), list(padding), list(dilation), False, [0, 0],
+                                                 groups, [True, False, False])[0]
+        return _act(gx, channels_last)
     out_padding = [size - ((o - 1) * s - 2 * p + d * (k - 1) + 1)
                    for size, o, s, p, d, k in zip(input_shape[2:], gy.shape[2:], stride, padding, dilation, w.shape[2:])]
     gx = torch.conv_transpose2d(gy, _cl_weight(w, channels_last), None, list(stride), list(padding), out_padding,
