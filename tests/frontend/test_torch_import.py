@@ -359,15 +359,30 @@ def test_unsupported_op_list_is_capped():
     assert "aten.op20.default: 1 use" not in msg and "... and 5 more ops: aten.op20.default" in msg
 
 
-def test_a_non_tensor_keyword_input_is_refused_by_name():
-    """CLIP's ``return_loss=True`` among the keyword inputs crashed deep in the importer."""
+def test_keyword_options_are_compiled_in():
+    """A non-tensor keyword input (CLIP's ``return_loss=True``) is an option passed to the model as
+    it is: the step is called with the same value or without it; another value, or a non-scalar,
+    is refused by name. It crashed deep in the importer before."""
     class M(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(8, 8)
 
-        def forward(self, x, return_loss=False):
-            return {"loss": self.lin(x).square().mean(), "logits": x}
+        def forward(self, x, return_loss=False, scale=1.0):
+            y = self.lin(x) * scale
+            return {"loss": y.square().mean() if return_loss else None, "logits": y}
 
-    with pytest.raises(TypeError, match=r"return_loss=True is a bool: bind such options into the model"):
-        remat.compile(M(), dict(x=torch.randn(4, 8), return_loss=True))
+    torch.manual_seed(0)
+    model, x = M(), torch.randn(4, 8)
+    ref = copy.deepcopy(model)
+    ref(x, return_loss=True, scale=0.5)["loss"].backward()
+    step = remat.compile(model, dict(x=x, return_loss=True, scale=0.5))
+    loss = step(x=x, return_loss=True, scale=0.5)
+    assert_close(loss, ref(x, return_loss=True, scale=0.5)["loss"], torch.float32, "loss")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, "grad")
+    step(x=x)  # options left out: as compiled
+    with pytest.raises(TypeError, match=r"compiled with return_loss=True; got return_loss=False"):
+        step(x=x, return_loss=False)
+    with pytest.raises(TypeError, match=r"keyword example input scale=\[0.5\] is a list"):
+        remat.compile(M(), dict(x=x, return_loss=True, scale=[0.5]))

@@ -32,8 +32,7 @@ from . import capture_cache
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
 __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpError", "import_module", "keyword_inputs",
-           "loss_module",
-           "supported_ops"]
+           "keyword_options", "loss_module", "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
 # Passes that clean up the imported forward before anything differentiates it: explicit attention
@@ -213,19 +212,20 @@ class _WithLoss(torch.nn.Module):
     ``ModelOutput`` or dict output gives its ``loss`` (no ``loss_fn``) or its ``logits`` (to ``loss_fn``)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_inputs: int,
-                 input_names: Sequence[str] | None = None):
+                 input_names: Sequence[str] | None = None, options: Mapping[str, Any] | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.n_inputs = n_inputs
         self.input_names = None if input_names is None else tuple(input_names)[:n_inputs]
+        self.options = dict(options or {})  # keyword options (keyword_options), passed as they are
 
     def forward(self, *args: torch.Tensor) -> Any:
         model_args = args[:self.n_inputs]
         if self.input_names is None:
             out = self.model(*model_args)
         else:
-            out = self.model(**dict(zip(self.input_names, model_args)))
+            out = self.model(**dict(zip(self.input_names, model_args)), **self.options)
         out = _loss_or_logits(out, want_loss=self.loss_fn is None)
         return out if self.loss_fn is None else self.loss_fn(out, *args[self.n_inputs:])
 
@@ -262,12 +262,8 @@ def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., An
     bad = [k for k in example_inputs if not isinstance(k, str) or not k.isidentifier()]
     if bad:
         raise TypeError(f"keyword example inputs need identifier names, got {bad!r}")
-    other = {k: v for k, v in example_inputs.items() if not isinstance(v, (torch.Tensor, np.ndarray))}
-    if other:
-        k, v = next(iter(other.items()))
-        raise TypeError(f"keyword example inputs must be tensors (the step's arguments); {k}={v!r} is a "
-                        f"{type(v).__name__}: bind such options into the model instead, e.g. a module whose forward "
-                        f"calls model(**inputs, {k}={v!r}) (non-tensor entries: {', '.join(other)})")
+    options = keyword_options(example_inputs)
+    example_inputs = {k: v for k, v in example_inputs.items() if k not in options}
     targets: list[str] = []
     if loss_fn is not None:
         try:
@@ -290,6 +286,28 @@ def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., An
         raise TypeError("keyword example inputs name no input of the model")
     order = model_keys + targets
     return tuple(order), tuple(example_inputs[k] for k in order), (len(targets) if loss_fn is not None else None)
+
+
+OPTION_TYPES = (bool, int, float, str, type(None))
+
+
+def keyword_options(example_inputs: Sequence | Mapping) -> dict[str, Any]:
+    """The entries of keyword example inputs that are options, not tensors (CLIP's ``return_loss=True``,
+    ``use_cache=False``): Python scalars, strings or None, passed to the model as they are. They are
+    part of what is compiled: the step is called with the same values or without them. Other
+    non-tensor values raise TypeError."""
+    if not isinstance(example_inputs, Mapping):
+        return {}
+    out = {}
+    for k, v in example_inputs.items():
+        if isinstance(v, (torch.Tensor, np.ndarray)):
+            continue
+        if not isinstance(v, OPTION_TYPES):
+            raise TypeError(f"keyword example input {k}={v!r} is a {type(v).__name__}: keyword inputs are tensors (the "
+                            f"step's arguments) or options passed to the model as they are (bool, int, float, str, "
+                            f"None); bind anything else into the model")
+        out[k] = v
+    return out
 
 
 _PREFIX = "model."
@@ -396,6 +414,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     has no translation. ``cache``: reuse (and fill) the on-disk cache of captures
     (:mod:`remat.frontend.capture_cache`); None: as ``$REMAT_CAPTURE_CACHE`` says (default on).
     """
+    options = keyword_options(example_inputs)
     input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
     n_targets = 0
     if loss_fn is not None:
@@ -403,7 +422,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     n_inputs = len(example_inputs) - n_targets
     if n_inputs < 0:
         raise TypeError(f"the loss function takes {n_targets} target(s) but only {len(example_inputs)} example inputs were given")
-    wrapper = _WithLoss(model, loss_fn, n_inputs, input_names)
+    wrapper = _WithLoss(model, loss_fn, n_inputs, input_names, options)
     was_training = [m.training for m in model.modules()]
     wrapper.train(train)
     key = None
@@ -412,7 +431,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
             try:
                 key = capture_cache.capture_key(wrapper, tuple(example_inputs), {
                     "train": train, "n_inputs": n_inputs, "n_targets": n_targets, "has_loss": loss_fn is not None,
-                    "input_names": input_names, "name": name})
+                    "input_names": input_names, "name": name, "options": sorted(options.items())})
             except capture_cache.Uncacheable:
                 key = None
             entry = None if key is None else capture_cache.load(key)
@@ -469,7 +488,7 @@ def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     n_targets = 0
     if loss_fn is not None:
         n_targets = _count_targets(loss_fn) if num_targets is None else int(num_targets)
-    return _WithLoss(model, loss_fn, len(tensors) - n_targets, input_names), tensors
+    return _WithLoss(model, loss_fn, len(tensors) - n_targets, input_names, keyword_options(example_inputs)), tensors
 
 
 def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.ExportedProgram":

@@ -223,7 +223,7 @@ class TrainStep:
         import torch
 
         from ..distributed import setup  # imported on use (torch.distributed)
-        from ..frontend.torch_import import import_module, keyword_inputs
+        from ..frontend.torch_import import import_module, keyword_inputs, keyword_options
         from ..runtime.vm import VM
 
         t_setup = time.perf_counter()
@@ -256,6 +256,7 @@ class TrainStep:
         self.dialects = tuple(dialects) if dialects else None
         self.keep_grads = (optimizer is None) if keep_grads is None else keep_grads
         # Keyword inputs (Hugging Face style) become positional, in the order of their names.
+        self._options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
         self._input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
         self._example = example_inputs
         # Micro-batching (remat.step.microbatch): capture one micro-batch; the step takes the whole batch.
@@ -592,8 +593,9 @@ class TrainStep:
         return args
 
     def _keywords(self, inputs: tuple) -> tuple | dict[str, Any]:
-        """The step's tensors as compiled: positional, or keyword (``self._input_names``)."""
-        return inputs if self._input_names is None else dict(zip(self._input_names, inputs))
+        """The step's tensors as compiled: positional, or keyword (``self._input_names``, with the
+        compiled keyword options)."""
+        return inputs if self._input_names is None else {**dict(zip(self._input_names, inputs)), **self._options}
 
     def _positional(self, inputs: tuple, kwargs: dict[str, Any]) -> tuple:
         """The step's tensors in compiled order: positional as compiled, or by the compiled keywords."""
@@ -603,6 +605,12 @@ class TrainStep:
                 raise TypeError(f"the step was compiled with positional inputs; got keywords {sorted(kwargs)}: "
                                 "compile with a dict of keyword inputs to call it with keywords")
             return inputs
+        for k, v in self._options.items():  # options: as compiled, or left out
+            if k in kwargs:
+                got = kwargs.pop(k)
+                if type(got) is not type(v) or got != v:
+                    raise TypeError(f"the step was compiled with {k}={v!r}; got {k}={got!r}: options are compiled in "
+                                    f"(compile another step for {k}={got!r})")
         if inputs or set(kwargs) != set(names):
             missing, extra = [n for n in names if n not in kwargs], sorted(set(kwargs) - set(names))
             raise TypeError(f"the step was compiled with keyword inputs {', '.join(names)}; call it with exactly "
