@@ -138,6 +138,12 @@ def lower(*names: str, keep: bool = False):
 DECOMPOSE = ("upsample_bilinear2d.default", "upsample_bilinear2d.vec")
 
 
+def _overload(name: str):
+    """The ATen overload ``"packet.overload"`` names (``"packet"``: its default), or None."""
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+
+
 def decomposition_table(keep: set[str] | None = None) -> dict:
     """PyTorch's default export decompositions and those of :data:`DECOMPOSE` (bilinear resizing:
     BEiT's relative position bias, Segformer, DPT), less the overloads in ``keep`` (default
@@ -145,11 +151,9 @@ def decomposition_table(keep: set[str] | None = None) -> dict:
     from torch._decomp import get_decompositions
 
     table = torch.export.default_decompositions()
-    table.update(get_decompositions([getattr(getattr(torch.ops.aten, n.partition(".")[0]), n.partition(".")[2])
-                                     for n in DECOMPOSE]))
+    table.update(get_decompositions([_overload(n) for n in DECOMPOSE]))
     for n in KEEP if keep is None else keep:
-        packet, _, overload = n.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        op = _overload(n)
         if op is not None:
             table.pop(op, None)
     return table
@@ -790,7 +794,8 @@ def _argmax(L: Lowerer, x, dim=None, keepdim=False):
 def _eye(L: Lowerer, n, m=None, **kwargs):
     """``iota(rows) == iota(columns)`` (PyTorch's decomposition builds a uint8 arange; SigLIP's loss)."""
     t = L.out_type()
-    eq = L.op("eq", L.op("iota", shape=t.shape, axis=0, dtype=DType.i64), L.op("iota", shape=t.shape, axis=1, dtype=DType.i64))
+    rows, cols = (L.op("iota", shape=t.shape, axis=a, dtype=DType.i64) for a in (0, 1))
+    eq = L.op("eq", rows, cols)
     return eq if t.dtype == DType.bool else L.op("cast", eq, dtype=t.dtype)
 
 
