@@ -10,6 +10,7 @@ import torch
 from remat import backends
 from remat.backends import torch_kernels as tk
 from remat.ir import OPS, Builder, DType, Function, TensorType
+from remat.ir.reuse import reuses_operand
 from remat.runtime.memory import storage_of
 
 KERNEL_OPS = sorted(n for n, o in OPS.items() if not o.has("control"))
@@ -265,3 +266,53 @@ def test_integer_division_floors_in_both_dialects():
     for d in ("numpy", "torch"):
         _, (y,) = run_kernel(ins, attrs, [a, b], d)
         np.testing.assert_array_equal(as_f64(y), [3, -4, -4, 3])
+
+
+REUSING = [n for n in SAMPLED if reuses_operand(n)]
+
+
+def test_torch_kernels_of_reusing_ops_write_in_place():
+    """Every torch kernel of an op whose result may take a dying operand's buffer (remat.ir.reuse)
+    has an out-variant: the torch dialect never takes the copying fallback (a transient result).
+    ``fused`` is the exception: in torch it interprets its body node by node (intermediates are
+    allocated anyway); its generated kernel is numba's, which has one."""
+    torch_ = backends.dialects()["torch"]
+    missing = [n for n in REUSING if n in torch_.kernels and n != "fused" and not backends.has_out_variant(n, "torch")]
+    assert backends.has_out_variant("fused", "numba")
+    assert not missing, f"torch kernels without an out-variant: {missing}"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # pow samples include negative bases (NaN)
+@pytest.mark.parametrize("name", REUSING)
+@pytest.mark.parametrize("dt", [DType.f64, DType.f32], ids=str)
+def test_inplace_kernels_give_the_out_of_place_bits(name, dt):
+    """Written over each operand of the result's type, in every dialect that runs the op: the same
+    bits as the out-of-place kernel, in that operand's storage, the other operands untouched."""
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    tried = 0
+    for si, s in enumerate(OPS[name].sample(rng)):
+        args = cast_sample(s.args, dt)
+        ins, attrs = build(name, args, s.attrs)
+        for dialect in ("numpy", "torch", "numba"):
+            try:
+                impl = backends.kernel_for(ins, dialect)
+            except (backends.NoKernelError, KeyError):
+                continue
+            conv = (lambda a: a.copy()) if dialect != "torch" else (lambda a: tk.to_torch(a.copy()))
+            ref = impl.fn(*[conv(a) for a in args], **attrs)
+            ref = ref[0] if isinstance(ref, tuple) else ref
+            for j, v in enumerate(ins.operands):
+                if v.type != ins.results[0].type:
+                    continue
+                ops = [conv(a) for a in args]
+                out = backends.inplace(impl, j)(*ops, **attrs)
+                out = out[0] if isinstance(out, tuple) else out
+                assert storage_of(out)[0] == storage_of(ops[j])[0], f"{name} ({dialect}): not written over operand {j}"
+                a, b = as_f64(ref), as_f64(out)
+                assert np.array_equal(a, b, equal_nan=a.dtype != np.bool_), f"{name} ({dialect}) sample {si} over operand {j}"
+                for i, (x, y) in enumerate(zip(args, ops)):
+                    if i != j and storage_of(y)[0] != storage_of(ops[j])[0]:
+                        assert np.array_equal(as_f64(x), as_f64(y), equal_nan=True), f"{name}: operand {i} changed"
+                tried += 1
+    if not tried:
+        pytest.skip(f"no sample of {name} has an operand of its result's type")

@@ -90,11 +90,13 @@ def test_peak_is_kept_when_fusion_lowers_it() -> None:
     src = """func @f(%0: f32[500,500], %1: f32[500]) -> f32[500,500] {
   %2 = add %0, %1 : f32[500,500]
   %3 = mul %2, %2 : f32[500,500]
-  %4 = sub %3, %0 : f32[500,500]
+  %4 = sub %3, %2 : f32[500,500]
   %5 = neg %4 : f32[500,500]
   return %5
 }
 """
+    # Unfused, %2 and %3 are live at once (sub reads both; it and neg then write over %3: remat.ir.reuse);
+    # fused, only the result is.
     m = parse(src)
     out = fuse(m)
     assert sum(i.op.name == "fused" for i in out["f"].instructions()) == 1

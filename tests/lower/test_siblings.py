@@ -71,7 +71,7 @@ LATE = """func @f(%0: f32[2,3,6,6], %1: f32[4,3,3,3], %2: f32[2,4,6,6]) -> (f32[
 
 EARLY = """func @f(%0: f32[2,3,6,6], %1: f32[4,3,3,3], %2: f32[2,4,6,6]) -> (f32[2,3,6,6], f32[4,3,3,3]) {
   %3 = conv2d_input_grad %2, %1 {input_shape=[2,3,6,6], padding=[1,1]} : f32[2,3,6,6]
-  %4 = relu %3 : f32[2,3,6,6]
+  %4 = cumsum %3 {axis=3} : f32[2,3,6,6]
   free %3
   %5 = conv2d_weight_grad %0, %2 {weight_shape=[4,3,3,3], padding=[1,1]} : f32[4,3,3,3]
   return %4, %5
@@ -140,10 +140,11 @@ def test_no_late_merge_past_an_in_place_update_of_the_first_members_operand() ->
     assert all(p.at is p.input_grad for p in pairs)  # early (the weight gradient's operands exist there) or none
 
 
-# EARLY's peak moved to three temporaries before the pair, so that merging early costs nothing.
-EARLY_UNDER_PEAK = EARLY.replace("  %3 = conv2d_input_grad", """  %6 = mul %2, %2 : f32[2,4,6,6]
-  %7 = mul %6, %6 : f32[2,4,6,6]
-  %8 = mul %7, %7 : f32[2,4,6,6]
+# EARLY's peak moved to three temporaries before the pair (cumsums: none can take another's buffer),
+# so that merging early costs nothing.
+EARLY_UNDER_PEAK = EARLY.replace("  %3 = conv2d_input_grad", """  %6 = cumsum %2 {axis=3} : f32[2,4,6,6]
+  %7 = cumsum %6 {axis=3} : f32[2,4,6,6]
+  %8 = cumsum %7 {axis=3} : f32[2,4,6,6]
   free %6, %7, %8
   %3 = conv2d_input_grad""")
 
@@ -153,12 +154,13 @@ def test_early_merge_when_the_first_result_is_read_in_between() -> None:
     (pair,) = find_pairs(fn)
     assert pair.at is pair.input_grad
     out = merge_conv_grads(fn)
-    assert [i.op.name for i in out.instructions()][3:] == ["free", "conv2d_grads", "relu", "free", "return"]
+    assert [i.op.name for i in out.instructions()][3:] == ["free", "conv2d_grads", "cumsum", "free", "return"]
     _same_run(fn, out)
 
 
 def test_a_merge_that_would_raise_the_peak_is_left_apart() -> None:
-    # In EARLY the peak is at the relu between the two: the weight gradient made early would add to it.
+    # In EARLY the peak is at the cumsum between the two (not element-wise: it cannot write over its
+    # operand): the weight gradient made early would add to it.
     fn = parse(EARLY)["f"]
     assert len(find_pairs(fn)) == 1
     out = merge_conv_grads(fn)

@@ -123,8 +123,9 @@ def test_peak_mode_matches_full_mode_with_branches_and_calls(dialects):
         for donate in (False, True):
             full, peak = run_both(vm, "outer", [x, np.array(cond)], donate=donate)
             assert_same(full, peak)
-            # x, neg (or sin) and the callee's mul and exp live at once; the bool dies at the branch when donated.
-            assert peak[1].peak_bytes == 4 * 400 + (0 if donate else 1)
+            # x, neg (or sin) and the callee's mul live at once (exp writes over mul: remat.ir.reuse);
+            # the bool dies at the branch when donated.
+            assert peak[1].peak_bytes == 3 * 400 + (0 if donate else 1)
 
 
 def test_peak_mode_matches_full_mode_on_a_zoo_training_step():
@@ -222,4 +223,4 @@ def test_operands_of_the_kernels_own_dialect_are_not_converted():
     for record in ("full", "peak"):
         (o,), st = vm.run("f", x, record=record)
         np.testing.assert_allclose(o, np.exp(x) - np.exp(x), atol=0)
-        assert st.peak_bytes == predict_peak(f) == 16000
+        assert st.peak_bytes == predict_peak(f) == 12000  # add writes over y (remat.ir.reuse)

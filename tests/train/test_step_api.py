@@ -164,7 +164,7 @@ _OPTIMIZERS = {"sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0
                "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2)}
 
 
-@pytest.mark.parametrize("budget", [None, 0.85])
+@pytest.mark.parametrize("budget", [None, 0.93])
 @pytest.mark.parametrize("opt_name", sorted(_OPTIMIZERS))
 def test_out_of_range_targets_raise_and_change_nothing(opt_name, budget):
     torch.manual_seed(0)
@@ -305,7 +305,7 @@ def test_frozen_and_unused_parameters_get_no_gradient_and_no_update(budget):
         if budget == "min":
             probe = copy.deepcopy(model)
             with pytest.raises(remat.BudgetTooSmall) as e:
-                remat.compile(probe, (x, y), F.cross_entropy, optimizer=adamw(probe), budget=1)
+                remat.compile(probe, (x, y), F.cross_entropy, optimizer=adamw(probe), budget=1, keep_grads=True)
             b = e.value.minimum
         step = remat.compile(ours, (x, y), F.cross_entropy, optimizer=opt_o, budget=b, keep_grads=True)
         for _ in range(2):

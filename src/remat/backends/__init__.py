@@ -94,6 +94,56 @@ def kernel(op: str, dialect: str, checker: Checker | None = None, priority: int 
     return deco
 
 
+_OUT: dict[tuple[str, str], Callable] = {}  # (op, dialect) -> out-variant (see out_kernel)
+
+
+def out_kernel(op: str, dialect: str):
+    """Decorator registering ``fn(out, *operands, **attrs)``: ``op``'s kernel in ``dialect`` writing its
+    (first) result into ``out``, one of the operands, of the result's type and dense, and returning
+    it (a tuple with any further results). The bits must be those of the out-of-place kernel. Used
+    where the program reuses a dying operand's buffer (``remat.ir.reuse``)."""
+
+    def deco(fn: Callable) -> Callable:
+        if op not in OPS:
+            raise KeyError(f"out-variant for unknown op '{op}' in dialect '{dialect}'")
+        _OUT[(op, dialect)] = fn
+        return fn
+
+    return deco
+
+
+def has_out_variant(op: str, dialect: str) -> bool:
+    """Whether ``op`` has an out-variant in ``dialect`` (else :func:`inplace` copies the result in)."""
+    _load()
+    return (op, dialect) in _OUT
+
+
+def inplace(impl: "KernelImpl", k: int) -> Callable:
+    """``impl``'s kernel with its first result written over operand ``k``: the dialect's out-variant
+    (:func:`out_kernel`), else the kernel followed by a copy into the operand. The copy's transient
+    result is what the kernel allocates anyway; it stays off the VM's count (the result is the
+    operand's storage) and, in the torch dialect, is a workspace of that kernel."""
+    _load()
+    f = _OUT.get((impl.op, impl.dialect))
+    if f is not None:
+        return lambda *a, **kw: f(a[k], *a, **kw)
+    base = impl.fn
+
+    def copy_into(*a, **kw):
+        r = base(*a, **kw)
+        first = r[0] if isinstance(r, tuple) else r
+        dst = a[k]
+        if hasattr(dst, "copy_"):
+            dst.copy_(first)
+        else:
+            import numpy as np
+
+            np.copyto(dst, first)
+        return (dst, *r[1:]) if isinstance(r, tuple) else dst
+
+    return copy_into
+
+
 def _load() -> None:
     """Import the kernel modules (lazily, so ``import remat`` does not import torch)."""
     global _loaded
@@ -251,4 +301,5 @@ except (ImportError, ValueError):  # pragma: no cover
 register_dialect("numba", priority=20, available=_has_numba, why_unavailable="" if _has_numba else "numba is not installed")
 
 __all__ = ["Dialect", "KernelImpl", "NoKernelError", "assign_dialects", "claims", "dialects", "disable",
-           "enable", "enabled", "kernel", "kernel_for", "only", "register_dialect", "reset", "resolve", "select"]
+           "enable", "enabled", "has_out_variant", "inplace", "kernel", "kernel_for", "only", "out_kernel",
+           "register_dialect", "reset", "resolve", "select"]

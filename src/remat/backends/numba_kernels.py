@@ -35,7 +35,7 @@ from ..cache import cache_root  # noqa: F401  (also remat.backends.numba_kernels
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, parse_body
 from ..ir.types import DType
-from . import kernel
+from . import kernel, out_kernel
 
 FLOATS = (DType.f32, DType.f64)
 _NB_TYPE = {DType.f32: "float32", DType.f64: "float64", DType.bool: "boolean", DType.i32: "int32",
@@ -364,11 +364,27 @@ def _plan(body_text: str, shapes: tuple, dtypes: tuple) -> _Plan:
 @kernel("fused", "numba", checker=_check)
 def fused(*args, body):
     """Run the generated kernel of this body; results are fresh C-contiguous arrays."""
+    return _fused(args, body, None)
+
+
+@out_kernel("fused", "numba")
+def fused_out(out, *args, body):
+    """``fused`` with its first result written into ``out``, an operand of the result's type and
+    shape (``remat.ir.reuse``). The kernel reads every operand at an element before storing that
+    element's results, and threads split rows of all arrays alike, so the overlap is harmless."""
+    return _fused(args, body, out)
+
+
+def _fused(args, body, first):
     key = (body, tuple(a.shape for a in args), tuple(a.dtype for a in args))
     p = _plans.get(key)
     if p is None:
         p = _plans[key] = _plan(body, key[1], key[2])
-    outs = [_empty(p.out_shape, dt) for dt in p.out_dtypes]
+    outs = [_empty(p.out_shape, dt) for dt in p.out_dtypes[1 if first is not None else 0:]]
+    if first is not None:
+        if not (first.flags.c_contiguous and first.flags.writeable):
+            raise ValueError("fused: the operand written in place must be a writeable C-contiguous array")
+        outs.insert(0, first)
     ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
            for a, s in zip(args, p.in_shapes)]
     arrays = [o.reshape(p.cshape) for o in outs] + ins

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.types import DType
-from . import kernel, numpy_kernels as npk
+from . import kernel, numpy_kernels as npk, out_kernel
 from ._layout import channels_at_1, nchw_kernel
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -216,6 +216,71 @@ def log_softmax_grad(g, y, axis):
 @k("gelu_grad")
 def gelu_grad(g, x, approximate="none"):
     return _fresh(torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+
+
+# ---------------------------------------------------------------- out-variants (remat.ir.reuse)
+# Each element-wise kernel above, writing into ``out`` (an operand of the result's type that dies
+# here): the same ATen kernel with ``out=`` (full overlap with an input is what ``x.add_(y)`` does),
+# so the same bits.
+def _out(op: str):
+    return out_kernel(op, "torch")
+
+
+for _n, _f in {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh,
+               "sigmoid": torch.sigmoid, "sin": torch.sin, "cos": torch.cos, "erf": torch.erf, "neg": torch.neg,
+               "abs": torch.abs, "sign": torch.sign, "floor": torch.floor, "not": torch.logical_not}.items():
+    _out(_n)(lambda out, x, _f=_f: _f(x, out=out))
+for _n, _f in {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "maximum": torch.maximum,
+               "minimum": torch.minimum, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le,
+               "gt": torch.gt, "ge": torch.ge, "and": torch.logical_and, "or": torch.logical_or}.items():
+    _out(_n)(lambda out, a, b, _f=_f: _f(a, b, out=out))
+
+
+@_out("relu")
+def relu_out(out, x):
+    return torch.clamp_min(x, 0, out=out)
+
+
+@_out("relu_grad")
+def relu_grad_out(out, g, y):
+    return torch.ops.aten.threshold_backward.grad_input(g, y, 0, grad_input=out)
+
+
+@_out("silu")
+def silu_out(out, x):
+    return torch.ops.aten.silu.out(x, out=out)
+
+
+@_out("silu_grad")
+def silu_grad_out(out, g, x):
+    return torch.ops.aten.silu_backward.grad_input(g, x, grad_input=out)
+
+
+@_out("gelu")
+def gelu_out(out, x, approximate="none"):
+    return torch.ops.aten.gelu.out(x, approximate=approximate, out=out)
+
+
+@_out("gelu_grad")
+def gelu_grad_out(out, g, x, approximate="none"):
+    return torch.ops.aten.gelu_backward.grad_input(g, x, approximate=approximate, grad_input=out)
+
+
+@_out("div")
+def div_out(out, a, b):
+    if a.dtype.is_floating_point:
+        return torch.div(a, b, out=out)
+    return torch.div(a, b, rounding_mode="floor", out=out)
+
+
+@_out("pow")
+def pow_out(out, a, b):
+    return torch.pow(a, b, out=out)
+
+
+@_out("select")
+def select_out(out, c, a, b):
+    return torch.where(c, a, b, out=out)
 
 
 @k("nll_loss", checker=lambda ins: ins.operands[0].type.dtype.is_float)

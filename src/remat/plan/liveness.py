@@ -10,7 +10,8 @@ The VM (``remat.runtime.vm``) releases values exactly at these points, and ``pre
 replays the VM's accounting from IR types alone, so the two agree byte for byte:
 
 * a value's storage is a fresh buffer of ``type.nbytes`` bytes, except results that the op
-  ``aliases`` to an operand (``reshape`` views, in-place optimizer updates), which share it;
+  ``aliases`` to an operand (``reshape`` views, in-place optimizer updates), which share it, and
+  element-wise results written over a dying operand (``remat.ir.reuse.buffer_reuse``);
 * a storage counts while any live value references it;
 * per instruction, outputs are allocated while the operands are still live (the peak is measured
   there), then the values dying at that instruction are released;
@@ -27,6 +28,7 @@ from typing import Mapping
 
 from ..ir import Block, Builder, Function, Instruction, Module, Successor, Value
 from ..ir.liveness import Liveness, liveness
+from ..ir.reuse import buffer_reuse
 from ..runtime.memory import OTHER, KindBytes, TimelineEntry
 
 
@@ -172,6 +174,7 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
     each, owned by the caller). ``arg_sids`` None: top level, parameters are fresh storages."""
     _straight_line(fn)
     lv = liveness(fn)
+    reuse = buffer_reuse(fn)  # element-wise results written over a dying operand (as the VM does)
     env: dict[Value, int] = {}
     top = arg_sids is None
     for i, p in enumerate(fn.params):
@@ -209,6 +212,8 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
                 env[r] = s
         elif name != "free":
             aliases = ins.op.aliases
+            if ins in reuse:
+                aliases = {**aliases, 0: reuse[ins]}
             for k, r in enumerate(ins.results):
                 if k in aliases:
                     s = env[ins.operands[aliases[k]]]

@@ -17,8 +17,9 @@ Contracts the VM enforces at run time:
 * a result the op does not alias to an operand must be a fresh buffer: an output that shares
   storage with any live value, is not contiguous, or owns more or fewer bytes than its type is
   copied (so a misbehaving kernel costs time, never wrong accounting);
-* a result the op aliases to an operand (``reshape``, in-place updates) must share that
-  operand's storage (``RuntimeError`` otherwise).
+* a result the op aliases to an operand (``reshape``, in-place updates), or an element-wise
+  result written over a dying operand (``remat.ir.reuse``: the kernel runs in place), must share
+  that operand's storage (``RuntimeError`` otherwise).
 
 Cost. A function is prepared once per VM: kernels resolved, values in numbered frame slots,
 releases precomputed, and which operands need a dialect conversion decided from the producer of
@@ -45,6 +46,7 @@ from ..errors import format_bytes
 from ..ir import Function, Instruction, Module, TensorType, verify
 from ..ir.printer import Namer, format_instruction
 from ..ir.liveness import liveness
+from ..ir.reuse import buffer_reuse
 from ..ir.types import DType
 from .memory import OTHER, KindBytes, KindTracker, MemoryTracker, TimelineEntry, storage_of
 
@@ -240,6 +242,7 @@ class VM:
     # -------------------------------------------------------------- planning
     def _plan(self, fn: Function) -> _FnPlan:
         lv = liveness(fn)
+        reuse = buffer_reuse(fn)  # results written over a dying operand (as remat.plan.liveness counts them)
         slot: dict = dict(lv.order)  # every value's definition index: its register
         params = set(fn.params)
         bindex = {b: i for i, b in enumerate(fn.blocks)}
@@ -321,6 +324,9 @@ class VM:
                     st.kind = _K_KERNEL
                     impl = backends.kernel_for(ins, ins.dialect)
                     st.fn = impl.fn
+                    if ins in reuse:
+                        st.fn = backends.inplace(impl, reuse[ins])
+                        st.alias = (reuse[ins],) + st.alias[1:]
                     st.conv = conv = _CONVERT[ins.dialect]
                     st.family = conv if _is_family(conv) else None
                     convs = tuple(None if st.family is not None and family.get(s) is conv else conv
