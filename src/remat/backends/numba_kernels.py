@@ -148,13 +148,19 @@ class Pattern:
     body: str
     in_dtypes: tuple[DType, ...]
     full: tuple[tuple[bool, ...], ...]  # per operand, per collapsed dim: full extent (True) or broadcast
+    # The operand the first result is written over (remat.ir.reuse), -1 for none. That operand is not
+    # an argument of its own: the kernel reads it from the first output array, so that LLVM sees one
+    # array read and written at the same index (two arguments that overlap fail its runtime alias
+    # check and run the scalar loop, several times slower).
+    over: int = -1
 
     @property
     def rank(self) -> int:
         return len(self.full[0]) if self.full else 1
 
     def key(self) -> str:
-        text = repr((self.body, [d.value for d in self.in_dtypes], self.full, _GEN_VERSION))
+        text = repr((self.body, [d.value for d in self.in_dtypes], self.full, _GEN_VERSION)
+                    + ((self.over,) if self.over >= 0 else ()))
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -211,11 +217,14 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     idx = [f"j{d}" for d in range(rank)]
     outs = [f"o{k}" for k in range(len(body.outputs))]
     ins = [f"i{k}" for k in range(n_in)]
+    own = [k for k in range(n_in) if k != p.over]  # operands passed as arguments of their own
+    if p.over >= 0:
+        ins[p.over] = outs[0]
     lines = ["import math", "import numpy as np", "import numba", ""]
     sig = ", ".join(f"{_NB_TYPE[t]}[{', '.join([':'] * (rank - 1) + ['::1'])}]"
-                    for t in list(out_dtypes) + list(p.in_dtypes))
+                    for t in list(out_dtypes) + [p.in_dtypes[k] for k in own])
     lines += [f'@numba.njit("void(int64, int64, {sig})", cache=True, error_model="numpy", nogil=True)',
-              f"def kernel({', '.join(['lo', 'hi'] + outs + ins)}):"]
+              f"def kernel({', '.join(['lo', 'hi'] + outs + [ins[k] for k in own])}):"]
     consts = {}
     for k, n in enumerate(body.nodes):
         if n.op == "constant":
@@ -225,7 +234,7 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     zero = {DType.f32: "np.float32(0.0)", DType.f64: "np.float64(0.0)"}
     # Rows lo:hi as views indexed from 0: a loop starting at 0 lets LLVM drop the negative-index
     # wrap-around and vectorise (a loop over range(lo, hi) runs ~8x slower on f32).
-    for a in outs + [ins[k] for k in range(n_in) if p.full[k][0]]:
+    for a in outs + [ins[k] for k in own if p.full[k][0]]:
         lines.append(f"    {a} = {a}[lo:hi]")
     lines.append(f"    {', '.join(f'n{d}' for d in range(rank))}, = {outs[0]}.shape")
     # Nodes that vary along the innermost dim only (a per-channel scale of a channels-last tensor) are
@@ -343,7 +352,7 @@ class _Plan:
 _plans: dict[tuple, _Plan] = {}
 
 
-def _plan(body_text: str, shapes: tuple, dtypes: tuple) -> _Plan:
+def _plan(body_text: str, shapes: tuple, dtypes: tuple, over: int = -1) -> _Plan:
     from ..ir import OPS, TensorType
 
     body = parse_body(body_text)
@@ -352,7 +361,7 @@ def _plan(body_text: str, shapes: tuple, dtypes: tuple) -> _Plan:
     out_shape = rtypes[0].shape
     cshape, in_shapes, full = collapse(out_shape, list(shapes))
     numel = int(np.prod(out_shape, dtype=np.int64))
-    pat = Pattern(body.text(), in_dt, full)
+    pat = Pattern(body.text(), in_dt, full, over)
     out_dt = tuple(t.dtype for t in rtypes)
     fn = load_kernel(pat, out_dt)
     n0 = cshape[0]
@@ -370,23 +379,25 @@ def fused(*args, body):
 @out_kernel("fused", "numba")
 def fused_out(out, *args, body):
     """``fused`` with its first result written into ``out``, an operand of the result's type and
-    shape (``remat.ir.reuse``). The kernel reads every operand at an element before storing that
-    element's results, and threads split rows of all arrays alike, so the overlap is harmless."""
+    shape (``remat.ir.reuse``), by a kernel generated for it (``Pattern.over``) that reads that
+    operand from its output array: each element is read before its results are stored, and threads
+    split rows of all arrays alike."""
     return _fused(args, body, out)
 
 
 def _fused(args, body, first):
-    key = (body, tuple(a.shape for a in args), tuple(a.dtype for a in args))
+    over = -1 if first is None else next(k for k, a in enumerate(args) if a is first)
+    key = (body, tuple(a.shape for a in args), tuple(a.dtype for a in args), over)
     p = _plans.get(key)
     if p is None:
-        p = _plans[key] = _plan(body, key[1], key[2])
+        p = _plans[key] = _plan(*key)
     outs = [_empty(p.out_shape, dt) for dt in p.out_dtypes[1 if first is not None else 0:]]
     if first is not None:
         if not (first.flags.c_contiguous and first.flags.writeable):
             raise ValueError("fused: the operand written in place must be a writeable C-contiguous array")
         outs.insert(0, first)
     ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
-           for a, s in zip(args, p.in_shapes)]
+           for k, (a, s) in enumerate(zip(args, p.in_shapes)) if k != over]
     arrays = [o.reshape(p.cshape) for o in outs] + ins
     if len(p.bounds) == 1 or threads() == 1:
         p.fn(0, p.cshape[0], *arrays)
@@ -749,8 +760,11 @@ def prepare(module: Module) -> float:
     """Compile (or load from the disk cache) the kernel of every ``fused`` instruction the numba dialect
     accepts in ``module``; returns the seconds spent. Run it before the first step so kernel
     compilation is a setup stage, not part of the first step's time."""
+    from ..ir.reuse import buffer_reuse
+
     t0 = time.perf_counter()
     for f in module:
+        reuse = buffer_reuse(f)  # the kernels written over an operand are variants of their own
         for ins in f.instructions():
             if ins.op.name == "bernoulli":
                 _mask_kernel()
@@ -762,7 +776,7 @@ def prepare(module: Module) -> float:
             if ins.op.name == "fused" and _check(ins):
                 shapes = tuple(v.type.shape for v in ins.operands)
                 dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)
-                key = (ins.attrs["body"], shapes, dts)
+                key = (ins.attrs["body"], shapes, dts, reuse.get(ins, -1))
                 if key not in _plans:
                     _plans[key] = _plan(*key)
     return time.perf_counter() - t0
