@@ -78,9 +78,16 @@ def test_auto_chooses_micro_batches_below_the_whole_batch_minimum():
     model, example, loss_fn = zoo.make("mlp", "tiny", batch=64)
     with pytest.raises(remat.BudgetTooSmall) as e:
         remat.compile(model, example, loss_fn, budget=1, count_workspaces=False)
-    budget = int(e.value.minimum * 0.97)  # the minimum is a bounded search's: go clearly below it
-    with pytest.raises(remat.BudgetTooSmall):  # the whole batch cannot fit: micro-batching must (the VM's count)
-        remat.compile(model, example, loss_fn, budget=budget, count_workspaces=False)
+    # The minimum is a bounded search's, and the greedy is not monotone in the budget: go below it
+    # until the whole batch cannot fit. Micro-batching must then (the VM's count).
+    for f in (0.97, 0.93, 0.89, 0.85, 0.81, 0.77):
+        budget = int(e.value.minimum * f)
+        try:
+            remat.compile(model, example, loss_fn, budget=budget, count_workspaces=False)
+        except remat.BudgetTooSmall:
+            break
+    else:
+        raise AssertionError("the whole batch fits at 77% of its reported minimum")
     step = remat.compile(model, example, loss_fn, budget=budget, micro_batches="auto", count_workspaces=False)
     assert step.micro_batches > 1
     step(*example)

@@ -17,9 +17,13 @@ different value (a view), and functions with several blocks or calls (their orde
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from .core import Function, Instruction, Value
 from .opdef import OPS
 
+_enabled = True
 NOT_REUSED = frozenset({"copy", "cast"})  # element-wise, but their point is a new buffer (or another dtype)
 
 
@@ -35,7 +39,7 @@ def buffer_reuse(fn: Function) -> dict[Instruction, int]:
     """For each instruction of ``fn`` whose first result takes an operand's buffer: that operand's index.
 
     Deterministic in the program alone (see the module docstring); the first eligible operand wins."""
-    if fn.is_declaration or len(fn.blocks) != 1:
+    if not _enabled or fn.is_declaration or len(fn.blocks) != 1:
         return {}
     instrs = fn.entry.instrs
     last: dict[Value, int] = {}  # last use by anything but ``free`` (the return counts: outputs stay)
@@ -86,4 +90,17 @@ def buffer_reuse(fn: Function) -> dict[Instruction, int]:
     return out
 
 
-__all__ = ["NOT_REUSED", "buffer_reuse", "reuses_operand"]
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block nothing is reused: steps compiled and VMs built meanwhile run every kernel out
+    of place (the VM decides when it is built). For A/B measurements (``bench/buffer_reuse.py``);
+    a program's peaks must be predicted under the same setting it runs under."""
+    global _enabled
+    saved, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = saved
+
+
+__all__ = ["NOT_REUSED", "buffer_reuse", "disabled", "reuses_operand"]

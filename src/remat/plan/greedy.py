@@ -162,9 +162,17 @@ class _Greedy:
         while self.mem + extra > self.budget:
             self._evict_one()
 
-    def _compute(self, v: int) -> None:
+    def _takes_buffer(self, v: int, first: bool) -> bool:
+        """Whether ``v``'s output takes the buffer of an input that dies with this compute (its
+        declared ``reuses``): live, pinned only as ``v``'s input, read by no later first computation
+        (``v`` itself, when this is its first), not an output. Eager frees then free it right after."""
+        nodes, live, pins, fut = self.nodes, self.live, self.pins, self.fut
+        return any(live[j] and pins[j] == 1 and fut[j] == (1 if first else 0) and not nodes[j].is_output
+                   for j in nodes[v].reuses)
+
+    def _compute(self, v: int, first: bool = False) -> None:
         nd = self.nodes[v]
-        self._make_room(nd.bytes + nd.workspace)
+        self._make_room(nd.workspace if nd.reuses and self._takes_buffer(v, first) else nd.bytes + nd.workspace)
         self.seq.append(v)
         if len(self.seq) > self.max_steps:
             raise _Stuck
@@ -184,9 +192,10 @@ class _Greedy:
             if self._dead(j):
                 self._free(j)
 
-    def _compute_with_inputs(self, u: int) -> None:
+    def _compute_with_inputs(self, u: int, first: bool = False) -> None:
         """Compute ``u`` after making its inputs live (rematerialising the missing ones), with
-        its inputs pinned so that making room never evicts them."""
+        its inputs pinned so that making room never evicts them. ``first``: its computation in
+        the order (not a recomputation)."""
         nd = self.nodes[u]
         pinned: list[int] = []
         for j in nd.inputs:  # protect inputs that are already live
@@ -198,7 +207,7 @@ class _Greedy:
                 self._materialize(j)
                 self.pins[j] += 1
                 pinned.append(j)
-        self._compute(u)
+        self._compute(u, first)
         for j in pinned:
             self.pins[j] -= 1
 
@@ -210,7 +219,7 @@ class _Greedy:
         for p, v in enumerate(self.order):
             self.p = p
             nd = self.nodes[v]
-            self._compute_with_inputs(v)
+            self._compute_with_inputs(v, first=True)
             for j in nd.inputs:
                 self.fut[j] -= 1
                 if self._dead(j):
