@@ -43,6 +43,13 @@ def _method(spec: "speed.ModelSpec", budget: str | None, reuse: bool) -> Any:
         return speed._remat(spec, method)
 
 
+def _vm_reused(step: Any) -> int:
+    """Kernels the step's VM runs over an operand's buffer (as it was prepared, reuse on or off)."""
+    plan = step._vm._plans[step.program.name]
+    return sum(1 for bp in plan.blocks for s in bp.steps
+               if s.fn is not None and s.alias and s.alias[0] >= 0 and not s.ins.op.aliases)
+
+
 def compare(name: str, budget: str | None, rounds: int, quick: bool = False) -> dict[str, Any]:
     spec = speed.model_specs(quick)[name]
     methods = {"eager": speed._eager_like(spec, "eager"), "reuse": _method(spec, budget, True),
@@ -67,7 +74,7 @@ def compare(name: str, budget: str | None, rounds: int, quick: bool = False) -> 
         if k != "eager":
             st = m.compiled
             measured = st.last_stats.peak_bytes
-            entry.update(predicted_peak=st.predicted_peak, measured_peak=measured,
+            entry.update(reused_buffers=_vm_reused(st), predicted_peak=st.predicted_peak, measured_peak=measured,
                          measured_eq_predicted=measured == st.predicted_peak,
                          unconstrained_peak=st.report().unconstrained_peak, recomputed=st.recomputed)
         row[k] = entry
