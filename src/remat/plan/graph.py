@@ -15,9 +15,7 @@ Memory model (all sizes in bytes, costs in seconds):
   not also an output may be freed (after its last use); mark it ``is_output`` to pin
   it for the whole run (e.g. parameters that the caller keeps alive).
 * ``("compute", i)`` requires every input of ``i`` to be live and ``i`` itself not
-  live.  *During* the compute, memory = live bytes + ``bytes[i]`` + ``workspace[i]``
-  (without ``bytes[i]`` when one of ``reuses[i]`` is live and freed by the steps right after
-  it, before the next compute: the output takes that input's buffer, as ``remat.ir.reuse``);
+  live.  *During* the compute, memory = live bytes + ``bytes[i]`` + ``workspace[i]``;
   afterwards ``i`` is live (``live += bytes[i]``; workspace is released).
 * ``("free", i)`` requires ``i`` live and removes it (``live -= bytes[i]``).
 * Every non-input node must be computed at least once (nothing is dead-code
@@ -58,9 +56,6 @@ class Node:
     is_output: bool = False  # must be live at the end
     recomputable: bool = True  # False: computed exactly once (random/effectful/pinned)
     workspace: int = 0  # transient bytes live only while this node computes
-    # Inputs of the same size whose buffer this node's output may take when the input dies here
-    # (an element-wise op over a dying operand: remat.ir.reuse). Such a compute adds no bytes.
-    reuses: tuple[int, ...] = ()
 
 
 class Graph:
@@ -88,11 +83,10 @@ class Graph:
         is_output: bool = False,
         recomputable: bool = True,
         workspace: int = 0,
-        reuses: Sequence[int] = (),
     ) -> int:
         """Add a computed node reading ``inputs`` (earlier indices); returns its index."""
         return self._append(
-            Node(name, cost, bytes, tuple(inputs), False, is_output, recomputable, workspace, tuple(reuses))
+            Node(name, cost, bytes, tuple(inputs), False, is_output, recomputable, workspace)
         )
 
     def _append(self, nd: Node) -> int:
@@ -142,7 +136,6 @@ class Graph:
             bool(nd.is_output),
             bool(nd.recomputable) and not nd.is_input,
             work,
-            tuple(j for j in nd.reuses if j in ins and self._nodes[j].bytes == size and not self._nodes[j].is_input),
         )
 
     # ------------------------------------------------------------------ queries
@@ -281,17 +274,6 @@ def _run(
     peak = mem
     cost = 0.0
     prof = [mem] if want_profile else []
-    # For each compute step with reuse candidates: the nodes freed right after it (before the next compute).
-    freed_next: dict[int, set[int]] = {}
-    pending: set[int] = set()
-    for t in range(len(schedule) - 1, -1, -1):
-        step = schedule[t]
-        if isinstance(step, tuple) and len(step) == 2 and step[0] == FREE:
-            pending.add(step[1])
-        elif isinstance(step, tuple) and len(step) == 2 and step[0] == COMPUTE:
-            if isinstance(step[1], int) and 0 <= step[1] < n and nodes[step[1]].reuses:
-                freed_next[t] = pending
-            pending = set()
     for t, step in enumerate(schedule):
         try:
             kind, i = step
@@ -316,8 +298,6 @@ def _run(
                         f"({nodes[j].name!r}) which is not live"
                     )
             during = mem + nd.bytes + nd.workspace
-            if nd.reuses and any(live[j] for j in nd.reuses if j in freed_next.get(t, ())):
-                during -= nd.bytes
             peak = max(peak, during)
             mem += nd.bytes
             live[i] = True
@@ -437,8 +417,7 @@ def min_memory_lower_bound(graph: Graph) -> int:
     for i, nd in enumerate(nodes):
         if nd.is_input:
             continue
-        reuse = any(not nodes[j].is_output for j in nd.reuses)  # the output may take a dying input's buffer
-        need = pinned_bytes + nd.workspace + (0 if reuse else nd.bytes)
+        need = pinned_bytes + nd.bytes + nd.workspace
         need += sum(nodes[j].bytes for j in nd.inputs if j not in pinned)
         lb = max(lb, need)
     return lb

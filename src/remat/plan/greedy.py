@@ -162,17 +162,9 @@ class _Greedy:
         while self.mem + extra > self.budget:
             self._evict_one()
 
-    def _takes_buffer(self, v: int, first: bool) -> bool:
-        """Whether ``v``'s output takes the buffer of an input that dies with this compute (its
-        declared ``reuses``): live, pinned only as ``v``'s input, read by no later first computation
-        (``v`` itself, when this is its first), not an output. Eager frees then free it right after."""
-        nodes, live, pins, fut = self.nodes, self.live, self.pins, self.fut
-        return any(live[j] and pins[j] == 1 and fut[j] == (1 if first else 0) and not nodes[j].is_output
-                   for j in nodes[v].reuses)
-
-    def _compute(self, v: int, first: bool = False) -> None:
+    def _compute(self, v: int) -> None:
         nd = self.nodes[v]
-        self._make_room(nd.workspace if nd.reuses and self._takes_buffer(v, first) else nd.bytes + nd.workspace)
+        self._make_room(nd.bytes + nd.workspace)
         self.seq.append(v)
         if len(self.seq) > self.max_steps:
             raise _Stuck
@@ -192,10 +184,9 @@ class _Greedy:
             if self._dead(j):
                 self._free(j)
 
-    def _compute_with_inputs(self, u: int, first: bool = False) -> None:
+    def _compute_with_inputs(self, u: int) -> None:
         """Compute ``u`` after making its inputs live (rematerialising the missing ones), with
-        its inputs pinned so that making room never evicts them. ``first``: its computation in
-        the order (not a recomputation)."""
+        its inputs pinned so that making room never evicts them."""
         nd = self.nodes[u]
         pinned: list[int] = []
         for j in nd.inputs:  # protect inputs that are already live
@@ -207,7 +198,7 @@ class _Greedy:
                 self._materialize(j)
                 self.pins[j] += 1
                 pinned.append(j)
-        self._compute(u, first)
+        self._compute(u)
         for j in pinned:
             self.pins[j] -= 1
 
@@ -219,7 +210,7 @@ class _Greedy:
         for p, v in enumerate(self.order):
             self.p = p
             nd = self.nodes[v]
-            self._compute_with_inputs(v, first=True)
+            self._compute_with_inputs(v)
             for j in nd.inputs:
                 self.fut[j] -= 1
                 if self._dead(j):

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from ..ir import Builder, Function, Instruction, Module, Value, verify
 from ..ir.core import BlockArg
-from ..ir.reuse import reuses_operand
 from .graph import COMPUTE, FREE, Graph
 
 
@@ -77,11 +76,8 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
             cost = costs.get(ins, 0.0) if costs is not None else float(ins.results[0].type.numel)
             name = f"%{n}:{ins.op.name}" + (f"#{k}" if len(ins.results) > 1 else "")
             ws = workspaces.get(ins, 0) if workspaces is not None and k == 0 else 0  # bytes, while it computes
-            # operands whose buffer the result may take (remat.ir.reuse decides on the lowered program)
-            reuses = sorted({low.node_of[low.root[o]] for o in ins.operands if o.type == r.type}) if (
-                k == 0 and reuses_operand(ins.op.name)) else ()
             idx = g.add_node(name, cost, r.type.nbytes, inputs, is_output=r in out_roots, recomputable=recomputable,
-                             workspace=ws, reuses=reuses)
+                             workspace=ws)
             low.node_of[r] = idx
             low.instr_of[idx] = ins
             low.result_of[idx] = k
