@@ -18,6 +18,7 @@ different value (a view), and functions with several blocks or calls (their orde
 from __future__ import annotations
 
 import contextlib
+from functools import lru_cache
 from typing import Iterator
 
 from .core import Function, Instruction, Value
@@ -27,6 +28,7 @@ _enabled = True
 NOT_REUSED = frozenset({"copy", "cast"})  # element-wise, but their point is a new buffer (or another dtype)
 
 
+@lru_cache(maxsize=None)
 def reuses_operand(op_name: str) -> bool:
     """Whether results of this op may take a dying operand's buffer (element-wise ops and ``fused``)."""
     op = OPS.get(op_name)
@@ -54,16 +56,12 @@ def buffer_reuse(fn: Function) -> dict[Instruction, int]:
     group_last: dict[Value, int] = {p: last.get(p, -1) for p in fn.params}
     pinned = set(fn.params)  # roots of storages owned by the caller
     out: dict[Instruction, int] = {}
-    eligible: dict[str, bool] = {}
     for i, ins in enumerate(instrs):
         name = ins.op.name
         if name in ("free", "return") or not ins.results:
             continue
         k = None
-        ok = eligible.get(name)
-        if ok is None:
-            ok = eligible[name] = reuses_operand(name)
-        if ok:
+        if reuses_operand(name):
             t = ins.results[0].type
             for j, v in enumerate(ins.operands):
                 if v.type != t:
