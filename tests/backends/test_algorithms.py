@@ -93,3 +93,23 @@ def test_torch_kernel_temporaries_stay_within_the_declared_bound(op):
     bound = workspace_bytes(n, v, 4, chunk)
     assert ws <= bound, f"{op}: {ws} B of temporaries, declared at most {bound} B"
     assert bound < n * v * 4 / 4
+
+
+@pytest.mark.parametrize("op", ["conv_bn_relu_pool", "conv_bn_relu_pool_grad"])
+def test_tiled_stem_temporaries_are_a_few_tiles(op):
+    """conv_bn_relu_pool's kernels hold one tile's full-resolution temporaries, not the batch's: the
+    allocator sees well under one full-resolution activation beyond their results."""
+    n, tile = 64, 2
+    f32 = DType.f32
+    x, w, vec = TensorType(f32, (n, 3, 32, 32)), TensorType(f32, (16, 3, 3, 3)), TensorType(f32, (16,))
+    attrs = {"padding": (1, 1), "pool_kernel": (3, 3), "pool_stride": (2, 2), "pool_padding": (1, 1), "tile": tile,
+             "input_grad": False}
+    gy = TensorType(f32, (n, 16, 16, 16))
+    types = [x, w, vec, vec] if op == "conv_bn_relu_pool" else [x, gy, w, vec, vec, vec, vec]
+    f = Function("k", types)
+    b = Builder(f.entry)
+    ins = b.create(op, list(f.params), OPS[op].check_attrs(types, attrs), dialect="torch")
+    b.ret(*ins.results)
+    activation = n * 16 * 32 * 32 * 4
+    ws = kernel_workspace(ins)
+    assert 0 < ws <= 8 * activation * tile // n, f"{op}: {ws} B of temporaries, one activation is {activation} B"

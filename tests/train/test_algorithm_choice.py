@@ -232,3 +232,32 @@ def test_unet_skip_concatenations_are_split_below_the_reference_minimum():
     loss_fn(eager(*inputs[:-1]), inputs[-1]).backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
+    """A ResNet's stem (convolution, batch norm, ReLU, max pool at full resolution) sets its floor:
+    below the reference's minimum the planner runs it as one batch-tiled ``conv_bn_relu_pool``
+    (never the full-resolution activations or their gradients), reports it, fits with measured ==
+    predicted peak, and gives eager's gradients and running statistics to float rounding."""
+    from remat import zoo
+
+    model, inputs, loss_fn = zoo.make("resnet", "tiny", batch=32)
+    with pytest.raises(remat.BudgetTooSmall) as ref:
+        remat.compile(model, inputs, loss_fn, budget=1, algorithms="reference")
+    with pytest.raises(remat.BudgetTooSmall) as auto:
+        remat.compile(model, inputs, loss_fn, budget=1)
+    assert auto.value.minimum < 0.8 * ref.value.minimum
+    eager = copy.deepcopy(model)
+    step = remat.compile(model, inputs, loss_fn, budget=auto.value.minimum)
+    assert any(line.startswith("conv_bn_relu_pool at stem.0 (convolution, batch norm, ReLU and max pool over 32 "
+                               "samples, 1 at a time") and ": chosen;" in line for line in step.report().algorithms)
+    ops = [i.op.name for i in step.program.entry.instrs]
+    assert "conv_bn_relu_pool" in ops and "conv_bn_relu_pool_grad" in ops
+    assert ops.count("max_pool2d_with_indices") == 0  # the stem's was the only pool
+    step(*inputs)
+    assert step.last_stats.peak_bytes == step.predicted_peak <= auto.value.minimum
+    loss_fn(eager(*inputs[:-1]), inputs[-1]).backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)

@@ -882,6 +882,111 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     return _fresh(dx, x.dtype), _fresh(dw, x.dtype)
 
 
+# ---------------------------------------------------------------- convolution -> batch norm -> ReLU -> max pool (batch-tiled)
+from ..ir.ops import nn as _nn  # noqa: E402
+
+
+def _cb_nchw(a: np.ndarray, layout: str) -> np.ndarray:
+    return a if layout in ("", "NCHW") else a.transpose(_nn.TO_NCHW)
+
+
+def _cb_stats(n_a: int, mean_a, m2_a, c: np.ndarray):
+    """Chan's combination of running (count, mean, M2) with a tile's per-channel moments (float64)."""
+    n_b = c.shape[0] * c.shape[2] * c.shape[3]
+    cd = c.astype(np.float64)
+    mean_b = cd.mean(axis=(0, 2, 3))
+    m2_b = ((cd - mean_b[None, :, None, None]) ** 2).sum(axis=(0, 2, 3))
+    if n_a == 0:
+        return n_b, mean_b, m2_b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    return n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)
+
+
+def _cb_forward(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
+                      input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1,
+                      input_grad=True, momentum=0.1):
+    xn = _cb_nchw(x, input_layout or layout)
+    ca = dict(stride=stride, padding=padding, dilation=dilation)
+    pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
+    n_all, mean, m2 = 0, None, None
+    for a in range(0, xn.shape[0], tile):
+        n_all, mean, m2 = _cb_stats(n_all, mean, m2, conv2d(xn[a:a + tile], w, **ca))
+    var = m2 / n_all
+    dt = x.dtype
+    invstd = (1.0 / np.sqrt(var + eps)).astype(dt)
+    scale = (gamma * invstd).astype(dt)
+    shift = (beta - mean.astype(dt) * scale).astype(dt)
+    parts = []
+    for a in range(0, xn.shape[0], tile):
+        c = conv2d(xn[a:a + tile], w, **ca)
+        r = np.maximum(c * scale[None, :, None, None] + shift[None, :, None, None], dt.type(0))
+        parts.append(max_pool2d(r, **pa))
+    y = np.concatenate(parts)
+    y = np.ascontiguousarray(y if layout == "NCHW" else y.transpose(_nn.TO_NHWC))
+    out = (y, mean.astype(dt), invstd)
+    if running:
+        rm, rv = running
+        unbiased = var * (n_all / max(n_all - 1, 1))
+        out += (((1 - momentum) * rm + momentum * mean).astype(dt), ((1 - momentum) * rv + momentum * unbiased).astype(dt))
+    return out
+
+
+def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                       layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
+                       tile=1, input_grad=True):
+    xn, gyn = _cb_nchw(x, input_layout or layout), _cb_nchw(gy, layout)
+    ca = dict(stride=stride, padding=padding, dilation=dilation)
+    pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
+    ch = (None, slice(None), None, None)
+    dt = x.dtype
+
+    def tile_grads(a):  # (dz, x̂) of one tile: the gradient at batch norm's output and its normalised input
+        c = conv2d(xn[a:a + tile], w, **ca)
+        xhat = (c - mean[ch]) * invstd[ch]
+        z = xhat * gamma[ch] + beta[ch]
+        r = np.maximum(z, dt.type(0))
+        _, idx = max_pool2d_with_indices(r, **pa)
+        dr = max_pool2d_index_grad(gyn[a:a + tile], idx, r.shape, **pa)
+        return np.where(z > 0, dr, dt.type(0)), xhat
+
+    s_dz = np.zeros(w.shape[0], dtype=dt)
+    s_dzx = np.zeros(w.shape[0], dtype=dt)
+    for a in range(0, xn.shape[0], tile):
+        dz, xhat = tile_grads(a)
+        s_dz += dz.sum(axis=(0, 2, 3))
+        s_dzx += (dz * xhat).sum(axis=(0, 2, 3))
+    hw = _nn.conv_out_hw("conv_bn_relu_pool_grad", xn.shape[2:], w.shape[2:], ca)
+    m = dt.type(xn.shape[0] * hw[0] * hw[1])  # the count batch norm's statistics average over
+    k = (gamma * invstd).astype(dt)
+    gw = np.zeros_like(w)
+    gx = np.empty_like(xn) if input_grad else None
+    for a in range(0, xn.shape[0], tile):
+        dz, xhat = tile_grads(a)
+        dc = k[ch] * (dz - (s_dz / m)[ch] - xhat * (s_dzx / m)[ch])
+        gw += conv2d_weight_grad(xn[a:a + tile], dc, w.shape, **ca)
+        if input_grad:
+            gx[a:a + tile] = conv2d_input_grad(dc, w, xn[a:a + tile].shape, **ca)
+    out = (gw, s_dzx, s_dz)
+    if input_grad:
+        out += (np.ascontiguousarray(gx if layout == "NCHW" else gx.transpose(_nn.TO_NHWC)),)
+    return out
+
+
+
+
+@k("conv_bn_relu_pool")
+def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
+    outs = _cb_forward(*(_up(a) for a in (x, w, gamma, beta, *running)), **attrs)
+    return tuple(_fresh(o, x.dtype) for o in outs)
+
+
+@k("conv_bn_relu_pool_grad")
+def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, **attrs):
+    outs = _cb_backward(*(_up(a) for a in (x, gy, w, gamma, beta, mean, invstd)), **attrs)
+    return tuple(_fresh(o, x.dtype) for o in outs)
+
+
 # ---------------------------------------------------------------- attention with dropout (explicit reference)
 from ..ir.ops import attention as _att  # noqa: E402
 

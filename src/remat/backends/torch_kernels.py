@@ -864,6 +864,120 @@ def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
     return tuple(_fresh(_heads_first(x.to(q.dtype), seq_first)) for x in (dq, dk, _sum_groups(dv, v0)))
 
 
+# ---------------------------------------------------------------- convolution -> batch norm -> ReLU -> max pool (batch-tiled)
+# ``remat.ir.ops.convblock``: two passes over tiles of the batch, in NCHW views of any layout; a
+# tile's convolution output and its normalised, rectified and routed-back forms are the only
+# full-resolution temporaries.
+def _nchw_of(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout in ("", "NCHW") else t.permute(0, 3, 1, 2)
+
+
+def _empty_nchw(shape, dtype, layout: str) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, memory_format=torch.channels_last if layout == "NHWC"
+                       else torch.contiguous_format)
+
+
+def _stored(t: torch.Tensor, layout: str, dtype) -> torch.Tensor:
+    return _fresh((t if layout == "NCHW" else t.permute(0, 2, 3, 1)).to(dtype))
+
+
+@k("conv_bn_relu_pool")
+def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
+                      input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1,
+                      input_grad=True, momentum=0.1):
+    dt = torch.float32 if x.dtype in _LOWP else x.dtype
+    xn, wc = _nchw_of(x, input_layout or layout), w.to(dt)
+    n = xn.shape[0]
+    count, mean, m2 = 0, None, None
+    for a in range(0, n, tile):  # pass 1: per-channel moments, combined tile by tile (Chan et al.)
+        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
+        var_b, mean_b = torch.var_mean(c, dim=(0, 2, 3), correction=0)
+        nb = c.numel() // c.shape[1]
+        del c
+        mean_b, m2_b = mean_b.double(), var_b.double() * nb
+        if mean is None:
+            count, mean, m2 = nb, mean_b, m2_b
+        else:
+            total = count + nb
+            delta = mean_b - mean
+            mean = mean + delta * (nb / total)
+            m2 = m2 + m2_b + delta * delta * (count * nb / total)
+            count = total
+    var = m2 / count
+    invstd = torch.rsqrt(var + eps).to(dt)
+    scale = gamma.to(dt) * invstd
+    shift = beta.to(dt) - mean.to(dt) * scale
+    scale_c, shift_c = scale[None, :, None, None], shift[None, :, None, None]
+    y = None
+    for a in range(0, n, tile):  # pass 2: normalise, rectify and pool each tile into the result
+        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
+        c.mul_(scale_c).add_(shift_c).relu_()
+        p = F.max_pool2d(c, list(pool_kernel), list(pool_stride), list(pool_padding))
+        del c
+        if y is None:
+            y = _empty_nchw((n,) + tuple(p.shape[1:]), dt, layout)
+        y[a:a + tile] = p
+        del p
+    out = (_stored(y, layout, x.dtype), _fresh(mean.to(x.dtype)), _fresh(invstd.to(x.dtype)))
+    if running:
+        rm, rv = running
+        unbiased = var * (count / max(count - 1, 1))
+        out += (_fresh(((1 - momentum) * rm.double() + momentum * mean).to(x.dtype)),
+                _fresh(((1 - momentum) * rv.double() + momentum * unbiased).to(x.dtype)))
+    return out
+
+
+@k("conv_bn_relu_pool_grad")
+def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                           layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
+                           tile=1, input_grad=True):
+    dt = torch.float32 if x.dtype in _LOWP else x.dtype
+    xn, gyn, wc = _nchw_of(x, input_layout or layout), _nchw_of(gy, layout), w.to(dt)
+    n = xn.shape[0]
+    ch = (None, slice(None), None, None)
+    mean_c, invstd_c = mean.to(dt)[ch], invstd.to(dt)[ch]
+    gamma_c, beta_c = gamma.to(dt)[ch], beta.to(dt)[ch]
+    pk, ps, pp = list(pool_kernel), list(pool_stride), list(pool_padding)
+
+    def tile_grads(a: int):  # (dz, x̂) of one tile: the gradient at batch norm's output, its normalised input
+        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
+        xhat = c.sub_(mean_c).mul_(invstd_c)
+        z = xhat * gamma_c + beta_c
+        r = torch.relu(z)
+        _, idx = torch.ops.aten.max_pool2d_with_indices(r, pk, ps, pp)
+        dz = torch.ops.aten.max_pool2d_with_indices_backward(gyn[a:a + tile].to(dt), r, pk, ps, pp, [1, 1], False, idx)
+        del r, idx
+        dz.masked_fill_(z <= 0, 0)
+        return dz, xhat
+
+    s_dz = torch.zeros(w.shape[0], dtype=torch.float64)
+    s_dzx = torch.zeros(w.shape[0], dtype=torch.float64)
+    m = 0
+    for a in range(0, n, tile):  # pass 1: batch norm's sums (the beta and gamma gradients)
+        dz, xhat = tile_grads(a)
+        s_dz += dz.sum(dim=(0, 2, 3)).double()
+        s_dzx += (dz * xhat).sum(dim=(0, 2, 3)).double()
+        m += dz.numel() // dz.shape[1]
+    k_c = (gamma.to(dt) * invstd.to(dt))[ch]
+    a_c, b_c = (s_dz / m).to(dt)[ch], (s_dzx / m).to(dt)[ch]
+    gw = torch.zeros(w.shape, dtype=dt)
+    gx = _empty_nchw(xn.shape, dt, layout) if input_grad else None
+    for a in range(0, n, tile):  # pass 2: the convolution's output gradient, then its weight (and input) gradient
+        dz, xhat = tile_grads(a)
+        dc = dz.sub_(a_c).sub_(xhat.mul_(b_c)).mul_(k_c)
+        del xhat
+        gxt, gwt, _ = torch.ops.aten.convolution_backward(dc, xn[a:a + tile].to(dt), wc, None, list(stride),
+                                                          list(padding), list(dilation), False, [0, 0], 1,
+                                                          [bool(input_grad), True, False])
+        del dc
+        gw += gwt
+        if input_grad:
+            gx[a:a + tile] = gxt
+        del gxt, gwt
+    out = (_fresh(gw.to(x.dtype)), _fresh(s_dzx.to(x.dtype)), _fresh(s_dz.to(x.dtype)))
+    return out + ((_stored(gx, layout, x.dtype),) if input_grad else ())
+
+
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)
 # One chunk's logits at a time (``remat.ir.ops.crossentropy``): the temporaries are a chunk's logits
 # and their gradient, computed in place; dw accumulates chunk by chunk (addmm into the result).

@@ -499,19 +499,22 @@ class TrainStep:
     def _lean_variant(self, p: StepProblem) -> Variant | None:
         """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``),
         each attention with dropout memory-efficient (``dropout_attention``), each convolution over a
-        channel concatenation split per input (``split-concat-conv``) and each training batch norm's
+        channel concatenation split per input (``split-concat-conv``), each convolution -> batch norm ->
+        ReLU -> max pool chain tiled over the batch (``tile-conv-bn-pool``) and each training batch norm's
         backward split (``split-batch-norm-grad``): built once (capture reused,
         differentiated again), then given ``p``'s budget and workspaces."""
         from ..passes.attention import recognise_dropout_attention
         from ..passes.concatconv import split_concat_conv
+        from ..passes.convblock import tile_conv_bn_pool
         from ..passes.crossentropy import fuse_cross_entropy
 
         if self._variant is False:
             forward, sites = fuse_cross_entropy(self.imported.function)
             forward, att_sites = recognise_dropout_attention(forward)
             forward, cat_sites = split_concat_conv(forward)
+            forward, stem_sites = tile_conv_bn_pool(forward, len(self.imported.param_names))
             bns = sum(1 for ins in forward.instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
-            if not sites and not att_sites and not cat_sites and not bns:
+            if not sites and not att_sites and not cat_sites and not stem_sites and not bns:
                 self._variant = None
             else:
                 def make() -> StepProblem:  # differentiated on first use only
@@ -536,6 +539,11 @@ class TrainStep:
                                  f"as one convolution per concatenated input, summed (never the concatenated "
                                  f"activations, {format_bytes(sum(s.concat_bytes for s in cat_sites))} in all, or one "
                                  f"gradient for them; values differ by summation order)")
+                for s in stem_sites:
+                    lines.append(f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
+                                 f"{s.batch} samples, {s.tile} at a time in two passes; the reference holds "
+                                 f"{format_bytes(s.activation_bytes)} full-resolution activations and their gradients; "
+                                 f"the convolution runs 4x; statistics and gradients differ by summation order)")
                 if bns:
                     lines.append(f"batch_norm_grad at {bns} batch norm(s) as a reduction and an element-wise grad_x "
                                  f"(ATen's backward allocates an input-sized buffer it does not use; grad_x may "

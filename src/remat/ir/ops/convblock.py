@@ -1,0 +1,178 @@
+"""Convolution → training batch norm → ReLU → max pool, tiled over the batch: a memory-lean
+alternative for a network's stem (issue 10: per-operator algorithm choice).
+
+``conv_bn_relu_pool(x, w, gamma, beta[, running_mean, running_var])`` is
+``max_pool2d(relu(batch_norm(conv2d(x, w), gamma, beta)))`` with batch statistics, computed ``tile``
+samples at a time. Batch norm's statistics cover the whole batch, so the kernel makes two passes
+over the tiles: the first convolves each tile and accumulates per-channel mean and variance
+(combined tile by tile, Chan et al.), the second convolves it again, normalises, applies the ReLU
+and pools it into the result. Results: ``(y, mean, invstd[, new running_mean, new running_var])``,
+as ``batch_norm``'s (invstd from the biased variance, the unbiased one in the running update).
+
+Its backward ``conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd)`` also makes two passes:
+each recomputes a tile's convolution, normalisation, ReLU and pooling (with indices) and routes
+``gy`` back through them; the first accumulates batch norm's two sums (Σ dz, Σ dz·x̂: the beta and
+gamma gradients), the second forms the tile's convolution-output gradient from them and adds its
+weight gradient (and, with ``input_grad``, writes its input gradient). Results ``(gw, ggamma,
+gbeta[, gx])``.
+
+Memory, as the VM counts it: the results only. The reference holds the convolution's output, the
+normalised and rectified activations (input-sized at full resolution, a stem's largest tensors) and
+their gradients; here the kernels' temporaries are a few tensors of one tile (measured as kernel
+workspaces, ``remat.runtime.allocator``). Time: the forward convolves twice and the backward
+recomputes both passes' forward. Values equal the reference's up to summation order (statistics
+and weight gradients sum tile by tile), so the planner uses it only as a choice it reports
+(``remat.plan.algorithms``). ``input_grad=false`` (the rewrite sets it when x is a model input)
+gives no input gradient and no input-sized buffer for one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..opdef import Attr, OpDef, Sample, declare
+from ..types import DType, TensorType
+from ._util import rand
+from .nn import TO_NHWC, _conv_infer, _pool_infer, ints
+
+_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("layout", "str", "NCHW"),
+          Attr("input_layout", "str", ""), Attr("eps", "float", 1e-5), ints("pool_kernel"), ints("pool_stride"),
+          ints("pool_padding", (0, 0)), Attr("tile", "int", 1), Attr("input_grad", "bool", True))
+_FWD_ATTRS = _ATTRS + (Attr("momentum", "float", 0.1),)
+_DEFAULTS = {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "layout": "NCHW", "input_layout": "",
+             "eps": 1e-5, "pool_padding": (0, 0), "tile": 1, "input_grad": True}
+
+
+def conv_attrs(attrs) -> dict:
+    """The convolution's attributes (conv2d's) of a conv_bn_relu_pool op."""
+    return {"stride": tuple(attrs["stride"]), "padding": tuple(attrs["padding"]), "dilation": tuple(attrs["dilation"]),
+            "groups": 1, "layout": attrs["layout"], "input_layout": attrs["input_layout"]}
+
+
+def pool_attrs(attrs) -> dict:
+    """The pooling's attributes (max_pool2d's) of a conv_bn_relu_pool op."""
+    return {"kernel": tuple(attrs["pool_kernel"]), "stride": tuple(attrs["pool_stride"]),
+            "padding": tuple(attrs["pool_padding"]), "layout": attrs["layout"]}
+
+
+def _types(name: str, x: TensorType, w: TensorType, affine: list[TensorType], attrs) -> tuple[TensorType, TensorType]:
+    """(convolution output, pooled output) types, with the operands checked."""
+    conv = _conv_infer([x, w], conv_attrs(attrs))
+    y = _pool_infer(name)([conv], pool_attrs(attrs))
+    vec = x.with_shape((w.shape[0],))
+    for t, what in zip(affine, ("weight (gamma)", "bias (beta)", "running_mean", "running_var",
+                                "mean", "invstd")):
+        if t != vec:
+            raise TypeError(f"'{name}': {what} must be {vec} (one per output channel of {w}), got {t}")
+    if attrs["tile"] < 1:
+        raise TypeError(f"'{name}': tile (samples per tile) must be >= 1, got {attrs['tile']}")
+    if attrs["input_grad"] and attrs["input_layout"] not in ("", attrs["layout"]):
+        raise TypeError(f"'{name}': an input gradient needs the input in the op's layout {attrs['layout']!r}, "
+                        f"got input_layout={attrs['input_layout']!r}")
+    return conv, y
+
+
+def _infer(types, attrs):
+    if len(types) not in (4, 6):
+        raise TypeError(f"'conv_bn_relu_pool' takes (x, w, gamma, beta[, running_mean, running_var]), "
+                        f"got {len(types)} operands")
+    x, w, *rest = types
+    _, y = _types("conv_bn_relu_pool", x, w, rest, attrs)
+    vec = x.with_shape((w.shape[0],))
+    return (y, vec, vec) + ((vec, vec) if len(rest) == 4 else ())
+
+
+def _grad_infer(types, attrs):
+    if len(types) != 7:
+        raise TypeError(f"'conv_bn_relu_pool_grad' takes (x, grad_output, w, gamma, beta, mean, invstd), "
+                        f"got {len(types)} operands")
+    x, gy, w, *rest = types
+    _, y = _types("conv_bn_relu_pool_grad", x, w, rest, attrs)
+    if gy != y:
+        raise TypeError(f"'conv_bn_relu_pool_grad': output gradient must be {y}, got {gy}")
+    vec = x.with_shape((w.shape[0],))
+    return (w, vec, vec) + ((x,) if attrs["input_grad"] else ())
+
+
+def _conv_flops(x: TensorType, w: TensorType, attrs) -> float:
+    conv = _conv_infer([x, w], conv_attrs(attrs))
+    return 2.0 * conv.numel * float(np.prod(w.shape[1:])), conv.numel
+
+
+def _flops(types, results, attrs) -> float:
+    f, n = _conv_flops(types[0], types[1], attrs)
+    return 2 * f + 12.0 * n  # two convolutions (statistics, then output), normalisation, ReLU, pooling
+
+
+def _grad_flops(types, results, attrs) -> float:
+    f, n = _conv_flops(types[0], types[2], attrs)
+    return (3 + attrs["input_grad"]) * f + 30.0 * n  # two recomputed convolutions, the weight (and input) gradient
+
+
+def _base(r: np.random.Generator, n: int, layout: str) -> list:
+    x = rand(r, n, 3, 6, 5)
+    if layout == "NHWC":
+        x = np.ascontiguousarray(x.transpose(TO_NHWC))
+    return [x, rand(r, 4, 3, 3, 3), rand(r, 4, low=0.5, high=1.5), rand(r, 4)]
+
+
+_POOL = {"pool_kernel": (3, 3), "pool_stride": (2, 2), "pool_padding": (1, 1)}
+
+
+def _samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample(_base(r, 3, "NCHW") + [rand(r, 4), rand(r, 4, low=0.5, high=1.5)],
+                   {"padding": (1, 1), "tile": 2, "momentum": 0.2, **_POOL}),
+            Sample(_base(r, 2, "NHWC"), {"padding": (1, 1), "layout": "NHWC", "tile": 1, **_POOL}),
+            Sample(_base(r, 4, "NCHW"), {"stride": (2, 2), "padding": (1, 1), "tile": 3, "pool_kernel": (2, 2),
+                                         "pool_stride": (2, 2), "eps": 1e-3})]
+
+
+def _grad_samples(r: np.random.Generator) -> list[Sample]:
+    """The forward's samples with an output gradient and statistics (any mean, a positive invstd)."""
+    def sample(args, attrs):
+        x, w, gamma, beta = args[:4]
+        y = _infer([TensorType(DType.from_numpy(a.dtype), a.shape) for a in args], {**_DEFAULTS, **attrs})[0]
+        return Sample([x, rand(r, *y.shape), w, gamma, beta, rand(r, 4), rand(r, 4, low=0.5, high=1.5)], attrs)
+
+    out = [sample(s.args, {k: v for k, v in s.attrs.items() if k != "momentum"}) for s in _samples(r)]
+    # a model input (NCHW) under an NHWC stem: no input gradient
+    out.append(sample(_base(r, 3, "NCHW"), {"padding": (1, 1), "layout": "NHWC", "input_layout": "NCHW", "tile": 2,
+                                            "input_grad": False, **_POOL}))
+    return out
+
+
+declare(OpDef("conv_bn_relu_pool", None, _FWD_ATTRS, _infer, frozenset(), num_results=-1, min_operands=4,
+              flops=_flops, sample=_samples,
+              doc="max_pool2d(relu(batch_norm(conv2d(x, w), gamma, beta))) with batch statistics, `tile` samples at "
+                  "a time in two passes (statistics, then output): (y, mean, invstd[, new running_mean, new "
+                  "running_var]); never the full-resolution activations"))
+declare(OpDef("conv_bn_relu_pool_grad", 7, _ATTRS, _grad_infer, frozenset(), num_results=-1,
+              flops=_grad_flops, sample=_grad_samples,
+              doc="(gw, ggamma, gbeta[, gx]) of conv_bn_relu_pool from (x, grad_output, w, gamma, beta, mean, invstd), "
+                  "each tile's forward recomputed in two passes (batch norm's sums, then the gradients)"))
+
+
+# ================================================================ VJP rules (reverse mode)
+from ..opdef import def_vjp  # noqa: E402
+from ._vjp import Saves  # noqa: E402
+
+
+@def_vjp("conv_bn_relu_pool", saves=Saves(operands=(0, 1, 2, 3), results=(1, 2)))
+def _conv_bn_relu_pool_vjp(b, p, g):
+    g = list(g) if isinstance(g, (list, tuple)) else [g]
+    if any(v is not None for v in g[1:]):
+        raise NotImplementedError("only the pooled output of 'conv_bn_relu_pool' is differentiable (not its "
+                                  "statistics or running statistics)")
+    n = len(p.in_types)
+    if g[0] is None:
+        return [None] * n
+    attrs = {k: v for k, v in p.attrs.items() if k != "momentum"}
+    x, w, gamma, beta = p.x[:4]
+    outs = b.op("conv_bn_relu_pool_grad", x, g[0], w, gamma, beta, p.y[1], p.y[2], **attrs)
+    gx = outs[3] if attrs["input_grad"] else None
+    return [gx, outs[0], outs[1], outs[2]] + [None] * (n - 4)
+
+
+@def_vjp("conv_bn_relu_pool_grad", saves="none")
+def _conv_bn_relu_pool_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through conv_bn_relu_pool is not supported "
+                              "(conv_bn_relu_pool_grad has no VJP rule)")
