@@ -234,13 +234,15 @@ def test_unet_skip_concatenations_are_split_below_the_reference_minimum():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
+def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum(monkeypatch):
     """A ResNet's stem (convolution, batch norm, ReLU, max pool at full resolution) sets its floor:
     below the reference's minimum the planner runs it as one batch-tiled ``conv_bn_relu_pool``
     (never the full-resolution activations or their gradients), reports it, fits with measured ==
     predicted peak, and gives eager's gradients and running statistics to float rounding."""
     from remat import zoo
+    from remat.passes import convblock
 
+    monkeypatch.setattr(convblock, "MIN_TILE_BYTES", 0)  # the tiny stem's 8 KiB a sample: one sample a tile
     model, inputs, loss_fn = zoo.make("resnet", "tiny", batch=32)
     with pytest.raises(remat.BudgetTooSmall) as ref:
         remat.compile(model, inputs, loss_fn, budget=1, algorithms="reference")

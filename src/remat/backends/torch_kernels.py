@@ -881,17 +881,24 @@ def _stored(t: torch.Tensor, layout: str, dtype) -> torch.Tensor:
     return _fresh((t if layout == "NCHW" else t.permute(0, 2, 3, 1)).to(dtype))
 
 
+def _tile_conv(xn: torch.Tensor, wc: torch.Tensor, a: int, tile: int, dt, stride, padding, dilation) -> torch.Tensor:
+    """One tile's convolution, in the weight's memory format (channels-last weight: channels-last
+    output, whatever the input's layout, the form ATen's pooling and batch norm run fastest in)."""
+    return F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
+
+
 @k("conv_bn_relu_pool")
 def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
                       input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1,
                       input_grad=True, momentum=0.1):
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
-    xn, wc = _nchw_of(x, input_layout or layout), w.to(dt)
+    xn = _nchw_of(x, input_layout or layout)
+    wc = _cl_weight(w.to(dt), layout == "NHWC")
     n = xn.shape[0]
     count, mean, m2 = 0, None, None
     for a in range(0, n, tile):  # pass 1: per-channel moments, combined tile by tile (Chan et al.)
-        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
-        var_b, mean_b = torch.var_mean(c, dim=(0, 2, 3), correction=0)
+        c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
+        mean_b, var_b = torch.ops.aten.batch_norm_update_stats(c, None, None, 0.0)  # ATen's statistics pass
         nb = c.numel() // c.shape[1]
         del c
         mean_b, m2_b = mean_b.double(), var_b.double() * nb
@@ -910,7 +917,7 @@ def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0)
     scale_c, shift_c = scale[None, :, None, None], shift[None, :, None, None]
     y = None
     for a in range(0, n, tile):  # pass 2: normalise, rectify and pool each tile into the result
-        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
+        c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
         c.mul_(scale_c).add_(shift_c).relu_()
         p = F.max_pool2d(c, list(pool_kernel), list(pool_stride), list(pool_padding))
         del c
@@ -932,40 +939,45 @@ def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1)
                            layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
                            tile=1, input_grad=True):
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
-    xn, gyn, wc = _nchw_of(x, input_layout or layout), _nchw_of(gy, layout), w.to(dt)
+    xn, gyn = _nchw_of(x, input_layout or layout), _nchw_of(gy, layout)
+    wc = _cl_weight(w.to(dt), layout == "NHWC")
     n = xn.shape[0]
     ch = (None, slice(None), None, None)
-    mean_c, invstd_c = mean.to(dt)[ch], invstd.to(dt)[ch]
-    gamma_c, beta_c = gamma.to(dt)[ch], beta.to(dt)[ch]
+    mean_c = mean.to(dt)[ch]
     pk, ps, pp = list(pool_kernel), list(pool_stride), list(pool_padding)
 
-    def tile_grads(a: int):  # (dz, x̂) of one tile: the gradient at batch norm's output, its normalised input
-        c = F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
-        xhat = c.sub_(mean_c).mul_(invstd_c)
-        z = xhat * gamma_c + beta_c
-        r = torch.relu(z)
+    scale = gamma.to(dt) * invstd.to(dt)
+    scale_c, shift_c = scale[ch], (beta.to(dt) - mean.to(dt) * scale)[ch]
+
+    def tile_grads(a: int):  # (dz, c) of one tile: the gradient at batch norm's output, the convolution output
+        c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
+        r = torch.addcmul(shift_c, c, scale_c).relu_()
         _, idx = torch.ops.aten.max_pool2d_with_indices(r, pk, ps, pp)
-        dz = torch.ops.aten.max_pool2d_with_indices_backward(gyn[a:a + tile].to(dt), r, pk, ps, pp, [1, 1], False, idx)
-        del r, idx
-        dz.masked_fill_(z <= 0, 0)
-        return dz, xhat
+        g = gyn[a:a + tile].to(dt)
+        dr = torch.ops.aten.max_pool2d_with_indices_backward(g, r, pk, ps, pp, [1, 1], False, idx)
+        del idx, g
+        dz = torch.ops.aten.threshold_backward(dr, r, 0)  # ReLU's backward: r > 0 where z > 0
+        return dz, c
 
     s_dz = torch.zeros(w.shape[0], dtype=torch.float64)
     s_dzx = torch.zeros(w.shape[0], dtype=torch.float64)
     m = 0
-    for a in range(0, n, tile):  # pass 1: batch norm's sums (the beta and gamma gradients)
-        dz, xhat = tile_grads(a)
-        s_dz += dz.sum(dim=(0, 2, 3)).double()
-        s_dzx += (dz * xhat).sum(dim=(0, 2, 3)).double()
+    for a in range(0, n, tile):  # pass 1: batch norm's sums (the beta and gamma gradients), ATen's reduction
+        dz, c = tile_grads(a)
+        _, gw_t, gb_t = torch.ops.aten.native_batch_norm_backward(dz, c, None, None, None, mean.to(dt), invstd.to(dt),
+                                                                  True, eps, [False, True, True])
+        s_dzx += gw_t.double()
+        s_dz += gb_t.double()
         m += dz.numel() // dz.shape[1]
-    k_c = (gamma.to(dt) * invstd.to(dt))[ch]
-    a_c, b_c = (s_dz / m).to(dt)[ch], (s_dzx / m).to(dt)[ch]
+        del dz, c
+    k_c = scale[ch]
+    a_c, b_c = (s_dz / m).to(dt)[ch], (s_dzx / m).to(dt)[ch] * invstd.to(dt)[ch]
     gw = torch.zeros(w.shape, dtype=dt)
     gx = _empty_nchw(xn.shape, dt, layout) if input_grad else None
     for a in range(0, n, tile):  # pass 2: the convolution's output gradient, then its weight (and input) gradient
-        dz, xhat = tile_grads(a)
-        dc = dz.sub_(a_c).sub_(xhat.mul_(b_c)).mul_(k_c)
-        del xhat
+        dz, c = tile_grads(a)
+        dc = dz.sub_(a_c).sub_(c.sub_(mean_c).mul_(b_c)).mul_(k_c)  # k (dz - Σdz/m - x̂ Σdz·x̂/m)
+        del c
         gxt, gwt, _ = torch.ops.aten.convolution_backward(dc, xn[a:a + tile].to(dt), wc, None, list(stride),
                                                           list(padding), list(dilation), False, [0, 0], 1,
                                                           [bool(input_grad), True, False])

@@ -54,13 +54,14 @@ def pool_attrs(attrs) -> dict:
             "padding": tuple(attrs["pool_padding"]), "layout": attrs["layout"]}
 
 
-def _types(name: str, x: TensorType, w: TensorType, affine: list[TensorType], attrs) -> tuple[TensorType, TensorType]:
-    """(convolution output, pooled output) types, with the operands checked."""
+def _types(name: str, x: TensorType, w: TensorType, vectors: list[TensorType], names: tuple[str, ...],
+           attrs) -> tuple[TensorType, TensorType]:
+    """(convolution output, pooled output) types, with the operands checked (``vectors``: the
+    per-channel operands, called ``names``)."""
     conv = _conv_infer([x, w], conv_attrs(attrs))
     y = _pool_infer(name)([conv], pool_attrs(attrs))
     vec = x.with_shape((w.shape[0],))
-    for t, what in zip(affine, ("weight (gamma)", "bias (beta)", "running_mean", "running_var",
-                                "mean", "invstd")):
+    for t, what in zip(vectors, names):
         if t != vec:
             raise TypeError(f"'{name}': {what} must be {vec} (one per output channel of {w}), got {t}")
     if attrs["tile"] < 1:
@@ -76,7 +77,8 @@ def _infer(types, attrs):
         raise TypeError(f"'conv_bn_relu_pool' takes (x, w, gamma, beta[, running_mean, running_var]), "
                         f"got {len(types)} operands")
     x, w, *rest = types
-    _, y = _types("conv_bn_relu_pool", x, w, rest, attrs)
+    _, y = _types("conv_bn_relu_pool", x, w, rest, ("weight (gamma)", "bias (beta)", "running_mean", "running_var"),
+                  attrs)
     vec = x.with_shape((w.shape[0],))
     return (y, vec, vec) + ((vec, vec) if len(rest) == 4 else ())
 
@@ -86,14 +88,15 @@ def _grad_infer(types, attrs):
         raise TypeError(f"'conv_bn_relu_pool_grad' takes (x, grad_output, w, gamma, beta, mean, invstd), "
                         f"got {len(types)} operands")
     x, gy, w, *rest = types
-    _, y = _types("conv_bn_relu_pool_grad", x, w, rest, attrs)
+    _, y = _types("conv_bn_relu_pool_grad", x, w, rest, ("weight (gamma)", "bias (beta)", "mean", "invstd"), attrs)
     if gy != y:
         raise TypeError(f"'conv_bn_relu_pool_grad': output gradient must be {y}, got {gy}")
     vec = x.with_shape((w.shape[0],))
     return (w, vec, vec) + ((x,) if attrs["input_grad"] else ())
 
 
-def _conv_flops(x: TensorType, w: TensorType, attrs) -> float:
+def _conv_flops(x: TensorType, w: TensorType, attrs) -> tuple[float, int]:
+    """(one convolution's flops, its output's elements)."""
     conv = _conv_infer([x, w], conv_attrs(attrs))
     return 2.0 * conv.numel * float(np.prod(w.shape[1:])), conv.numel
 
