@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from remat.ir import Builder, DType, Function, Module, TensorType, verify
-from remat.passes import convblock
 from remat.passes.convblock import TILES, tile_conv_bn_pool
 from remat.pipeline import run_pipeline
 from remat.runtime.vm import run
@@ -42,10 +41,9 @@ def _args(f: Function, seed: int = 0) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dialect", ["numpy", "torch"])
-def test_tiled_chain_gives_the_reference_values(layout, dialect, monkeypatch):
-    monkeypatch.setattr(convblock, "MIN_TILE_BYTES", 0)  # one sample a tile
+def test_tiled_chain_gives_the_reference_values(layout, dialect):
     f = _net(layout)
-    g, sites = tile_conv_bn_pool(f, n_params=5)
+    g, sites = tile_conv_bn_pool(f, n_params=5, min_tile_bytes=0)  # one sample a tile
     verify(Module([g]))
     ops = [i.op.name for i in g.entry.instrs]
     assert ops == ["conv_bn_relu_pool", "return"]
@@ -59,14 +57,11 @@ def test_tiled_chain_gives_the_reference_values(layout, dialect, monkeypatch):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_tile_covers_the_batch_in_at_most_TILES_tiles(monkeypatch):
-    g, sites = tile_conv_bn_pool(_net(batch=2 * TILES + 1), n_params=5)
-    assert sites[0].tile == 2 * TILES + 1  # 2 KiB a sample: one tile of at least MIN_TILE_BYTES is the batch
-    monkeypatch.setattr(convblock, "MIN_TILE_BYTES", 4 * 4 * 64 * 8)
-    assert tile_conv_bn_pool(_net(batch=2 * TILES + 1), n_params=5)[1][0].tile == 4
-    monkeypatch.setattr(convblock, "MIN_TILE_BYTES", 0)
-    g, sites = tile_conv_bn_pool(_net(batch=2 * TILES + 1), n_params=5)
-    assert sites[0].tile == 3
+def test_tile_covers_the_batch_in_at_most_TILES_tiles():
+    f = _net(batch=2 * TILES + 1)
+    assert tile_conv_bn_pool(f, n_params=5)[1][0].tile == 2 * TILES + 1  # 2 KiB a sample: MIN_TILE_BYTES is the batch
+    assert tile_conv_bn_pool(f, n_params=5, min_tile_bytes=4 * 4 * 64 * 8)[1][0].tile == 4
+    assert tile_conv_bn_pool(f, n_params=5, min_tile_bytes=0)[1][0].tile == 3
     g, sites = tile_conv_bn_pool(_net(), n_params=6)  # x among the differentiated parameters
     assert [i.attrs["input_grad"] for i in g.entry.instrs if i.op.name == "conv_bn_relu_pool"] == [True]
 

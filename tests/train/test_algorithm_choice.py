@@ -234,15 +234,13 @@ def test_unet_skip_concatenations_are_split_below_the_reference_minimum():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum(monkeypatch):
+def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
     """A ResNet's stem (convolution, batch norm, ReLU, max pool at full resolution) sets its floor:
     below the reference's minimum the planner runs it as one batch-tiled ``conv_bn_relu_pool``
     (never the full-resolution activations or their gradients), reports it, fits with measured ==
     predicted peak, and gives eager's gradients and running statistics to float rounding."""
     from remat import zoo
-    from remat.passes import convblock
 
-    monkeypatch.setattr(convblock, "MIN_TILE_BYTES", 0)  # the tiny stem's 8 KiB a sample: one sample a tile
     model, inputs, loss_fn = zoo.make("resnet", "tiny", batch=32)
     with pytest.raises(remat.BudgetTooSmall) as ref:
         remat.compile(model, inputs, loss_fn, budget=1, algorithms="reference")
@@ -253,6 +251,10 @@ def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum(monkeyp
     step = remat.compile(model, inputs, loss_fn, budget=auto.value.minimum)
     assert any(line.startswith("conv_bn_relu_pool at stem.0 (convolution, batch norm, ReLU and max pool over 32 "
                                "samples, 1 at a time") and ": chosen;" in line for line in step.report().algorithms)
+    # The faster tiling (here one tile of the whole batch: 8 KiB a sample) was tried first, and said so.
+    assert any(line.startswith("conv_bn_relu_pool at stem.0 (convolution, batch norm, ReLU and max pool over 32 "
+                               "samples, 32 at a time") and ": not chosen; with it the step needs at least" in line
+               for line in step.report().algorithms)
     ops = [i.op.name for i in step.program.entry.instrs]
     assert "conv_bn_relu_pool" in ops and "conv_bn_relu_pool_grad" in ops
     assert ops.count("max_pool2d_with_indices") == 0  # the stem's was the only pool

@@ -30,9 +30,11 @@ TILES = 64
 about 1/64 of the reference's (a stem at batch 512: 8 samples a tile)."""
 
 MIN_TILE_BYTES = 512 * 1024
-"""A tile's convolution output is at least this large (or the whole batch): smaller tiles cost more
-in per-call overhead and fresh allocations than they save (zoo ResNet's stem at batch 16, forward and
-backward: 16 ms a step in tiles of 1 sample, 6.7 ms in tiles of 4, 8.8 ms whole; eager 3 ms)."""
+"""The faster tiling's least convolution output per tile (or the whole batch): smaller tiles cost
+more in per-call overhead and fresh allocations (zoo ResNet's stem at batch 16, forward and
+backward: 16 ms a step in tiles of 1 sample, 6.7 ms in tiles of 4, 8.8 ms whole; eager 3 ms). The
+planner tries it first and tiles of 1/``TILES`` of the batch (``min_tile_bytes=0``) when it does not
+fit, since at small batches its tiles' temporaries can set the floor (``remat.plan.algorithms``)."""
 
 
 @dataclass
@@ -70,10 +72,11 @@ def _match(pool: Instruction, uses: dict[Value, int]) -> tuple[Instruction, Inst
     return conv, bn, relu
 
 
-def tile_conv_bn_pool(f: Function, n_params: int) -> tuple[Function, list[Site]]:
+def tile_conv_bn_pool(f: Function, n_params: int, min_tile_bytes: int = MIN_TILE_BYTES) -> tuple[Function, list[Site]]:
     """A copy of ``f`` with every matching chain replaced by ``conv_bn_relu_pool`` (see the module's
     doc), and one :class:`Site` per rewrite (none when nothing matched). ``n_params``: the leading
-    parameters of ``f`` that are differentiated (the rest are inputs, given no gradient)."""
+    parameters of ``f`` that are differentiated (the rest are inputs, given no gradient). A tile is
+    1/:data:`TILES` of the batch, or more samples to hold ``min_tile_bytes`` of convolution output."""
     extra: dict[Value, Value] = {}  # batch norm's statistics -> the op's
 
     def match(ins: Instruction, uses: dict[Value, int]):
@@ -88,7 +91,7 @@ def tile_conv_bn_pool(f: Function, n_params: int) -> tuple[Function, list[Site]]
         a = conv.attrs
         out_t = conv.results[0].type
         n = nchw("conv2d", out_t, a)[0]
-        tile = min(n, max(-(-n // TILES), -(-MIN_TILE_BYTES * n // out_t.nbytes)))
+        tile = min(n, max(-(-n // TILES), -(-min_tile_bytes * n // out_t.nbytes)))
         model_input = (isinstance(x, BlockArg) and x.index >= n_params and x.block.function is not None
                        and x.block is x.block.function.entry)
         b.loc = bn.loc

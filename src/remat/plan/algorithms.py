@@ -46,66 +46,72 @@ class Variant:
         return self._problem
 
 
-VariantBuilder = Callable[[StepProblem], "Variant | None"]
-"""Given the reference problem (its budget and workspaces), the lean variant (its problem built on
-first use), or None when no op of the step has a lean alternative."""
+VariantBuilder = Callable[[StepProblem], "list[Variant]"]
+"""Given the reference problem (its budget and workspaces), the lean variants (their problems built on
+first use) in order of preference: the faster first, the leaner later (e.g. a batch-tiled op in tiles
+large enough to run fast, then in smaller ones); empty when no op of the step has a lean alternative."""
 
 
 def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:
-    """The reference plan when one fits ``p.budget``, else the lean variant's plan.
+    """The reference plan when one fits ``p.budget``, else the first lean variant's plan that fits.
 
     Without a budget, or when the unconstrained reference step fits, this is ``plan_step(p)``: no
     recomputation and the reference algorithms. Otherwise the reference is planned first (kept when it
-    fits: gradients stay bit-identical), then the lean variant; a budget neither fits raises
-    ``BudgetTooSmall`` with the smaller of their minimums. The result's ``algorithms`` says what was
-    chosen and why (bytes saved)."""
+    fits: gradients stay bit-identical), then each lean variant in order; a budget none fits raises
+    ``BudgetTooSmall`` with the smallest of their minimums. The result's ``algorithms`` says what was
+    chosen and why (bytes saved, and the minimums of the variants tried before it)."""
     if lean is None or p.budget is None or fit_peak(p, p.unconstrained) <= p.budget:
         # (the peak a plan must keep within the budget: with workspaces counted, the allocator
         # bound; the VM's count alone fitting is not enough, or a minimum reached with the lean
         # algorithms would be refused when asked for again)
         return plan_step(p)
     ref: Candidate | None = None
-    minimums: list[int] = []
+    ref_min: int | None = None
     try:
         ref = plan_step(p)
     except BudgetTooSmall as e:
-        minimums.append(e.minimum)
-    variant = lean(p)
-    if variant is None:
+        ref_min = e.minimum
+    variants = lean(p)
+    if not variants:
         if ref is None:
-            raise BudgetTooSmall(p.budget, minimums[0], "this training step")
+            raise BudgetTooSmall(p.budget, ref_min, "this training step")
         return ref
     if ref is not None:
         # The reference algorithms fit: keep them, so that gradients stay bit-identical to the
         # unconstrained step under every budget the reference can meet.
         choice = [f"{s}: not chosen; the reference algorithms fit the budget (gradients stay bit-identical to "
-                  f"the unconstrained step)" for s in variant.sites]
+                  f"the unconstrained step)" for s in variants[0].sites]
         return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
-    q = replace(variant.problem, budget=p.budget)
-    alt: Candidate | None = None  # the reference cannot fit from here on
-    try:
-        alt = plan_step(q)
-    except BudgetTooSmall as e:
-        minimums.append(e.minimum)
-    if alt is None:
-        best = min(minimums)
-        if len(minimums) == 2 and minimums[1] < minimums[0]:
-            # The lean variant's minimum: check that it plans (its minimum search can miss the chunk
-            # buffers' workspaces), so that the minimum a user is told is a budget that plans.
-            for _ in range(3):
-                try:
-                    plan_step(replace(q, budget=best))
+    tried: list[tuple[Variant, int]] = []  # (variant, its minimum): none fitted so far
+    for variant in variants:
+        q = replace(variant.problem, budget=p.budget)
+        try:
+            alt = plan_step(q)
+        except BudgetTooSmall as e:
+            tried.append((variant, e.minimum))
+            continue
+        ref_peak, alt_peak = predict_peak(p.unconstrained), predict_peak(q.unconstrained)
+        why = (f"unconstrained peak {format_bytes(ref_peak)} -> {format_bytes(alt_peak)} "
+               f"({format_bytes(ref_peak - alt_peak)} saved); the reference algorithms need at least "
+               f"{format_bytes(ref_min)}, over the budget")
+        choice = [f"{s}: chosen; {why}" for s in variant.sites]
+        choice += [f"{s}: not chosen; with it the step needs at least {format_bytes(m)}, over the budget"
+                   for v, m in tried for s in v.sites if s not in variant.sites]
+        return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
+                       notes=alt.notes + [f"algorithm choice: {c}" for c in choice])
+    leanest, lean_min = min(tried, key=lambda t: t[1])
+    best = min(lean_min, ref_min)
+    if lean_min < ref_min:
+        # The lean variant's minimum: check that it plans (its minimum search can miss the chunk
+        # buffers' workspaces), so that the minimum a user is told is a budget that plans.
+        q = replace(leanest.problem, budget=p.budget)
+        for _ in range(3):
+            try:
+                plan_step(replace(q, budget=best))
+                break
+            except BudgetTooSmall as e:
+                best = ref_min if e.minimum <= best else min(e.minimum, ref_min)
+                if best == ref_min:
                     break
-                except BudgetTooSmall as e:
-                    best = minimums[0] if e.minimum <= best else min(e.minimum, minimums[0])
-                    if best == minimums[0]:
-                        break
-        raise BudgetTooSmall(p.budget, best, "this training step",
-                             detail="with the reference algorithms and with " + "; ".join(variant.sites))
-    ref_peak, alt_peak = predict_peak(p.unconstrained), predict_peak(q.unconstrained)
-    why = (f"unconstrained peak {format_bytes(ref_peak)} -> {format_bytes(alt_peak)} "
-           f"({format_bytes(ref_peak - alt_peak)} saved); the reference algorithms need at least "
-           f"{format_bytes(minimums[0])}, over the budget")
-    choice = [f"{s}: chosen; {why}" for s in variant.sites]
-    return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
-                   notes=alt.notes + [f"algorithm choice: {c}" for c in choice])
+    raise BudgetTooSmall(p.budget, best, "this training step",
+                         detail="with the reference algorithms and with " + "; ".join(leanest.sites))

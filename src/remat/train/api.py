@@ -238,7 +238,7 @@ class TrainStep:
         if layout not in LAYOUT_OPTIONS:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUT_OPTIONS))}, got {layout!r}")
         self.layout_option = layout
-        self._variant: Variant | None | bool = False  # the lean-algorithm variant, built on first need
+        self._variants: list[Variant] | None = None  # the lean-algorithm variants, built on first need
         if solver not in SOLVER_OPTIONS:
             raise ValueError(f"unknown solver {solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
         shown = {print_after} if isinstance(print_after, str) else set(print_after or ())
@@ -494,72 +494,80 @@ class TrainStep:
         (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
         if self._algorithms == "reference":
             return plan_step(problem)
-        return plan_choosing_algorithms(problem, self._lean_variant)
+        return plan_choosing_algorithms(problem, self._lean_variants)
 
-    def _lean_variant(self, p: StepProblem) -> Variant | None:
+    def _lean_variants(self, p: StepProblem) -> list[Variant]:
         """The step with each language-model head's cross-entropy chunked (``linear_cross_entropy``),
         each attention with dropout memory-efficient (``dropout_attention``), each convolution over a
         channel concatenation split per input (``split-concat-conv``), each convolution -> batch norm ->
-        ReLU -> max pool chain tiled over the batch (``tile-conv-bn-pool``) and each training batch norm's
-        backward split (``split-batch-norm-grad``): built once (capture reused,
-        differentiated again), then given ``p``'s budget and workspaces."""
+        ReLU -> max pool chain tiled over the batch (``tile-conv-bn-pool``) and each training batch
+        norm's backward split (``split-batch-norm-grad``): built once (capture reused, each
+        differentiated again on first use), then given ``p``'s budget and workspaces. With a tiled
+        chain, two variants: tiles of at least ``MIN_TILE_BYTES`` (faster), then tiles of 1/``TILES``
+        of the batch (leaner)."""
+        if self._variants is None:
+            self._variants = self._build_lean_variants()
+        out = []
+        for v in self._variants:
+            def given_p(v=v) -> StepProblem:  # the variant's problem with p's budget and workspaces
+                if p.workspace_fn is None:
+                    return replace(v.problem, budget=p.budget)
+                return replace(v.problem, budget=p.budget, workspaces=p.workspace_fn(v.problem.joint),
+                               workspace_fn=p.workspace_fn)
+
+            out.append(Variant(v.sites, given_p))
+        return out
+
+    def _build_lean_variants(self) -> list[Variant]:
         from ..passes.attention import recognise_dropout_attention
         from ..passes.concatconv import split_concat_conv
-        from ..passes.convblock import tile_conv_bn_pool
+        from ..passes.convblock import MIN_TILE_BYTES, tile_conv_bn_pool
         from ..passes.crossentropy import fuse_cross_entropy
 
-        if self._variant is False:
-            forward, sites = fuse_cross_entropy(self.imported.function)
-            forward, att_sites = recognise_dropout_attention(forward)
-            forward, cat_sites = split_concat_conv(forward)
-            forward, stem_sites = tile_conv_bn_pool(forward, len(self.imported.param_names))
-            bns = sum(1 for ins in forward.instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
-            if not sites and not att_sites and not cat_sites and not stem_sites and not bns:
-                self._variant = None
-            else:
-                def make() -> StepProblem:  # differentiated on first use only
-                    fwd = training_forward(forward)
-                    joint = prepare_joint(training_graph(fwd, len(self.imported.param_names)), self.dialects,
-                                          split_bn_grad=bns > 0)
-                    unconstrained = self._make_step(joint, check=True)
-                    return replace(self.problem, forward=fwd, joint=joint, unconstrained=unconstrained,
-                                   costs=static_costs(joint), example_args=None, workspaces=None,
-                                   split_bn_grad=bns > 0)
+        n_params = len(self.imported.param_names)
+        base, sites = fuse_cross_entropy(self.imported.function)
+        base, att_sites = recognise_dropout_attention(base)
+        base, cat_sites = split_concat_conv(base)
+        tilings = []  # (forward, its tiled chains), faster tiles first
+        for min_tile in (MIN_TILE_BYTES, 0):
+            forward, stem_sites = tile_conv_bn_pool(base, n_params, min_tile_bytes=min_tile)
+            if not tilings or [s.tile for s in stem_sites] != [s.tile for s in tilings[0][1]]:
+                tilings.append((forward, stem_sites))
+        bns = sum(1 for ins in tilings[0][0].instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
+        if not sites and not att_sites and not cat_sites and not tilings[0][1] and not bns:
+            return []
+        lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
+                 f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
+                 f"and their gradient)" for s in sites]
+        if att_sites:
+            a = att_sites[0]
+            lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
+                         f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
+                         f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
+        if cat_sites:
+            lines.append(f"conv2d over concat at {len(cat_sites)} convolution(s) ({', '.join(s.where for s in cat_sites)}) "
+                         f"as one convolution per concatenated input, summed (never the concatenated "
+                         f"activations, {format_bytes(sum(s.concat_bytes for s in cat_sites))} in all, or one "
+                         f"gradient for them; values differ by summation order)")
+        bn_line = ([f"batch_norm_grad at {bns} batch norm(s) as a reduction and an element-wise grad_x "
+                    f"(ATen's backward allocates an input-sized buffer it does not use; grad_x may "
+                    f"differ in the last bit)"] if bns else [])
+        variants = []
+        for forward, stem_sites in tilings:
+            def make(forward=forward) -> StepProblem:  # differentiated on first use only
+                fwd = training_forward(forward)
+                joint = prepare_joint(training_graph(fwd, n_params), self.dialects, split_bn_grad=bns > 0)
+                unconstrained = self._make_step(joint, check=True)
+                return replace(self.problem, forward=fwd, joint=joint, unconstrained=unconstrained,
+                               costs=static_costs(joint), example_args=None, workspaces=None,
+                               split_bn_grad=bns > 0)
 
-                lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
-                         f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
-                         f"and their gradient)" for s in sites]
-                if att_sites:
-                    a = att_sites[0]
-                    lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
-                                 f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
-                                 f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
-                if cat_sites:
-                    lines.append(f"conv2d over concat at {len(cat_sites)} convolution(s) ({', '.join(s.where for s in cat_sites)}) "
-                                 f"as one convolution per concatenated input, summed (never the concatenated "
-                                 f"activations, {format_bytes(sum(s.concat_bytes for s in cat_sites))} in all, or one "
-                                 f"gradient for them; values differ by summation order)")
-                for s in stem_sites:
-                    lines.append(f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
-                                 f"{s.batch} samples, {s.tile} at a time in two passes; the reference holds "
-                                 f"{format_bytes(s.activation_bytes)} full-resolution activations and their gradients; "
-                                 f"the convolution runs 4x; statistics and gradients differ by summation order)")
-                if bns:
-                    lines.append(f"batch_norm_grad at {bns} batch norm(s) as a reduction and an element-wise grad_x "
-                                 f"(ATen's backward allocates an input-sized buffer it does not use; grad_x may "
-                                 f"differ in the last bit)")
-                self._variant = Variant(lines, make)
-        if self._variant is None:
-            return None
-        v = self._variant
-
-        def given_p() -> StepProblem:  # the variant's problem with p's budget and workspaces
-            if p.workspace_fn is None:
-                return replace(v.problem, budget=p.budget)
-            return replace(v.problem, budget=p.budget, workspaces=p.workspace_fn(v.problem.joint),
-                           workspace_fn=p.workspace_fn)
-
-        return Variant(v.sites, given_p)
+            stems = [f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
+                     f"{s.batch} samples, {s.tile} at a time in two passes; the reference holds "
+                     f"{format_bytes(s.activation_bytes)} full-resolution activations and their gradients; "
+                     f"the convolution runs 4x; statistics and gradients differ by summation order)" for s in stem_sites]
+            variants.append(Variant(lines + stems + bn_line, make))
+        return variants
 
     def _extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
