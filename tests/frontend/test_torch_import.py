@@ -386,3 +386,20 @@ def test_keyword_options_are_compiled_in():
         step(x=x, return_loss=False)
     with pytest.raises(TypeError, match=r"keyword example input scale=\[0.5\] is a list"):
         remat.compile(M(), dict(x=x, return_loss=True, scale=[0.5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_half_precision_batch_norm_updates_running_statistics_as_eager(dtype):
+    """PyTorch's functional batch norm gives a half-precision input's new running statistics in f32
+    (its statistics are f32) and the module's copy rounds them into its buffers: the imported step
+    trains, and its loss and buffers equal eager's to half-precision rounding (convolutions and
+    normalisation round in another order than eager's)."""
+    model, inputs, loss_fn = zoo.make("resnet", "tiny", dtype, batch=8)
+    eager = copy.deepcopy(model)
+    step = remat.compile(model, inputs, loss_fn, dialects=("torch",))
+    loss = step(*inputs)
+    want = loss_fn(eager(*inputs[:-1]), inputs[-1])
+    torch.testing.assert_close(loss.detach().float(), want.detach().float(), rtol=1e-2, atol=0)
+    for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+        assert b.dtype == c.dtype, name
+        torch.testing.assert_close(b.float(), c.float(), rtol=1e-2, atol=1e-3, msg=name)

@@ -1156,6 +1156,10 @@ def _bn_functional(L: Lowerer, x, weight, bias, running_mean, running_var, train
     out = _batch_norm(L, x, weight, bias, running_mean, running_var, training, momentum, eps)
     if not training:  # same five outputs: running statistics unchanged
         return out[0], out[1], out[2], running_mean, running_var
+    if running_mean is not None and x.type.dtype in (DType.f16, DType.bf16):
+        # PyTorch's functional form updates the running statistics in f32 for a half-precision input
+        # (its statistics are f32); the model's copy into its buffers rounds them back.
+        return out[:3] + tuple(L.cast(v, DType.f32) for v in out[3:])
     return out
 
 
