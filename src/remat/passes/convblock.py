@@ -111,9 +111,10 @@ def tile_conv_bn_pool(f: Function, n_params: int, min_tile_bytes: int = MIN_TILE
     return out, sites
 
 
-def tile_conv_bn_pool_pass(module: Module, n_params: int = 0) -> Module:
-    """Replace each convolution → batch norm → ReLU → max pool chain by ``conv_bn_relu_pool``."""
-    return Module([tile_conv_bn_pool(f, n_params)[0] for f in module])
+def tile_conv_bn_pool_pass(module: Module, n_params: int | None = None) -> Module:
+    """Replace each convolution → batch norm → ReLU → max pool chain by ``conv_bn_relu_pool``.
+    ``n_params`` None: any parameter may be differentiated, so every op keeps its input gradient."""
+    return Module([tile_conv_bn_pool(f, len(f.params) if n_params is None else n_params)[0] for f in module])
 
 
 __all__ = ["MIN_TILE_BYTES", "Site", "TILES", "tile_conv_bn_pool", "tile_conv_bn_pool_pass"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..opdef import Attr, OpDef, Sample, declare
+from ..opdef import REQUIRED, Attr, OpDef, Sample, declare
 from ..types import DType, TensorType
 from ._util import rand
 from .nn import TO_NHWC, _conv_infer, _pool_infer, ints
@@ -38,8 +38,7 @@ _ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 
           Attr("input_layout", "str", ""), Attr("eps", "float", 1e-5), ints("pool_kernel"), ints("pool_stride"),
           ints("pool_padding", (0, 0)), Attr("tile", "int", 1), Attr("input_grad", "bool", True))
 _FWD_ATTRS = _ATTRS + (Attr("momentum", "float", 0.1),)
-_DEFAULTS = {"stride": (1, 1), "padding": (0, 0), "dilation": (1, 1), "layout": "NCHW", "input_layout": "",
-             "eps": 1e-5, "pool_padding": (0, 0), "tile": 1, "input_grad": True}
+_DEFAULTS = {a.name: a.default for a in _ATTRS if a.default is not REQUIRED}
 
 
 def conv_attrs(attrs) -> dict:
