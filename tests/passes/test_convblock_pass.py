@@ -76,3 +76,20 @@ def test_registered_as_a_pass():
     out = run_pipeline(Module([_net()]), ["tile-conv-bn-pool"]).module["f"]
     (op,) = [i for i in out.entry.instrs if i.op.name == "conv_bn_relu_pool"]
     assert op.attrs["input_grad"] is True  # the pass alone cannot know x is a model input: it keeps its gradient
+
+
+@pytest.mark.parametrize("dialect", ["numpy", "torch"])
+def test_split_into_its_two_passes_gives_the_same_bits(dialect):
+    """After differentiation the op runs as its statistics pass and its output pass (a recomputed
+    output then convolves once a tile): bit for bit the combined kernel's results."""
+    from remat.passes.convblock import split_conv_bn_relu_pool
+
+    f, _ = tile_conv_bn_pool(_net("NHWC", batch=3), n_params=5, min_tile_bytes=0)
+    g = split_conv_bn_relu_pool(Module([f]))["f"]
+    verify(Module([g]))
+    assert [i.op.name for i in g.entry.instrs] == ["conv_bn_stats", "conv_bn_relu_pool_apply", "return"]
+    args = _args(f, seed=3)
+    want, _ = run(f, *args, dialects=[dialect])
+    got, _ = run(g, *args, dialects=[dialect])
+    for a, b in zip(got, want):
+        assert np.array_equal(a, b)

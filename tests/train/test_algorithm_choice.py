@@ -256,7 +256,7 @@ def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
                                "samples, 32 at a time") and ": not chosen; with it the step needs at least" in line
                for line in step.report().algorithms)
     ops = [i.op.name for i in step.program.entry.instrs]
-    assert "conv_bn_relu_pool" in ops and "conv_bn_relu_pool_grad" in ops
+    assert {"conv_bn_stats", "conv_bn_relu_pool_apply", "conv_bn_relu_pool_grad"} <= set(ops)  # its passes, split
     assert ops.count("max_pool2d_with_indices") == 0  # the stem's was the only pool
     step(*inputs)
     assert step.last_stats.peak_bytes == step.predicted_peak <= auto.value.minimum

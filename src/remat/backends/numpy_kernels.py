@@ -903,33 +903,44 @@ def _cb_stats(n_a: int, mean_a, m2_a, c: np.ndarray):
     return n, mean_a + delta * (n_b / n), m2_a + m2_b + delta * delta * (n_a * n_b / n)
 
 
-def _cb_forward(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
-                      input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1,
-                      input_grad=True, momentum=0.1):
+def _cb_stats_pass(x, w, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW", input_layout="",
+                   eps=1e-5, momentum=0.1, tile=1):
     xn = _cb_nchw(x, input_layout or layout)
     ca = dict(stride=stride, padding=padding, dilation=dilation)
-    pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
     n_all, mean, m2 = 0, None, None
     for a in range(0, xn.shape[0], tile):
         n_all, mean, m2 = _cb_stats(n_all, mean, m2, conv2d(xn[a:a + tile], w, **ca))
     var = m2 / n_all
     dt = x.dtype
-    invstd = (1.0 / np.sqrt(var + eps)).astype(dt)
+    out = (mean.astype(dt), (1.0 / np.sqrt(var + eps)).astype(dt))
+    if running:
+        rm, rv = running
+        unbiased = var * (n_all / max(n_all - 1, 1))
+        out += (((1 - momentum) * rm + momentum * mean).astype(dt), ((1 - momentum) * rv + momentum * unbiased).astype(dt))
+    return out
+
+
+def _cb_apply(x, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
+              input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1, input_grad=True):
+    xn = _cb_nchw(x, input_layout or layout)
+    ca = dict(stride=stride, padding=padding, dilation=dilation)
+    pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
+    dt = x.dtype
     scale = (gamma * invstd).astype(dt)
-    shift = (beta - mean.astype(dt) * scale).astype(dt)
+    shift = (beta - mean * scale).astype(dt)
     parts = []
     for a in range(0, xn.shape[0], tile):
         c = conv2d(xn[a:a + tile], w, **ca)
         r = np.maximum(c * scale[None, :, None, None] + shift[None, :, None, None], dt.type(0))
         parts.append(max_pool2d(r, **pa))
     y = np.concatenate(parts)
-    y = np.ascontiguousarray(y if layout == "NCHW" else y.transpose(_nn.TO_NHWC))
-    out = (y, mean.astype(dt), invstd)
-    if running:
-        rm, rv = running
-        unbiased = var * (n_all / max(n_all - 1, 1))
-        out += (((1 - momentum) * rm + momentum * mean).astype(dt), ((1 - momentum) * rv + momentum * unbiased).astype(dt))
-    return out
+    return np.ascontiguousarray(y if layout == "NCHW" else y.transpose(_nn.TO_NHWC))
+
+
+def _cb_forward(x, w, gamma, beta, *running, momentum=0.1, **attrs):
+    keep = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "tile")
+    stats = _cb_stats_pass(x, w, *running, momentum=momentum, **{k: v for k, v in attrs.items() if k in keep})
+    return (_cb_apply(x, w, gamma, beta, stats[0], stats[1], **attrs), *stats)
 
 
 def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
@@ -979,6 +990,16 @@ def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=
 def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
     outs = _cb_forward(*(_up(a) for a in (x, w, gamma, beta, *running)), **attrs)
     return tuple(_fresh(o, x.dtype) for o in outs)
+
+
+@k("conv_bn_stats")
+def conv_bn_stats(x, w, *running, **attrs):
+    return tuple(_fresh(o, x.dtype) for o in _cb_stats_pass(*(_up(a) for a in (x, w, *running)), **attrs))
+
+
+@k("conv_bn_relu_pool_apply")
+def conv_bn_relu_pool_apply(x, w, gamma, beta, mean, invstd, **attrs):
+    return _fresh(_cb_apply(*(_up(a) for a in (x, w, gamma, beta, mean, invstd)), **attrs), x.dtype)
 
 
 @k("conv_bn_relu_pool_grad")

@@ -887,16 +887,14 @@ def _tile_conv(xn: torch.Tensor, wc: torch.Tensor, a: int, tile: int, dt, stride
     return F.conv2d(xn[a:a + tile].to(dt), wc, None, list(stride), list(padding), list(dilation))
 
 
-@k("conv_bn_relu_pool")
-def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW",
-                      input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1,
-                      input_grad=True, momentum=0.1):
+@k("conv_bn_stats")
+def conv_bn_stats(x, w, *running, stride=(1, 1), padding=(0, 0), dilation=(1, 1), layout="NCHW", input_layout="",
+                  eps=1e-5, momentum=0.1, tile=1):
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
     xn = _nchw_of(x, input_layout or layout)
     wc = _cl_weight(w.to(dt), layout == "NHWC")
-    n = xn.shape[0]
     count, mean, m2 = 0, None, None
-    for a in range(0, n, tile):  # pass 1: per-channel moments, combined tile by tile (Chan et al.)
+    for a in range(0, xn.shape[0], tile):  # per-channel moments, combined tile by tile (Chan et al.)
         c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
         mean_b, var_b = torch.ops.aten.batch_norm_update_stats(c, None, None, 0.0)  # ATen's statistics pass
         nb = c.numel() // c.shape[1]
@@ -911,12 +909,27 @@ def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0)
             m2 = m2 + m2_b + delta * delta * (count * nb / total)
             count = total
     var = m2 / count
-    invstd = torch.rsqrt(var + eps).to(dt)
-    scale = gamma.to(dt) * invstd
-    shift = beta.to(dt) - mean.to(dt) * scale
-    scale_c, shift_c = scale[None, :, None, None], shift[None, :, None, None]
+    out = (_fresh(mean.to(x.dtype)), _fresh(torch.rsqrt(var + eps).to(dt).to(x.dtype)))
+    if running:
+        rm, rv = running
+        unbiased = var * (count / max(count - 1, 1))
+        out += (_fresh(((1 - momentum) * rm.double() + momentum * mean).to(x.dtype)),
+                _fresh(((1 - momentum) * rv.double() + momentum * unbiased).to(x.dtype)))
+    return out
+
+
+@k("conv_bn_relu_pool_apply")
+def conv_bn_relu_pool_apply(x, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                            layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(),
+                            pool_padding=(0, 0), tile=1, input_grad=True):
+    dt = torch.float32 if x.dtype in _LOWP else x.dtype
+    xn = _nchw_of(x, input_layout or layout)
+    wc = _cl_weight(w.to(dt), layout == "NHWC")
+    n = xn.shape[0]
+    scale = gamma.to(dt) * invstd.to(dt)
+    scale_c, shift_c = scale[None, :, None, None], (beta.to(dt) - mean.to(dt) * scale)[None, :, None, None]
     y = None
-    for a in range(0, n, tile):  # pass 2: normalise, rectify and pool each tile into the result
+    for a in range(0, n, tile):  # normalise, rectify and pool each tile into the result
         c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
         c.mul_(scale_c).add_(shift_c).relu_()
         p = F.max_pool2d(c, list(pool_kernel), list(pool_stride), list(pool_padding))
@@ -925,13 +938,15 @@ def conv_bn_relu_pool(x, w, gamma, beta, *running, stride=(1, 1), padding=(0, 0)
             y = _empty_nchw((n,) + tuple(p.shape[1:]), dt, layout)
         y[a:a + tile] = p
         del p
-    out = (_stored(y, layout, x.dtype), _fresh(mean.to(x.dtype)), _fresh(invstd.to(x.dtype)))
-    if running:
-        rm, rv = running
-        unbiased = var * (count / max(count - 1, 1))
-        out += (_fresh(((1 - momentum) * rm.double() + momentum * mean).to(x.dtype)),
-                _fresh(((1 - momentum) * rv.double() + momentum * unbiased).to(x.dtype)))
-    return out
+    return _stored(y, layout, x.dtype)
+
+
+@k("conv_bn_relu_pool")
+def conv_bn_relu_pool(x, w, gamma, beta, *running, momentum=0.1, **attrs):
+    # Its two passes, as the split-conv-bn-relu-pool pass runs them (bit for bit the same).
+    keep = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "tile")
+    stats = conv_bn_stats(x, w, *running, momentum=momentum, **{k: v for k, v in attrs.items() if k in keep})
+    return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **attrs), *stats)
 
 
 @k("conv_bn_relu_pool_grad")

@@ -11,7 +11,7 @@ from ..ir import Module
 from .attention import attention_pass, fold_head_transposes_pass, fold_kv_repeats_pass
 from .batchnorm import split_batch_norm, split_batch_norm_grad
 from .concatconv import split_concat_conv_pass
-from .convblock import tile_conv_bn_pool_pass
+from .convblock import split_conv_bn_relu_pool, tile_conv_bn_pool_pass
 from .crossentropy import cross_entropy_pass
 from .cse import cse
 from .dce import dce
@@ -38,6 +38,7 @@ PASSES: dict[str, PassFn] = {
     "split-batch-norm": split_batch_norm,
     "split-batch-norm-grad": split_batch_norm_grad,
     "split-concat-conv": split_concat_conv_pass,
+    "split-conv-bn-relu-pool": split_conv_bn_relu_pool,
     "tile-conv-bn-pool": tile_conv_bn_pool_pass,
     "channels-last": channels_last,
 }

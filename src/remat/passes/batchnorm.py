@@ -26,7 +26,7 @@ from __future__ import annotations
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, Node
 from ..ir.ops.norm import _channel
-from .decompose import expand_function
+from .decompose import expand_matching
 
 
 def _body(affine: bool) -> str:
@@ -88,20 +88,10 @@ def _is_training_bn_grad(ins: Instruction) -> bool:
     return ins.op.name == "batch_norm_grad" and ins.attrs["training"]
 
 
-def _expand(module: Module, match, rule) -> Module:
-    if not any(match(ins) for f in module for ins in f.instructions()):
-        return module
-    out = module.clone()
-    for f in out:
-        if not f.is_declaration:
-            expand_function(f, match, lambda ins: rule if match(ins) else None)
-    return out
-
-
 def split_batch_norm(module: Module) -> Module:
     """The ``split-batch-norm`` pass: a copy of ``module`` with every training-mode ``batch_norm``
     split (see the module's doc); ``module`` itself when it has none."""
-    return _expand(module, _is_training_bn, _split)
+    return expand_matching(module, _is_training_bn, _split)
 
 
 def split_batch_norm_grad(module: Module) -> Module:
@@ -115,14 +105,16 @@ def split_batch_norm_grad(module: Module) -> Module:
     step runs 4-6% slower than ATen's single kernel, and grad_x differs from it in the last bit of
     some elements. The planner uses it where the reference does not fit
     (``remat.train.api.TrainStep._lean_variant``)."""
-    return _expand(module, _is_training_bn_grad, _split_grad)
+    return expand_matching(module, _is_training_bn_grad, _split_grad)
 
 
 def split_batch_norms(module: Module, grads: bool = False) -> Module:
     """What every differentiated training graph goes through (the whole step's joint and the chain
-    planner's blocks alike, so that all plans run the same kernels): ``split-batch-norm``, and with
-    ``grads`` (the lean algorithm chosen) ``split-batch-norm-grad``."""
-    module = split_batch_norm(module)
+    planner's blocks alike, so that all plans run the same kernels): ``split-batch-norm`` and
+    ``split-conv-bn-relu-pool``, and with ``grads`` (the lean algorithm chosen) ``split-batch-norm-grad``."""
+    from .convblock import split_conv_bn_relu_pool
+
+    module = split_conv_bn_relu_pool(split_batch_norm(module))
     return split_batch_norm_grad(module) if grads else module
 
 

@@ -24,6 +24,7 @@ from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.core import BlockArg
 from ..ir.ops.nn import nchw
 from ._rewrite import apply_replacements, rewrite_matches
+from .decompose import expand_matching
 
 TILES = 64
 """The batch is cut into at most this many tiles: a tile's full-resolution temporaries are then
@@ -111,10 +112,30 @@ def tile_conv_bn_pool(f: Function, n_params: int, min_tile_bytes: int = MIN_TILE
     return out, sites
 
 
+_STATS_KEYS = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "momentum", "tile")
+
+
+def _split(b: Builder, xs, attrs):
+    x, w, gamma, beta, *running = xs
+    stats = b.op("conv_bn_stats", x, w, *running, **{k: attrs[k] for k in _STATS_KEYS})
+    y = b.op("conv_bn_relu_pool_apply", x, w, gamma, beta, stats[0], stats[1],
+             **{k: v for k, v in attrs.items() if k != "momentum"})
+    return [y, *stats]
+
+
+def split_conv_bn_relu_pool(module: Module) -> Module:
+    """The ``split-conv-bn-relu-pool`` pass, on differentiated graphs: each ``conv_bn_relu_pool`` as its
+    statistics pass (``conv_bn_stats``) and its output pass (``conv_bn_relu_pool_apply``), which the
+    combined kernels run bit for bit the same. The backward reads the statistics, never y, so a
+    plan that drops y recomputes it with the output pass alone (one convolution per tile instead of
+    two). ``module`` itself when it has none."""
+    return expand_matching(module, lambda ins: ins.op.name == "conv_bn_relu_pool", _split)
+
+
 def tile_conv_bn_pool_pass(module: Module, n_params: int | None = None) -> Module:
     """Replace each convolution → batch norm → ReLU → max pool chain by ``conv_bn_relu_pool``.
     ``n_params`` None: any parameter may be differentiated, so every op keeps its input gradient."""
     return Module([tile_conv_bn_pool(f, len(f.params) if n_params is None else n_params)[0] for f in module])
 
 
-__all__ = ["MIN_TILE_BYTES", "Site", "TILES", "tile_conv_bn_pool", "tile_conv_bn_pool_pass"]
+__all__ = ["MIN_TILE_BYTES", "Site", "TILES", "split_conv_bn_relu_pool", "tile_conv_bn_pool", "tile_conv_bn_pool_pass"]

@@ -19,6 +19,18 @@ from ..ir.opdef import DecomposeFn
 from ._rewrite import apply_replacements, resolve
 
 
+def expand_matching(module: Module, match: Callable[[Instruction], bool], rule: DecomposeFn) -> Module:
+    """A copy of ``module`` with every instruction ``match`` accepts replaced by what ``rule(b, xs,
+    attrs)`` builds (:func:`expand_function`); ``module`` itself when nothing matches."""
+    if not any(match(ins) for f in module for ins in f.instructions()):
+        return module
+    out = module.clone()
+    for f in out:
+        if not f.is_declaration:
+            expand_function(f, match, lambda ins: rule if match(ins) else None)
+    return out
+
+
 def expand_function(f: Function, expand: Callable[[Instruction], bool],
                     rule_of: Callable[[Instruction], DecomposeFn | None] = lambda ins: ins.op.decompose) -> int:
     """Replace, in place, every instruction of ``f`` that has a decomposition and ``expand(ins)`` by

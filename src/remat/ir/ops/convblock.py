@@ -153,6 +153,66 @@ declare(OpDef("conv_bn_relu_pool_grad", 7, _ATTRS, _grad_infer, frozenset(), num
                   "each tile's forward recomputed in two passes (batch norm's sums, then the gradients)"))
 
 
+
+# ---------------------------------------------------------------- its two passes, apart (after differentiation)
+# ``remat.passes.convblock.split_conv_bn_relu_pool`` runs on every differentiated training graph: the
+# forward as its statistics pass and its output pass, so that a plan recomputing y (the backward
+# keeps the statistics anyway) runs the output pass alone: one convolution per tile, not two.
+_STATS_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("layout", "str", "NCHW"),
+                Attr("input_layout", "str", ""), Attr("eps", "float", 1e-5), Attr("momentum", "float", 0.1),
+                Attr("tile", "int", 1))
+
+
+def _stats_infer(types, attrs):
+    if len(types) not in (2, 4):
+        raise TypeError(f"'conv_bn_stats' takes (x, w[, running_mean, running_var]), got {len(types)} operands")
+    x, w, *running = types
+    _conv_infer([x, w], conv_attrs({**_DEFAULTS, **attrs}))  # checks x and w
+    vec = x.with_shape((w.shape[0],))
+    for t, what in zip(running, ("running_mean", "running_var")):
+        if t != vec:
+            raise TypeError(f"'conv_bn_stats': {what} must be {vec} (one per output channel of {w}), got {t}")
+    if attrs["tile"] < 1:
+        raise TypeError(f"'conv_bn_stats': tile (samples per tile) must be >= 1, got {attrs['tile']}")
+    return (vec,) * (2 + len(running))
+
+
+def _apply_infer(types, attrs):
+    if len(types) != 6:
+        raise TypeError(f"'conv_bn_relu_pool_apply' takes (x, w, gamma, beta, mean, invstd), got {len(types)} operands")
+    x, w, *rest = types
+    return _types("conv_bn_relu_pool_apply", x, w, rest, ("weight (gamma)", "bias (beta)", "mean", "invstd"), attrs)[1]
+
+
+def _stats_flops(types, results, attrs) -> float:
+    f, n = _conv_flops(types[0], types[1], {**_DEFAULTS, **attrs})
+    return f + 3.0 * n
+
+
+def _apply_flops(types, results, attrs) -> float:
+    f, n = _conv_flops(types[0], types[1], attrs)
+    return f + 9.0 * n
+
+
+def _stats_samples(r: np.random.Generator) -> list[Sample]:
+    keep = {"stride", "padding", "dilation", "layout", "input_layout", "eps", "momentum", "tile"}
+    return [Sample(s.args[:2] + s.args[4:], {k: v for k, v in s.attrs.items() if k in keep}) for s in _samples(r)]
+
+
+def _apply_samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample(s.args[:4] + [rand(r, 4), rand(r, 4, low=0.5, high=1.5)],
+                   {k: v for k, v in s.attrs.items() if k != "momentum"}) for s in _samples(r)]
+
+
+declare(OpDef("conv_bn_stats", None, _STATS_ATTRS, _stats_infer, frozenset(), num_results=-1, min_operands=2,
+              nondiff=True, flops=_stats_flops, sample=_stats_samples,
+              doc="conv_bn_relu_pool's statistics pass: batch norm's (mean, invstd[, new running_mean, new "
+                  "running_var]) of conv2d(x, w), `tile` samples at a time (made after differentiation)"))
+declare(OpDef("conv_bn_relu_pool_apply", 6, _ATTRS, _apply_infer, frozenset(), nondiff=True, flops=_apply_flops,
+              sample=_apply_samples,
+              doc="conv_bn_relu_pool's output pass from (x, w, gamma, beta, mean, invstd): each tile convolved, "
+                  "normalised, rectified and pooled (made after differentiation)"))
+
 # ================================================================ VJP rules (reverse mode)
 from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves  # noqa: E402

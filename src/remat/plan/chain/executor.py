@@ -93,11 +93,12 @@ def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[i
 
 
 def _split_batch_norms(fn: Function) -> Function:
-    """``fn`` with its training batch norms split as the joint's are: a schedule that re-runs a stage's
-    forward without its tape computes the same bits as the tape's forward."""
+    """``fn`` with its training batch norms (and tiled conv-bn-pool chains) split as the joint's are: a
+    schedule that re-runs a stage's forward without its tape computes the same bits as the tape's forward."""
     from ...passes.batchnorm import split_batch_norm
+    from ...passes.convblock import split_conv_bn_relu_pool
 
-    return split_batch_norm(Module([fn.clone()]))[fn.name]
+    return split_conv_bn_relu_pool(split_batch_norm(Module([fn.clone()])))[fn.name]
 
 
 @dataclass
