@@ -883,6 +883,7 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
 
 
 # ---------------------------------------------------------------- convolution -> batch norm -> ReLU -> max pool (batch-tiled)
+from ..ir.ops import convblock as _cb  # noqa: E402
 from ..ir.ops import nn as _nn  # noqa: E402
 
 
@@ -937,15 +938,9 @@ def _cb_apply(x, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0),
     return np.ascontiguousarray(y if layout == "NCHW" else y.transpose(_nn.TO_NHWC))
 
 
-def _cb_forward(x, w, gamma, beta, *running, momentum=0.1, **attrs):
-    keep = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "tile")
-    stats = _cb_stats_pass(x, w, *running, momentum=momentum, **{k: v for k, v in attrs.items() if k in keep})
-    return (_cb_apply(x, w, gamma, beta, stats[0], stats[1], **attrs), *stats)
-
-
 def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
-                       layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
-                       tile=1, input_grad=True):
+                 layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
+                 tile=1, input_grad=True):
     xn, gyn = _cb_nchw(x, input_layout or layout), _cb_nchw(gy, layout)
     ca = dict(stride=stride, padding=padding, dilation=dilation)
     pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
@@ -984,14 +979,6 @@ def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=
     return out
 
 
-
-
-@k("conv_bn_relu_pool")
-def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
-    outs = _cb_forward(*(_up(a) for a in (x, w, gamma, beta, *running)), **attrs)
-    return tuple(_fresh(o, x.dtype) for o in outs)
-
-
 @k("conv_bn_stats")
 def conv_bn_stats(x, w, *running, **attrs):
     return tuple(_fresh(o, x.dtype) for o in _cb_stats_pass(*(_up(a) for a in (x, w, *running)), **attrs))
@@ -1000,6 +987,13 @@ def conv_bn_stats(x, w, *running, **attrs):
 @k("conv_bn_relu_pool_apply")
 def conv_bn_relu_pool_apply(x, w, gamma, beta, mean, invstd, **attrs):
     return _fresh(_cb_apply(*(_up(a) for a in (x, w, gamma, beta, mean, invstd)), **attrs), x.dtype)
+
+
+@k("conv_bn_relu_pool")
+def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
+    # Its two passes, as the split-conv-bn-relu-pool pass runs them (bit for bit the same).
+    stats = conv_bn_stats(x, w, *running, **_cb.stats_attrs(attrs))
+    return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **_cb.output_attrs(attrs)), *stats)
 
 
 @k("conv_bn_relu_pool_grad")

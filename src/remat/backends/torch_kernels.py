@@ -868,6 +868,9 @@ def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
 # ``remat.ir.ops.convblock``: two passes over tiles of the batch, in NCHW views of any layout; a
 # tile's convolution output and its normalised, rectified and routed-back forms are the only
 # full-resolution temporaries.
+from ..ir.ops import convblock as _cb  # noqa: E402
+
+
 def _nchw_of(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout in ("", "NCHW") else t.permute(0, 3, 1, 2)
 
@@ -942,11 +945,10 @@ def conv_bn_relu_pool_apply(x, w, gamma, beta, mean, invstd, *, stride=(1, 1), p
 
 
 @k("conv_bn_relu_pool")
-def conv_bn_relu_pool(x, w, gamma, beta, *running, momentum=0.1, **attrs):
+def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
     # Its two passes, as the split-conv-bn-relu-pool pass runs them (bit for bit the same).
-    keep = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "tile")
-    stats = conv_bn_stats(x, w, *running, momentum=momentum, **{k: v for k, v in attrs.items() if k in keep})
-    return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **attrs), *stats)
+    stats = conv_bn_stats(x, w, *running, **_cb.stats_attrs(attrs))
+    return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **_cb.output_attrs(attrs)), *stats)
 
 
 @k("conv_bn_relu_pool_grad")

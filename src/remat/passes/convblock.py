@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.core import BlockArg
+from ..ir.ops.convblock import output_attrs, stats_attrs
 from ..ir.ops.nn import nchw
 from ._rewrite import apply_replacements, rewrite_matches
 from .decompose import expand_matching
@@ -112,14 +113,10 @@ def tile_conv_bn_pool(f: Function, n_params: int, min_tile_bytes: int = MIN_TILE
     return out, sites
 
 
-_STATS_KEYS = ("stride", "padding", "dilation", "layout", "input_layout", "eps", "momentum", "tile")
-
-
 def _split(b: Builder, xs, attrs):
     x, w, gamma, beta, *running = xs
-    stats = b.op("conv_bn_stats", x, w, *running, **{k: attrs[k] for k in _STATS_KEYS})
-    y = b.op("conv_bn_relu_pool_apply", x, w, gamma, beta, stats[0], stats[1],
-             **{k: v for k, v in attrs.items() if k != "momentum"})
+    stats = b.op("conv_bn_stats", x, w, *running, **stats_attrs(attrs))
+    y = b.op("conv_bn_relu_pool_apply", x, w, gamma, beta, stats[0], stats[1], **output_attrs(attrs))
     return [y, *stats]
 
 

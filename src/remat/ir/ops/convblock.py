@@ -163,6 +163,16 @@ _STATS_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation"
                 Attr("tile", "int", 1))
 
 
+def stats_attrs(attrs) -> dict:
+    """The attributes of ``conv_bn_stats`` (the statistics pass) among a conv_bn_relu_pool op's."""
+    return {a.name: attrs[a.name] for a in _STATS_ATTRS if a.name in attrs}
+
+
+def output_attrs(attrs) -> dict:
+    """The attributes of ``conv_bn_relu_pool_apply`` (the output pass) among a conv_bn_relu_pool op's."""
+    return {a.name: attrs[a.name] for a in _ATTRS if a.name in attrs}
+
+
 def _stats_infer(types, attrs):
     if len(types) not in (2, 4):
         raise TypeError(f"'conv_bn_stats' takes (x, w[, running_mean, running_var]), got {len(types)} operands")
