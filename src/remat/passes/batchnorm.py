@@ -104,7 +104,7 @@ def split_batch_norm_grad(module: Module) -> Module:
     allocates none. It is a memory-lean algorithm, not a default: on the zoo's conv nets the split
     step runs 4-6% slower than ATen's single kernel, and grad_x differs from it in the last bit of
     some elements. The planner uses it where the reference does not fit
-    (``remat.train.api.TrainStep._lean_variant``)."""
+    (``remat.train.api.TrainStep._lean_variants``)."""
     return expand_matching(module, _is_training_bn_grad, _split_grad)
 
 
