@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
 
 from remat.ir import Builder, DType, Function, Module, TensorType, verify
 from remat.passes.concatconv import split_concat_conv
@@ -48,6 +50,31 @@ def test_split_gives_the_reference_values(layout, dialect):
     want, _ = run(f, *args, dialects=[dialect])
     got, _ = run(g, *args, dialects=[dialect])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+
+
+def test_the_input_computed_last_is_convolved_first():
+    """A U-Net's ``concat(skip, up(x))``: ``up(x)``, computed last, is convolved first, so that a
+    recomputation frees it before the skip's convolution runs; the sum keeps the inputs' order, so
+    the values are bit for bit those of convolving the skip first."""
+    a = TensorType(F64, (2, 2, 4, 4))
+    f = Function("f", [a, TensorType(F64, (2, 3, 4, 4)), TensorType(F64, (4, 5, 3, 3))])
+    b = Builder(f.entry)
+    up = b.op("neg", f.params[1])  # computed after the skip (a parameter)
+    y = b.op("conv2d", b.op("concat", f.params[0], up, axis=1), f.params[2], padding=(1, 1))
+    f.result_types = [y.type]
+    b.ret(y)
+    g, _ = split_concat_conv(f)
+    convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]
+    assert convs[0].operands[0] is not g.params[0] and convs[1].operands[0] is g.params[0]
+    (add,) = [i for i in g.entry.instrs if i.op.name == "add"]
+    assert add.operands[0] is convs[1].results[0] and add.operands[1] is convs[0].results[0]
+    args = _args(f)
+    want, _ = run(f, *args, dialects=["torch"])
+    got, _ = run(g, *args, dialects=["torch"])
+    t = [torch.from_numpy(v) for v in (args[0], -args[1], args[2][:, :2], args[2][:, 2:])]
+    ref = F.conv2d(t[0], t[2], padding=1) + F.conv2d(t[1], t[3], padding=1)  # the skip's term first
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-12, atol=1e-12)
+    assert np.array_equal(got[0], ref.numpy())
 
 
 def _batch_concat() -> Function:

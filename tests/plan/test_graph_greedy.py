@@ -78,6 +78,44 @@ def test_greedy_evicts_the_cheap_tensor():
     assert plan.cost == pytest.approx(g.base_cost + 1.0)
 
 
+def test_an_input_released_after_its_last_use_stays_for_a_recomputation():
+    """``x`` (not pinned: freed after its last use) feeds the cheap ``a`` and, later, ``b``. To fit
+    the spike, ``a`` is evicted, to be recomputed for ``c`` after ``b`` has read ``x`` for the last
+    time: the greedy keeps ``x`` (1 byte) for that recomputation, where it used to free ``x`` after
+    ``b`` and then find ``a`` beyond recomputation (no plan below the no-remat peak)."""
+    g = Graph()
+    x = g.add_input("x", 1)
+    w = g.add_input("w", 1, is_output=True)
+    a = g.add_node("a", 1.0, 10, [x, w])
+    spike = g.add_node("spike", 1.0, 12, [w])
+    s = g.add_node("s", 1.0, 1, [spike])
+    b = g.add_node("b", 50.0, 10, [x, w])
+    g.add_node("c", 1.0, 1, [a, s], is_output=True)
+    g.add_node("d", 1.0, 1, [b], is_output=True)
+    assert evaluate(g, no_remat_schedule(g))[1] == 25  # during s: x, w, a, spike, s
+    m = greedy_min_budget(g)
+    assert m <= 16
+    for budget in range(m, 26):
+        plan = solve_greedy(g, budget)
+        assert evaluate(g, plan.schedule) == (plan.cost, plan.peak) and plan.peak <= budget
+
+
+@pytest.mark.parametrize("kind,n", [("unet", 3), ("unet", 4), ("residual", 5), ("chain", 6)])
+def test_greedy_plans_with_a_released_input_are_valid(kind, n):
+    """A training graph's data input freed after its last use (a block-internal plan's stage
+    input, ``partition.Split.donated``): every greedy plan from the minimum up is valid (nothing
+    recomputed from the freed input) and within its budget. (Its minimum against the pinned
+    input's: ``tests/train/test_algorithm_choice.py``, on a U-Net whose stage input is a skip.)"""
+    free = synthetic_training_graph(kind, n, seed=1)
+    assert not free[free.index("x")].is_output
+    m_free = greedy_min_budget(free)
+    hi = evaluate(free, no_remat_schedule(free))[1]
+    for frac in (0.0, 0.1, 0.3, 0.6):
+        budget = int(m_free + frac * (hi - m_free))
+        plan = solve_greedy(free, budget)
+        assert evaluate(free, plan.schedule) == (plan.cost, plan.peak) and plan.peak <= budget
+
+
 def test_greedy_raises_below_lower_bound():
     g = synthetic_training_graph("chain", 3, seed=0)
     with pytest.raises(BudgetTooSmall):

@@ -234,6 +234,36 @@ def test_unet_skip_concatenations_are_split_below_the_reference_minimum():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_unet_block_internal_plans_release_the_skip_they_recompute_from(monkeypatch):
+    """The chain block spanning a U-Net's top-level skip keeps only its input (the skip) and
+    recomputes the rest in its backward: releasing the skip there once the recomputation has read
+    it, and the block's output gradient once its last reader ran (``partition.Split.donated``),
+    lowers the floor; measured == predicted at it, and the gradients are bit-identical to a larger
+    budget's under the same algorithm choices."""
+    from remat import zoo
+    from remat.plan import inner
+
+    model, inputs, loss_fn = zoo.make("unet", "tiny", batch=32)
+    minima = {}
+    for donate in (False, True):
+        monkeypatch.setattr(inner, "DONATE", donate)
+        with pytest.raises(remat.BudgetTooSmall) as e:
+            remat.compile(copy.deepcopy(model), inputs, loss_fn, budget=1)
+        minima[donate] = e.value.minimum
+    assert minima[True] < 0.92 * minima[False]
+    runs = []
+    for budget in (minima[True], int(minima[True] * 1.05)):
+        m = copy.deepcopy(model)
+        step = remat.compile(m, inputs, loss_fn, budget=budget)
+        loss = step(*inputs)
+        assert step.last_stats.peak_bytes == step.predicted_peak <= budget
+        assert any("keep only their input" in n for n in step.report().solver_notes)
+        runs.append((step.report().algorithms, loss, grads_of(m)))
+    (alg1, l1, g1), (alg2, l2, g2) = runs
+    assert alg1 == alg2 and torch.equal(l1, l2)
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+
+
 def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
     """A ResNet's stem (convolution, batch norm, ReLU, max pool at full resolution) sets its floor:
     below the reference's minimum the planner runs it as one batch-tiled ``conv_bn_relu_pool``

@@ -57,16 +57,28 @@ def split_concat_conv(f: Function) -> tuple[Function, list[Site]]:
         cat = _match(ins, uses) if ins.op.name == "conv2d" else None
         return None if cat is None else ([cat], cat)
 
+    pos = {ins: k for k, ins in enumerate(f.entry.instrs)}
+
     def emit(b: Builder, ins: Instruction, cat: Instruction) -> tuple[Value, Site]:
         w = ins.operands[1]
         b.loc = ins.loc
-        y, start = None, 0
+        starts = [0]
         for a in cat.operands:
-            c = nchw("conv2d", a.type, ins.attrs)[1]
-            wa = b.op("slice", w, start=(0, start, 0, 0), stop=(w.type.shape[0], start + c) + w.type.shape[2:])
-            part = b.op("conv2d", a, wa, **ins.attrs)
-            y = part if y is None else b.op("add", y, part)
-            start += c
+            starts.append(starts[-1] + nchw("conv2d", a.type, ins.attrs)[1])
+
+        def part(k: int) -> Value:
+            wa = b.op("slice", w, start=(0, starts[k], 0, 0), stop=(w.type.shape[0], starts[k + 1]) + w.type.shape[2:])
+            return b.op("conv2d", cat.operands[k], wa, **ins.attrs)
+
+        # The input computed last (a U-Net's upsampled activation, next to a skip kept from long
+        # before) is convolved first: where the step recomputes it, it dies before the other
+        # convolutions run. The sum keeps the inputs' order, so the values do not depend on this.
+        first = max(range(len(cat.operands)), key=lambda k: (pos.get(getattr(cat.operands[k], "instr", None), -1), k))
+        early = part(first)
+        y = None
+        for k in range(len(cat.operands)):
+            p = early if k == first else part(k)
+            y = p if y is None else b.op("add", y, p)
         return y, Site("(unknown)" if ins.loc is None else (ins.loc.path or "(top level)"), len(cat.operands),
                        cat.results[0].type.nbytes)
 

@@ -14,6 +14,13 @@ would have to be recomputed too (DTR's e*).  Only recomputable, non-input tensor
 not needed by the node(s) being computed are candidates.  Evicting splits a
 tensor's liveness in two intervals, the second starting with a replay.
 
+Inputs that are not outputs (a block-internal plan's stage input and upstream gradient, which
+its backward may release: ``partition.Split.donated``) are freed after their last use, for good:
+no value can be recomputed from them afterwards. So an evicted value that will be recomputed holds
+the inputs its recomputation reads (``held_for``), a value such a recomputation reads is not
+dead while it waits (``pending``), and a value reading an input already gone is never evicted.
+Graphs whose inputs are all pinned (the step's own arguments) are planned as before.
+
 The result is a compute sequence; frees are inserted eagerly (:func:`.graph.eager_frees`),
 which frees every value no later than the greedy did, so the simulated peak is
 <= the greedy's own accounting <= budget.
@@ -69,6 +76,16 @@ class _Greedy:
         self.use_pos: list[list[int]] = [sorted(self.pos[w] for w in cons[u]) for u in range(n)]
         self.fut = [len(cons[u]) for u in range(n)]  # first-computations still to read u
         self.live = [nd.is_input for nd in self.nodes]
+        # Inputs that are not outputs are freed after their last use, for good: what reads them cannot
+        # be recomputed afterwards (its recompute cost is infinite, so it is never evicted then).
+        self.gone = [False] * n
+        # An unpinned input stays while an evicted value with uses left needs it to be recomputed:
+        # ``held_for[j]`` counts those values, ``needs[u]`` lists the inputs u's eviction holds.
+        self.held_for = [0] * n
+        self.needs: dict[int, list[int]] = {}
+        self.pending: set[int] = set()  # evicted values that will be recomputed (uses left, or read by such)
+        self.done = [False] * n  # computed at least once (only those can be pending, or lead to one)
+        self.unpinned = any(nd.is_input and not nd.is_output for nd in self.nodes)
         self.mem = sum(nd.bytes for nd in self.nodes if nd.is_input)  # bytes, >= internal truth
         self.pins = [0] * n
         self.seq: list[int] = []
@@ -87,9 +104,63 @@ class _Greedy:
     # -------------------------------------------------------------- helpers
     def _dead(self, u: int) -> bool:
         nd = self.nodes[u]
-        return self.live[u] and not self.pins[u] and self.fut[u] == 0 and not nd.is_output
+        return (self.live[u] and not self.pins[u] and self.fut[u] == 0 and not nd.is_output
+                and not self.held_for[u] and not (self.unpinned and self._read_by_pending(u)))
+
+    def _hold_inputs(self, u: int) -> None:
+        """Freeing ``u``, which will be recomputed: keep the unpinned inputs its recomputation reads
+        (through values that are not live) until it is."""
+        nodes, live = self.nodes, self.live
+        found: list[int] = []
+        seen = {u}
+        stack = [u]
+        while stack:
+            v = stack.pop()
+            for j in nodes[v].inputs:
+                if j in seen:
+                    continue
+                seen.add(j)
+                if nodes[j].is_input:
+                    if not nodes[j].is_output:
+                        found.append(j)
+                elif not live[j]:
+                    stack.append(j)
+        if found:
+            for j in found:
+                self.held_for[j] += 1
+            self.needs[u] = found
+
+    def _read_by_pending(self, u: int) -> bool:
+        """Whether an evicted value to be recomputed reads ``u`` (through values that are not live)."""
+        live, cons, pending, done = self.live, self.cons, self.pending, self.done
+        seen = set()
+        stack = [u]
+        while stack:
+            v = stack.pop()
+            for c in cons[v]:
+                if live[c] or c in seen or not done[c]:
+                    continue
+                if c in pending:
+                    return True
+                seen.add(c)
+                stack.append(c)
+        return False
+
+    def _release_inputs(self, u: int) -> None:
+        """``u`` is live again: the inputs its eviction held may go once nothing else needs them."""
+        for j in self.needs.pop(u, ()):
+            self.held_for[j] -= 1
+            if self._dead(j):
+                self._free(j)
 
     def _free(self, u: int) -> None:
+        nd = self.nodes[u]
+        if nd.is_input:
+            self.gone[u] = True
+        elif self.unpinned and (self.fut[u] or nd.is_output or self._read_by_pending(u)):
+            self.pending.add(u)  # to be recomputed: the unpinned inputs that takes stay
+            self.live[u] = False  # (the walk goes through it as a value that is not live)
+            self._hold_inputs(u)
         self.live[u] = False
         self.mem -= self.nodes[u].bytes
         self.resident.discard(u)
@@ -116,6 +187,8 @@ class _Greedy:
         live, rec = self.live, self.rec
         for j in nd.inputs:
             if not live[j]:
+                if self.gone[j]:
+                    return float("inf")  # reads an input freed after its last use: cannot be recomputed
                 r = rec.get(j)
                 c += self._rec_cost_not_live(j) if r is None else r
         return c
@@ -135,7 +208,7 @@ class _Greedy:
             if pins[u]:
                 continue
             nd = nodes[u]
-            uses = fut[u] + (1 if nd.is_output else 0)
+            uses = fut[u] + (1 if nd.is_output or self.unpinned and self._read_by_pending(u) else 0)
             if uses == 0:
                 h = -1.0  # dead: free for nothing
             else:
@@ -169,10 +242,14 @@ class _Greedy:
         if len(self.seq) > self.max_steps:
             raise _Stuck
         self.live[v] = True
+        self.done[v] = True
         self.mem += nd.bytes
         if self.evictable[v]:
             self.resident.add(v)
         self._live_changed(v)
+        if v in self.pending:
+            self.pending.discard(v)
+            self._release_inputs(v)
 
     def _materialize(self, u: int) -> None:
         """Make u live (recompute it, and its evicted inputs first)."""
@@ -193,9 +270,11 @@ class _Greedy:
             if self.live[j]:
                 self.pins[j] += 1
                 pinned.append(j)
-        for j in nd.inputs:
-            if not self.live[j]:
-                self._materialize(j)
+        first = set(pinned)
+        for j in nd.inputs:  # the others, rematerialised unless an earlier one's recomputation made them live
+            if j not in first:
+                if not self.live[j]:
+                    self._materialize(j)
                 self.pins[j] += 1
                 pinned.append(j)
         self._compute(u)

@@ -44,6 +44,20 @@ class Recipe:
     sequence: tuple[int, ...] | None
 
 
+DONATE = True
+"""Whether a block-internal plan's backward releases its stage input, tape and upstream gradient
+at their last use (:func:`_donated`); a switch for comparing plans with and without it."""
+
+
+def _donated(g: Function, n_params_read: int) -> tuple[int, ...]:
+    """The arguments a recomputing backward ``(params read..., x, kept tape..., gy)`` releases at
+    their last use: all but the parameters. The chain is done with a stage's tape and its output's
+    gradient once the stage's backward runs; freeing the input activation as soon as the
+    recomputation has read it (rather than holding it to the end) is what lets a U-Net's skip span
+    be planned within its children's memory (``greedy``: inputs released after their last use)."""
+    return tuple(range(n_params_read, len(g.params))) if DONATE else ()
+
+
 def _recomputing_backward(stage: ChainStage, keep: Sequence[int]) -> tuple[Function, Function, list[int]] | None:
     """The forward ``(params..., x) -> (y, side outputs..., x, kept tape...)`` and the backward
     ``(params read..., x, kept tape..., gy) -> grads`` that recomputes the other tape values, with
@@ -87,14 +101,16 @@ def build_variant(stage: ChainStage, recipe: Recipe, workspace_fn: WorkspaceFn |
     if parts is None:
         return None
     fwd, g, bp = parts
-    low = to_graph(g, workspaces=None if workspace_fn is None else workspace_fn(g))
+    donated = _donated(g, len(bp))
+    low = to_graph(g, workspaces=None if workspace_fn is None else workspace_fn(g), donated=donated)
     seq = recipe.sequence
     if seq is None:
         from .scheduling import memory_aware_order
 
         seq = tuple(memory_aware_order(low.graph))
     back = from_schedule(low, eager_frees(low.graph, seq), check=False)
-    split = Split(fwd, stage.split.forward_light, back, stage.split.n_outputs, bp, len(fwd.result_types) - 1 - stage.n_aux)
+    split = Split(fwd, stage.split.forward_light, back, stage.split.n_outputs, bp,
+                  len(fwd.result_types) - 1 - stage.n_aux, donated)
     return replace(stage, split=split)
 
 
@@ -112,8 +128,9 @@ def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, flo
     parts = _recomputing_backward(stage, ())
     if parts is None:
         return []
-    _, g, _ = parts
-    low = to_graph(g, costs(g), workspaces=None if workspace_fn is None else workspace_fn(g))
+    _, g, bp = parts
+    low = to_graph(g, costs(g), workspaces=None if workspace_fn is None else workspace_fn(g),
+                   donated=_donated(g, len(bp)))
     order = memory_aware_order(low.graph)
     out = [Recipe((), tuple(order))]
     from .graph import eager_frees

@@ -24,7 +24,7 @@ measures them with ``run(..., by_kind=True)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ..ir import Block, Builder, Function, Instruction, Module, Successor, Value
 from ..ir.liveness import Liveness, liveness
@@ -168,7 +168,18 @@ def _straight_line(fn: Function) -> None:
             f"with remat.run")
 
 
-def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
+def _kept_params(fn: Function, donate: bool | Collection[int]) -> set[Value]:
+    """The parameters of ``fn`` its caller keeps: all without ``donate``, none with ``donate=True``,
+    else those whose index is not in ``donate`` (the donated ones are released at their last use)."""
+    if donate is True:
+        return set()
+    if not donate:
+        return set(fn.params)
+    given = set(donate)
+    return {p for i, p in enumerate(fn.params) if i not in given}
+
+
+def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool | Collection[int],
               timeline: list[TimelineEntry] | None) -> list[int]:
     """Run ``fn``'s accounting on ``sim``; returns the storages of the returned values (one reference
     each, owned by the caller). ``arg_sids`` None: top level, parameters are fresh storages."""
@@ -183,7 +194,7 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
         else:
             sim.ref(arg_sids[i])
             env[p] = arg_sids[i]
-    keep = set(fn.params) if top and not donate else set()
+    keep = _kept_params(fn, donate) if top else set()
     for a in lv.dead_args.get(fn.entry, ()):
         if a not in keep:
             sim.release(env.pop(a))
@@ -230,12 +241,14 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool,
     raise ValueError(f"@{fn.name} does not end with return")
 
 
-def simulate(fn: Function, donate: bool = False, kinds: Mapping[Value, str] | None = None) -> MemoryPrediction:
+def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mapping[Value, str] | None = None) -> MemoryPrediction:
     """Simulate the VM's memory accounting of ``fn`` from IR types (straight-line code, calls inlined).
 
     Assumes each argument is a dense buffer of its parameter type, distinct from the others.
     ``kinds``: labels of ``fn``'s values (as given to ``VM.set_kinds``; values of callees and
     unlabelled ones are ``"other"``) to split the bytes by kind (``MemoryPrediction.by_kind``).
+    ``donate``: the parameters released at their last use: none (False), all (True), or those at
+    these indices (a block-internal plan's backward, ``partition.Split.donated``).
     """
     sim = _Sim(kinds)
     timeline: list[TimelineEntry] = []
@@ -249,7 +262,7 @@ def simulate(fn: Function, donate: bool = False, kinds: Mapping[Value, str] | No
     return MemoryPrediction(peak, timeline, sim.live, at, None if kinds is None else sim.by_kind())
 
 
-def predict_peak(fn: Function, donate: bool = False) -> int:
+def predict_peak(fn: Function, donate: bool | Collection[int] = False) -> int:
     """The peak live bytes the VM will measure when running ``fn`` (see :func:`simulate`)."""
     return simulate(fn, donate).peak_bytes
 

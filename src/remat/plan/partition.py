@@ -23,6 +23,9 @@ class Split:
     (no tape kept); ``backward(kept primals..., tape..., cotangents) -> gradients``.
     ``backward_primals`` are the indices of the primal params the backward reads directly
     (weights: always live); other primals it reads (a stage's input activation) go on the tape.
+    ``donated``: indices of the backward's parameters it may release at their last use, the caller
+    holding them for nothing after it (a block-internal plan's tape and upstream gradient: the chain
+    is done with them once the backward runs). Empty: the caller holds every argument throughout.
     """
 
     forward: Function
@@ -31,6 +34,7 @@ class Split:
     n_outputs: int
     backward_primals: list[int]
     n_tape: int
+    donated: tuple[int, ...] = ()
 
 
 def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int] | None = None) -> Split:

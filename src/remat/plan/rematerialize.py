@@ -15,6 +15,7 @@ execution; a result computed again re-runs the instruction, whose other results 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection
 
 from ..ir import Builder, Function, Instruction, Module, Value, verify
 from ..ir.core import BlockArg
@@ -39,9 +40,11 @@ def _is_view(ins: Instruction) -> bool:
 
 
 def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_args: bool = True,
-             workspaces: dict[Instruction, int] | None = None) -> Lowered:
+             workspaces: dict[Instruction, int] | None = None, donated: Collection[int] = ()) -> Lowered:
     """Lower ``fn`` (one block, no calls) to a Graph. ``costs``: seconds per instruction
-    (default: 1 per element produced, a stand-in proportional to memory traffic)."""
+    (default: 1 per element produced, a stand-in proportional to memory traffic). Arguments are
+    inputs live throughout with ``pin_args``, except those at the indices ``donated``, which the
+    schedule may release after their last use (``partition.Split.donated``)."""
     if len(fn.blocks) != 1:
         raise ValueError(f"@{fn.name} has {len(fn.blocks)} blocks; rematerialisation works on straight-line code")
     g = Graph()
@@ -61,7 +64,8 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
             low.root[r] = low.root[ins.operands[src]] if src is not None else r
     out_roots = {low.root[v] for v in outputs}
     for a in fn.params:
-        idx = g.add_input(f"arg{a.index}", a.type.nbytes, is_output=pin_args or a in out_roots)
+        idx = g.add_input(f"arg{a.index}", a.type.nbytes,
+                          is_output=pin_args and a.index not in donated or a in out_roots)
         low.node_of[a] = idx
         low.arg_of[idx] = a
     for n, ins in enumerate(fn.entry.instrs[:-1]):

@@ -9,17 +9,18 @@ program's own kernels on the same shapes.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 from ..ir import Function, Instruction
 from .liveness import simulate
 
 
-def allocator_bound(fn: Function, ws: Mapping[Instruction, int]) -> int:
+def allocator_bound(fn: Function, ws: Mapping[Instruction, int], donate: Collection[int] = ()) -> int:
     """The allocator peak of running ``fn`` on the VM (bytes), bounded from the VM's exact
     accounting: the largest of the arguments' bytes and, over the instructions, the high-water
-    mark (operands live, results allocated) plus the kernel's workspace ``ws`` (absent: 0)."""
-    sim = simulate(fn)
+    mark (operands live, results allocated) plus the kernel's workspace ``ws`` (absent: 0).
+    ``donate``: indices of parameters released at their last use (``liveness.simulate``)."""
+    sim = simulate(fn, donate)
     instrs = fn.entry.instrs
     return max([sum(p.type.nbytes for p in fn.params)]
                + [t.high_water + ws.get(instrs[t.index], 0) for t in sim.timeline])

@@ -301,6 +301,11 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
             sp = st.split
             bargs = [params[i - 1][j] for j in sp.backward_primals] + tape_of[i] + [b_slot[i + 1][0]]
             _free_unread_output(b, f_slot, i, schedule, pos, set(bargs) | held(("f", i)) | args | keep)
+            if sp.donated:  # the backward's own last use releases these, unless another slot holds them
+                donated = {bargs[k] for k in sp.donated}
+                f_slot[i] = [v for v in f_slot[i] if v not in donated]
+                if b_slot[i + 1][0] in donated:
+                    del b_slot[i + 1]
             res = inline_body(b, sp.backward, bargs)
             ng = len(st.grad_params)
             grads[i] = res[:ng]

@@ -41,14 +41,16 @@ class StageProfile:
         return asdict(self)
 
 
-def _internal_peak(fn: Function, workspace_fn: WorkspaceFn | None = None) -> int:
+def _internal_peak(fn: Function, workspace_fn: WorkspaceFn | None = None, donated: Sequence[int] = ()) -> int:
     """Peak bytes of ``fn`` beyond its arguments (which the caller already holds); with
-    ``workspace_fn``, of the allocator bound (high-water marks plus kernels' workspaces)."""
+    ``workspace_fn``, of the allocator bound (high-water marks plus kernels' workspaces). ``donated``:
+    arguments ``fn`` releases at their last use (``partition.Split.donated``), so the peak may be
+    less than the arguments (negative)."""
     from ..liveness import predict_peak
     from ..workspace import allocator_bound
 
     args = sum(p.type.nbytes for p in fn.params)
-    peak = predict_peak(fn) if workspace_fn is None else allocator_bound(fn, workspace_fn(fn))
+    peak = predict_peak(fn, donated) if workspace_fn is None else allocator_bound(fn, workspace_fn(fn), donated)
     return peak - args
 
 
@@ -145,7 +147,7 @@ def _profile(s: ChainStage, fwd_time: float, bwd_time: float, workspace_fn: Work
     tape_b = _tape_bytes(s)
     grad_b = s.input_type.nbytes if len(s.split.backward.result_types) > len(s.grad_params) else 0
     fo = max(0, _internal_peak(s.split.forward, workspace_fn) - out_b - tape_b)
-    bo = max(0, _internal_peak(s.split.backward, workspace_fn) - grad_b)
+    bo = max(0, _internal_peak(s.split.backward, workspace_fn, s.split.donated) - grad_b)
     return StageProfile(s.name, fwd_time, bwd_time, out_b, grad_b, tape_b, fo, bo,
                         sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types), output_unread(s))
 
