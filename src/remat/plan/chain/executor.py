@@ -13,7 +13,7 @@ temporary is released at its last use. Its peak is therefore predicted exactly b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
@@ -89,7 +89,14 @@ def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[i
     n_aux = len(forward.result_types) - 1
     joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()), split_bn_grad)
     split = split_joint(joint, n_primals=n_params + 1, n_outputs=1 + n_aux, direct=set(range(n_params)))
+    if DONATE_TAPE:
+        split = replace(split, donated=tuple(range(len(split.backward_primals), len(split.backward.params))))
     return ChainStage(name, _split_batch_norms(forward), n_params, split, grad_params, n_aux)
+
+
+DONATE_TAPE = True
+"""Whether a stage's backward releases its tape and upstream gradient at their last use
+(``partition.Split.donated``)."""
 
 
 def _split_batch_norms(fn: Function) -> Function:
@@ -304,7 +311,7 @@ def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str =
             if sp.donated:  # the backward's own last use releases these, unless another slot holds them
                 donated = {bargs[k] for k in sp.donated}
                 f_slot[i] = [v for v in f_slot[i] if v not in donated]
-                if b_slot[i + 1][0] in donated:
+                if b_slot[i + 1] and b_slot[i + 1][0] in donated:
                     del b_slot[i + 1]
             res = inline_body(b, sp.backward, bargs)
             ng = len(st.grad_params)
