@@ -159,7 +159,6 @@ class _Greedy:
             self.gone[u] = True
         elif self.unpinned and (self.fut[u] or nd.is_output or self._read_by_pending(u)):
             self.pending.add(u)  # to be recomputed: the unpinned inputs that takes stay
-            self.live[u] = False  # (the walk goes through it as a value that is not live)
             self._hold_inputs(u)
         self.live[u] = False
         self.mem -= self.nodes[u].bytes
