@@ -146,7 +146,7 @@ def plan_step(p: StepProblem) -> Candidate:
         if news:
             chain = min(news + ([chain] if isinstance(chain, Candidate) else []), key=lambda c: c.overhead)
         best = frontier.best(p.budget)
-    better = _improve_near_floor(p, low, best, frontier, model, base, remarks)
+    better = _improve_near_floor(p, low, best, frontier, model, base, remarks, lowered)
     if better is not None:
         lowered.append(better)
         frontier.add(better)
@@ -166,17 +166,24 @@ def plan_step(p: StepProblem) -> Candidate:
 
 
 def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, model: CostModel, base: float,
-                        remarks: list[str]) -> Candidate | None:
-    """The MILP on the neighbourhood of the winning plan when the greedy made it and it recomputes
-    much (near the floor; the registry's ``improves_neighbourhood``), under a small time limit and
+                        remarks: list[str], lowered: Sequence[Candidate] = ()) -> Candidate | None:
+    """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
+    the MILP on the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one
+    a chain plan beat: the MILP often improves the greedy's past it), under a small time limit and
     once per plan (``frontier.searched``): its plan, peaking no higher in the graph model, lowered
     and scored on the one cost model, or None. Says what it did in ``remarks``."""
     from .milp import improve_in_windows
     from .rematerialize import from_schedule
 
-    plan = None if best is None else best.plan
-    if (not isinstance(plan, GraphPlan) or plan.solver != "greedy" or not improves_neighbourhood(p.solver, best.overhead)
-            or any(c is best for c in frontier.searched)):
+    if best is None or not improves_neighbourhood(p.solver, best.overhead):
+        return None
+    greedy = [c for c in list(lowered) + frontier.plans
+              if isinstance(c.plan, GraphPlan) and c.plan.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
+    if not greedy:
+        return None
+    best = min(greedy, key=lambda c: (c.overhead, c.peak))
+    plan = best.plan
+    if any(c is best for c in frontier.searched):
         return None
     frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [best]
     search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
