@@ -76,9 +76,6 @@ class _Greedy:
         self.use_pos: list[list[int]] = [sorted(self.pos[w] for w in cons[u]) for u in range(n)]
         self.fut = [len(cons[u]) for u in range(n)]  # first-computations still to read u
         self.live = [nd.is_input for nd in self.nodes]
-        # Inputs that are not outputs are freed after their last use, for good: what reads them cannot
-        # be recomputed afterwards (its recompute cost is infinite, so it is never evicted then).
-        self.gone = [False] * n
         # An unpinned input stays while an evicted value with uses left needs it to be recomputed:
         # ``held_for[j]`` counts those values, ``needs[u]`` lists the inputs u's eviction holds.
         self.held_for = [0] * n
@@ -155,9 +152,7 @@ class _Greedy:
 
     def _free(self, u: int) -> None:
         nd = self.nodes[u]
-        if nd.is_input:
-            self.gone[u] = True
-        elif self.unpinned and (self.fut[u] or nd.is_output or self._read_by_pending(u)):
+        if not nd.is_input and self.unpinned and (self.fut[u] or nd.is_output or self._read_by_pending(u)):
             self.pending.add(u)  # to be recomputed: the unpinned inputs that takes stay
             self._hold_inputs(u)
         self.live[u] = False
@@ -183,11 +178,11 @@ class _Greedy:
         """Cost of recomputing u now, incl. evicted ancestors (their costs summed along each path)."""
         nd = self.nodes[u]
         c = nd.cost
-        live, rec = self.live, self.rec
+        live, rec, nodes = self.live, self.rec, self.nodes
         for j in nd.inputs:
             if not live[j]:
-                if self.gone[j]:
-                    return float("inf")  # reads an input freed after its last use: cannot be recomputed
+                if nodes[j].is_input:
+                    return float("inf")  # reads an input freed after its last use, for good: never evicted
                 r = rec.get(j)
                 c += self._rec_cost_not_live(j) if r is None else r
         return c

@@ -134,10 +134,10 @@ def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, flo
         return []
     _, g, bp = parts
     donated = _donated(g, len(bp))
-    ws = None if workspace_fn is None else workspace_fn(g)
+    prices, ws = costs(g), None if workspace_fn is None else workspace_fn(g)
     out: list[Recipe] = []
     for given in ([donated, ()] if donated else [()]):
-        low = to_graph(g, costs(g), workspaces=ws, donated=given)
+        low = to_graph(g, prices, workspaces=ws, donated=given)
         order = memory_aware_order(low.graph)
         if not out:
             out.append(Recipe((), tuple(order)))

@@ -8,7 +8,7 @@ checkpointing executor must keep — or recompute — between a stage's forward 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ir import Function, Instruction, Value
 from ..ir.analysis import ancestors
@@ -35,6 +35,12 @@ class Split:
     backward_primals: list[int]
     n_tape: int
     donated: tuple[int, ...] = ()
+
+
+def donating(split: Split) -> Split:
+    """``split`` with its backward releasing every argument but the parameters it reads (its tape
+    and upstream gradient) at their last use (``Split.donated``)."""
+    return replace(split, donated=tuple(range(len(split.backward_primals), len(split.backward.params))))
 
 
 def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int] | None = None) -> Split:

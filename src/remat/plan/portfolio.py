@@ -181,20 +181,20 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
               if isinstance(c.plan, GraphPlan) and c.plan.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
     if not greedy:
         return None
-    best = min(greedy, key=lambda c: (c.overhead, c.peak))
-    plan = best.plan
-    if any(c is best for c in frontier.searched):
+    start = min(greedy, key=lambda c: (c.overhead, c.peak))
+    plan = start.plan
+    if any(c is start for c in frontier.searched):
         return None
-    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [best]
+    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [start]
     search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
-    what = (f"near the floor (the greedy's plan: predicted overhead {best.overhead:+.1%}): MILP on its neighbourhood, "
+    what = (f"near the floor (the greedy's plan: predicted overhead {start.overhead:+.1%}): MILP on its neighbourhood, "
             f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
     if search.plan is None:
         remarks.append(what + ", no cheaper plan found")
         return None
     prog = p.finish(from_schedule(low, search.plan.schedule, check=False))
     cand = Candidate(f"{search.plan.solver} ({search.plan.status})",
-                     [n for n in best.notes if n.startswith("instruction-level")] + search.plan.notes
+                     [n for n in start.notes if n.startswith("instruction-level")] + search.plan.notes
                      + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"],
                      prog, program_overhead(model, prog, base), search.plan, fit_peak(p, prog))
     remarks.append(what + f", its plan: predicted overhead {cand.overhead:+.1%}"

@@ -15,11 +15,11 @@ last read of each frees it, unless another slot still holds the value (a checkpo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
-from ..partition import Split, split_joint
+from ..partition import Split, donating, split_joint
 from .schedule import B, F, FT, Free, Step
 
 
@@ -63,6 +63,11 @@ class ChainStage:
         return self.split.forward.result_types[1 + self.n_aux:]
 
 
+DONATE_TAPE = True
+"""Whether a stage's backward releases its tape and upstream gradient at their last use
+(``partition.Split.donated``)."""
+
+
 def joint_function(forward: Function, n_params: int, wrt: tuple[int, ...] | None = None,
                    split_bn_grad: bool = False) -> Function:
     """The joint ``(params..., x, gy) -> (y, side outputs..., grads wrt ``wrt``...)`` of a stage
@@ -91,14 +96,8 @@ def make_stage(name: str, forward: Function, n_params: int, grad_params: tuple[i
     n_aux = len(forward.result_types) - 1
     joint = joint_function(forward, n_params, grad_params + ((n_params,) if diff_input else ()), split_bn_grad)
     split = split_joint(joint, n_primals=n_params + 1, n_outputs=1 + n_aux, direct=set(range(n_params)))
-    if DONATE_TAPE:
-        split = replace(split, donated=tuple(range(len(split.backward_primals), len(split.backward.params))))
-    return ChainStage(name, _split_batch_norms(forward), n_params, split, grad_params, n_aux)
-
-
-DONATE_TAPE = True
-"""Whether a stage's backward releases its tape and upstream gradient at their last use
-(``partition.Split.donated``)."""
+    return ChainStage(name, _split_batch_norms(forward), n_params, donating(split) if DONATE_TAPE else split,
+                      grad_params, n_aux)
 
 
 def _split_batch_norms(fn: Function) -> Function:
