@@ -218,11 +218,13 @@ def test_refusal_is_a_bounded_search(monkeypatch):
     # probes (one pass per greedy score each), a 2% bisection, the plan at the minimum
     assert len(step_passes) <= 7 * len(greedy.SCORES) + 8 + 1, calls
     # block-internal plans (remat.plan.inner): per distinct block, twice (its donated arguments freed
-    # after their last use, and held), a 1% bisection of its backward (from its no-eviction peak
-    # down, at most ~8 passes) and two recipes, all bounded
+    # after their last use, and held) and per recipe score, a 1% bisection of its backward (from its
+    # no-eviction peak down, at most ~8 passes) and two recipes, all bounded
+    from remat.plan.inner import RECIPE_SCORES
+
     block_passes = [(n, m) for n, m in calls if n < whole]
     assert all(m is not None for _, m in block_passes), calls
-    assert len(block_passes) <= 2 * (10 * len({n for n, _ in block_passes}) + 10), calls
+    assert len(block_passes) <= 2 * len(RECIPE_SCORES) * (10 * len({n for n, _ in block_passes}) + 10), calls
     step = remat.compile(model, inputs, loss_fn, budget=info.value.minimum, solver="greedy", algorithms="reference")
     step(*inputs)
     assert step.report().measured_peak <= info.value.minimum
