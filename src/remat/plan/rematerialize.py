@@ -40,11 +40,15 @@ def _is_view(ins: Instruction) -> bool:
 
 
 def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_args: bool = True,
-             workspaces: dict[Instruction, int] | None = None, donated: Collection[int] = ()) -> Lowered:
+             workspaces: dict[Instruction, int] | None = None, donated: Collection[int] = (),
+             consumed: Collection[int] = ()) -> Lowered:
     """Lower ``fn`` (one block, no calls) to a Graph. ``costs``: seconds per instruction
     (default: 1 per element produced, a stand-in proportional to memory traffic). Arguments are
     inputs live throughout with ``pin_args``, except those at the indices ``donated``, which the
-    schedule may release after their last use (``partition.Split.donated``)."""
+    schedule may release after their last use (``partition.Split.donated``). ``consumed``: indices
+    of ``fn``'s results that whatever runs ``fn`` consumes as soon as they are computed (a step's
+    gradients, each updating its parameter at once, ``StepProblem.consumed``): their bytes are the
+    producing node's workspace, live while it computes, instead of its output's, held to the end."""
     if len(fn.blocks) != 1:
         raise ValueError(f"@{fn.name} has {len(fn.blocks)} blocks; rematerialisation works on straight-line code")
     g = Graph()
@@ -63,6 +67,10 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
             src = ins.op.aliases.get(k)
             low.root[r] = low.root[ins.operands[src]] if src is not None else r
     out_roots = {low.root[v] for v in outputs}
+    # a consumed result is retired when nothing else reads it (or a view of it) and it is returned once
+    read = {low.root[o] for ins in fn.entry.instrs[:-1] for o in ins.operands}
+    retired = {v for v in (ret.operands[k] for k in consumed) if low.root[v] is v and not isinstance(v, BlockArg)
+               and v not in read and sum(1 for w in ret.operands if w is v) == 1}
     for a in fn.params:
         idx = g.add_input(f"arg{a.index}", a.type.nbytes,
                           is_output=pin_args and a.index not in donated or a in out_roots)
@@ -80,7 +88,10 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
             cost = costs.get(ins, 0.0) if costs is not None else float(ins.results[0].type.numel)
             name = f"%{n}:{ins.op.name}" + (f"#{k}" if len(ins.results) > 1 else "")
             ws = workspaces.get(ins, 0) if workspaces is not None and k == 0 else 0  # bytes, while it computes
-            idx = g.add_node(name, cost, r.type.nbytes, inputs, is_output=r in out_roots, recomputable=recomputable,
+            size = r.type.nbytes
+            if r in retired:
+                ws, size = ws + size, 0
+            idx = g.add_node(name, cost, size, inputs, is_output=r in out_roots, recomputable=recomputable,
                              workspace=ws)
             low.node_of[r] = idx
             low.instr_of[idx] = ins

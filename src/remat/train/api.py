@@ -309,6 +309,9 @@ class TrainStep:
                               self._finish, self._extra_bytes(), self.costs, solver, milp_time_limit,
                               self._joint_args(self._capture_example, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
+        if self.updates and not self.keep_grads and self.dp is None and k == 1:
+            n_out = 1 + self.layout.n_buffers_out  # each gradient's update follows it (step.program)
+            problem = replace(problem, consumed=tuple(range(n_out, n_out + self.layout.n_params)))
         self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         try:
             self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
