@@ -125,12 +125,13 @@ def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, flo
             workspace_fn: WorkspaceFn | None = None, levels: Sequence[float] = (0.0, 0.5)) -> list[Recipe]:
     """A few recipes for ``stage``: keep only the input, its backward in memory-aware order and
     planned by the greedy at ``levels`` (0: the greedy's minimum, 1: the no-eviction peak)
-    between those two peaks, with each of :data:`RECIPE_SCORES`. ``costs``: seconds per instruction of a function (the greedy's
-    recomputation prices). The greedy plans the backward twice, its donated arguments released
-    after their last use and held to the end: neither is always the leaner (zoo U-Net's block
-    spanning the top-level skip: 59.7 against 83.7 MiB at batch 64 with them released; zoo ResNet
-    at batch 64: a step floor 0.3% higher with those recipes alone), and either sequence runs with
-    them released (:func:`build_variant`), peaking no higher."""
+    between those two peaks, with each of :data:`RECIPE_SCORES`. ``costs``: seconds per
+    instruction of a function (the greedy's recomputation prices). The greedy plans the backward
+    twice, its donated arguments released after their last use and held to the end: neither is
+    always the leaner (zoo U-Net's block spanning the top-level skip: 59.7 against 83.7 MiB at
+    batch 64 with them released; zoo ResNet at batch 64: a step floor 0.3% higher with those
+    recipes alone), and either sequence runs with them released (:func:`build_variant`), peaking
+    no higher."""
     from .graph import eager_frees, evaluate
     from .greedy import greedy_compute_sequence, greedy_min_budget
     from .rematerialize import to_graph
