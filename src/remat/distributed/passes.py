@@ -52,7 +52,7 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
                        state_types: list[list[TensorType]], dp: DataParallel, name: str = "train_step",
                        check: bool = True) -> Function:
     """One rank's step: ``(joint args..., optimizer state (sharded under ZeRO)..., step) -> (loss, buffers...)``."""
-    n_out = 1 + layout.n_buffers_out
+    n_out = layout.first_grad
     flat_state = [t for ts in state_types for t in ts]
     fn = Function(name, list(joint.param_types) + flat_state + [STEP_TYPE], list(joint.result_types[:n_out]))
     b = Builder(fn.entry)

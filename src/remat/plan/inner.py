@@ -20,7 +20,7 @@ from ..ir import Builder, Function, Instruction, Value
 from ..ir.analysis import ancestors
 from ..ir.build import clone_into, inline_body, slice_function
 from .chain.executor import ChainStage
-from .partition import Split
+from .partition import Split, released
 
 if TYPE_CHECKING:
     from .chain.profile import StageProfile
@@ -62,7 +62,7 @@ def _donated(g: Function, n_params_read: int) -> tuple[int, ...]:
     gradient once the stage's backward runs; freeing the input activation as soon as the
     recomputation has read it (rather than holding it to the end) is what lets a U-Net's skip span
     be planned within its children's memory (``greedy``: inputs released after their last use)."""
-    return tuple(range(n_params_read, len(g.params))) if DONATE else ()
+    return released(n_params_read, len(g.params)) if DONATE else ()
 
 
 def _recomputing_backward(stage: ChainStage, keep: Sequence[int]) -> tuple[Function, Function, list[int]] | None:

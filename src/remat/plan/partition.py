@@ -37,10 +37,16 @@ class Split:
     donated: tuple[int, ...] = ()
 
 
+def released(n_params_read: int, n_args: int) -> tuple[int, ...]:
+    """The arguments a backward ``(params read..., [stage input,] tape..., upstream gradient)`` of
+    ``n_args`` arguments may release at their last use: all but the parameters it reads."""
+    return tuple(range(n_params_read, n_args))
+
+
 def donating(split: Split) -> Split:
     """``split`` with its backward releasing every argument but the parameters it reads (its tape
     and upstream gradient) at their last use (``Split.donated``)."""
-    return replace(split, donated=tuple(range(len(split.backward_primals), len(split.backward.params))))
+    return replace(split, donated=released(len(split.backward_primals), len(split.backward.params)))
 
 
 def split_joint(joint: Function, n_primals: int, n_outputs: int, direct: set[int] | None = None) -> Split:

@@ -32,6 +32,11 @@ class Layout:
     def n_args(self) -> int:
         return self.n_state + self.n_inputs + int(self.has_seed)
 
+    @property
+    def first_grad(self) -> int:
+        """Index of the first gradient among the joint's results (after the loss and the buffers)."""
+        return 1 + self.n_buffers_out
+
 
 PRE_DIFFERENTIATION = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify", "dce"]
 """The passes run on a forward before it is differentiated. Simplifying first builds the backward
@@ -87,7 +92,7 @@ def update_points(joint: Function, layout: Layout) -> list[int]:
     checked (a step is atomic: no update before the last check of a new index; -1: before the first
     instruction)."""
     body = joint.entry.instrs[:-1]
-    grads = joint.entry.instrs[-1].operands[1 + layout.n_buffers_out:]
+    grads = joint.entry.instrs[-1].operands[layout.first_grad:]
     pos_of: dict[object, int] = {}
     last_read = {p: -1 for p in joint.params[: layout.n_params]}
     param_of: dict[Value, Value] = {p: p for p in last_read}  # a parameter, or a view of one (reshape, ...)
@@ -146,7 +151,7 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     ptypes = list(joint.param_types)
     flat_state = [t for ts in state_types for t in ts] if updates else []
     ptypes += flat_state + ([STEP_TYPE] if updates else [])
-    n_out = 1 + layout.n_buffers_out
+    n_out = layout.first_grad
     grad_types = list(joint.result_types[n_out:])
     rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else [])
     fn = Function(name, ptypes, rtypes)

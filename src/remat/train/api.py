@@ -310,8 +310,8 @@ class TrainStep:
                               self._joint_args(self._capture_example, copy=True) if cost_model == "profiled" else None,
                               self.dialects)
         if self.updates and not self.keep_grads and self.dp is None and k == 1:
-            n_out = 1 + self.layout.n_buffers_out  # each gradient's update follows it (step.program)
-            problem = replace(problem, consumed=tuple(range(n_out, n_out + self.layout.n_params)))
+            g0 = self.layout.first_grad  # each gradient's update follows it (step.program.update_points)
+            problem = replace(problem, consumed=tuple(range(g0, g0 + self.layout.n_params)))
         self.problem = problem  # kept so other budgets can be planned on the same capture (remat.train.curve)
         try:
             self.plan = self._stage("plan", lambda: self._plan_within_allocator(problem, unconstrained))
@@ -691,10 +691,10 @@ class TrainStep:
         self._step += 1
         loss = outs[0]
         with torch.no_grad():
-            for buf, new in zip(self._buffers_out, outs[1:1 + self.layout.n_buffers_out]):
+            for buf, new in zip(self._buffers_out, outs[1:self.layout.first_grad]):
                 buf.copy_(new)
             if self.keep_grads:
-                for p, g in zip(self._params, outs[1 + self.layout.n_buffers_out:]):
+                for p, g in zip(self._params, outs[self.layout.first_grad:]):
                     p.grad = g.to(p.dtype).clone() if p.grad is None else p.grad.add_(g)
         if self.dp is not None and self.dp.shards_state:
             self.dp.steps += 1
