@@ -56,6 +56,7 @@ class Node:
     is_output: bool = False  # must be live at the end
     recomputable: bool = True  # False: computed exactly once (random/effectful/pinned)
     workspace: int = 0  # transient bytes live only while this node computes
+    group: int | None = None  # the first node of the siblings one execution computes (None: alone)
 
 
 class Graph:
@@ -83,10 +84,16 @@ class Graph:
         is_output: bool = False,
         recomputable: bool = True,
         workspace: int = 0,
+        group: int | None = None,
     ) -> int:
-        """Add a computed node reading ``inputs`` (earlier indices); returns its index."""
+        """Add a computed node reading ``inputs`` (earlier indices); returns its index.
+
+        ``group``: the index of an earlier node that the same execution computes (one result of a
+        multi-result instruction per node, :func:`.rematerialize.to_graph`), reading the same
+        inputs. Orders keep a group's nodes together (:func:`.scheduling.with_siblings`): apart,
+        the later ones would keep the group's inputs alive for a computation that costs nothing."""
         return self._append(
-            Node(name, cost, bytes, tuple(inputs), False, is_output, recomputable, workspace)
+            Node(name, cost, bytes, tuple(inputs), False, is_output, recomputable, workspace, group)
         )
 
     def _append(self, nd: Node) -> int:
@@ -127,6 +134,14 @@ class Graph:
                 raise ValueError(f"{label}: an input node must have cost 0, got {cost}")
             if work:
                 raise ValueError(f"{label}: an input node cannot have a workspace")
+        group = nd.group
+        if group is not None:
+            group = _as_nonneg_int(group, f"{label}: group")
+            if group >= idx or self._nodes[group].is_input or self._nodes[group].group is not None:
+                raise ValueError(f"{label}: group {group} is not an earlier computed node leading a group")
+            if set(self._nodes[group].inputs) != set(ins):
+                raise ValueError(f"{label}: a group's nodes read the same inputs; node {group} reads "
+                                 f"{list(self._nodes[group].inputs)}, this one {ins}")
         return Node(
             nd.name,
             cost,
@@ -136,6 +151,7 @@ class Graph:
             bool(nd.is_output),
             bool(nd.recomputable) and not nd.is_input,
             work,
+            group,
         )
 
     # ------------------------------------------------------------------ queries
@@ -196,9 +212,14 @@ class Graph:
         check_order(self, order)
         old_of_new = [i for i, nd in enumerate(self._nodes) if nd.is_input] + list(order)
         new_of_old = {o: k for k, o in enumerate(old_of_new)}
+        lead: dict[int, int] = {}  # a group (its old first node) -> its first node in the new order
+        for k, o in enumerate(old_of_new):
+            key = self._nodes[o].group if self._nodes[o].group is not None else o
+            lead.setdefault(key, k)
         g = Graph()
-        for o in old_of_new:
+        for k, o in enumerate(old_of_new):
             nd = self._nodes[o]
+            first = lead[nd.group if nd.group is not None else o]
             g._append(
                 Node(
                     nd.name,
@@ -209,6 +230,7 @@ class Graph:
                     nd.is_output,
                     nd.recomputable,
                     nd.workspace,
+                    None if first == k else first,
                 )
             )
         return g, old_of_new

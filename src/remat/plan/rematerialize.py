@@ -10,7 +10,9 @@ their uses. The result's peak is then predicted exactly by ``liveness.predict_pe
 An instruction with several results (e.g. ``batch_norm``: output and statistics) gives one node
 per result, each reading the instruction's operands and costing the whole instruction, since
 recomputing any one result re-runs it. The first computation of each result comes from one
-execution; a result computed again re-runs the instruction, whose other results die unused.
+execution; a result computed again re-runs the instruction, whose other results die unused. The
+nodes of one instruction form a group (``Node.group``, led by the first result's node), which
+orders keep together (:func:`.scheduling.with_siblings`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
                              "plan the function before adding in-place updates")
         inputs = sorted({low.node_of[low.root[o]] for o in ins.operands})
         recomputable = not ins.op.has("effect") and not ins.op.has("inplace")
+        lead = None  # the node of the instruction's first result: its siblings' group
         for k, r in enumerate(ins.results):
             cost = costs.get(ins, 0.0) if costs is not None else float(ins.results[0].type.numel)
             name = f"%{n}:{ins.op.name}" + (f"#{k}" if len(ins.results) > 1 else "")
@@ -92,7 +95,8 @@ def to_graph(fn: Function, costs: dict[Instruction, float] | None = None, pin_ar
             if r in retired:
                 ws, size = ws + size, 0
             idx = g.add_node(name, cost, size, inputs, is_output=r in out_roots, recomputable=recomputable,
-                             workspace=ws)
+                             workspace=ws, group=lead)
+            lead = idx if lead is None else lead
             low.node_of[r] = idx
             low.instr_of[idx] = ins
             low.result_of[idx] = k
