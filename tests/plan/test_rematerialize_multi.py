@@ -88,7 +88,7 @@ def test_a_group_reads_the_same_inputs_and_follows_its_leader():
 
 def test_orders_keep_a_group_together_and_permuting_keeps_the_groups():
     from remat.plan.graph import Graph, check_order
-    from remat.plan.scheduling import memory_aware_order, with_siblings
+    from remat.plan.scheduling import memory_aware_order, memory_aware_orders, with_siblings
 
     g = Graph()
     x = g.add_input("x", 1)
@@ -103,6 +103,9 @@ def test_orders_keep_a_group_together_and_permuting_keeps_the_groups():
     assert with_siblings(g, [big, lead, sib, other, out]) == [big, lead, sib, other, out]
     order = memory_aware_order(g, apart)
     assert order.index(sib) == order.index(lead) + 1
+    orders = memory_aware_orders(g, apart)  # the portfolio plans on both: grouped, then as scheduled
+    assert orders[0] == order and all(check_order(g, o) is None for o in orders)
+    assert len(orders) == len({tuple(o) for o in orders})
     h, old_of_new = g.permuted(order)
     new = {o: k for k, o in enumerate(old_of_new)}
     assert h[new[sib]].group == new[lead] and h[new[lead]].group is None

@@ -108,7 +108,7 @@ def plan_step(p: StepProblem) -> Candidate:
                f"the unconstrained step ({format_bytes(peak)}) fits the budget")
         return Candidate("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak)
     from .rematerialize import to_graph
-    from .scheduling import memory_aware_order
+    from .scheduling import memory_aware_orders
 
     frontier = frontier_for(p)
     earlier = frontier.best(p.budget)
@@ -131,11 +131,12 @@ def plan_step(p: StepProblem) -> Candidate:
     if isinstance(chain, int):
         minimums.append(chain)
     for q, g in lows:
-        try:
-            plan_graph(q, g, memory_aware_order(g.graph),
-                       need_minimum=not isinstance(chain, Candidate) and earlier is None, lowered=lowered)
-        except BudgetTooSmall as e:
-            minimums.append(e.minimum)
+        for k, order in enumerate(memory_aware_orders(g.graph)):  # siblings together, then as scheduled
+            try:
+                plan_graph(q, g, order, need_minimum=k == 0 and not isinstance(chain, Candidate) and earlier is None,
+                           lowered=lowered)
+            except BudgetTooSmall as e:
+                minimums.append(e.minimum)
 
     def score(cands: list[Candidate]) -> None:  # one cost model for every planner's program
         for c in cands:
