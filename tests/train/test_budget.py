@@ -211,12 +211,13 @@ def test_refusal_is_a_bounded_search(monkeypatch):
     model, inputs, loss_fn = make("resnet", torch.float32)
     with pytest.raises(remat.BudgetTooSmall) as info:  # one planning problem: no lean-algorithm variant
         remat.compile(model, inputs, loss_fn, budget=4096, solver="greedy", algorithms="reference")
-    # every pass is bounded but the last whole-step one (the plan at the minimum found, which succeeds)
+    # every pass is bounded but one whole-step pass (the plan at the minimum found, which succeeds)
     whole = max(n for n, _ in calls)
     step_passes = [m for n, m in calls if n == whole]
-    assert step_passes and all(m is not None for m in step_passes[:-1]), calls
-    # probes (one pass per greedy score each), a 2% bisection, the plan at the minimum
-    assert len(step_passes) <= 7 * len(greedy.SCORES) + 8 + 1, calls
+    assert step_passes and sum(1 for m in step_passes if m is None) <= 1, calls
+    # probes (one pass per greedy score each, on at most two orders: scheduling.memory_aware_orders),
+    # a 2% bisection (on the first order only), the plan at the minimum
+    assert len(step_passes) <= 2 * 7 * len(greedy.SCORES) + 8 + 1, calls
     # block-internal plans (remat.plan.inner): per distinct block, twice (its donated arguments freed
     # after their last use, and held) and per recipe score, a 1% bisection of its backward (from its
     # no-eviction peak down, at most ~8 passes) and two recipes, all bounded
