@@ -160,8 +160,9 @@ def memory_aware_orders(
 ) -> list[list[int]]:
     """:func:`memory_aware_order`, then, when it differs, the lowest-peak order as the list
     schedulers made it, siblings where they put them: a plan walking it holds a group's inputs
-    until its last node, yet a heuristic walking it sometimes recomputes less (the greedy on zoo
-    U-Net small with SGD at 40%: +33% against +58%), so the portfolio plans on both."""
+    until its last node, yet a heuristic walking it sometimes recomputes less (the greedy on
+    Hugging Face GPT-2 at 45%: +2.5% against +4.4%; BERT at 50%: +11.6% against +13.6%), so the
+    portfolio plans on both. Each distinct order's peak is simulated once."""
     base = list(order) if order is not None else graph.compute_nodes
     check_order(graph, base)
     raw = [base]
@@ -177,13 +178,17 @@ def memory_aware_orders(
             lambda: _list_schedule(graph, "delta_peak", True),
         ]
     raw += [make() for make in makers]
-    out = []
+    peaks: dict[tuple[int, ...], int] = {}  # without groups, the grouped orders are the raw ones
+
+    def peak(o: list[int]) -> int:
+        key = tuple(o)
+        if key not in peaks:
+            peaks[key] = order_peak(graph, o)
+        return peaks[key]
+
+    out: list[list[int]] = []
     for cands in ([with_siblings(graph, c) for c in raw], raw):
-        best, best_peak = cands[0], order_peak(graph, cands[0])
-        for cand in cands[1:]:
-            pk = order_peak(graph, cand)
-            if pk < best_peak:
-                best, best_peak = cand, pk
+        best = min(cands, key=peak)  # the first of the lowest: ties keep ``order``
         if best not in out:
             out.append(list(best))
     return out
