@@ -20,7 +20,7 @@ Methods, per model:
 * ``compile``       ``torch.compile(model)`` (default Inductor, a fresh on-disk cache so the compile is
                     cold; loss and optimizer step eager); ``--no-compile`` skips it.
 
-Step time: after set-up and warm-up, ``--rounds`` rounds (default 5) run one step of every method in
+Step time: after set-up and warm-up, ``--rounds`` rounds (default 7) run one step of every method in
 turn, in one process (the start of the order rotates each round). Each method's time is reported as
 the median over rounds of its step time divided by eager's step time *in the same round* (and the
 median step time itself). Peak: allocator peak of one step read from torch.profiler's memory events
@@ -30,7 +30,11 @@ always); for GPT medium also a second ``remat.compile`` of the same model in the
 fresh subprocess (the issue's "second compile" target; remat's on-disk caches, kernels and captured
 models, are a fresh folder per run, so a model's first compile is cold; its later compiles in the run,
 remat@50% and remat@25% included, reuse its capture). ``bench/setup_time.py`` measures setup alone,
-with alternating rounds. The issue's targets are computed as pass/fail
+with alternating rounds. Kernels: one profiled step of eager and of unconstrained remat after the
+timing, summing the self time of the matrix-product, convolution and fused-attention kernels
+(:data:`KERNEL_OPS`); eager's, divided by its step time, is the share of its step that no method
+running the same kernels can remove (``kernel_share``: a lower bound on any such method's ratio to
+eager, the yardstick for the stretch target). The issue's targets are computed as pass/fail
 lines; they are reported, never asserted.
 
 Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--no-compile] [--models gpt,gpt-medium] [--quick]
@@ -205,6 +209,8 @@ class SpeedRow:
     recomputed_instructions: int | None = None
     loss0: float | None = None            # first step's loss (same weights and data for every method)
     minor_faults: float | None = None     # median minor page faults per timed step (process-wide; see _one_step)
+    kernel_s: float | None = None         # eager, remat: one profiled step's time in KERNEL_OPS (see kernel_seconds)
+    kernel_share: float | None = None     # eager: kernel_s / step_s, the ratio to eager of a step doing nothing else
     extra: dict = field(default_factory=dict)  # step times per round, stage splits, the remat report
 
 
@@ -379,6 +385,27 @@ def _one_step(m: _Method, faults: list | None = None) -> tuple[float, torch.Tens
     return dt, loss
 
 
+# Matrix products, convolutions and fused attention: the kernels whose work every method does with the
+# same library (MKL/oneDNN through ATen), so a compiler can reorder, fuse or drop everything else but
+# not these. Self times, so nothing is counted twice.
+KERNEL_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
+    "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})
+
+
+def kernel_seconds(step: Callable[[], Any]) -> float:
+    """Seconds one call of ``step`` spends in :data:`KERNEL_OPS` (their self CPU time under
+    torch.profiler). Divided by eager's unprofiled step time it is the share of eager's step no
+    method can remove without faster kernels: the ratio to eager of a method that spent no time
+    anywhere else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in KERNEL_OPS) / 1e6
+
+
 def _fail(m: _Method, e: BaseException, verbose: bool) -> None:
     m.row.status, m.row.error = "error", _err(e)
     if verbose:
@@ -445,6 +472,12 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
                 _fail(m, e, args.verbose)
                 times[m.row.method].append(None)
 
+    # time in the matrix-product, convolution and attention kernels: eager's and unconstrained remat's
+    for m in live:
+        if m.row.method in ("eager", "remat") and m.row.status == "ok":
+            _clear_grads(m.model)
+            m.row.kernel_s = kernel_seconds(m.step)
+
     if spec.second_compile and not args.no_second_compile:
         first = next((m for m in methods if m.row.method == "remat"), None)
         if first is not None and first.row.status == "ok":
@@ -479,6 +512,8 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
             ratios = [a / b for a, b in zip(ts_, et) if a is not None and b]
             row.x_eager = statistics.median(ratios) if ratios else None
             row.x_eager_of_medians = _ratio(row.step_s, eager.row.step_s if eager else None)
+            if row.method == "eager":
+                row.kernel_share = _ratio(row.kernel_s, row.step_s)
         if row.method == "compile" and row.step_s is not None and row.first_step_s is not None:
             row.setup_s = m.setup_wrap_s + max(0.0, row.first_step_s - row.step_s)
         if eager is not None:
@@ -509,7 +544,10 @@ def targets(rows: list[SpeedRow]) -> list[dict]:
             "" if ok else (r.error if r else "not run"))
     for name in models:
         r = by.get((name, "remat"))
-        add(name, "remat unconstrained step / eager <= 0.85 (stretch)", r.x_eager if r else None, 0.85)
+        e = by.get((name, "eager"))
+        share = e.kernel_share if e is not None else None
+        add(name, "remat unconstrained step / eager <= 0.85 (stretch)", r.x_eager if r else None, 0.85,
+            "" if share is None else f"eager's step is {share:.2f} matrix-product/convolution/attention kernels")
     for name in ("gpt-medium", "unet"):
         if name not in models:
             continue
@@ -561,11 +599,14 @@ def print_table(rows: list[SpeedRow], comps: list[dict]) -> None:
         if r.status != "ok":
             print(f"{r.model:10} {r.method:10} {r.status.upper()}: {r.error[:140]}")
             continue
-        note = ""
+        notes = []
         if r.solver is not None:
-            note = f"solver={r.solver}"
-            if r.recomputed_instructions:
-                note += f" recomputed {r.recomputed_instructions}/{r.instructions}"
+            notes.append(f"solver={r.solver}" + (f" recomputed {r.recomputed_instructions}/{r.instructions}"
+                                                  if r.recomputed_instructions else ""))
+        if r.kernel_s is not None:
+            notes.append(f"kernels {r.kernel_s * 1e3:.1f} ms"
+                         + ("" if r.kernel_share is None else f" ({r.kernel_share:.2f} of the step)"))
+        note = ", ".join(notes)
         print(f"{r.model:10} {r.method:10} {_f(None if r.step_s is None else r.step_s * 1e3, '.1f'):>9} "
               f"{_f(r.x_eager, '.2f'):>7} {_mib(r.peak_bytes):>9} {_f(r.peak_x_eager, '.2f'):>7} "
               f"{_f(r.setup_s, '.1f'):>7} {_mib(r.budget_bytes):>8} {_mib(r.predicted_peak):>9} {_mib(r.vm_peak):>8} "
@@ -590,7 +631,7 @@ def print_table(rows: list[SpeedRow], comps: list[dict]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma-separated subset of {', '.join(MODEL_NAMES)}")
-    p.add_argument("--rounds", type=int, default=None, help="alternating timing rounds (default 5; 3 with --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="alternating timing rounds (default 7; 3 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per method before measuring (default 2; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, fewer rounds (numbers meaningless)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (a cold Inductor compile takes about a minute per model)")
@@ -610,7 +651,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (speed.json/.csv; speed_quick.* with --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing methods")
     a = p.parse_args(argv)
-    a.rounds = a.rounds if a.rounds is not None else (3 if a.quick else 5)
+    a.rounds = a.rounds if a.rounds is not None else (3 if a.quick else 7)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     a.compile_backend = a.compile_backend or ("aot_eager" if a.quick else "inductor")
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]

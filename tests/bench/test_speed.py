@@ -19,7 +19,7 @@ import speed  # noqa: E402
 
 def test_parse_args_defaults_and_validation() -> None:
     a = speed.parse_args([])
-    assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (5, 2, ("50%", "25%"), "inductor", 0)
+    assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (7, 2, ("50%", "25%"), "inductor", 0)
     assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium", "hf-gpt2", "hf-llama", "hf-bert", "hf-vit"]
     a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
@@ -79,9 +79,16 @@ def test_quick_run_rows(quick_run: tuple[dict, Path]) -> None:
         assert r["peak_x_eager"] == pytest.approx(r["peak_bytes"] / eager["peak_bytes"])
         # same weights and data, no dropout: the first losses agree
         assert r["loss0"] == pytest.approx(eager["loss0"], rel=1e-5)
+        # one profiled step of eager and unconstrained remat: time in matrix products (every model has them)
+        if method in ("eager", "remat"):
+            assert 0 < r["kernel_s"], (model, method)
+        else:
+            assert r["kernel_s"] is None
         if method == "eager":
             assert r["x_eager"] == 1.0 and r["setup_s"] is None and r["predicted_peak"] is None
+            assert r["kernel_share"] == pytest.approx(r["kernel_s"] / r["step_s"])
             continue
+        assert r["kernel_share"] is None
         assert r["predicted_peak"] == r["vm_peak"] > 0 and r["instructions"] > 0 and r["setup_s"] > 0
         stages = r["extra"]["setup_stages_progress"]
         assert "capture" in stages and sum(stages.values()) == pytest.approx(r["setup_s"], abs=0.05)
@@ -107,6 +114,8 @@ def test_quick_run_targets(quick_run: tuple[dict, Path]) -> None:
     for model in ("mlp", "gpt-medium"):
         c = t[(model, "remat unconstrained step / eager <= 1.0")]
         assert c["value"] == rows[(model, "remat")]["x_eager"] and c["met"] == (c["value"] <= 1.0)
+        c = t[(model, "remat unconstrained step / eager <= 0.85 (stretch)")]
+        assert f"{rows[(model, 'eager')]['kernel_share']:.2f} matrix-product" in c["note"]
         c = t[(model, "remat unconstrained allocator peak / eager's <= 1")]
         assert c["value"] == rows[(model, "remat")]["peak_x_eager"] and c["met"] == (c["value"] <= 1.0)
         assert t[(model, "remat predicted peak == VM-measured peak")]["met"] is True
