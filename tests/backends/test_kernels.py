@@ -220,6 +220,61 @@ def test_adam_step_matches_torch_optim(decoupled, step):
         np.testing.assert_allclose(as_f64(nv), opt.state[tp]["exp_avg_sq"].numpy(), rtol=1e-10, atol=1e-12)
 
 
+def _aten_ops(fn) -> set[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("variant", ["plain", "decay", "nesterov", "maximize", "dampening"])
+def test_fused_sgd_kernel_is_the_single_tensor_update(dt, step, variant):
+    """f32/f64 with momentum run ATen's fused kernel (one pass), within an ulp or two of the
+    single-tensor update, which other dtypes still run."""
+    hp = {"lr": 0.05, "momentum": 0.9, "dampening": 0.1 if variant == "dampening" else 0.0,
+          "weight_decay": 0.01 if variant == "decay" else 0.0, "nesterov": variant == "nesterov",
+          "maximize": variant == "maximize"}
+    g = torch.Generator().manual_seed(step)
+    p, grad, buf = (torch.randn(1031, generator=g, dtype=dt) for _ in range(3))
+    fused, single = (p.clone(), buf.clone()), (p.clone(), buf.clone())
+    s = torch.tensor(step)
+    assert "aten::_fused_sgd_" in _aten_ops(lambda: tk.sgd_step(fused[0], grad, fused[1], s, **hp))
+    assert "aten::_fused_sgd_" not in _aten_ops(lambda: tk.sgd_single(single[0], grad, single[1], s, **hp))
+    eps = torch.finfo(dt).eps
+    for a, b in zip(fused, single):
+        torch.testing.assert_close(a, b, rtol=4 * eps, atol=4 * eps)
+    half = p.to(torch.bfloat16)  # no fused path in low precision: the single-tensor update, exactly
+    h1, h2, gh, bh = half.clone(), half.clone(), grad.to(torch.bfloat16), buf.to(torch.bfloat16)
+    b1, b2 = bh.clone(), bh.clone()
+    tk.sgd_step(h1, gh, b1, s, **hp)
+    tk.sgd_single(h2, gh, b2, s, **hp)
+    assert torch.equal(h1, h2) and torch.equal(b1, b2)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("step", [1, 4])
+@pytest.mark.parametrize("decoupled,weight_decay,maximize", [(False, 0.0, False), (False, 0.1, False),
+                                                             (True, 0.1, False), (True, 0.0, True)])
+def test_fused_adam_kernel_is_the_single_tensor_update(dt, step, decoupled, weight_decay, maximize):
+    hp = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": weight_decay,
+          "decoupled": decoupled, "maximize": maximize}
+    g = torch.Generator().manual_seed(step)
+    p, grad = torch.randn(1031, generator=g, dtype=dt), torch.randn(1031, generator=g, dtype=dt)
+    m, v = torch.randn(1031, generator=g, dtype=dt) * 0.1, torch.rand(1031, generator=g, dtype=dt) * 0.1
+    fused, single = (p.clone(), m.clone(), v.clone()), (p.clone(), m.clone(), v.clone())
+    s = torch.tensor(step)
+    name = "aten::_fused_adamw_" if decoupled else "aten::_fused_adam_"
+    assert name in _aten_ops(lambda: tk.adam_step(*fused[:1], grad, *fused[1:], s, **hp))
+    tk.adam_single(*single[:1], grad, *single[1:], s, **hp)
+    assert int(s) == step  # the step count is read, not advanced
+    eps = torch.finfo(dt).eps
+    for a, b in zip(fused, single):
+        torch.testing.assert_close(a, b, rtol=16 * eps, atol=16 * eps)
+
+
 def test_max_pool_grad_ties_go_to_first_maximum_in_both_dialects():
     x = np.zeros((1, 1, 4, 4))  # every window is a tie
     gy = np.arange(4.0).reshape(1, 1, 2, 2) + 1

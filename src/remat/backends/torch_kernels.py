@@ -603,9 +603,20 @@ def batch_norm_grad_sums(gy, x, mean, invstd, channels_last=False):
 
 
 # ---------------------------------------------------------------- optimizer updates (in place)
-@k("sgd_step")
-def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    """torch.optim.SGD's single-tensor update, in place on param and buf (step is 1-based)."""
+# In f32/f64 ATen's fused optimizer kernels (``torch.optim.SGD/Adam/AdamW(fused=True)``, one tensor per
+# call): one pass over the parameter and its state, no temporaries. Measured on the zoo's parameters
+# (``bench/optimizer_kernels.py``) against the single-tensor updates below, which stay for the other
+# dtypes. Values agree within a few ulps (weight decay, dampening and Adam's bias corrections round
+# differently); every budget runs the same kernel, so gradients and updates stay bit-identical across them.
+_FUSED_OPTIM_DTYPES = (torch.float32, torch.float64)
+
+
+def _fusable(*ts: torch.Tensor) -> bool:
+    return ts[0].dtype in _FUSED_OPTIM_DTYPES and all(t.dtype == ts[0].dtype for t in ts)
+
+
+def sgd_single(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """torch.optim.SGD's single-tensor update (``foreach=False``), in place on param and buf."""
     d = -grad if maximize else grad
     if weight_decay != 0:
         d = d.add(param, alpha=weight_decay)
@@ -619,9 +630,21 @@ def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, n
     return param, buf
 
 
-@k("adam_step")
-def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
-    """torch.optim.Adam / AdamW single-tensor update, in place on param, m, v."""
+@k("sgd_step")
+def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
+    """torch.optim.SGD's update, in place on param and buf (step is 1-based): with momentum ATen's
+    fused kernel, else (or in another dtype) :func:`sgd_single`."""
+    if momentum != 0 and _fusable(param, grad, buf):
+        torch._fused_sgd_([param], [grad], [buf], weight_decay=weight_decay, momentum=momentum, lr=lr,
+                          dampening=dampening, nesterov=nesterov, maximize=maximize,
+                          is_first_step=int(step.item()) <= 1)
+        return param, buf
+    return sgd_single(param, grad, buf, step, lr=lr, momentum=momentum, dampening=dampening,
+                      weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+
+
+def adam_single(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
+    """torch.optim.Adam / AdamW's single-tensor update, in place on param, m, v."""
     g = -grad if maximize else grad
     if weight_decay != 0:
         if decoupled:
@@ -636,6 +659,19 @@ def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, d
     denom = v.sqrt().div_((1 - beta2 ** t) ** 0.5).add_(eps)
     param.addcdiv_(m, denom, value=-step_size)
     return param, m, v
+
+
+@k("adam_step")
+def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
+    """torch.optim.Adam / AdamW's update, in place on param, m, v (step is 1-based, an integer tensor
+    the fused kernel reads as it is): ATen's fused kernel, else :func:`adam_single`."""
+    if _fusable(param, grad, m, v):
+        (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
+            [param], [grad], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+            eps=eps, amsgrad=False, maximize=maximize)
+        return param, m, v
+    return adam_single(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
 
 
 # ---------------------------------------------------------------- collectives (torch.distributed)
