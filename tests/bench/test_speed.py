@@ -21,9 +21,11 @@ def test_parse_args_defaults_and_validation() -> None:
     a = speed.parse_args([])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (7, 2, ("50%", "25%"), "inductor", 0)
     assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium", "hf-gpt2", "hf-llama", "hf-bert", "hf-vit"]
+    assert not a.one_process  # each model in a fresh process
     a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
-    for bad in (["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
+    assert a.one_process and not speed.parse_args(["--quick", "--process-per-model"]).one_process
+    for bad in (["--one-process", "--process-per-model"], ["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
         with pytest.raises(SystemExit):
             speed.parse_args(bad)
 
@@ -159,3 +161,27 @@ def test_stage_helpers() -> None:
     assert speed.report_stages(SimpleNamespace(stages=[("capture", 2.0)])) == {"capture": 2.0}
     assert speed.report_stages(SimpleNamespace(plan_seconds=1.0)) is None
     assert speed.remat_budget("remat") is None and speed.remat_budget("remat@25%") == "25%"
+
+
+def test_child_argv_repeats_the_settings(tmp_path: Path) -> None:
+    a = speed.parse_args(["--models", "mlp,unet", "--rounds", "4", "--warmup", "3", "--threads", "1", "--budgets", "60%",
+                          "--no-compile", "--no-fresh-process", "--quick", "--process-per-model"])
+    c = speed.parse_args(speed._child_argv(a, "unet", tmp_path / "rows.json"))
+    assert c.models == ["unet"] and c.rows_json == tmp_path / "rows.json" and c.one_process
+    for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "no_compile", "no_second_compile",
+              "no_fresh_process", "warm_remat_cache"):
+        assert getattr(c, k) == getattr(a, k), k
+
+
+def test_process_per_model_run(tmp_path: Path) -> None:
+    """Each model benched in a child process: the parent collects its rows and writes the results."""
+    doc = speed.main(["--quick", "--process-per-model", "--models", "mlp,gpt-medium", "--no-compile",
+                      "--no-fresh-process", "--no-second-compile", "--rounds", "2", "--budgets", "95%",
+                      "--threads", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "speed_quick.json").read_text())
+    assert saved["config"]["process_per_model"] is True and saved["config"]["cold_remat_cache"] is True
+    assert [(r["model"], r["method"]) for r in saved["rows"]] == [
+        (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@95%")]
+    assert [r.method for r in doc["rows"]] == [r["method"] for r in saved["rows"]]
+    ok = [r for r in saved["rows"] if r["status"] == "ok"]
+    assert len(ok) >= 5 and all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in ok)
