@@ -25,7 +25,11 @@ turn, in one process (the start of the order rotates each round). Each model get
 process of its own (``--one-process``: all in this one, the ``--quick`` default), so no model is
 timed in a heap shaped by the models before it (which decides which large buffers come back as
 fresh pages, page-faulted again every step) or beside torch.compile's workers: GPT medium measured
-1.03x (1.19x at 50%) after the four zoo models in one process, 1.00x (1.13x) alone. Each method's time is reported as
+1.03x (1.19x at 50%) after the four zoo models in one process, 1.00x (1.13x) alone. The heap of a
+process still decides much: which method's large buffers fault differs from process to process and
+stays so for its life (a step of 16k faults, 64 MB, against none), moving a ratio by up to 10% on
+this machine. ``--processes N`` runs each model in N fresh processes (torch.compile and the second
+remat.compile in the first only) and reports the median of their ratios, each process's in ``extra``. Each method's time is reported as
 the median over rounds of its step time divided by eager's step time *in the same round* (and the
 median step time itself). Peak: allocator peak of one step read from torch.profiler's memory events
 (bench/_measure.py, as train_bench.py does), next to eager's. Setup: ``remat.compile``'s wall time and
@@ -41,7 +45,7 @@ running the same kernels can remove (``kernel_share``: a lower bound on any such
 eager, the yardstick for the stretch target). The issue's targets are computed as pass/fail
 lines; they are reported, never asserted.
 
-Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--no-compile] [--models gpt,gpt-medium] [--quick]
+Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--processes 3] [--no-compile] [--models gpt,gpt-medium] [--quick]
 Writes bench/results/speed.json and speed.csv (speed_quick.* with --quick) and prints the table.
 """
 from __future__ import annotations
@@ -658,6 +662,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     iso.add_argument("--process-per-model", action="store_true",
                      help="bench each model in a fresh Python process of its own, its methods alternating there "
                           "(the default without --quick)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="fresh processes per model (default 1); ratios are the median of the processes' ratios, "
+                        "torch.compile and the second remat.compile run in the first one only")
     p.add_argument("--rows-json", type=Path, default=None, help=argparse.SUPPRESS)  # a child's rows, for its parent
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (speed.json/.csv; speed_quick.* with --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing methods")
@@ -682,6 +689,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"bad budget {b!r}: give percentages of the unconstrained peak in (0%, 100%], e.g. 50%,25%")
     if a.threads < 0:
         p.error("--threads must be >= 0 (0: torch's default)")
+    if a.processes < 1 or a.processes > 1 and a.one_process:
+        p.error("--processes must be >= 1, and 1 with --one-process or --quick (unless --process-per-model)")
     return a
 
 
@@ -693,28 +702,66 @@ def _transformers_version() -> str | None:
     return transformers.__version__
 
 
-def _child_argv(args: argparse.Namespace, name: str, rows_json: Path) -> list[str]:
-    """The command line of the fresh process that benches ``name`` alone with this run's settings."""
+def _child_argv(args: argparse.Namespace, name: str, rows_json: Path, first: bool = True) -> list[str]:
+    """The command line of a fresh process that benches ``name`` alone with this run's settings
+    (not ``first``: without torch.compile and the second remat.compile, measured once per model)."""
     argv = ["--models", name, "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
             "--budgets", ",".join(args.budgets), "--compile-backend", args.compile_backend, "--rows-json", str(rows_json)]
-    flags = {"--quick": args.quick, "--no-compile": args.no_compile, "--no-second-compile": args.no_second_compile,
+    flags = {"--quick": args.quick, "--no-compile": args.no_compile or not first,
+             "--no-second-compile": args.no_second_compile or not first,
              "--no-fresh-process": args.no_fresh_process, "--warm-remat-cache": args.warm_remat_cache,
              "--verbose": args.verbose}
     return argv + [f for f, on in flags.items() if on]
 
 
+def merge_processes(runs: list[list[SpeedRow]]) -> list[SpeedRow]:
+    """One row per (model, method) from the rows of several processes (the first one's rows, in its
+    order, carry set-up, peaks and plans): ``x_eager`` the median of the processes' ratios (each
+    process's own median over its rounds), ``step_s`` the median over every round, ``minor_faults``
+    and ``kernel_s`` the medians of the processes'; the per-process figures in ``extra``."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = []
+    for first in runs[0]:
+        same = [x for run in runs for x in run if (x.model, x.method) == (first.model, first.method) and x.status == "ok"]
+        r = dataclasses.replace(first, extra=dict(first.extra))
+        if r.status == "ok" and same:
+            ok = [t for x in same for t in x.extra.get("step_s_rounds", []) if t is not None]
+            ratios = [x.x_eager for x in same if x.x_eager is not None]
+            r.x_eager = statistics.median(ratios) if ratios else None
+            r.step_s, r.step_s_min, r.rounds = statistics.median(ok), min(ok), len(ok)
+            for k in ("minor_faults", "kernel_s"):
+                v = [getattr(x, k) for x in same if getattr(x, k) is not None]
+                setattr(r, k, statistics.median(v) if v else None)
+            r.extra.update(x_eager_per_process=[x.x_eager for x in same],
+                           minor_faults_per_process=[x.minor_faults for x in same], step_s_rounds=ok)
+        merged.append(r)
+    by = {(r.model, r.method): r for r in merged}
+    for r in merged:  # ratios of medians and eager's kernel share from the merged figures
+        e = by.get((r.model, "eager"))
+        if r.step_s is not None and e is not None and e.step_s:
+            r.x_eager_of_medians = r.step_s / e.step_s
+        if r.method == "eager":
+            r.kernel_share = _ratio(r.kernel_s, r.step_s)
+    return merged
+
+
 def _bench_in_children(args: argparse.Namespace, log: Callable[[str], None]) -> list[SpeedRow]:
-    """Each model in a fresh process (its methods still alternate in that one process): no model's
-    heap, threads or compiled code (torch.compile's workers) are there when the next is timed."""
+    """Each model in ``args.processes`` fresh processes (its methods still alternate within each): no
+    model's heap, threads or compiled code (torch.compile's workers) are there when the next is timed."""
     rows: list[SpeedRow] = []
     with tempfile.TemporaryDirectory(prefix="speed_rows_") as tmp:
         for name in args.models:
-            out = Path(tmp) / f"{name}.json"
-            log(f"{name}: in a fresh process")
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *_child_argv(args, name, out)])
-            if proc.returncode != 0 or not out.exists():
-                raise RuntimeError(f"the process benching {name} failed (exit status {proc.returncode})")
-            rows += [SpeedRow(**d) for d in json.loads(out.read_text())]
+            runs = []
+            for k in range(args.processes):
+                out = Path(tmp) / f"{name}-{k}.json"
+                log(f"{name}: in a fresh process ({k + 1} of {args.processes})")
+                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()),
+                                       *_child_argv(args, name, out, first=k == 0)])
+                if proc.returncode != 0 or not out.exists():
+                    raise RuntimeError(f"the process benching {name} failed (exit status {proc.returncode})")
+                runs.append([SpeedRow(**d) for d in json.loads(out.read_text())])
+            rows += merge_processes(runs)
     return rows
 
 
@@ -743,6 +790,7 @@ def main(argv: list[str] | None = None) -> dict:
               "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
               "compile_backend": args.compile_backend, "cold_compile_cache": cache_dir is not None,
               "cold_remat_cache": remat_cache is not None, "process_per_model": not args.one_process,
+              "processes_per_model": 1 if args.one_process else args.processes,
               "remat_budgets": list(args.budgets),
               "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium: none, gradients only)",
               "transformers": _transformers_version(),

@@ -25,7 +25,8 @@ def test_parse_args_defaults_and_validation() -> None:
     a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
     assert a.one_process and not speed.parse_args(["--quick", "--process-per-model"]).one_process
-    for bad in (["--one-process", "--process-per-model"], ["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
+    for bad in (["--one-process", "--process-per-model"], ["--processes", "0"], ["--quick", "--processes", "2"],
+                ["--models", "vgg"], ["--rounds", "0"], ["--budgets", "0.5"], ["--budgets", "150%"], ["--threads", "-1"]):
         with pytest.raises(SystemExit):
             speed.parse_args(bad)
 
@@ -168,20 +169,53 @@ def test_child_argv_repeats_the_settings(tmp_path: Path) -> None:
                           "--no-compile", "--no-fresh-process", "--quick", "--process-per-model"])
     c = speed.parse_args(speed._child_argv(a, "unet", tmp_path / "rows.json"))
     assert c.models == ["unet"] and c.rows_json == tmp_path / "rows.json" and c.one_process
+    later = speed.parse_args(speed._child_argv(speed.parse_args(["--models", "unet"]), "unet", tmp_path / "r", first=False))
+    assert later.no_compile and later.no_second_compile  # measured in a model's first process only
     for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "no_compile", "no_second_compile",
               "no_fresh_process", "warm_remat_cache"):
         assert getattr(c, k) == getattr(a, k), k
 
 
 def test_process_per_model_run(tmp_path: Path) -> None:
-    """Each model benched in a child process: the parent collects its rows and writes the results."""
-    doc = speed.main(["--quick", "--process-per-model", "--models", "mlp,gpt-medium", "--no-compile",
-                      "--no-fresh-process", "--no-second-compile", "--rounds", "2", "--budgets", "95%",
-                      "--threads", "1", "--out", str(tmp_path)])
+    """A model benched in two child processes: the parent merges their rows and writes the results."""
+    doc = speed.main(["--quick", "--process-per-model", "--processes", "2", "--models", "mlp", "--no-compile",
+                      "--no-fresh-process", "--rounds", "2", "--budgets", "95%", "--threads", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "speed_quick.json").read_text())
-    assert saved["config"]["process_per_model"] is True and saved["config"]["cold_remat_cache"] is True
-    assert [(r["model"], r["method"]) for r in saved["rows"]] == [
-        (m, k) for m in ("mlp", "gpt-medium") for k in ("eager", "remat", "remat@95%")]
+    assert saved["config"]["process_per_model"] is True and saved["config"]["processes_per_model"] == 2
+    assert saved["config"]["cold_remat_cache"] is True
+    assert [(r["model"], r["method"]) for r in saved["rows"]] == [("mlp", k) for k in ("eager", "remat", "remat@95%")]
     assert [r.method for r in doc["rows"]] == [r["method"] for r in saved["rows"]]
-    ok = [r for r in saved["rows"] if r["status"] == "ok"]
-    assert len(ok) >= 5 and all(r["step_s"] > 0 and r["peak_bytes"] > 0 for r in ok)
+    for r in saved["rows"]:
+        if r["status"] != "ok":
+            assert r["method"] == "remat@95%" and r["status"] == "infeasible"
+            continue
+        per = r["extra"]["x_eager_per_process"]
+        assert len(per) == 2 and r["x_eager"] == pytest.approx(statistics.median(per))
+        assert r["rounds"] == len(r["extra"]["step_s_rounds"]) == 4 and r["peak_bytes"] > 0
+
+
+def _row(model, method, x, rounds, faults=0, status="ok"):
+    return speed.SpeedRow(model, method, status=status, step_s=statistics.median(rounds) if rounds else None, x_eager=x,
+                          minor_faults=faults, extra={"step_s_rounds": rounds})
+
+
+def test_merge_processes() -> None:
+    first = [_row("a", "eager", 1.0, [1.0, 1.2]), _row("a", "remat", 0.9, [0.9, 1.1], 10),
+             _row("a", "remat@50%", None, [], status="infeasible"), _row("a", "compile", 0.8, [0.8, 0.8]),
+             _row("b", "eager", 1.0, [2.0, 2.0]), _row("b", "remat", 1.1, [2.2, 2.2])]
+    second = [_row("a", "eager", 1.0, [1.4, 1.4]), _row("a", "remat", 1.2, [1.7, 1.7], 30),
+              _row("a", "remat@50%", None, [], status="infeasible"),
+              _row("b", "eager", 1.0, [3.0, 3.0]), _row("b", "remat", 0.9, [2.7, 2.7])]
+    third = [_row("a", "eager", 1.0, [1.0, 1.0]), _row("a", "remat", 1.0, [1.0, 1.0], 20),
+             _row("a", "remat@50%", None, [], status="infeasible"),
+             _row("b", "eager", 1.0, [2.0, 2.0]), _row("b", "remat", 1.0, [2.0, 2.0])]
+    rows = speed.merge_processes([first, second, third])
+    assert [(r.model, r.method) for r in rows] == [(r.model, r.method) for r in first]
+    by = {(r.model, r.method): r for r in rows}
+    assert by[("a", "remat")].x_eager == 1.0 and by[("a", "remat")].extra["x_eager_per_process"] == [0.9, 1.2, 1.0]
+    assert by[("a", "remat")].minor_faults == 20 and by[("a", "remat")].rounds == 6
+    assert by[("a", "remat")].step_s == statistics.median([0.9, 1.1, 1.7, 1.7, 1.0, 1.0])
+    assert by[("a", "compile")].extra["x_eager_per_process"] == [0.8]  # measured in the first process only
+    assert by[("a", "remat@50%")].status == "infeasible" and by[("a", "remat@50%")].x_eager is None
+    assert by[("b", "remat")].x_eager == 1.0
+    assert by[("b", "remat")].x_eager_of_medians == pytest.approx(by[("b", "remat")].step_s / by[("b", "eager")].step_s)
