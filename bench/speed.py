@@ -8,7 +8,9 @@ BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16
 in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
 loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
-targets).
+targets). ``--optimizer adamw`` trains them with ``AdamW(lr=1e-3, weight_decay=0.01)`` instead and adds
+``eager-fused`` (eager with ``AdamW(fused=True)``, torch.optim's fused kernels), writing
+``speed_adamw.json``.
 
 Methods, per model:
 
@@ -144,6 +146,12 @@ class ModelSpec:
     second_compile: bool = False  # also time a second remat.compile (in process and in a fresh one)
     kwargs: tuple = ()            # extra zoo.make keyword arguments, as (key, value) pairs
     hf: bool = False              # a Hugging Face model: keyword inputs with labels, the model's own loss
+    optimizer_kind: str = "sgd"   # with ``optimizer``: "sgd" (momentum) or "adamw" (see make_optimizer)
+
+    def make_optimizer(self, params, fused: bool | None = None) -> torch.optim.Optimizer | None:
+        """The step's optimizer (None without one): ``SGD(lr=1e-3, momentum=0.9)`` or
+        ``AdamW(lr=1e-3, weight_decay=0.01)``, torch.optim's default implementation unless ``fused``."""
+        return make_optimizer(self.optimizer_kind if self.optimizer else None, params, fused)
 
     def make(self) -> tuple[torch.nn.Module, tuple, tuple, Callable | None]:
         """A new model (same seed: same weights and data every call) in training mode, its inputs,
@@ -162,14 +170,30 @@ class ModelSpec:
         return forward(**xs[0]).loss if self.hf else loss_fn(forward(*xs), *ts)
 
 
-def model_specs(quick: bool) -> dict[str, ModelSpec]:
-    """The five models of the issue and the Hugging Face ones; with ``quick`` the same at size tiny
-    (gpt-medium becomes a dropout-free tiny GPT without optimizer)."""
+OPTIMIZERS = ("sgd", "adamw")
+ADAMW_LR, ADAMW_WEIGHT_DECAY = 1e-3, 0.01
+
+
+def make_optimizer(kind: str | None, params, fused: bool | None = None) -> torch.optim.Optimizer | None:
+    """``kind`` None (no optimizer), "sgd" or "adamw"; ``fused=True`` asks torch.optim for its fused kernels."""
+    if kind is None:
+        return None
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, fused=fused)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=ADAMW_WEIGHT_DECAY, fused=fused)
+    raise ValueError(f"unknown optimizer {kind!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def model_specs(quick: bool, optimizer: str = "sgd") -> dict[str, ModelSpec]:
+    """The five models of the issue and the Hugging Face ones, trained with ``optimizer`` (but
+    gpt-medium, gradients only); with ``quick`` the same at size tiny (gpt-medium becomes a
+    dropout-free tiny GPT)."""
     size = "tiny" if quick else "small"
-    specs = {n: ModelSpec(n, n, size, True) for n in zoo.MODELS}
+    specs = {n: ModelSpec(n, n, size, True, optimizer_kind=optimizer) for n in zoo.MODELS}
     specs["gpt-medium"] = (ModelSpec("gpt-medium", "gpt", "tiny", False, True, (("dropout", 0.0),)) if quick
                            else ModelSpec("gpt-medium", "gpt", "medium", False, True))
-    specs.update({n: ModelSpec(n, n, size, True, hf=True) for n in HF_MODELS})
+    specs.update({n: ModelSpec(n, n, size, True, hf=True, optimizer_kind=optimizer) for n in HF_MODELS})
     return specs
 
 
@@ -246,7 +270,7 @@ def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor") -> _Met
         torch._dynamo.reset()
         fwd = torch.compile(model, backend=backend)
     wrap = time.perf_counter() - t0
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
+    opt = spec.make_optimizer(model.parameters(), fused=True if method == "eager-fused" else None)
 
     def step() -> torch.Tensor:
         loss = spec.loss(fwd, xs, ts, loss_fn)
@@ -307,7 +331,7 @@ def _remat(spec: ModelSpec, method: str) -> _Method:
 
     row = SpeedRow(spec.name, method)
     model, xs, ts, loss_fn = spec.make()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM) if spec.optimizer else None
+    opt = spec.make_optimizer(model.parameters())
     inputs = xs[0] if spec.hf else xs + ts
     try:
         compiled, row.setup_s, progress = timed_remat_compile(model, inputs, loss_fn, opt, remat_budget(method))
@@ -350,7 +374,9 @@ spec = json.loads(sys.argv[1])
 torch.set_num_threads(spec["threads"])
 model, inputs, loss_fn = zoo.make(spec["zoo_name"], spec["size"], **spec["kwargs"])
 model.train()
-opt = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["momentum"]) if spec["optimizer"] else None
+sys.path.insert(0, spec["bench"])
+from speed import make_optimizer
+opt = make_optimizer(spec["optimizer"], model.parameters())
 t0 = time.perf_counter()
 remat.compile(model, inputs, loss_fn, optimizer=opt, budget=None)
 print(json.dumps({"setup_s": time.perf_counter() - t0, "threads": torch.get_num_threads()}))
@@ -363,7 +389,8 @@ def fresh_process_setup(spec: ModelSpec, timeout: float = 600.0) -> float:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     arg = json.dumps({"zoo_name": spec.zoo_name, "size": spec.size, "kwargs": dict(spec.kwargs),
-                      "optimizer": spec.optimizer, "lr": LR, "momentum": MOMENTUM,
+                      "optimizer": spec.optimizer_kind if spec.optimizer else None,
+                      "bench": str(Path(__file__).resolve().parent),
                       "threads": torch.get_num_threads()})
     p = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, arg], capture_output=True, text=True, env=env,
                        timeout=timeout)
@@ -423,7 +450,8 @@ def _fail(m: _Method, e: BaseException, verbose: bool) -> None:
 def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], None]) -> list[SpeedRow]:
     """Set up every method for one model, warm up, measure each one's peak, then time ``args.rounds``
     alternating rounds. Returns one row per method (eager first)."""
-    names = ["eager", "remat", *(f"remat@{b}" for b in args.budgets)] + ([] if args.no_compile else ["compile"])
+    names = (["eager"] + (["eager-fused"] if spec.optimizer and spec.optimizer_kind == "adamw" else [])
+             + ["remat", *(f"remat@{b}" for b in args.budgets)] + ([] if args.no_compile else ["compile"]))
     # one untimed eager step of a throwaway copy: process-wide one-time costs land on nobody
     model, xs, ts, loss_fn = spec.make()
     spec.loss(model, xs, ts, loss_fn).backward()
@@ -650,6 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budgets", default=",".join(DEFAULT_BUDGETS),
                    help="comma-separated remat budgets, percentages of remat's unconstrained peak, besides the "
                         "unconstrained step (default 50%%,25%%)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="the models' optimizer (default sgd: SGD momentum 0.9; adamw: AdamW, with eager also run "
+                        "with torch.optim's fused kernels as 'eager-fused'); results go to speed_adamw.* then")
     p.add_argument("--no-second-compile", action="store_true", help="skip GPT medium's second remat.compile")
     p.add_argument("--no-fresh-process", action="store_true",
                    help="skip the second remat.compile in a fresh subprocess (the in-process one still runs)")
@@ -706,6 +737,7 @@ def _child_argv(args: argparse.Namespace, name: str, rows_json: Path, first: boo
     """The command line of a fresh process that benches ``name`` alone with this run's settings
     (not ``first``: without torch.compile and the second remat.compile, measured once per model)."""
     argv = ["--models", name, "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
+            "--optimizer", args.optimizer,
             "--budgets", ",".join(args.budgets), "--compile-backend", args.compile_backend, "--rows-json", str(rows_json)]
     flags = {"--quick": args.quick, "--no-compile": args.no_compile or not first,
              "--no-second-compile": args.no_second_compile or not first,
@@ -784,7 +816,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rows_json is not None:  # a child: its parent writes the results
         args.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
         return {"rows": rows}
-    specs = model_specs(args.quick)
+    specs = model_specs(args.quick, args.optimizer)
     comps = targets(rows)
     config = {"quick": args.quick, "models": {n: dataclasses.asdict(specs[n]) for n in args.models},
               "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
@@ -792,7 +824,9 @@ def main(argv: list[str] | None = None) -> dict:
               "cold_remat_cache": remat_cache is not None, "process_per_model": not args.one_process,
               "processes_per_model": 1 if args.one_process else args.processes,
               "remat_budgets": list(args.budgets),
-              "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium: none, gradients only)",
+              "optimizer": (f"SGD(lr={LR}, momentum={MOMENTUM})" if args.optimizer == "sgd" else
+                            f"AdamW(lr={ADAMW_LR}, weight_decay={ADAMW_WEIGHT_DECAY}), eager-fused with fused=True")
+              + " (gpt-medium: none, gradients only)",
               "transformers": _transformers_version(),
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
               # CPU time of this process and the models' processes (the fresh-process compile not included)
@@ -800,7 +834,8 @@ def main(argv: list[str] | None = None) -> dict:
               + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - child_cpu0}
     print()
     print_table(rows, comps)
-    jp, cp = write_results(rows, comps, config, args.out, "speed_quick" if args.quick else "speed")
+    stem = "speed" + ("" if args.optimizer == "sgd" else f"_{args.optimizer}") + ("_quick" if args.quick else "")
+    jp, cp = write_results(rows, comps, config, args.out, stem)
     print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s wall, {config['cpu_s']:.0f} s CPU, "
           f"{config['threads']} threads)")
     return {"rows": rows, "targets": comps, "config": config}
@@ -822,7 +857,7 @@ def _bench_here(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[l
         # finds exactly what the first one stored
         remat_cache = tempfile.mkdtemp(prefix="speed_remat_cache_")
         os.environ["REMAT_CACHE_DIR"] = remat_cache
-    specs = model_specs(args.quick)
+    specs = model_specs(args.quick, args.optimizer)
     rows: list[SpeedRow] = []
     try:
         for name in args.models:

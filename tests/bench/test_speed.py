@@ -166,12 +166,12 @@ def test_stage_helpers() -> None:
 
 def test_child_argv_repeats_the_settings(tmp_path: Path) -> None:
     a = speed.parse_args(["--models", "mlp,unet", "--rounds", "4", "--warmup", "3", "--threads", "1", "--budgets", "60%",
-                          "--no-compile", "--no-fresh-process", "--quick", "--process-per-model"])
+                          "--no-compile", "--no-fresh-process", "--quick", "--process-per-model", "--optimizer", "adamw"])
     c = speed.parse_args(speed._child_argv(a, "unet", tmp_path / "rows.json"))
     assert c.models == ["unet"] and c.rows_json == tmp_path / "rows.json" and c.one_process
     later = speed.parse_args(speed._child_argv(speed.parse_args(["--models", "unet"]), "unet", tmp_path / "r", first=False))
     assert later.no_compile and later.no_second_compile  # measured in a model's first process only
-    for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "no_compile", "no_second_compile",
+    for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "optimizer", "no_compile", "no_second_compile",
               "no_fresh_process", "warm_remat_cache"):
         assert getattr(c, k) == getattr(a, k), k
 
@@ -219,3 +219,27 @@ def test_merge_processes() -> None:
     assert by[("a", "remat@50%")].status == "infeasible" and by[("a", "remat@50%")].x_eager is None
     assert by[("b", "remat")].x_eager == 1.0
     assert by[("b", "remat")].x_eager_of_medians == pytest.approx(by[("b", "remat")].step_s / by[("b", "eager")].step_s)
+
+
+def test_optimizers() -> None:
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert speed.make_optimizer(None, p) is None
+    sgd, adamw = speed.make_optimizer("sgd", p), speed.make_optimizer("adamw", p, fused=True)
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9 and not sgd.defaults["fused"]
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["fused"] and adamw.defaults["weight_decay"] == 0.01
+    with pytest.raises(ValueError, match="valid: sgd, adamw"):
+        speed.make_optimizer("lion", p)
+    specs = speed.model_specs(True, "adamw")
+    assert specs["mlp"].optimizer_kind == "adamw" and specs["gpt-medium"].make_optimizer(p) is None
+
+
+def test_adamw_run(tmp_path: Path) -> None:
+    """--optimizer adamw: every model with an optimizer trains with AdamW, eager also with fused=True."""
+    speed.main(["--quick", "--optimizer", "adamw", "--models", "mlp", "--no-compile", "--rounds", "2",
+                "--budgets", "95%", "--threads", "1", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "speed_adamw_quick.json").read_text())
+    assert "AdamW" in doc["config"]["optimizer"]
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["eager", "eager-fused", "remat", "remat@95%"]
+    for m in ("eager", "eager-fused", "remat"):
+        assert rows[m]["status"] == "ok" and rows[m]["loss0"] == pytest.approx(rows["eager"]["loss0"], rel=1e-5)
