@@ -150,3 +150,23 @@ def test_a_parameter_read_through_a_view_is_updated_after_that_read():
     b.ret(loss, late, grad)
     layout = Layout(n_params=1, n_state=1, n_inputs=1, has_seed=False, n_buffers_out=1)
     assert update_points(f, layout) == [5]  # the read of the view, not the reshape (4) or the gradient (3)
+
+
+def test_profiled_cost_model_measures_the_lean_variants_too():
+    """With ``cost_model="profiled"`` a lean-algorithm variant's problem is costed as the reference's
+    is, by running it (its candidates are compared with the reference's); static costs stay static."""
+    from remat.plan.costmodel import static_costs
+
+    for cost_model in ("static", "profiled"):
+        model, inputs, loss_fn = make("resnet")  # its stem has a tiled (conv_bn_relu_pool) variant
+        step = remat.compile(model, inputs, loss_fn, cost_model=cost_model)
+        variants = step._lean_variants(step.problem)
+        assert variants, "resnet has no lean variant"
+        p = variants[0].problem
+        static = static_costs(p.joint)
+        assert set(p.costs) == set(static)
+        if cost_model == "profiled":
+            assert p.example_args is not None and p.costs != static
+            assert all(t >= 0 for t in p.costs.values())
+        else:
+            assert p.example_args is None and p.costs == static

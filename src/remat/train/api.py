@@ -175,16 +175,18 @@ class Report:
 
 
 def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dict, float]:
-    """Per-instruction median seconds of ``fn`` on the VM, and the fastest total."""
+    """Per-instruction median seconds of ``fn`` on the VM over ``repeats`` runs after an untimed one
+    (kernels compile or load on their first call), and the fastest total."""
     per: list[list[float]] = [[] for _ in fn.entry.instrs]
     totals = []
+    vm.run(fn.name, *args)
     for _ in range(repeats):
         _, st = vm.run(fn.name, *args)
         totals.append(st.total_seconds)
         for idx, _op, sec in st.instr_times:
             if idx < len(per):
                 per[idx].append(sec)
-    # The step time is the fastest run: the first one pays one-time costs (kernel warm-up).
+    # The step time is the fastest run.
     return ({ins: statistics.median(ts) for ins, ts in zip(fn.entry.instrs, per) if ts}, min(totals))
 
 
@@ -265,6 +267,7 @@ class TrainStep:
         self.loss_reduction = None
         self.micro_batch_choice: list[str] = []
         self.cost_model = cost_model
+        self._profile_repeats = profile_repeats
         self._step = 0
         self._seed = seed
         self._count_workspaces = count_workspaces
@@ -561,9 +564,12 @@ class TrainStep:
                 fwd = training_forward(forward)
                 joint = prepare_joint(training_graph(fwd, n_params), self.dialects, split_bn_grad=bns > 0)
                 unconstrained = self._make_step(joint, check=True)
+                # costed as the reference is: a variant's candidates are compared with the reference's
+                profiled = self.cost_model == "profiled"
                 return replace(self.problem, forward=fwd, joint=joint, unconstrained=unconstrained,
-                               costs=static_costs(joint), example_args=None, workspaces=None,
-                               split_bn_grad=bns > 0)
+                               costs=self._measured_costs(joint) if profiled else static_costs(joint),
+                               example_args=self._joint_args(self._capture_example, copy=True) if profiled else None,
+                               workspaces=None, split_bn_grad=bns > 0)
 
             stems = [f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
                      f"{s.batch} samples, {s.tile} at a time in two passes; the reference holds "
@@ -576,12 +582,19 @@ class TrainStep:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
         return sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
 
+    def _measured_costs(self, joint: Function, repeats: int | None = None) -> dict[Instruction, float]:
+        """Measured per-instruction seconds of a joint (on copies of the example's arguments)."""
+        from ..runtime.vm import VM
+
+        return _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
+                                   self._joint_args(self._capture_example, copy=True),
+                                   self._profile_repeats if repeats is None else repeats)[0]
+
     def _profile(self, joint: Function, unconstrained: Function, repeats: int) -> dict[Instruction, float]:
         """Measured per-instruction seconds of the joint, and the unconstrained step's time (on copies)."""
         from ..runtime.vm import VM
 
-        measured, _ = _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
-                                          self._joint_args(self._capture_example, copy=True), repeats)
+        measured = self._measured_costs(joint, repeats)
         vm = VM(Module([unconstrained]), dialects=self.dialects)
         self.unconstrained_step_seconds = min(
             vm.run(unconstrained.name, *self._step_args(self._example, copy=True, step=1))[1].total_seconds
