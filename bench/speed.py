@@ -31,9 +31,9 @@ fresh pages, page-faulted again every step) or beside torch.compile's workers: G
 process still decides much: which method's large buffers fault differs from process to process and
 stays so for its life (a step of 16k faults, 64 MB, against none), moving a ratio by up to 10% on
 this machine. ``--processes N`` runs each model in N fresh processes (torch.compile and the second
-remat.compile in the first only) and reports the median of their ratios, each process's in ``extra``. Each method's time is reported as
-the median over rounds of its step time divided by eager's step time *in the same round* (and the
-median step time itself). Peak: allocator peak of one step read from torch.profiler's memory events
+remat.compile in the first only) and reports the median of their ratios, each process's in ``extra``.
+In a process, each method's time is reported as the median over rounds of its step time divided by
+eager's step time *in the same round* (and the median step time itself). Peak: allocator peak of one step read from torch.profiler's memory events
 (bench/_measure.py, as train_bench.py does), next to eager's. Setup: ``remat.compile``'s wall time and
 its stage split (from the report when it has one, and from the ``progress`` callback's timestamps
 always); for GPT medium also a second ``remat.compile`` of the same model in the same process and in a
@@ -807,12 +807,7 @@ def main(argv: list[str] | None = None) -> dict:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
-    if not args.one_process:
-        rows = _bench_in_children(args, log)
-        cache_dir = "per model" if not args.no_compile and args.compile_backend == "inductor" else None
-        remat_cache = None if args.warm_remat_cache else "per model"
-    else:
-        rows, cache_dir, remat_cache = _bench_here(args, log)
+    rows = _bench_here(args, log) if args.one_process else _bench_in_children(args, log)
     if args.rows_json is not None:  # a child: its parent writes the results
         args.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
         return {"rows": rows}
@@ -820,8 +815,8 @@ def main(argv: list[str] | None = None) -> dict:
     comps = targets(rows)
     config = {"quick": args.quick, "models": {n: dataclasses.asdict(specs[n]) for n in args.models},
               "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
-              "compile_backend": args.compile_backend, "cold_compile_cache": cache_dir is not None,
-              "cold_remat_cache": remat_cache is not None, "process_per_model": not args.one_process,
+              "compile_backend": args.compile_backend, "cold_compile_cache": _fresh_inductor_cache(args),
+              "cold_remat_cache": not args.warm_remat_cache, "process_per_model": not args.one_process,
               "processes_per_model": 1 if args.one_process else args.processes,
               "remat_budgets": list(args.budgets),
               "optimizer": (f"SGD(lr={LR}, momentum={MOMENTUM})" if args.optimizer == "sgd" else
@@ -829,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict:
               + " (gpt-medium: none, gradients only)",
               "transformers": _transformers_version(),
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
-              # CPU time of this process and the models' processes (the fresh-process compile not included)
+              # CPU time of this process and the models' processes (a fresh-process compile only as a model's)
               "cpu_s": time.process_time() - cpu_start
               + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - child_cpu0}
     print()
@@ -841,12 +836,17 @@ def main(argv: list[str] | None = None) -> dict:
     return {"rows": rows, "targets": comps, "config": config}
 
 
-def _bench_here(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[list[SpeedRow], str | None, str | None]:
+def _fresh_inductor_cache(args: argparse.Namespace) -> bool:
+    """Whether torch.compile's cache is a fresh folder (with Inductor: its recorded setup is then cold)."""
+    return not args.no_compile and args.compile_backend == "inductor"
+
+
+def _bench_here(args: argparse.Namespace, log: Callable[[str], None]) -> list[SpeedRow]:
     """Every model of ``args`` in this process, with fresh on-disk caches (torch.compile's, remat's)
-    unless told otherwise; returns the rows and the cache folders used (None: none fresh)."""
+    unless told otherwise."""
     saved_env = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "REMAT_CACHE_DIR")}
     cache_dir = None
-    if not args.no_compile and args.compile_backend == "inductor":
+    if _fresh_inductor_cache(args):
         # a fresh Inductor cache: torch.compile's recorded setup is a cold compile, not a cache hit
         cache_dir = tempfile.mkdtemp(prefix="speed_inductor_")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -875,7 +875,7 @@ def _bench_here(args: argparse.Namespace, log: Callable[[str], None]) -> tuple[l
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return rows, cache_dir, remat_cache
+    return rows
 
 
 if __name__ == "__main__":

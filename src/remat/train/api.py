@@ -305,7 +305,7 @@ class TrainStep:
         self.budget = None if budget is None else parse_budget(budget, reference=self.unconstrained_peak)
         self.unconstrained_step_seconds = None
         if cost_model == "profiled":
-            self.costs = self._stage("profile", lambda: self._profile(joint, unconstrained, profile_repeats))
+            self.costs = self._stage("profile", lambda: self._profile(joint, unconstrained))
         else:
             self.costs = static_costs(joint)
         problem = StepProblem(forward, imp.state_count, n_params, joint, unconstrained, self.budget,
@@ -582,23 +582,22 @@ class TrainStep:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
         return sum(t.nbytes for ts in self._state_types for t in ts) + (8 if self.updates else 0)
 
-    def _measured_costs(self, joint: Function, repeats: int | None = None) -> dict[Instruction, float]:
+    def _measured_costs(self, joint: Function) -> dict[Instruction, float]:
         """Measured per-instruction seconds of a joint (on copies of the example's arguments)."""
         from ..runtime.vm import VM
 
         return _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
-                                   self._joint_args(self._capture_example, copy=True),
-                                   self._profile_repeats if repeats is None else repeats)[0]
+                                   self._joint_args(self._capture_example, copy=True), self._profile_repeats)[0]
 
-    def _profile(self, joint: Function, unconstrained: Function, repeats: int) -> dict[Instruction, float]:
+    def _profile(self, joint: Function, unconstrained: Function) -> dict[Instruction, float]:
         """Measured per-instruction seconds of the joint, and the unconstrained step's time (on copies)."""
         from ..runtime.vm import VM
 
-        measured = self._measured_costs(joint, repeats)
+        measured = self._measured_costs(joint)
         vm = VM(Module([unconstrained]), dialects=self.dialects)
         self.unconstrained_step_seconds = min(
             vm.run(unconstrained.name, *self._step_args(self._example, copy=True, step=1))[1].total_seconds
-            for _ in range(repeats))
+            for _ in range(self._profile_repeats))
         return measured
 
     # ------------------------------------------------------------------ arguments
