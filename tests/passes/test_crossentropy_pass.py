@@ -1,11 +1,12 @@
-"""The ``linear-cross-entropy`` rewrite: a bias-free head's matmul, log_softmax and nll_loss become
-one chunked ``linear_cross_entropy``; anything else stays as it was."""
+"""The cross-entropy rewrites: ``log_softmax -> nll_loss`` becomes one ``cross_entropy`` (the import
+pipeline's ``cross-entropy`` pass), and a bias-free head's matmul and loss become one chunked
+``linear_cross_entropy``; anything else stays as it was."""
 from __future__ import annotations
 
 import pytest
 
 from remat.ir import Builder, DType, Function, Module, TensorType, verify
-from remat.passes.crossentropy import default_chunk, fuse_cross_entropy
+from remat.passes.crossentropy import default_chunk, fuse_cross_entropy, fuse_log_softmax_nll
 from remat.pipeline import run_pipeline
 
 F32, I64 = DType.f32, DType.i64
@@ -61,3 +62,45 @@ def test_default_chunk_bounds_the_chunk_logits():
     assert default_chunk(2048, 8000, 4) == 256          # 256 rows x 8000 x 4 B = 7.8 MiB <= 8 MiB
     assert default_chunk(32, 64, 4) == 32               # never more rows than there are
     assert default_chunk(10_000, 250_000, 4) == 16      # a huge vocabulary: the 16-row floor
+
+
+# ---------------------------------------------------------------- log_softmax -> nll_loss as one cross_entropy
+def _pair(axis: int = 1, extra_use: bool = False) -> Function:
+    """loss = nll_loss(log_softmax(z, axis), t) for z [6, 5]."""
+    f = Function("f", [TensorType(F32, (6, 5)), TensorType(I64, (6,))])
+    b = Builder(f.entry)
+    z, t = f.params
+    logp = b.op("log_softmax", z, axis=axis)
+    loss = b.op("nll_loss", logp, t, reduction="mean", ignore_index=3)
+    if extra_use:
+        loss = b.op("add", loss, b.op("reduce_sum", logp, axes=[0, 1]))
+    f.result_types = [loss.type]
+    b.ret(loss)
+    return f
+
+
+def test_log_softmax_and_nll_loss_become_one_cross_entropy():
+    g, n = fuse_log_softmax_nll(_pair())
+    verify(Module([g]))
+    assert n == 1 and _ops(g) == ["cross_entropy", "return"]
+    ce = g.entry.instrs[0]
+    assert ce.operands == list(g.params) and ce.attrs["reduction"] == "mean" and ce.attrs["ignore_index"] == 3
+    out = run_pipeline(Module([_pair()]), ["cross-entropy"]).module["f"]
+    assert _ops(out) == ["cross_entropy", "return"]
+
+
+@pytest.mark.parametrize("case", [dict(axis=0), dict(extra_use=True)])
+def test_log_probabilities_read_elsewhere_or_another_axis_are_left_alone(case):
+    f = _pair(**case)
+    g, n = fuse_log_softmax_nll(f)
+    assert n == 0 and _ops(g) == _ops(f)
+
+
+def test_the_head_rewrite_also_matches_cross_entropy():
+    f, _ = fuse_log_softmax_nll(_head())
+    assert "cross_entropy" in _ops(f)
+    g, sites = fuse_cross_entropy(f, chunk=2)
+    verify(Module([g]))
+    assert len(sites) == 1 and sites[0].held == 1
+    assert "linear_cross_entropy" in _ops(g) and not {"matmul", "cross_entropy"} & set(_ops(g))
+    assert fuse_cross_entropy(_head(), chunk=2)[1][0].held == 3

@@ -48,8 +48,10 @@ def test_only_steps_that_update_at_once_consume_their_gradients():
 
 
 def test_consumed_gradients_let_the_greedy_recompute_less():
-    # zoo GPT tiny with AdamW halfway between its minimum and its unconstrained peak, as its golden
-    # plan (tests/plan/plans.golden.json): +7.6% predicted recomputation, +16.4% before
+    # zoo GPT tiny with AdamW at seven budgets between its minimum and its unconstrained peak:
+    # modelling the gradients the optimizer consumes at once never costs recomputation, and somewhere
+    # saves some (at 7/8 of the way, 1.2 points of predicted overhead; before the head's
+    # cross_entropy op, 8.8 points at the middle budget, where both models now plan +16.3%)
     model, inputs, loss_fn = zoo.make("gpt", "tiny", dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = remat.compile(model, inputs, loss_fn, optimizer=opt, count_workspaces=False, solver="greedy")
@@ -57,12 +59,17 @@ def test_consumed_gradients_let_the_greedy_recompute_less():
         remat.compile(model, inputs, loss_fn, optimizer=opt, budget=1, count_workspaces=False, solver="greedy")
         raise AssertionError("a 1-byte budget fitted")
     except remat.BudgetTooSmall as e:
-        budget = (e.minimum + step.unconstrained_peak) // 2
-    p = replace(step.problem, budget=budget)
-    assert p.consumed
-    forget_plans()
-    with_model = plan_step(p)
-    forget_plans()
-    without = plan_step(replace(p, consumed=()))
-    assert with_model.peak <= budget and without.peak <= budget
-    assert with_model.overhead < without.overhead
+        least = e.minimum
+    gains = []
+    for k in range(1, 8):
+        budget = least + (step.unconstrained_peak - least) * k // 8
+        p = replace(step.problem, budget=budget)
+        assert p.consumed
+        forget_plans()
+        with_model = plan_step(p)
+        forget_plans()
+        without = plan_step(replace(p, consumed=()))
+        assert with_model.peak <= budget and without.peak <= budget
+        assert with_model.overhead <= without.overhead + 1e-12, (budget, with_model.overhead, without.overhead)
+        gains.append(without.overhead - with_model.overhead)
+    assert max(gains) > 0, gains

@@ -74,7 +74,9 @@ def test_reference_only_refuses_that_budget(case):
     model, inputs, _, lean_min = case
     with pytest.raises(remat.BudgetTooSmall) as e:
         remat.compile(copy.deepcopy(model), inputs, _loss, budget=lean_min, algorithms="reference", count_workspaces=False)
-    assert e.value.minimum > lean_min + 2 * 128 * 1500 * 4  # at least two more [N, V] logits
+    # The reference holds the [N, V] logits (then their gradient, written over them); the chunked
+    # head holds one chunk's, as a workspace, not as an IR value.
+    assert e.value.minimum > lean_min + 0.8 * 128 * 1500 * 4
 
 
 def test_same_choice_is_bit_identical_across_budgets(case):

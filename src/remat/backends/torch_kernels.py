@@ -1051,6 +1051,23 @@ def _ce_rows(target, ignore_index):
     return keep, torch.where(keep, target, torch.zeros((), dtype=target.dtype, device=target.device)).to(torch.int64)
 
 
+def _ce_reduce(rows, keep, reduction):
+    """The loss from its per-row terms: as they are ("none"), their sum, or their mean over kept rows."""
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / keep.sum().to(rows.dtype) if reduction == "mean" else total
+
+
+def _ce_scale(g, keep, reduction, dt):
+    """Each row's weight in the loss's gradient (``remat.ir.ops.crossentropy.row_scale``)."""
+    g32 = g.to(dt)
+    scale = g32 if reduction == "none" else g32.expand(keep.shape)
+    if reduction == "mean":
+        scale = scale / keep.sum().to(dt)
+    return torch.where(keep, scale, torch.zeros((), dtype=dt, device=g.device))
+
+
 @k("linear_cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
 def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=1024):
     npk.check_targets("linear_cross_entropy", target, w.shape[0], ignore_index)
@@ -1067,13 +1084,7 @@ def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, c
         picked = z.gather(1, t[a:a + chunk, None])[:, 0]
         rows[a:a + chunk] = torch.where(keep[a:a + chunk], s - picked, torch.zeros((), dtype=dt, device=x.device))
         del z
-    if reduction == "none":
-        loss = rows
-    else:
-        loss = rows.sum()
-        if reduction == "mean":
-            loss = loss / keep.sum().to(dt)
-    return _fresh(loss.to(x.dtype).contiguous()), _fresh(lse.to(x.dtype).contiguous())
+    return _fresh(_ce_reduce(rows, keep, reduction).to(x.dtype).contiguous()), _fresh(lse.to(x.dtype).contiguous())
 
 
 @k("linear_cross_entropy_grad", checker=lambda ins: ins.operands[0].type.dtype.is_float)
@@ -1082,11 +1093,7 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
     x32, w32, lse32 = x.to(dt), w.to(dt), lse.to(dt)
     keep, t = _ce_rows(target, ignore_index)
-    g32 = g.to(dt)
-    scale = g32 if reduction == "none" else g32.expand(keep.shape)
-    if reduction == "mean":
-        scale = scale / keep.sum().to(dt)
-    scale = torch.where(keep, scale, torch.zeros((), dtype=dt, device=x.device))
+    scale = _ce_scale(g, keep, reduction, dt)
     dx = torch.empty_like(x32)
     dw = torch.zeros_like(w32)
     for a in range(0, x.shape[0], chunk):
@@ -1101,6 +1108,66 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
         del p
     return _fresh(dx.to(x.dtype).contiguous()), _fresh(dw.to(x.dtype).contiguous())
 
+
+# ---------------------------------------------------------------- cross-entropy on logits
+# ``remat.ir.ops.crossentropy``: rows in chunks of about CE_CHUNK_BYTES, so the logsumexp's temporaries
+# stay a chunk and the gradient's passes (subtract, exp, pick, scale) run on cache-resident rows.
+CE_CHUNK_BYTES = 2 * 2**20
+
+
+def _ce_chunk(c: int) -> int:
+    return max(1, CE_CHUNK_BYTES // (4 * max(c, 1)))
+
+
+@k("cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
+def cross_entropy(z, target, reduction="mean", ignore_index=-100):
+    n, c = z.shape
+    npk.check_targets("cross_entropy", target, c, ignore_index)
+    dt = torch.float32 if z.dtype in _LOWP else z.dtype
+    keep, t = _ce_rows(target, ignore_index)
+    lse = torch.empty(n, dtype=dt, device=z.device)
+    rows = _ce_chunk(c)
+    for a in range(0, n, rows):
+        torch.logsumexp(z[a:a + rows].to(dt), dim=1, out=lse[a:a + rows])
+    picked = z.gather(1, t[:, None])[:, 0].to(dt)
+    per = torch.where(keep, lse - picked, torch.zeros((), dtype=dt, device=z.device))
+    return _fresh(_ce_reduce(per, keep, reduction).to(z.dtype).contiguous()), _fresh(lse.to(z.dtype))
+
+
+def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
+    """softmax(z) - onehot(target), times each row's weight, written into ``out`` (which may be ``z``:
+    each chunk of z is read before that chunk of ``out`` is written)."""
+    n, c = z.shape
+    npk.check_targets("cross_entropy_grad", target, c, ignore_index)
+    dt = torch.float32 if z.dtype in _LOWP else z.dtype
+    keep, t = _ce_rows(target, ignore_index)
+    scale = _ce_scale(g, keep, reduction, dt)
+    lse = lse.to(dt)
+    rows = _ce_chunk(c)
+    idx = torch.arange(min(rows, n), device=z.device)
+    for a in range(0, n, rows):
+        m = min(rows, n - a)
+        if dt == z.dtype:
+            p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
+        else:
+            p = z[a:a + m].to(dt) - lse[a:a + m, None]
+        p.exp_()
+        p[idx[:m], t[a:a + m]] -= 1
+        p.mul_(scale[a:a + m, None])
+        if p.data_ptr() != out[a:a + m].data_ptr():
+            out[a:a + m].copy_(p)
+    return out
+
+
+@k("cross_entropy_grad", checker=lambda ins: ins.operands[1].type.dtype.is_float)
+def cross_entropy_grad(g, z, lse, target, reduction="mean", ignore_index=-100):
+    return _cross_entropy_grad_into(torch.empty_like(z, memory_format=torch.contiguous_format), g, z, lse, target,
+                                    reduction, ignore_index)
+
+
+@_out("cross_entropy_grad")
+def cross_entropy_grad_out(out, g, z, lse, target, reduction="mean", ignore_index=-100):
+    return _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index)
 
 # ---------------------------------------------------------------- attention with dropout (one score matrix at a time)
 # ``remat.ir.ops.attention``: each batch element's [T, S] scores, probabilities and keep mask are made,

@@ -35,9 +35,10 @@ __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpErr
            "keyword_options", "loss_module", "supported_ops"]
 
 _SEED = TensorType(DType.i64, ())
-# Passes that clean up the imported forward before anything differentiates it: explicit attention
-# becomes the fused op (its backward is then the fused backward), and what that leaves dead goes.
-IMPORT_PASSES: list[str] = ["attention", "gelu", "dce"]
+# Passes that clean up the imported forward before anything differentiates it: explicit attention,
+# written-out GELU and log_softmax -> nll_loss become single ops (their backward is then the native
+# one), and what that leaves dead goes.
+IMPORT_PASSES: list[str] = ["attention", "gelu", "cross-entropy", "dce"]
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CWD = os.getcwd() + os.sep  # source files under it are recorded relative to it
 _SKIPPED = object()  # the value of a node not translated (unsupported, or computed from one)

@@ -36,6 +36,7 @@ TAGS = frozenset({
     "effect",       # has effects beyond its results (free, return, branches): never CSE'd or DCE'd
     "terminator",   # ends a block
     "inplace",      # result reuses an operand's buffer (declared in ``aliases``)
+    "overwrite",    # result 0 may be written over a dying operand of its type (each element read only to write it)
     "shape",        # moves data without arithmetic
     "constant",     # no operands; value given by attributes
     "control",      # run by the VM and the passes themselves (call, branches, return, free): no kernel, no VJP

@@ -3,7 +3,7 @@
 An element-wise instruction whose operand has the result's type and is read by nothing after it can
 write its result into that operand's buffer instead of a fresh one: the activation is overwritten by
 its consumer. ``relu_grad(g, y)`` over ``g``, batch norm's element-wise gradient over the gradient it
-reads, a residual ``add`` over one of its summands. The program's values stay SSA: the reuse is a
+reads, a residual ``add`` over one of its summands, cross-entropy's gradient over the logits. The program's values stay SSA: the reuse is a
 storage decision, like an allocator's, made by :func:`buffer_reuse` from the program alone. The memory
 simulator of record (``remat.plan.liveness``) and the VM (``remat.runtime.vm``) both ask it, so every
 peak a planner judges, and the VM's measured peak, count the result in the operand's storage: exactly
@@ -30,11 +30,12 @@ NOT_REUSED = frozenset({"copy", "cast"})  # element-wise, but their point is a n
 
 @lru_cache(maxsize=None)
 def reuses_operand(op_name: str) -> bool:
-    """Whether results of this op may take a dying operand's buffer (element-wise ops and ``fused``)."""
+    """Whether results of this op may take a dying operand's buffer (element-wise ops, ``fused``, and
+    ops tagged "overwrite": element-wise in that operand, as ``cross_entropy_grad`` in its logits)."""
     op = OPS.get(op_name)
     if op is None or op_name in NOT_REUSED or op.aliases or op.tags & {"random", "effect", "inplace", "view"}:
         return False
-    return op_name == "fused" or "elementwise" in op.tags
+    return op_name == "fused" or bool(op.tags & {"elementwise", "overwrite"})
 
 
 def buffer_reuse(fn: Function) -> dict[Instruction, int]:

@@ -12,7 +12,7 @@ from .attention import attention_pass, fold_head_transposes_pass, fold_kv_repeat
 from .batchnorm import split_batch_norm, split_batch_norm_grad
 from .concatconv import split_concat_conv_pass
 from .convblock import split_conv_bn_relu_pool, tile_conv_bn_pool_pass
-from .crossentropy import cross_entropy_pass
+from .crossentropy import cross_entropy_pass, logits_cross_entropy_pass
 from .cse import cse
 from .dce import dce
 from .decompose import decompose_pass
@@ -34,6 +34,7 @@ PASSES: dict[str, PassFn] = {
     "fold-kv-repeats": fold_kv_repeats_pass,
     "gelu": gelu_pass,
     "decompose": decompose_pass,
+    "cross-entropy": logits_cross_entropy_pass,
     "linear-cross-entropy": cross_entropy_pass,
     "split-batch-norm": split_batch_norm,
     "split-batch-norm-grad": split_batch_norm_grad,

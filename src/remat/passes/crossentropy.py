@@ -1,17 +1,25 @@
-"""Rewrite a language-model head's ``matmul -> log_softmax -> nll_loss`` into the chunked
-``linear_cross_entropy`` op (issue 10: the memory-lean algorithm of the loss).
+"""Cross-entropy rewrites (a pattern and a rule each, RAF §3.2.2).
 
-The pattern, read backwards from the ``nll_loss``::
+``fuse_log_softmax_nll`` (the import pipeline's ``cross-entropy`` pass): ``nll_loss(log_softmax(z,
+axis=1), target)`` whose log-probabilities have no other user becomes one ``cross_entropy(z,
+target)``. Its backward writes the logits' gradient over the logits, so the step holds one [N, C]
+tensor where the pair holds three at once (the log-probabilities, nll_loss's one-hot gradient and
+log_softmax's gradient), and runs two passes over it instead of five. Values change by rounding
+only (the softmax comes from ``exp(z - logsumexp)``, not from exp of the log-probabilities), as after
+the attention and GELU passes.
+
+``fuse_cross_entropy``: a language-model head's ``matmul -> cross_entropy`` (or ``matmul ->
+log_softmax -> nll_loss``) as the chunked ``linear_cross_entropy`` op (issue 10: the memory-lean
+algorithm of the loss). The pattern, read backwards from the loss::
 
     z = matmul(x, w) {transpose_b=true}     # x [..., d], w [V, d]: a bias-free nn.Linear head
     z = reshape(z, [N, V])                  # optional (F.cross_entropy on a flattened [B, T, V])
-    p = log_softmax(z, axis=1)
-    l = nll_loss(p, target)
+    l, _ = cross_entropy(z, target)         # or p = log_softmax(z, axis=1); l = nll_loss(p, target)
 
-The logits and the log-probabilities must have no other user. The rewrite changes the algorithm,
-not the function: values equal the reference's up to summation order (``dw`` is summed chunk by
-chunk), so it is not part of any default pipeline; the planner applies it as a choice it reports
-(``remat.plan.algorithms``).
+The logits (and log-probabilities, and logsumexp) must have no other user. The rewrite changes the
+algorithm, not the function: values equal the reference's up to summation order (``dw`` is summed
+chunk by chunk), so it is not part of any default pipeline; the planner applies it as a choice it
+reports (``remat.plan.algorithms``).
 """
 from __future__ import annotations
 
@@ -43,7 +51,8 @@ class Site:
     rows: int                  # N
     vocab: int                 # V
     chunk: int
-    logits_bytes: int          # one [N, V] tensor: what the reference holds three of at once
+    logits_bytes: int          # one [N, V] tensor
+    held: int = 3              # how many of them the reference holds at once (cross_entropy: 1)
 
 
 def _def(v: Value, op: str) -> Instruction | None:
@@ -52,13 +61,18 @@ def _def(v: Value, op: str) -> Instruction | None:
 
 
 def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list[Instruction]] | None:
-    """(x, w, replaced instructions) of a head feeding ``nll``, or None."""
-    logp = nll.operands[0]
-    ls = _def(logp, "log_softmax")
-    if ls is None or uses.get(logp, 0) != 1 or ls.attrs["axis"] != 1:
-        return None
-    chain = [nll, ls]
-    z = ls.operands[0]
+    """(x, w, replaced instructions) of a head feeding ``nll`` (an ``nll_loss`` or a ``cross_entropy``), or None."""
+    if nll.op.name == "cross_entropy":
+        if uses.get(nll.results[1], 0):
+            return None  # the logsumexp is read
+        chain, z = [nll], nll.operands[0]
+    else:
+        logp = nll.operands[0]
+        ls = _def(logp, "log_softmax")
+        if ls is None or uses.get(logp, 0) != 1 or ls.attrs["axis"] != 1:
+            return None
+        chain, z = [nll, ls], ls.operands[0]
+    n, v = z.type.shape
     r = _def(z, "reshape")
     if r is not None and uses.get(z, 0) == 1:
         chain.append(r)
@@ -67,7 +81,6 @@ def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list
     if mm is None or uses.get(z, 0) != 1 or mm.attrs.get("transpose_a") or not mm.attrs.get("transpose_b"):
         return None
     x, w = mm.operands
-    n, v = logp.type.shape
     if w.type.rank != 2 or w.type.shape[0] != v or x.type.shape[-1] != w.type.shape[1] or x.type.numel != n * x.type.shape[-1]:
         return None  # a batched weight, or rows that do not line up with the targets
     chain.append(mm)
@@ -78,7 +91,7 @@ def fuse_cross_entropy(f: Function, chunk: int | None = None) -> tuple[Function,
     """A copy of ``f`` with every matching head and loss replaced by ``linear_cross_entropy``, and
     the sites replaced. ``chunk``: rows per chunk (default :func:`default_chunk`)."""
     def match(ins: Instruction, uses: dict[Value, int]):
-        m = _match(ins, uses) if ins.op.name == "nll_loss" else None
+        m = _match(ins, uses) if ins.op.name in ("nll_loss", "cross_entropy") else None
         return None if m is None else (m[2], m)
 
     def emit(b: Builder, ins: Instruction, m) -> tuple[Value, Site]:
@@ -90,9 +103,35 @@ def fuse_cross_entropy(f: Function, chunk: int | None = None) -> tuple[Function,
         loss, _ = b.op("linear_cross_entropy", x2, w, ins.operands[1], reduction=ins.attrs["reduction"],
                        ignore_index=ins.attrs["ignore_index"], chunk=rows)
         return loss, Site("(unknown)" if loc is None else (loc.path or "(top level)"), n, v, rows,
-                          ins.operands[0].type.nbytes)
+                          ins.operands[0].type.nbytes, 1 if ins.op.name == "cross_entropy" else 3)
 
     return rewrite_matches(f, match, emit)
+
+
+def fuse_log_softmax_nll(f: Function) -> tuple[Function, int]:
+    """A copy of ``f`` with each ``nll_loss(log_softmax(z, axis=1), t)`` whose log-probabilities have no
+    other user replaced by ``cross_entropy(z, t)``, and how many were."""
+    def match(ins: Instruction, uses: dict[Value, int]):
+        if ins.op.name != "nll_loss":
+            return None
+        ls = _def(ins.operands[0], "log_softmax")
+        if ls is None or uses.get(ls.results[0], 0) != 1 or ls.attrs["axis"] != 1:
+            return None
+        return [ls], ls
+
+    def emit(b: Builder, ins: Instruction, ls: Instruction) -> tuple[Value, None]:
+        b.loc = ins.loc
+        loss, _ = b.op("cross_entropy", ls.operands[0], ins.operands[1], reduction=ins.attrs["reduction"],
+                       ignore_index=ins.attrs["ignore_index"])
+        return loss, None
+
+    g, sites = rewrite_matches(f, match, emit)
+    return g, len(sites)
+
+
+def logits_cross_entropy_pass(module: Module) -> Module:
+    """Replace each ``log_softmax -> nll_loss`` by one ``cross_entropy`` (:func:`fuse_log_softmax_nll`)."""
+    return Module([fuse_log_softmax_nll(f)[0] for f in module])
 
 
 def cross_entropy_pass(module: Module) -> Module:

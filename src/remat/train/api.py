@@ -543,8 +543,10 @@ class TrainStep:
         if not sites and not att_sites and not cat_sites and not tilings[0][1] and not bns:
             return []
         lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "
-                 f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
-                 f"and their gradient)" for s in sites]
+                 + (f"the reference holds 3 x {format_bytes(s.logits_bytes)} of logits, log-probabilities "
+                    f"and their gradient)" if s.held == 3 else
+                    f"the reference holds the {format_bytes(s.logits_bytes)} logits, then their gradient over them)")
+                 for s in sites]
         if att_sites:
             a = att_sites[0]
             lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "

@@ -1,5 +1,7 @@
-"""Cross-entropy fused with the language-model head's matmul, in chunks of rows: a memory-lean
-alternative to ``matmul -> log_softmax -> nll_loss`` (issue 10: per-operator algorithm choice).
+"""Cross-entropy as single ops: ``cross_entropy`` on logits (``log_softmax -> nll_loss`` as one op whose
+backward writes its gradient over the logits), and, fused with the language-model head's matmul in
+chunks of rows, ``linear_cross_entropy``: a memory-lean alternative to ``matmul -> log_softmax ->
+nll_loss`` (issue 10: per-operator algorithm choice).
 
 ``linear_cross_entropy(x [N, d], w [V, d], target [N])`` is ``nll_loss(log_softmax(x @ wᵀ), target)``
 computed ``chunk`` rows at a time: it returns the loss and the rows' logsumexp ``[N]``, and never
@@ -9,7 +11,8 @@ chunk by chunk), so neither the logits, their log-softmax nor their gradient is 
 
 Memory, as the VM counts it: the results only (loss, ``[N]`` logsumexp; ``dx`` and ``dw``). The
 kernels' own temporaries are one chunk's logits and their gradient, ``chunk × V`` elements each
-(:func:`workspace_bytes`), against the ``3 × N × V`` that the reference holds at once as IR values.
+(:func:`workspace_bytes`), against the ``N × V`` logits that ``cross_entropy`` holds (``3 × N × V`` at
+once for ``log_softmax -> nll_loss``).
 Time: the backward recomputes the head's matmul (one more ``2·N·d·V`` flops than the reference).
 Values equal the reference's up to summation order (``dw`` sums chunk by chunk), so the planner
 uses it only as a choice it reports (``remat.plan.algorithms``).
@@ -35,15 +38,19 @@ def workspace_bytes(n: int, v: int, itemsize: int, chunk: int) -> int:
     return 2 * min(chunk, n) * v * itemsize + 8 * n * max(itemsize, 8)
 
 
+def _check_rows(name: str, n: int, target: TensorType, attrs) -> None:
+    if not target.dtype.is_int or target.shape != (n,):
+        raise TypeError(f"'{name}' needs integer class targets [{n}] (i32 or i64), got {target}")
+    if attrs["reduction"] not in _REDUCTIONS:
+        raise TypeError(f"'{name}': reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, "
+                        f"got {attrs['reduction']!r}")
+
+
 def _check(name: str, x: TensorType, w: TensorType, target: TensorType, attrs) -> None:
     expect_float(name, x, "input")
     if x.rank != 2 or w.rank != 2 or w.shape[1] != x.shape[1] or w.dtype != x.dtype:
         raise TypeError(f"'{name}' needs input [N, d] and weight [V, d] of the same dtype, got {x} and {w}")
-    if not target.dtype.is_int or target.shape != (x.shape[0],):
-        raise TypeError(f"'{name}' needs integer class targets [{x.shape[0]}] (i32 or i64), got {target}")
-    if attrs["reduction"] not in _REDUCTIONS:
-        raise TypeError(f"'{name}': reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, "
-                        f"got {attrs['reduction']!r}")
+    _check_rows(name, x.shape[0], target, attrs)
     if attrs["chunk"] < 1:
         raise TypeError(f"'{name}': chunk (rows per chunk) must be >= 1, got {attrs['chunk']}")
 
@@ -107,17 +114,26 @@ def reference_forward(x, w, target, *, reduction: str = "mean", ignore_index: in
     rows = np.empty(n, dtype=x.dtype)
     for a in range(0, n, chunk):
         z = x[a:a + chunk] @ w.T
-        m = np.max(z, axis=1, keepdims=True)
-        s = (m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)))[:, 0]
+        s = _row_logsumexp(z)
         lse[a:a + chunk] = s
         rows[a:a + chunk] = np.where(keep[a:a + chunk], s - z[np.arange(z.shape[0]), t[a:a + chunk]], 0)
+    return _reduce_rows(rows, keep, reduction), lse
+
+
+def _row_logsumexp(z: np.ndarray) -> np.ndarray:
+    m = np.max(z, axis=1, keepdims=True)
+    return (m + np.log(np.sum(np.exp(z - m), axis=1, keepdims=True)))[:, 0]
+
+
+def _reduce_rows(rows: np.ndarray, keep: np.ndarray, reduction: str) -> np.ndarray:
+    """The loss from its per-row terms: as they are ("none"), their sum, or their mean over kept rows."""
     if reduction == "none":
-        return rows, lse
+        return rows
     total = np.sum(rows)
     if reduction == "mean":
         with np.errstate(invalid="ignore", divide="ignore"):
             total = total / rows.dtype.type(np.count_nonzero(keep))
-    return np.asarray(total, dtype=x.dtype), lse
+    return np.asarray(total, dtype=rows.dtype)
 
 
 def reference_backward(g, x, w, target, lse, *, reduction: str = "mean", ignore_index: int = -100,
@@ -171,6 +187,84 @@ declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset(), 
                   "logits recomputed"))
 
 
+# ================================================================ cross-entropy on logits (log_softmax -> nll_loss as one op)
+# ``cross_entropy(z [N, C], target [N])`` is ``nll_loss(log_softmax(z, axis=1), target)``, and also gives
+# the rows' logsumexp. Its backward ``cross_entropy_grad(g, z, lse, target)`` is softmax(z) minus the
+# one-hot target, times each row's weight in the loss: one [N, C] result, which may be written over the
+# logits it reads (tag "overwrite"), against the reference's log-probabilities, one-hot gradient and
+# log-softmax gradient (three [N, C] tensors at once). The import pipeline makes it from the pair
+# (``remat.passes.crossentropy.fuse_log_softmax_nll``).
+def _ce_check(name: str, z: TensorType, target: TensorType, attrs) -> None:
+    expect_float(name, z, "logits")
+    if z.rank != 2:
+        raise TypeError(f"'{name}' needs logits [N, C], got {z}")
+    _check_rows(name, z.shape[0], target, attrs)
+
+
+def _ce_infer(types, attrs):
+    z, target = types
+    _ce_check("cross_entropy", z, target, attrs)
+    return z.with_shape((z.shape[0],) if attrs["reduction"] == "none" else ()), z.with_shape((z.shape[0],))
+
+
+def _ce_grad_infer(types, attrs):
+    g, z, lse, target = types
+    _ce_check("cross_entropy_grad", z, target, attrs)
+    want = (z.shape[0],) if attrs["reduction"] == "none" else ()
+    if g != z.with_shape(want):
+        raise TypeError(f"'cross_entropy_grad': output gradient must be {z.with_shape(want)} for reduction "
+                        f"{attrs['reduction']!r}, got {g}")
+    if lse != z.with_shape((z.shape[0],)):
+        raise TypeError(f"'cross_entropy_grad': logsumexp must be {z.with_shape((z.shape[0],))}, got {lse}")
+    return z
+
+
+def logits_forward(z, target, *, reduction: str = "mean", ignore_index: int = -100):
+    """NumPy reference of ``cross_entropy``: (loss, logsumexp [N]) in z's dtype."""
+    keep = target != ignore_index
+    t = np.where(keep, target, 0)
+    lse = _row_logsumexp(z)
+    rows = np.where(keep, lse - z[np.arange(z.shape[0]), t], 0).astype(z.dtype)
+    return _reduce_rows(rows, keep, reduction), lse
+
+
+def logits_backward(g, z, lse, target, *, reduction: str = "mean", ignore_index: int = -100):
+    """NumPy reference of ``cross_entropy_grad``: (softmax(z) - onehot(target)) times each row's weight."""
+    keep = target != ignore_index
+    t = np.where(keep, target, 0)
+    p = np.exp(z - lse[:, None])
+    p[np.arange(z.shape[0]), t] -= 1
+    p *= row_scale(g, keep, reduction)[:, None]
+    return p
+
+
+def _ce_samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample([rand(r, 4, 5, low=-3, high=3), _targets(r, 4, 5, -100)]),
+            Sample([rand(r, 3, 6, low=-3, high=3), _targets(r, 3, 6, 2)], {"reduction": "sum", "ignore_index": 2}),
+            Sample([rand(r, 5, 3, low=-3, high=3), _targets(r, 5, 3, -1)], {"reduction": "none", "ignore_index": -1})]
+
+
+def _ce_grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _ce_samples(r):
+        _, lse = logits_forward(*s.args, **s.attrs)
+        g = rand(r, *((s.args[0].shape[0],) if s.attrs.get("reduction") == "none" else ()))
+        out.append(Sample([g, s.args[0], lse, s.args[1]], s.attrs))
+    return out
+
+
+_CE_ATTRS = _ATTRS[:2]
+declare(OpDef("cross_entropy", 2, _CE_ATTRS, _ce_infer, frozenset(), num_results=2,
+              index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
+              flops=lambda ins, outs, attrs: 4.0 * ins[0].numel, sample=_ce_samples,
+              doc="nll_loss(log_softmax(z, axis=1), target) and the rows' logsumexp [N], from the logits z [N, C]"))
+declare(OpDef("cross_entropy_grad", 4, _CE_ATTRS, _ce_grad_infer, frozenset({"overwrite"}),
+              index_bounds=lambda types, attrs: IndexBounds(3, types[1].shape[1], attrs["ignore_index"]),
+              flops=lambda ins, outs, attrs: 4.0 * outs[0].numel, sample=_ce_grad_samples,
+              doc="gradient of cross_entropy wrt the logits, from (grad_output, logits, logsumexp, target): "
+                  "(softmax(z) - onehot(target)) times each row's weight; may be written over the logits"))
+
+
 # ================================================================ VJP rules (reverse mode)
 from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves  # noqa: E402
@@ -193,3 +287,49 @@ def _linear_cross_entropy_vjp(b, p, g):
 def _linear_cross_entropy_grad_vjp(b, p, g):
     raise NotImplementedError("second-order differentiation through linear_cross_entropy is not supported "
                               "(linear_cross_entropy_grad has no VJP rule)")
+
+
+@def_vjp("cross_entropy", saves=Saves(operands=(0, 1), results=(1,)))
+def _cross_entropy_vjp(b, p, g):
+    g_loss, g_lse = g
+    if g_lse is not None:
+        raise NotImplementedError("the logsumexp result of 'cross_entropy' is not differentiable; "
+                                  "use only its first result (the loss)")
+    if g_loss is None:
+        return [None, None]
+    z, target = p.x
+    return [b.op("cross_entropy_grad", g_loss, z, p.y[1], target, **p.attrs), None]
+
+
+@def_vjp("cross_entropy_grad", saves="none")
+def _cross_entropy_grad_vjp(b, p, g):
+    raise NotImplementedError("second-order differentiation through cross_entropy is not supported "
+                              "(cross_entropy_grad has no VJP rule)")
+
+
+# ================================================================ decompositions (composites in primitives)
+from ..opdef import def_decomposition  # noqa: E402
+
+
+def _row_logsumexp_ir(b, z):
+    m = b.op("reduce_max", z, axes=[1], keepdims=True)
+    s = b.op("reduce_sum", b.op("exp", b.op("sub", z, m)), axes=[1], keepdims=True)
+    return b.op("reshape", b.op("add", m, b.op("log", s)), shape=(z.type.shape[0],))
+
+
+@def_decomposition("cross_entropy")
+def _cross_entropy_decomp(b, xs, attrs):
+    z, target = xs
+    loss = b.op("nll_loss", b.op("log_softmax", z, axis=1), target, **attrs)
+    return [loss, _row_logsumexp_ir(b, z)]
+
+
+@def_decomposition("cross_entropy_grad")
+def _cross_entropy_grad_decomp(b, xs, attrs):
+    # nll_loss_grad puts -w_n at each kept row's target (w_n: the row's weight), so its row sums are -w.
+    g, z, lse, target = xs
+    n, c = z.type.shape
+    hot = b.op("nll_loss_grad", g, target, num_classes=c, **attrs)
+    w = b.op("neg", b.op("reduce_sum", hot, axes=[1], keepdims=True))
+    p = b.op("exp", b.op("sub", z, b.op("reshape", lse, shape=(n, 1))))
+    return [b.op("add", b.op("mul", p, w), hot)]
