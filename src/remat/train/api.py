@@ -708,13 +708,32 @@ class TrainStep:
             for buf, new in zip(self._buffers_out, outs[1:self.layout.first_grad]):
                 buf.copy_(new)
             if self.keep_grads:
-                for p, g in zip(self._params, outs[self.layout.first_grad:]):
-                    p.grad = g.to(p.dtype).clone() if p.grad is None else p.grad.add_(g)
+                self._set_grads(outs, args)
         if self.dp is not None and self.dp.shards_state:
             self.dp.steps += 1
         elif self.updates:
             advance_steps(self.optimizer, self._params, self.updates)
         return loss
+
+    def _set_grads(self, outs: Sequence, args: Sequence) -> None:
+        """Each parameter's ``.grad``: the step's gradient (added to an existing ``.grad``). A gradient
+        that owns its storage alone is taken as it is, so the step's measured peak is the VM's (a copy
+        of every gradient while the VM's are still referenced would add the gradients' bytes at the
+        end of the step); one sharing storage with an argument, the loss, a buffer's new value or
+        another gradient (a view, or one value returned twice) is copied."""
+        torch = self.torch
+        first = self.layout.first_grad
+        taken = {t.untyped_storage().data_ptr() for t in [*args, *outs[:first]] if isinstance(t, torch.Tensor)}
+        for p, g in zip(self._params, outs[first:]):
+            if p.grad is not None:
+                p.grad.add_(g)
+                continue
+            g = g.to(p.dtype)
+            st = g.untyped_storage()
+            alone = (g.numel() > 0 and g.is_contiguous() and g.storage_offset() == 0
+                     and st.nbytes() == g.numel() * g.element_size() and st.data_ptr() not in taken)
+            p.grad = g if alone else g.clone()
+            taken.add(st.data_ptr())
 
     def _run_measuring_allocator(self, args: list, by_kind: bool = False) -> tuple:
         """One run of the step under torch.profiler's memory events: the allocator's measured
