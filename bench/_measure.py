@@ -100,3 +100,14 @@ def measure_peak(fn: Callable[[], Any], resident: int = 0) -> MemoryMeasurement:
 def mib(b: int | None) -> str:
     """Bytes as MiB with two decimals for the benchmarks' tables ("-" when not measured)."""
     return "-" if b is None else f"{b / 2**20:.2f}"
+
+
+def write_kernel_rows(path: str, rows: list[dict], rounds: int) -> None:
+    """A kernel benchmark's rows as JSON at ``path`` (folders made), with torch's version and threads."""
+    import json
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": rounds,
+                               "rows": rows}, indent=1) + "\n")

@@ -18,7 +18,6 @@ Writes bench/results/cross_entropy.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from _measure import write_kernel_rows
 from remat.backends import torch_kernels as tk
 
 SHAPES = {"gpt-medium head": (2048, 8000), "32k vocabulary": (1024, 32000), "mlp head": (512, 10)}
@@ -96,10 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               + f"  | x pair: {row['x_pair']}  max rel diff {row['max_relative_difference']:.1e}", flush=True)
         if row["max_relative_difference"] > a.rtol:
             raise SystemExit(f"{name}: gradients differ by {row['max_relative_difference']:.2e} > {a.rtol:g}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": a.rounds,
-                               "rows": rows}, indent=1) + "\n")
+    write_kernel_rows(a.out, rows, a.rounds)
     return rows
 
 

@@ -16,7 +16,6 @@ Writes bench/results/optimizer_kernels.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from _measure import write_kernel_rows
 from remat import zoo
 from remat.backends import torch_kernels as tk
 
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
             print(f"{model:7} {kind:6} {row['tensors']:3d} tensors {row['elements']:>9,} elements  "
                   + "  ".join(f"{k} {v:.3f} ms (x{row['x_single'][k]:.2f})" for k, v in row["ms"].items()), flush=True)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": a.rounds,
-                               "rows": rows}, indent=1) + "\n")
+    write_kernel_rows(a.out, rows, a.rounds)
     return rows
 
 
