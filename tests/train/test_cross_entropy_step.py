@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -96,3 +97,31 @@ def test_a_gradient_returned_twice_gives_each_parameter_its_own_grad():
     assert model.a.grad.untyped_storage().data_ptr() != model.b.grad.untyped_storage().data_ptr()
     torch.testing.assert_close(model.a.grad, ref.a.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model.b.grad, ref.b.grad, rtol=1e-5, atol=1e-6)
+
+
+_W = torch.rand(96, generator=torch.Generator().manual_seed(3)) + 0.5
+LOSSES = {
+    "sum": lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+    "none, then mean": lambda o, t: F.cross_entropy(o, t, reduction="none").mean(),
+    "class weights": lambda o, t: F.cross_entropy(o, t, weight=_W),
+    "log_softmax, nll_loss": lambda o, t: F.nll_loss(F.log_softmax(o, -1), t),
+    "label smoothing": lambda o, t: F.cross_entropy(o, t, label_smoothing=0.1),  # reads the log-probabilities twice
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_cross_entropy_forms_match_eager(name):
+    loss_fn = LOSSES[name]
+    torch.manual_seed(0)
+    model = Head()
+    x, t = _data()
+    ours, ref = copy.deepcopy(model), copy.deepcopy(model)
+    step = remat.compile(ours, (x, t), loss_fn, optimizer=None)
+    ops = {i.op.name for i in step.program.entry.instrs}
+    assert ("cross_entropy" in ops) == (name != "label smoothing"), ops
+    loss = step(x, t)
+    want = loss_fn(ref(x), t)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
+    for (n, p), q in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=n)
