@@ -882,7 +882,6 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     return _fresh(dx, x.dtype), _fresh(dw, x.dtype)
 
 
-
 @k("cross_entropy")
 def cross_entropy(z, target, *, reduction="mean", ignore_index=-100):
     check_targets("cross_entropy", target, z.shape[1], ignore_index)
@@ -895,6 +894,7 @@ def cross_entropy_grad(g, z, lse, target, *, reduction="mean", ignore_index=-100
     check_targets("cross_entropy_grad", target, z.shape[1], ignore_index)
     return _fresh(_ce.logits_backward(_up(g), _up(z), _up(lse), target, reduction=reduction,
                                       ignore_index=ignore_index), z.dtype)
+
 
 # ---------------------------------------------------------------- convolution -> batch norm -> ReLU -> max pool (batch-tiled)
 from ..ir.ops import convblock as _cb  # noqa: E402

@@ -1143,18 +1143,19 @@ def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
     keep, t = _ce_rows(target, ignore_index)
     scale = _ce_scale(g, keep, reduction, dt)
     lse = lse.to(dt)
+    lowp = dt != z.dtype  # computed in f32 a chunk at a time, then rounded into ``out``
     rows = _ce_chunk(c)
     idx = torch.arange(min(rows, n), device=z.device)
     for a in range(0, n, rows):
         m = min(rows, n - a)
-        if dt == z.dtype:
-            p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
-        else:
+        if lowp:
             p = z[a:a + m].to(dt) - lse[a:a + m, None]
+        else:
+            p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
         p.exp_()
         p[idx[:m], t[a:a + m]] -= 1
         p.mul_(scale[a:a + m, None])
-        if p.data_ptr() != out[a:a + m].data_ptr():
+        if lowp:
             out[a:a + m].copy_(p)
     return out
 

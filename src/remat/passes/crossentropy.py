@@ -60,6 +60,12 @@ def _def(v: Value, op: str) -> Instruction | None:
     return ins if ins is not None and ins.op.name == op else None
 
 
+def _log_softmax_feeding(nll: Instruction, uses: dict[Value, int]) -> Instruction | None:
+    """The ``log_softmax(z, axis=1)`` whose result ``nll`` reads and nothing else does, or None."""
+    ls = _def(nll.operands[0], "log_softmax")
+    return ls if ls is not None and uses.get(ls.results[0], 0) == 1 and ls.attrs["axis"] == 1 else None
+
+
 def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list[Instruction]] | None:
     """(x, w, replaced instructions) of a head feeding ``nll`` (an ``nll_loss`` or a ``cross_entropy``), or None."""
     if nll.op.name == "cross_entropy":
@@ -67,9 +73,8 @@ def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list
             return None  # the logsumexp is read
         chain, z = [nll], nll.operands[0]
     else:
-        logp = nll.operands[0]
-        ls = _def(logp, "log_softmax")
-        if ls is None or uses.get(logp, 0) != 1 or ls.attrs["axis"] != 1:
+        ls = _log_softmax_feeding(nll, uses)
+        if ls is None:
             return None
         chain, z = [nll, ls], ls.operands[0]
     n, v = z.type.shape
@@ -112,12 +117,8 @@ def fuse_log_softmax_nll(f: Function) -> tuple[Function, int]:
     """A copy of ``f`` with each ``nll_loss(log_softmax(z, axis=1), t)`` whose log-probabilities have no
     other user replaced by ``cross_entropy(z, t)``, and how many were."""
     def match(ins: Instruction, uses: dict[Value, int]):
-        if ins.op.name != "nll_loss":
-            return None
-        ls = _def(ins.operands[0], "log_softmax")
-        if ls is None or uses.get(ls.results[0], 0) != 1 or ls.attrs["axis"] != 1:
-            return None
-        return [ls], ls
+        ls = _log_softmax_feeding(ins, uses) if ins.op.name == "nll_loss" else None
+        return None if ls is None else ([ls], ls)
 
     def emit(b: Builder, ins: Instruction, ls: Instruction) -> tuple[Value, None]:
         b.loc = ins.loc

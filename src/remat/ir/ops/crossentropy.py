@@ -270,12 +270,18 @@ from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves  # noqa: E402
 
 
-@def_vjp("linear_cross_entropy", saves=Saves(operands=(0, 1, 2), results=(1,)))
-def _linear_cross_entropy_vjp(b, p, g):
+def _loss_gradient(op: str, g):
+    """The loss's output gradient of an op returning (loss, logsumexp); the logsumexp has none."""
     g_loss, g_lse = g
     if g_lse is not None:
-        raise NotImplementedError("the logsumexp result of 'linear_cross_entropy' is not differentiable; "
+        raise NotImplementedError(f"the logsumexp result of '{op}' is not differentiable; "
                                   "use only its first result (the loss)")
+    return g_loss
+
+
+@def_vjp("linear_cross_entropy", saves=Saves(operands=(0, 1, 2), results=(1,)))
+def _linear_cross_entropy_vjp(b, p, g):
+    g_loss = _loss_gradient("linear_cross_entropy", g)
     if g_loss is None:
         return [None, None, None]
     x, w, target = p.x
@@ -291,10 +297,7 @@ def _linear_cross_entropy_grad_vjp(b, p, g):
 
 @def_vjp("cross_entropy", saves=Saves(operands=(0, 1), results=(1,)))
 def _cross_entropy_vjp(b, p, g):
-    g_loss, g_lse = g
-    if g_lse is not None:
-        raise NotImplementedError("the logsumexp result of 'cross_entropy' is not differentiable; "
-                                  "use only its first result (the loss)")
+    g_loss = _loss_gradient("cross_entropy", g)
     if g_loss is None:
         return [None, None]
     z, target = p.x
