@@ -203,6 +203,52 @@ def linear(x, w, b):
     return _fresh(F.linear(x, w, b))
 
 
+# ---------------------------------------------------------------- oneDNN matrix products (f32, large)
+# PyTorch ships two CPU GEMMs: ATen's f32 mm/addmm call MKL's sgemm, and its bundled oneDNN runs
+# the bf16 products and Inductor's CPU linear (``mkldnn::_linear_pointwise``). On this project's
+# CPUs oneDNN is 5-15% faster for X·Wᵀ (+ bias) and G·W from 2^25 multiply-adds up (and slower
+# below, where its per-call set-up dominates); with a transposed left operand (a weight gradient
+# Gᵀ·X) it copies that operand and loses, so those stay with MKL. ``bench/gemm.py`` measures both
+# over the zoo's and Hugging Face models' shapes. The choice is the instruction's (its shapes), made
+# once when the program is planned, so every budget's plan runs the same kernel on the same shapes and
+# gradients stay bit-identical across budgets; results differ from MKL's in the last bits (a different
+# summation order). REMAT_ONEDNN_GEMM=0 turns it off.
+ONEDNN_MIN_MACS = 2**25
+_LINEAR_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def _onednn_gemm_on() -> bool:
+    import os
+
+    return (DEVICE.type == "cpu" and _LINEAR_POINTWISE is not None and torch.backends.mkldnn.is_available()
+            and os.environ.get("REMAT_ONEDNN_GEMM", "1") != "0")
+
+
+def onednn_gemm(ins) -> bool:
+    """Whether a ``linear`` or ``matmul`` instruction runs on oneDNN: f32 operands, a 2-D right
+    operand (the weight), no transposed left operand, at least :data:`ONEDNN_MIN_MACS` multiply-adds."""
+    if not all(v.type.dtype == DType.f32 for v in ins.operands) or not _onednn_gemm_on():
+        return False
+    a, w = ins.operands[0].type, ins.operands[1].type
+    if w.rank != 2 or a.rank < 2 or ins.attrs.get("transpose_a", False):
+        return False
+    k = a.shape[-1]
+    n = w.shape[0] if ins.op.name == "linear" or ins.attrs.get("transpose_b", False) else w.shape[1]
+    return int(np.prod(a.shape[:-1], dtype=np.int64)) * k * n >= ONEDNN_MIN_MACS
+
+
+@kernel("linear", "torch", checker=onednn_gemm, priority=15)
+def linear_onednn(x, w, b):
+    """x·wᵀ + b in one oneDNN call (the bias a post-op, as addmm adds it)."""
+    return _fresh(_LINEAR_POINTWISE(x, w, b, "none", [], ""))
+
+
+@kernel("matmul", "torch", checker=onednn_gemm, priority=15)
+def matmul_onednn(a, b, transpose_a=False, transpose_b=False):
+    """a·b (or a·bᵀ) as oneDNN's linear of a with weight bᵀ (or b): a strided view, not a copy."""
+    return _fresh(_LINEAR_POINTWISE(a, b if transpose_b else b.mT, None, "none", [], ""))
+
+
 @k("softmax_grad")
 def softmax_grad(g, y, axis):
     return _fresh(torch.ops.aten._softmax_backward_data(g, y, axis, y.dtype))
