@@ -241,28 +241,33 @@ def _min_max(idx) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
-def check_indices(op: str, idx, n: int, what: str = "index", ignore_index: int | None = None) -> None:
+def check_indices(op: str, idx, n: int, what: str = "index", ignore_index: int | None = None) -> tuple[int, int] | None:
     """Raise IndexError naming ``op``, the first offending value and the valid range when an
     element of ``idx`` is outside [0, n) (and is not ``ignore_index``). Cheap when all are in range:
     one min/max reduction; only a failing check looks for the offending element. Works on NumPy
-    arrays and torch tensors alike; every dialect's index-carrying kernels call it before writing."""
+    arrays and torch tensors alike; every dialect's index-carrying kernels call it before writing.
+    Returns the smallest and largest index (None for no indices)."""
     size = idx.numel() if callable(getattr(idx, "numel", None)) else idx.size
     if size == 0:
-        return
+        return None
     lo, hi = _min_max(idx)
     if lo >= 0 and hi < n:
-        return
+        return lo, hi
     bad = idx[(idx < 0) | (idx >= n)] if ignore_index is None else idx[((idx < 0) | (idx >= n)) & (idx != ignore_index)]
     if len(bad.reshape(-1)):
         also = "" if ignore_index is None else f" or equal ignore_index ({ignore_index})"
         raise IndexError(f"'{op}': {what} {int(bad.reshape(-1)[0])} is out of range; valid: [0, {n}){also} "
                          f"(min {lo}, max {hi} over {size} values)")
+    return lo, hi
 
 
-def check_targets(op: str, target, num_classes: int, ignore_index: int) -> None:
+def check_targets(op: str, target, num_classes: int, ignore_index: int) -> bool:
     """Raise IndexError naming ``op`` when a class target (other than ``ignore_index``) is outside
-    [0, num_classes) (PyTorch's nll_loss/cross_entropy rule)."""
-    check_indices(op, target, num_classes, "target", ignore_index)
+    [0, num_classes) (PyTorch's nll_loss/cross_entropy rule). Returns whether every row counts
+    (no target equals ``ignore_index``), decided from the same min/max: kernels then skip the
+    row mask."""
+    span = check_indices(op, target, num_classes, "target", ignore_index)
+    return span is not None and 0 <= span[0] and span[1] < num_classes and not span[0] <= ignore_index <= span[1]
 
 
 def _nll_rows(target, ignore_index):

@@ -1092,7 +1092,12 @@ def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1)
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)
 # One chunk's logits at a time (``remat.ir.ops.crossentropy``): the temporaries are a chunk's logits
 # and their gradient, computed in place; dw accumulates chunk by chunk (addmm into the result).
-def _ce_rows(target, ignore_index):
+def _ce_rows(target, ignore_index, all_kept=False):
+    """(row mask, int64 targets with ignored rows at class 0); the mask is None when every row
+    counts (``all_kept``, from :func:`~remat.backends.numpy_kernels.check_targets`): the small
+    heads' common case, a few ATen calls fewer, the same values."""
+    if all_kept:
+        return None, target.to(torch.int64)
     keep = target != ignore_index
     return keep, torch.where(keep, target, torch.zeros((), dtype=target.dtype, device=target.device)).to(torch.int64)
 
@@ -1102,16 +1107,26 @@ def _ce_reduce(rows, keep, reduction):
     if reduction == "none":
         return rows
     total = rows.sum()
-    return total / keep.sum().to(rows.dtype) if reduction == "mean" else total
+    if reduction != "mean":
+        return total
+    return total / (rows.numel() if keep is None else keep.sum().to(rows.dtype))
 
 
-def _ce_scale(g, keep, reduction, dt):
-    """Each row's weight in the loss's gradient (``remat.ir.ops.crossentropy.row_scale``)."""
+def _ce_scale(g, keep, reduction, dt, n):
+    """Each of the ``n`` rows' weight in the loss's gradient (``remat.ir.ops.crossentropy.row_scale``);
+    with every row kept (``keep`` None) and a reduced loss, one 0-d weight for all."""
     g32 = g.to(dt)
+    if keep is None:
+        return g32 / n if reduction == "mean" else g32
     scale = g32 if reduction == "none" else g32.expand(keep.shape)
     if reduction == "mean":
         scale = scale / keep.sum().to(dt)
     return torch.where(keep, scale, torch.zeros((), dtype=dt, device=g.device))
+
+
+def _rows(scale, a, m):
+    """Rows a..a+m of a per-row weight as a column (a 0-d weight as it is)."""
+    return scale if scale.dim() == 0 else scale[a:a + m, None]
 
 
 @k("linear_cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
@@ -1139,7 +1154,7 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
     x32, w32, lse32 = x.to(dt), w.to(dt), lse.to(dt)
     keep, t = _ce_rows(target, ignore_index)
-    scale = _ce_scale(g, keep, reduction, dt)
+    scale = _ce_scale(g, keep, reduction, dt, x.shape[0])
     dx = torch.empty_like(x32)
     dw = torch.zeros_like(w32)
     for a in range(0, x.shape[0], chunk):
@@ -1168,26 +1183,30 @@ def _ce_chunk(c: int) -> int:
 @k("cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
 def cross_entropy(z, target, reduction="mean", ignore_index=-100):
     n, c = z.shape
-    npk.check_targets("cross_entropy", target, c, ignore_index)
+    all_kept = npk.check_targets("cross_entropy", target, c, ignore_index)
     dt = torch.float32 if z.dtype in _LOWP else z.dtype
-    keep, t = _ce_rows(target, ignore_index)
-    lse = torch.empty(n, dtype=dt, device=z.device)
+    keep, t = _ce_rows(target, ignore_index, all_kept)
     rows = _ce_chunk(c)
-    for a in range(0, n, rows):
-        torch.logsumexp(z[a:a + rows].to(dt), dim=1, out=lse[a:a + rows])
-    picked = z.gather(1, t[:, None])[:, 0].to(dt)
-    per = torch.where(keep, lse - picked, torch.zeros((), dtype=dt, device=z.device))
-    return _fresh(_ce_reduce(per, keep, reduction).to(z.dtype).contiguous()), _fresh(lse.to(z.dtype))
+    if n <= rows and dt == z.dtype:  # one chunk, no conversion: no separate buffer to fill
+        lse = torch.logsumexp(z, dim=1)
+    else:
+        lse = torch.empty(n, dtype=dt, device=z.device)
+        for a in range(0, n, rows):
+            torch.logsumexp(z[a:a + rows].to(dt), dim=1, out=lse[a:a + rows])
+    per = lse - z.gather(1, t[:, None])[:, 0].to(dt)
+    if keep is not None:
+        per = torch.where(keep, per, torch.zeros((), dtype=dt, device=z.device))
+    return _fresh(_ce_reduce(per, keep, reduction).to(z.dtype)), _fresh(lse.to(z.dtype))
 
 
 def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
     """softmax(z) - onehot(target), times each row's weight, written into ``out`` (which may be ``z``:
     each chunk of z is read before that chunk of ``out`` is written)."""
     n, c = z.shape
-    npk.check_targets("cross_entropy_grad", target, c, ignore_index)
+    all_kept = npk.check_targets("cross_entropy_grad", target, c, ignore_index)
     dt = torch.float32 if z.dtype in _LOWP else z.dtype
-    keep, t = _ce_rows(target, ignore_index)
-    scale = _ce_scale(g, keep, reduction, dt)
+    keep, t = _ce_rows(target, ignore_index, all_kept)
+    scale = _ce_scale(g, keep, reduction, dt, n)
     lse = lse.to(dt)
     lowp = dt != z.dtype  # computed in f32 a chunk at a time, then rounded into ``out``
     rows = _ce_chunk(c)
@@ -1200,7 +1219,7 @@ def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
             p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
         p.exp_()
         p[idx[:m], t[a:a + m]] -= 1
-        p.mul_(scale[a:a + m, None])
+        p.mul_(_rows(scale, a, m))
         if lowp:
             out[a:a + m].copy_(p)
     return out
