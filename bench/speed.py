@@ -420,12 +420,13 @@ def _one_step(m: _Method, faults: list | None = None) -> tuple[float, torch.Tens
     return dt, loss
 
 
-# Matrix products, convolutions and fused attention: the kernels whose work every method does with the
-# same library (MKL/oneDNN through ATen), so a compiler can reorder, fuse or drop everything else but
-# not these. Self times, so nothing is counted twice.
+# Matrix products, convolutions and fused attention: the kernels whose work every method must do, so a
+# compiler can reorder, fuse or drop everything else but only speed these up by choosing faster
+# kernels (remat runs its large f32 products on oneDNN's ``mkldnn::_linear_pointwise``, eager on
+# MKL's mm/addmm). Self times, so nothing is counted twice.
 KERNEL_OPS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mkldnn_convolution",
-    "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise",
+    "aten::mkldnn_convolution", "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward"})
 
 
