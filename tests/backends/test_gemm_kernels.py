@@ -76,13 +76,29 @@ def test_other_products_stay_with_aten(case):
     assert backends.kernel_for(ins, "torch").fn.__name__ == op
 
 
-def test_the_environment_switch_turns_it_off(monkeypatch):
+def test_the_switch_turns_it_off(monkeypatch):
+    # REMAT_ONEDNN_GEMM=0 in the environment sets tk.ONEDNN_GEMM to False when the kernels are imported
     args, attrs = _args(np.random.default_rng(2), "linear", 512, 256, 512)
     ins, _ = build("linear", args, attrs)
     assert tk.onednn_gemm(ins)
-    monkeypatch.setenv("REMAT_ONEDNN_GEMM", "0")
+    monkeypatch.setattr(tk, "ONEDNN_GEMM", False)
     assert not tk.onednn_gemm(ins)
     assert backends.kernel_for(ins, "torch").fn.__name__ == "linear"
+
+
+def test_workspaces_are_measured_per_implementation(monkeypatch):
+    from remat.runtime import allocator
+
+    args, attrs = _args(np.random.default_rng(3), "linear", 512, 256, 512)
+    ins, _ = build("linear", args, attrs)
+    ins.dialect = "torch"
+    allocator.clear_cache()
+    on = allocator._kernel_key(ins, None)
+    monkeypatch.setattr(tk, "ONEDNN_GEMM", False)
+    allocator.clear_cache()
+    off = allocator._kernel_key(ins, None)
+    allocator.clear_cache()
+    assert "linear_onednn" in on and "linear_onednn" not in off and on != off
 
 
 class _Wide(nn.Module):

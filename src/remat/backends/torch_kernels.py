@@ -8,6 +8,8 @@ bit-identical samples. Checkers refuse what torch cannot do here
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -212,16 +214,17 @@ def linear(x, w, b):
 # over the zoo's and Hugging Face models' shapes. The choice is the instruction's (its shapes), made
 # once when the program is planned, so every budget's plan runs the same kernel on the same shapes and
 # gradients stay bit-identical across budgets; results differ from MKL's in the last bits (a different
-# summation order). REMAT_ONEDNN_GEMM=0 turns it off.
+# summation order). REMAT_ONEDNN_GEMM=0 in the environment turns it off (read once, at import: programs
+# planned in one process agree; tests and benchmarks that flip :data:`ONEDNN_GEMM` call
+# ``remat.runtime.allocator.clear_cache()``, whose workspaces are per implementation).
 ONEDNN_MIN_MACS = 2**25
+ONEDNN_GEMM = os.environ.get("REMAT_ONEDNN_GEMM", "1") != "0"
 _LINEAR_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
 def _onednn_gemm_on() -> bool:
-    import os
-
-    return (DEVICE.type == "cpu" and _LINEAR_POINTWISE is not None and torch.backends.mkldnn.is_available()
-            and os.environ.get("REMAT_ONEDNN_GEMM", "1") != "0")
+    return (ONEDNN_GEMM and DEVICE.type == "cpu" and _LINEAR_POINTWISE is not None
+            and torch.backends.mkldnn.is_available())
 
 
 def onednn_gemm(ins) -> bool:

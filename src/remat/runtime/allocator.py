@@ -61,12 +61,16 @@ def peak_of_trace(events: list[tuple[int, int]]) -> tuple[int, int, int]:
 
 
 def _key(ins: Instruction, dialect: str) -> str:
-    """What decides a kernel's workspace: dialect, op, operand types, attributes, threads (a string:
-    the on-disk cache's key)."""
+    """What decides a kernel's workspace: dialect, implementation (a dialect may have several per op,
+    chosen by their checkers: the torch dialect's MKL and oneDNN products), op, operand types,
+    attributes, threads (a string: the on-disk cache's key)."""
     import torch
 
-    return repr((dialect, ins.op.name, tuple(str(v.type) for v in ins.operands),
-                 tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())), torch.get_num_threads()))
+    from .. import backends
+
+    return repr((dialect, backends.kernel_for(ins, dialect).fn.__name__, ins.op.name,
+                 tuple(str(v.type) for v in ins.operands), tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())),
+                 torch.get_num_threads()))
 
 
 def _zeros(t) -> Any:
@@ -102,9 +106,9 @@ _disk_loaded = False
 _dirty = False
 
 
-CACHE_VERSION = 2
-"""Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0), so that
-workspaces cached by an older remat are measured again."""
+CACHE_VERSION = 3
+"""Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0; 3: keys name
+the implementation), so that workspaces cached by an older remat are measured again."""
 
 
 def _kernels_digest() -> str:
@@ -166,9 +170,11 @@ def save_cache() -> None:
 
 
 def clear_cache(disk: bool = False) -> None:
-    """Forget measured workspaces (this process; with ``disk`` also the on-disk cache)."""
+    """Forget measured workspaces and the instructions' memoised kernel keys (this process; with
+    ``disk`` also the on-disk cache)."""
     global _disk_loaded, _dirty
     _CACHE.clear()
+    _KEYS.clear()
     _disk_loaded = _dirty = False
     if disk:
         try:
