@@ -12,7 +12,11 @@ per product the median milliseconds, oneDNN's ratio to MKL, the multiply-adds an
 everywhere it can run, and with the checker's choice, as ratios to MKL everywhere. Products with a
 transposed left operand (weight gradients) are listed with oneDNN run on the transposed view.
 
-Run:  PYTHONPATH=src .venv/bin/python bench/gemm.py [--models mlp,gpt] [--rounds 15]
+With ``--steps``, also the whole unconstrained training step, compiled twice in the same process
+(with the checker's choice, and with ``torch_kernels.ONEDNN_GEMM`` off: ATen's kernels everywhere) and timed
+over ``--rounds`` alternating rounds (``step_x_mkl``: the median of per-round ratios).
+
+Run:  PYTHONPATH=src .venv/bin/python bench/gemm.py [--models mlp,gpt] [--rounds 15] [--steps]
 Writes bench/results/gemm.json.
 """
 from __future__ import annotations
@@ -83,13 +87,44 @@ def bench_product(key, rounds: int) -> dict:
             "onednn_ms": round(med["onednn"] * 1e3, 4), "onednn_x_mkl": round(med["onednn"] / med["mkl"], 3)}
 
 
-def bench_model(name: str, rounds: int) -> dict:
+def _compile(spec, onednn: bool):
+    """A fresh copy of the model compiled unconstrained, with or without oneDNN's products; its step."""
     import remat
+    from remat.runtime import allocator
 
-    spec = model_specs(False)[name]
     model, xs, ts, loss_fn = spec.make()
     opt = spec.make_optimizer(model.parameters())
-    step = remat.compile(model, xs[0] if spec.hf else xs + ts, loss_fn, optimizer=opt)
+    inputs = xs[0] if spec.hf else xs + ts
+    saved = tk.ONEDNN_GEMM
+    tk.ONEDNN_GEMM = onednn
+    allocator.clear_cache()  # workspaces and kernel keys are per implementation
+    try:
+        step = remat.compile(model, inputs, loss_fn, optimizer=opt)
+    finally:
+        tk.ONEDNN_GEMM = saved
+        allocator.clear_cache()
+    return step, ((lambda: step(**inputs)) if spec.hf else (lambda: step(*inputs)))
+
+
+def bench_steps(spec, rounds: int) -> dict:
+    """The unconstrained step with the checker's choice against ATen's kernels everywhere."""
+    steps = {"chosen": _compile(spec, True)[1], "mkl": _compile(spec, False)[1]}
+    for f in list(steps.values()) * 2:
+        f()
+    times = {k: [] for k in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for k in names[r % 2:] + names[:r % 2]:
+            t = time.perf_counter()
+            steps[k]()
+            times[k].append(time.perf_counter() - t)
+    return {"step_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
+            "step_x_mkl": round(statistics.median(a / b for a, b in zip(times["chosen"], times["mkl"])), 3)}
+
+
+def bench_model(name: str, rounds: int, steps: bool = False) -> dict:
+    spec = model_specs(False)[name]
+    step, _ = _compile(spec, True)
     products = []
     step_ms = {"mkl": 0.0, "onednn": 0.0, "chosen": 0.0}
     for key, count in sorted(_gemms(step.program).items(), key=lambda kv: str(kv[0])):
@@ -100,23 +135,30 @@ def bench_model(name: str, rounds: int) -> dict:
         step_ms["onednn"] += count * (row["onednn_ms"] if not key[3] else row["mkl_ms"])  # oneDNN wherever it can
         step_ms["chosen"] += count * (row["onednn_ms"] if row["onednn_chosen"] else row["mkl_ms"])
     base = step_ms["mkl"] or 1.0
-    return {"model": name, "products": products, "step_gemm_ms": {k: round(v, 3) for k, v in step_ms.items()},
-            "step_gemm_x_mkl": {k: round(v / base, 3) for k, v in step_ms.items()}}
+    out = {"model": name, "products": products, "step_gemm_ms": {k: round(v, 3) for k, v in step_ms.items()},
+           "step_gemm_x_mkl": {k: round(v / base, 3) for k, v in step_ms.items()}}
+    if steps:
+        del step
+        out.update(bench_steps(spec, rounds))
+    return out
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODEL_NAMES))
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--steps", action="store_true", help="also time whole steps with and without oneDNN")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "gemm.json"))
     a = ap.parse_args(argv)
     rows = []
     for name in a.models.split(","):
-        row = bench_model(name, a.rounds)
+        row = bench_model(name, a.rounds, a.steps)
         rows.append(row)
         x = row["step_gemm_x_mkl"]
         print(f"{name:11} {len(row['products']):3d} products  step GEMM time x MKL: oneDNN wherever it can "
-              f"{x['onednn']:.3f}, as chosen {x['chosen']:.3f}  (MKL {row['step_gemm_ms']['mkl']:.2f} ms)", flush=True)
+              f"{x['onednn']:.3f}, as chosen {x['chosen']:.3f}  (MKL {row['step_gemm_ms']['mkl']:.2f} ms)"
+              + (f"; whole step x{row['step_x_mkl']:.3f} ({row['step_ms']['chosen']:.1f} against "
+                 f"{row['step_ms']['mkl']:.1f} ms)" if "step_x_mkl" in row else ""), flush=True)
         for p in row["products"]:
             print(f"    {p['op']:6} {str(p['a']):16} {str(p['b']):12} ta={int(p['transpose_a'])} tb={int(p['transpose_b'])}"
                   f" x{p['count']:<2d} 2^{p['macs'].bit_length() - 1:<2d} MKL {p['mkl_ms']:8.3f} ms  oneDNN "
