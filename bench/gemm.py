@@ -106,9 +106,16 @@ def _compile(spec, onednn: bool):
     return step, ((lambda: step(**inputs)) if spec.hf else (lambda: step(*inputs)))
 
 
+def onednn_kernels(step) -> int:
+    """How many of the step's VM instructions run a oneDNN product kernel (as the VM resolved them)."""
+    return sum(getattr(st.fn, "__name__", "").endswith("_onednn")
+               for plan in step._vm._plans.values() for block in plan.blocks for st in block.steps)
+
+
 def bench_steps(spec, rounds: int) -> dict:
     """The unconstrained step with the checker's choice against ATen's kernels everywhere."""
-    steps = {"chosen": _compile(spec, True)[1], "mkl": _compile(spec, False)[1]}
+    compiled = {"chosen": _compile(spec, True), "mkl": _compile(spec, False)}
+    steps = {k: f for k, (_, f) in compiled.items()}
     for f in list(steps.values()) * 2:
         f()
     times = {k: [] for k in steps}
@@ -118,7 +125,8 @@ def bench_steps(spec, rounds: int) -> dict:
             t = time.perf_counter()
             steps[k]()
             times[k].append(time.perf_counter() - t)
-    return {"step_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
+    return {"onednn_kernels": {k: onednn_kernels(st) for k, (st, _) in compiled.items()},
+            "step_ms": {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()},
             "step_x_mkl": round(statistics.median(a / b for a, b in zip(times["chosen"], times["mkl"])), 3)}
 
 
