@@ -22,8 +22,14 @@ def _head(transpose_b: bool = True, extra_use: bool = False, rows3d: bool = True
     z = b.op("matmul", x, w, transpose_b=transpose_b)
     if rows3d:
         z = b.op("reshape", z, shape=(6, 5))
-    logp = b.op("log_softmax", z, axis=1)
-    loss = b.op("nll_loss", logp, t, reduction="sum", ignore_index=3)
+    return _finish_with_loss(f, b, z, t, 1, "sum", extra_use)
+
+
+def _finish_with_loss(f: Function, b: Builder, z, t, axis: int, reduction: str, extra_use: bool) -> Function:
+    """``f`` returns nll_loss(log_softmax(z, axis), t) (ignore_index 3); ``extra_use`` adds a second
+    reader of the log-probabilities (which keeps them from being fused away)."""
+    logp = b.op("log_softmax", z, axis=axis)
+    loss = b.op("nll_loss", logp, t, reduction=reduction, ignore_index=3)
     if extra_use:
         loss = b.op("add", loss, b.op("reduce_sum", logp, axes=[0, 1]))
     f.result_types = [loss.type]
@@ -70,13 +76,7 @@ def _pair(axis: int = 1, extra_use: bool = False) -> Function:
     f = Function("f", [TensorType(F32, (6, 5)), TensorType(I64, (6,))])
     b = Builder(f.entry)
     z, t = f.params
-    logp = b.op("log_softmax", z, axis=axis)
-    loss = b.op("nll_loss", logp, t, reduction="mean", ignore_index=3)
-    if extra_use:
-        loss = b.op("add", loss, b.op("reduce_sum", logp, axes=[0, 1]))
-    f.result_types = [loss.type]
-    b.ret(loss)
-    return f
+    return _finish_with_loss(f, b, z, t, axis, "mean", extra_use)
 
 
 def test_log_softmax_and_nll_loss_become_one_cross_entropy():
