@@ -10,7 +10,9 @@ import remat
 from remat import zoo
 from remat.frontend.torch_import import import_module
 from remat.ir import Module, verify
-from remat.passes.layout import channels_last
+from dataclasses import replace
+
+from remat.passes.layout import channels_last, ohwi_params
 from remat.pipeline import run_pipeline
 from remat.runtime.vm import run
 
@@ -54,8 +56,11 @@ def test_the_nhwc_forward_computes_the_same_values(flatten, dialect):
     verify(out)
     f, g = imp.function, out[imp.function.name]
     args = imp.arguments(x)
+    ohwi = ohwi_params(g)
+    assert len(ohwi) == 2  # both convolutions' weights
     want, _ = run(f, *args, dialects=[dialect])
-    got, _ = run(g, *args, dialects=[dialect])
+    got, _ = run(g, *[np.ascontiguousarray(a.transpose(0, 2, 3, 1)) if i in ohwi else a for i, a in enumerate(args)],
+                 dialects=[dialect])
     for k, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=f"result {k}")
 
@@ -137,3 +142,100 @@ def test_layout_option():
     assert {i.attrs["layout"] for i in step.program.entry.instrs if "conv2d" in i.op.name} == {"NCHW"}
     with pytest.raises(ValueError, match="layout must be one of 'auto', 'NCHW', got 'NHWC'"):
         remat.compile(model, inputs, loss_fn, layout="NHWC")
+
+
+def test_weights_of_nhwc_convolutions_are_stored_ohwi():
+    """A parameter read only as the weight of NHWC convolutions is taken OHWI (its channels-last
+    bytes); ``weights=False`` keeps every weight OIHW."""
+    imp, net, _ = _imported()
+    g = channels_last(imp.module)[imp.function.name]
+    convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]
+    assert [c.attrs["weight_layout"] for c in convs] == ["OHWI", "OHWI"]
+    assert ohwi_params(g) == tuple(sorted(g.params.index(c.operands[1]) for c in convs))
+    assert convs[1].operands[1].type.shape == (6, 3, 3, 8)  # [O, kH, kW, I] of c2's [6, 8, 3, 3]
+    plain = channels_last(imp.module, weights=False)[imp.function.name]
+    assert ohwi_params(plain) == ()
+    assert {i.attrs["weight_layout"] for i in plain.entry.instrs if i.op.name == "conv2d"} == {"OIHW"}
+
+
+def test_param_tensors_store_ohwi_weights_channels_last():
+    """``ImportedModel.param_tensors`` hands an OHWI parameter over as the contiguous OHWI view of
+    the live weight, stored channels-last in place (same object, same values); ``copy=True`` copies
+    and leaves the model as it is."""
+    imp, net, x = _imported()
+    g = channels_last(imp.module)[imp.function.name]
+    imp2 = replace(imp, function=g, ohwi=ohwi_params(g))
+    i = next(k for k in imp2.ohwi if g.params[k].type.shape == (6, 3, 3, 8))  # c2's weight
+    w = net.c2.weight
+    before, ptr = w.detach().clone(), w.data_ptr()
+    copied = imp2.param_tensors(copy=True)[i]
+    assert w.is_contiguous() and copied.is_contiguous() and tuple(copied.shape) == (6, 3, 3, 8)
+    view = imp2.param_tensors()[i]
+    assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    assert view.is_contiguous() and view.data_ptr() == w.data_ptr()
+    assert torch.equal(w, before) and torch.equal(view, before.permute(0, 2, 3, 1))
+    assert w.data_ptr() == ptr  # reordered within its own storage
+    # A weight replaced by a contiguous tensor is stored channels-last again on the next call.
+    w.data = before.clone()
+    assert imp2.param_tensors()[i].data_ptr() == w.data_ptr() and w.is_contiguous(memory_format=torch.channels_last)
+    # A weight in neither layout is named.
+    w.data = before.clone().transpose(2, 3)
+    with pytest.raises(ValueError, match=r"weight of shape \(6, 8, 3, 3\) with strides .* neither contiguous nor"):
+        imp2.param_tensors()
+
+
+@pytest.mark.parametrize("name", ["resnet", "unet"])
+def test_ohwi_weights_give_the_same_training_as_oihw(name, monkeypatch):
+    """Training with OHWI weights (SGD with momentum, three steps, the optimizer stepped eagerly once
+    first, so its momentum buffers exist in OIHW) gives the gradients of OIHW weights bit for bit at
+    the first step, and the same parameters and momentum to the last bit of the fused SGD kernel
+    (which rounds its vectorised body and its tail differently, and the elements in its tail depend
+    on the layout); the model's weights, gradients and momentum come out channels-last."""
+    import remat.passes.layout as layout
+
+    runs = {}
+    for ohwi in (False, True):
+        torch.manual_seed(0)
+        model, inputs, loss_fn = zoo.make(name, "tiny")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loss_fn(model(*inputs[:-1]), inputs[-1]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with monkeypatch.context() as m:
+            if not ohwi:
+                m.setattr(layout, "_weights_ohwi", lambda f: None)
+            step = remat.compile(model, inputs, loss_fn, optimizer=opt, keep_grads=True)
+        assert bool(step.imported.ohwi) == ohwi
+        grads = []
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            step(*inputs)
+            grads.append([p.grad.clone() for p in model.parameters()])
+        rep = step.report()
+        assert rep.predicted_peak == rep.measured_peak
+        runs[ohwi] = (grads, model, opt)
+    (g0, m0, o0), (g1, m1, o1) = runs[False], runs[True]
+    assert all(torch.equal(a, b) for a, b in zip(g0[0], g1[0]))
+    cl = 0
+    for (n, p0), p1, a, b in zip(m0.named_parameters(), m1.parameters(), g0[-1], g1[-1]):
+        torch.testing.assert_close(p1, p0, rtol=1e-6, atol=1e-7, msg=n)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(o1.state[p1]["momentum_buffer"], o0.state[p0]["momentum_buffer"],
+                                   rtol=1e-5, atol=1e-6, msg=n)
+        if p1.dim() == 4 and not p1.is_contiguous():
+            cl += 1
+            assert p1.is_contiguous(memory_format=torch.channels_last)
+            assert p1.grad.is_contiguous(memory_format=torch.channels_last)
+            assert o1.state[p1]["momentum_buffer"].is_contiguous(memory_format=torch.channels_last)
+    assert cl > 0
+
+
+def test_weights_a_memory_lean_algorithm_may_take_stay_oihw():
+    """The zoo ResNet's stem (convolution -> batch norm -> ReLU -> max pool, which convblock may
+    tile) keeps its weight OIHW; the other NHWC convolutions' weights are OHWI."""
+    model, inputs, loss_fn = zoo.make("resnet", "tiny")
+    imp = import_module(model, tuple(inputs[:-1]), train=True, cache=False)
+    g = channels_last(imp.module)[imp.function.name]
+    convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]
+    assert convs[0].operands[0] is g.params[-1] and convs[0].attrs["weight_layout"] == "OIHW"
+    assert {c.attrs["weight_layout"] for c in convs[1:] if c.attrs["layout"] == "NHWC"} == {"OHWI"}

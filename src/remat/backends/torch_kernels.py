@@ -379,6 +379,13 @@ def _cl_weight(w: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return w.contiguous(memory_format=torch.channels_last) if channels_last else w
 
 
+def _weight_grad(gw: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """A weight gradient: with ``channels_last`` (an OHWI weight, ``weight_layout``) in channels-last
+    strides, as oneDNN computes it for NHWC activations (its OHWI view is then contiguous: no copy);
+    else OIHW and contiguous (a copy of a channels-last one)."""
+    return _act(gw, True) if channels_last else _fresh(gw)
+
+
 def _like(shape, t: torch.Tensor, channels_last: bool) -> torch.Tensor:
     """An uninitialised stand-in of ``shape`` (ATen reads only its shape and memory format)."""
     return torch.empty(tuple(shape), dtype=t.dtype, device=t.device,
@@ -388,7 +395,8 @@ def _like(shape, t: torch.Tensor, channels_last: bool) -> torch.Tensor:
 # ---------------------------------------------------------------- convolution and pooling
 @k("conv2d")
 @_nchw_kernel("conv2d")
-def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False):
+def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False,
+           weight_channels_last=False):
     if channels_last and not x.is_contiguous(memory_format=torch.channels_last):
         # An NCHW input (input_layout): with a channels-last weight ATen computes channels-last.
         w = w.contiguous(memory_format=torch.channels_last)
@@ -398,7 +406,7 @@ def conv2d(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, chann
 @k("conv2d_input_grad")
 @_nchw_kernel("conv2d_input_grad")
 def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
-                      channels_last=False):
+                      channels_last=False, weight_channels_last=False):
     """The transposed convolution of ``gy`` with ``w`` (ATen's ``conv_transpose2d``), its output
     padding chosen to give ``input_shape``. Bit-identical to ``convolution_backward``'s input
     gradient (``conv2d_grads``, which the siblings pass merges a pair into where the plan's peak
@@ -427,25 +435,26 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
 @k("conv2d_weight_grad")
 @_nchw_kernel("conv2d_weight_grad")
 def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
-                       channels_last=False):
+                       channels_last=False, weight_channels_last=False):
     # As for the input gradient: only the weight's shape and layout are read, and a contiguous stand-in
     # (not torch.nn.grad.conv2d_weight's stride-0 expanded one) is 5-15% faster; bit-identical results.
     like = _like(weight_shape, gy, channels_last)  # channels-last also for an NCHW input (input_layout)
     gw = torch.ops.aten.convolution_backward(gy, x, like, None, list(stride), list(padding), list(dilation), False,
                                              [0, 0], groups, [False, True, False])[1]
-    return _fresh(gw)  # a weight gradient in channels-last strides (NHWC activations) becomes OIHW here
+    return _weight_grad(gw, weight_channels_last)
 
 
 @k("conv2d_grads")
 @_nchw_kernel("conv2d_grads")
-def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False):
+def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False,
+                 weight_channels_last=False):
     # One call for both gradients: bit-identical to the two single-gradient calls above (same oneDNN
     # algorithms), and ~30% faster on small feature maps, where preparing gy once dominates.
     wc = _cl_weight(w, channels_last)
     gx, gw, _ = torch.ops.aten.convolution_backward(gy, x, wc, None, list(stride), list(padding), list(dilation),
                                                     False, [0, 0], groups, [True, True, False])
     del wc  # freed before a channels-last gw is copied to OIHW: two weight-sized buffers at once, not three
-    return _act(gx, channels_last), _fresh(gw)
+    return _act(gx, channels_last), _weight_grad(gw, weight_channels_last)
 
 
 @k("max_pool2d")

@@ -145,6 +145,26 @@ def supported_ops() -> tuple[str, ...]:
     return SUPPORTED
 
 
+def ohwi_view(t: torch.Tensor) -> torch.Tensor:
+    """The [O, kH, kW, I] view of the convolution weight ``t`` ([O, I, kH, kW]), contiguous: ``t``
+    is first stored in ``torch.channels_last`` memory format unless it already is, in place (same
+    object, values, shape and storage: its bytes are reordered within its own storage, so that
+    references to the tensor and its storage stay the model's; what ``model.to(memory_format=
+    torch.channels_last)`` does with a new storage). A function taking the weight OHWI
+    (``weight_layout``) reads and updates these bytes."""
+    if not t.is_contiguous(memory_format=torch.channels_last):
+        if not t.is_contiguous():
+            raise ValueError(f"a convolution weight of shape {tuple(t.shape)} with strides {t.stride()} is neither "
+                             "contiguous nor channels-last: remat stores it channels-last in place; give the model "
+                             "dense weights (e.g. .contiguous()) or compile with layout='NCHW'")
+        with torch.no_grad():
+            values = t.detach().clone()
+            strides = torch.empty_like(values, memory_format=torch.channels_last).stride()
+            t.set_(t.untyped_storage(), t.storage_offset(), t.shape, strides)
+            t.copy_(values)
+    return t.detach().permute(0, 2, 3, 1)
+
+
 @dataclass
 class ImportedModel:
     """A PyTorch model as a remat module. ``function`` takes
@@ -169,6 +189,7 @@ class ImportedModel:
     _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
     _state: list[tuple[str, str]] = field(default_factory=list, repr=False)  # (kind, export name) per tensor
     from_cache: bool = False  # rebuilt from the capture cache (no torch.export ran)
+    ohwi: tuple[int, ...] = ()  # parameters the function takes OHWI (remat.passes.layout.ohwi_params)
 
     @property
     def state_count(self) -> int:
@@ -179,10 +200,21 @@ class ImportedModel:
         """The entry function, so that ``remat.run(imported, *imported.arguments(...))`` works."""
         return self.function
 
-    def param_tensors(self) -> list[torch.Tensor]:
+    def param_tensors(self, copy: bool = False) -> list[torch.Tensor]:
         """The model's parameters, buffers and lifted constants, in function-parameter order
-        (the live tensors of the model, detached)."""
-        return [t.detach() for t in self._tensors]
+        (the live tensors of the model, detached; with ``copy``, copies of them). A weight the
+        function takes OHWI (``ohwi``) is the OHWI view of the live weight, which is stored
+        channels-last first if it is not (:func:`ohwi_view`; as ``model.to(memory_format=
+        torch.channels_last)`` does); with ``copy``, a contiguous OHWI copy (the model untouched)."""
+        if copy:
+            ts = [t.detach().clone() for t in self._tensors]
+            for i in self.ohwi:
+                ts[i] = self._tensors[i].detach().permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+            return ts
+        ts = [t.detach() for t in self._tensors]
+        for i in self.ohwi:
+            ts[i] = ohwi_view(self._tensors[i])
+        return ts
 
     def arguments(self, *inputs: torch.Tensor | np.ndarray, seed: int = 0) -> list[np.ndarray]:
         """All function arguments as NumPy arrays: the model's tensors, ``inputs``, and the seed if any."""

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.build import clone_into
+from ..ir.ops.nn import CONV_KEYS  # the attributes a convolution and its gradients share
 from .fuse import Judge, inplace_updates, keep_accepted, within_peak
-
-_CONV_KEYS = ("stride", "padding", "dilation", "groups", "layout")
 
 
 @dataclass(frozen=True)
@@ -55,14 +54,14 @@ def find_pairs(fn: Function) -> list[Pair]:
     waiting: dict[tuple, list[Instruction]] = {}  # input grads by (gy, attributes, input shape, weight)
     for ins in src:
         if ins.op.name == "conv2d_input_grad" and ins.recomputes is None:
-            key = (ins.operands[0], tuple(ins.attrs[k] for k in _CONV_KEYS), tuple(ins.attrs["input_shape"]))
+            key = (ins.operands[0], tuple(ins.attrs[k] for k in CONV_KEYS), tuple(ins.attrs["input_shape"]))
             waiting.setdefault(key, []).append(ins)
     pairs: list[Pair] = []
     for wg in src:
         if wg.op.name != "conv2d_weight_grad" or wg.recomputes is not None or wg.attrs["input_layout"]:
             continue  # (an input read in another layout than the gradients has no input gradient to pair)
         x, gy = wg.operands
-        cands = [ig for ig in waiting.get((gy, tuple(wg.attrs[k] for k in _CONV_KEYS), x.type.shape), ())
+        cands = [ig for ig in waiting.get((gy, tuple(wg.attrs[k] for k in CONV_KEYS), x.type.shape), ())
                  if ig.operands[1].type.shape == tuple(wg.attrs["weight_shape"])]
         for ig in sorted(cands, key=lambda c: abs(pos[c] - pos[wg])):
             first, second = (ig, wg) if pos[ig] < pos[wg] else (wg, ig)
@@ -75,7 +74,7 @@ def find_pairs(fn: Function) -> list[Pair]:
             else:
                 continue
             pairs.append(Pair(ig, wg, at))
-            waiting[(gy, tuple(wg.attrs[k] for k in _CONV_KEYS), x.type.shape)].remove(ig)
+            waiting[(gy, tuple(wg.attrs[k] for k in CONV_KEYS), x.type.shape)].remove(ig)
             break
     return pairs
 
@@ -121,7 +120,7 @@ def _rewrite(fn: Function, pairs: list[Pair]) -> tuple[Function, dict[int, tuple
             ig, wg = p.input_grad, p.weight_grad
             gy, w = ig.operands
             x = wg.operands[0]
-            m = b.create("conv2d_grads", [vmap[gy], vmap[x], vmap[w]], {k: ig.attrs[k] for k in _CONV_KEYS},
+            m = b.create("conv2d_grads", [vmap[gy], vmap[x], vmap[w]], {k: ig.attrs[k] for k in CONV_KEYS},
                          loc=ig.loc)
             vmap[ig.result], vmap[wg.result] = m.results
             later = [vmap[v] for v in deferred.get(id(p), ())]

@@ -44,6 +44,8 @@ def _match(conv: Instruction, uses: dict[Value, int]) -> Instruction | None:
         return None
     if conv.attrs.get("groups", 1) != 1 or conv.attrs.get("input_layout", "") not in ("", conv.attrs.get("layout", "NCHW")):
         return None
+    if conv.attrs.get("weight_layout", "OIHW") != "OIHW":  # the weight is sliced along its axis 1
+        return None
     rank = x.type.rank
     if cat.attrs["axis"] % rank != _channel_axis(conv):
         return None

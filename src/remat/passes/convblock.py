@@ -61,7 +61,8 @@ def _match(pool: Instruction, uses: dict[Value, int]) -> tuple[Instruction, Inst
             or uses.get(bn.results[0], 0) != 1 or not bn.attrs["training"] or not bn.attrs["affine"]):
         return None
     conv = getattr(bn.operands[0], "instr", None)
-    if conv is None or conv.op.name != "conv2d" or conv.attrs.get("groups", 1) != 1 or uses.get(conv.results[0], 0) != 1:
+    if (conv is None or conv.op.name != "conv2d" or conv.attrs.get("groups", 1) != 1 or uses.get(conv.results[0], 0) != 1
+            or conv.attrs.get("weight_layout", "OIHW") != "OIHW"):
         return None
     layout = conv.attrs.get("layout", "NCHW")
     if pool.attrs.get("layout", "NCHW") != layout or bn.attrs["axis"] != (1 if layout == "NCHW" else 3):

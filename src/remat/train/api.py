@@ -44,10 +44,13 @@ def apply_layout(imp, layout: str):
     nothing changes): every path that differentiates the step starts from it, so all plans share it."""
     if layout == "NCHW":
         return imp
-    from ..passes.layout import channels_last
+    from ..passes.layout import channels_last, ohwi_params
 
     module = channels_last(imp.module)
-    return imp if module is imp.module else replace(imp, module=module, function=module[imp.function.name])
+    if module is imp.module:
+        return imp
+    function = module[imp.function.name]
+    return replace(imp, module=module, function=function, ohwi=ohwi_params(function))
 """``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy, attention with
 dropout without its score matrix, convolutions over a concatenation without it, batch norm backwards without
 ATen's unused buffer) when
@@ -382,6 +385,8 @@ class TrainStep:
         self._example_types = [(tuple(t.shape), t.dtype) for t in self._example]
         named = dict(model.named_parameters())
         self._params = [named[n] for n in imp.param_names]
+        # The trainable weights the step takes OHWI (channels-last weights; remat.passes.layout).
+        self._ohwi = frozenset(i for i in imp.ohwi if i < len(self._params) and self._params[i] is imp._tensors[i])
         named_b = dict(model.named_buffers())
         self._buffers_out = [named_b[n.split(":", 1)[-1]] for n in imp.output_names[1:]] if len(imp.output_names) > 1 else []
         self.layout = Layout(len(imp.param_names), imp.state_count, imp.input_count, imp.has_seed,
@@ -392,7 +397,8 @@ class TrainStep:
             steps_taken(optimizer, self._params, self.updates)  # parameters stepped unequally: fail now
         if self.dp is not None and self.dp.shards_state:
             self._state = self._sharded_state()
-        self._state_types = [[self._ttype(t) for t in ts] for ts in self._state]
+        self._state_types = [[self._ttype(t.permute(0, 2, 3, 1) if i in self._ohwi else t) for t in ts]
+                             for i, ts in enumerate(self._state)]
 
     def _finish(self, joint: Function) -> Function:
         """A (rematerialised) joint -> the whole step program (updates placed after each gradient)."""
@@ -609,9 +615,7 @@ class TrainStep:
         return tensor_type_of(t.detach())
 
     def _joint_args(self, inputs: Sequence, copy: bool) -> list:
-        state = [t.detach() for t in self.imported.param_tensors()]
-        if copy:
-            state = [t.clone() for t in state]
+        state = self.imported.param_tensors(copy=copy)
         args = state + [t.detach() if hasattr(t, "detach") else t for t in inputs]
         if self.imported.has_seed:
             args.append(np.array(self._seed + self._step, dtype=np.int64))
@@ -620,8 +624,15 @@ class TrainStep:
     def _step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
         args = self._joint_args(inputs, copy)
         if self.updates:
-            for ts in self._state if state is None else state:
-                args += [t.detach().clone() if copy else t.detach() for t in ts]
+            ohwi = self._ohwi
+            if ohwi:
+                from ..frontend.torch_import import ohwi_view
+            for i, ts in enumerate(self._state if state is None else state):
+                if i in ohwi:  # the OHWI parameter's state: OHWI views too (ohwi_view)
+                    args += [t.detach().permute(0, 2, 3, 1).clone(memory_format=self.torch.contiguous_format) if copy
+                             else ohwi_view(t) for t in ts]
+                else:
+                    args += [t.detach().clone() if copy else t.detach() for t in ts]
             args.append(np.array(step, dtype=np.int64))
         return args
 
@@ -724,15 +735,17 @@ class TrainStep:
         torch = self.torch
         first = self.layout.first_grad
         taken = {t.untyped_storage().data_ptr() for t in [*args, *outs[:first]] if isinstance(t, torch.Tensor)}
-        for p, g in zip(self._params, outs[first:]):
+        ohwi = self._ohwi
+        for i, (p, g) in enumerate(zip(self._params, outs[first:])):
             if p.grad is not None:
-                p.grad.add_(g)
+                p.grad.add_(g.permute(0, 3, 1, 2) if i in ohwi else g)
                 continue
             g = g.to(p.dtype)
             st = g.untyped_storage()
             alone = (g.numel() > 0 and g.is_contiguous() and g.storage_offset() == 0
                      and st.nbytes() == g.numel() * g.element_size() and st.data_ptr() not in taken)
-            p.grad = g if alone else g.clone()
+            g = g if alone else g.clone()
+            p.grad = g.permute(0, 3, 1, 2) if i in ohwi else g  # an OHWI gradient: the weight's, channels-last
             taken.add(st.data_ptr())
 
     def _run_measuring_allocator(self, args: list, by_kind: bool = False) -> tuple:

@@ -247,6 +247,13 @@ TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 """``transpose`` perm from NHWC back to NCHW."""
 _LAYOUT = Attr("layout", "str", "NCHW")
+WEIGHT_LAYOUTS = ("OIHW", "OHWI")
+"""How a convolution stores its weight (and a weight gradient): ``OIHW`` (PyTorch's) or ``OHWI``
+(the weight's channels last: the shape is [O, kH, kW, I], the bytes of a PyTorch weight in
+``torch.channels_last`` memory format; ``remat.passes.layout`` chooses it for the weights of NHWC
+convolutions, so that oneDNN reads them without a copy)."""
+TO_OHWI, TO_OIHW = TO_NHWC, TO_NCHW  # the same moves of axis 1
+_WEIGHT_LAYOUT = Attr("weight_layout", "str", "OIHW")
 _INPUT_LAYOUT = Attr("input_layout", "str", "")
 """conv2d / conv2d_weight_grad: the layout of the input x when it differs from ``layout`` ("": the
 same). An NHWC convolution of a model's NCHW input reads it as it is (ATen converts it on the fly),
@@ -271,8 +278,17 @@ LAYOUT_OPERANDS: dict[str, tuple[tuple[int, ...], tuple[int, ...], str | None]] 
     "avg_pool2d_grad": ((0,), (0,), "input_shape"),
 }
 """What ``layout`` changes of each op that has it: (its activation operands, its activation results,
-its activation-shaped attribute). Weights and weight gradients stay OIHW. Read by the layout pass,
-the dialects' kernel wrappers and the decompositions."""
+its activation-shaped attribute). Weights and weight gradients are changed by ``weight_layout``
+(``WEIGHT_OPERANDS``). Read by the layout pass, the dialects' kernel wrappers and the decompositions."""
+
+WEIGHT_OPERANDS: dict[str, tuple[int | None, int | None, str | None]] = {
+    "conv2d": (1, None, None),
+    "conv2d_input_grad": (1, None, None),
+    "conv2d_weight_grad": (None, 0, "weight_shape"),
+    "conv2d_grads": (2, 1, None),
+}
+"""What ``weight_layout`` changes of each op that has it: (its weight operand, its weight-gradient
+result, its weight-shaped attribute)."""
 
 
 def nchw(name: str, t: TensorType, attrs) -> tuple[int, ...]:
@@ -300,17 +316,37 @@ def nhwc_sample(s: Sample, acts: tuple[int, ...], shape_attr: str | None = None)
     return Sample(args, attrs)
 
 
-def with_nhwc(samples, acts: tuple[int, ...], shape_attr: str | None = None):
-    """``samples`` (a sample function) plus the NHWC twin of its first sample."""
+def ohwi_sample(s: Sample, op: str) -> Sample:
+    """A sample of a convolution op as its twin with an OHWI weight (``weight_layout``)."""
+    w, _, shape_attr = WEIGHT_OPERANDS[op]
+    args = [np.ascontiguousarray(a.transpose(TO_OHWI)) if i == w else a for i, a in enumerate(s.args)]
+    attrs = {**s.attrs, "weight_layout": "OHWI"}
+    if shape_attr is not None:
+        attrs[shape_attr] = tuple(s.attrs[shape_attr][i] for i in TO_OHWI)
+    return Sample(args, attrs)
+
+
+def with_nhwc(samples, acts: tuple[int, ...], shape_attr: str | None = None, weights: str | None = None):
+    """``samples`` (a sample function) plus the NHWC twin of its first sample; with ``weights`` (a
+    convolution op's name) also the OHWI-weight twins of that NHWC twin and of the first sample."""
     def sample(r):
         ss = samples(r)
-        return ss + [nhwc_sample(ss[0], acts, shape_attr)]
+        twin = nhwc_sample(ss[0], acts, shape_attr)
+        return ss + [twin] + ([ohwi_sample(twin, weights), ohwi_sample(ss[0], weights)] if weights else [])
     return sample
 
 
 # ---------------------------------------------------------------- convolution (NCHW or NHWC, OIHW)
 _CONV_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("groups", "int", 1),
-               _LAYOUT)
+               _LAYOUT, _WEIGHT_LAYOUT)
+
+
+def oihw(name: str, w: TensorType, attrs) -> tuple[int, ...]:
+    """The [O, I, kH, kW] shape of the weight ``w`` stored in ``attrs['weight_layout']`` (checked)."""
+    wl = attrs.get("weight_layout", "OIHW")
+    if wl not in WEIGHT_LAYOUTS:
+        raise TypeError(f"'{name}': weight_layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {wl!r}")
+    return w.shape if wl == "OIHW" or w.rank != 4 else tuple(w.shape[i] for i in TO_OIHW)
 
 
 def _pair(name, attrs, key):
@@ -339,10 +375,12 @@ def _conv_check(x, w, attrs):
         raise TypeError(f"'conv2d' needs input [N,C,H,W] ({attrs.get('layout', 'NCHW')}) and weight "
                         f"[O,C/groups,kH,kW], got {x} and {w}")
     xs = nchw("conv2d", x, _x_attrs(attrs))
+    ws = oihw("conv2d", w, attrs)
     g = attrs["groups"]
-    if g < 1 or xs[1] % g or w.shape[0] % g or w.shape[1] * g != xs[1]:
-        raise TypeError(f"'conv2d': {xs[1]} input channels and weight {w} do not fit groups={g}")
-    return conv_out_hw("conv2d", xs[2:], w.shape[2:], attrs)
+    if g < 1 or xs[1] % g or ws[0] % g or ws[1] * g != xs[1]:
+        raise TypeError(f"'conv2d': {xs[1]} input channels and weight {w} ({attrs.get('weight_layout', 'OIHW')}) "
+                        f"do not fit groups={g}")
+    return conv_out_hw("conv2d", xs[2:], ws[2:], attrs)
 
 
 def _conv_infer(types, attrs):
@@ -352,7 +390,7 @@ def _conv_infer(types, attrs):
 
 
 def _conv_flops(ins, outs, attrs):
-    return 2.0 * outs[0].numel * _prod(ins[1].shape[1:])
+    return 2.0 * outs[0].numel * _prod(ins[1].shape[1:])  # O*I*kH*kW / O: the same in either weight layout
 
 
 declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozenset({"conv"}),
@@ -362,7 +400,7 @@ declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozense
                   Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
                   Sample([rand(r, 1, 2, 7, 7), rand(r, 3, 2, 3, 3)], {"dilation": (2, 2), "padding": (2, 1)}),
                   Sample([rand(r, 2, 3, 6, 5), rand(r, 4, 3, 3, 3)],
-                         {"padding": (1, 1), "layout": "NHWC", "input_layout": "NCHW"})], (0,))))
+                         {"padding": (1, 1), "layout": "NHWC", "input_layout": "NCHW"})], (0,), weights="conv2d")))
 
 
 def _conv_in_grad_infer(types, attrs):
@@ -395,7 +433,7 @@ declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _con
                                                                       "padding": (1, 1)}),
                   Sample([rand(r, 1, 2, 4, 4), rand(r, 2, 2, 3, 3)], {"input_shape": (1, 2, 8, 8), "stride": (2, 2),
                                                                       "padding": (2, 2), "dilation": (2, 2)})],
-                  (0,), "input_shape")))
+                  (0,), "input_shape", weights="conv2d_input_grad")))
 declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_w_grad_infer, frozenset({"conv"}),
               doc="gradient of conv2d wrt its weight, from (input, grad_output)",
               flops=lambda ins, outs, attrs: 2.0 * ins[1].numel * _prod(outs[0].shape[1:]),
@@ -405,7 +443,7 @@ declare(OpDef("conv2d_weight_grad", 2, (ints("weight_shape"),) + _CONV_ATTRS + (
                                                                       "groups": 2}),
                   Sample([rand(r, 2, 3, 6, 5), rand(r, 2, 6, 5, 4)], {"weight_shape": (4, 3, 3, 3), "padding": (1, 1),
                                                                       "layout": "NHWC", "input_layout": "NCHW"})],
-                  (0, 1))))
+                  (0, 1), weights="conv2d_weight_grad")))
 
 
 
@@ -426,7 +464,7 @@ declare(OpDef("conv2d_grads", 3, _CONV_ATTRS, _conv_grads_infer, frozenset({"con
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 4, 6, 6), rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 3, 4), rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)],
-                         {"stride": (2, 1), "groups": 2})], (0, 1))))
+                         {"stride": (2, 1), "groups": 2})], (0, 1), weights="conv2d_grads")))
 
 # ---------------------------------------------------------------- pooling (NCHW or NHWC)
 _POOL_ATTRS = (ints("kernel"), ints("stride", ()), ints("padding", (0, 0)), _LAYOUT)
@@ -561,7 +599,7 @@ from math import prod as _prod  # noqa: E402
 from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves, const as _const, def_vjp_variant, expand_to as _expand, scalar_like as _c, unbroadcast as _unb  # noqa: E402
 
-_CONV_KEYS = ("stride", "padding", "dilation", "groups", "layout")
+CONV_KEYS = ("stride", "padding", "dilation", "groups", "layout", "weight_layout")
 _POOL_KEYS = ("kernel", "stride", "padding", "layout")
 
 
@@ -733,7 +771,7 @@ def _linear_vjp(b, p, g):
 
 
 def _conv_attrs(p):
-    return {k: p.attrs[k] for k in _CONV_KEYS}
+    return {k: p.attrs[k] for k in CONV_KEYS}
 
 
 def _input_grad(b, g, w, x_type, a, input_layout: str):
