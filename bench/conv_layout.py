@@ -23,13 +23,18 @@ NCHW's. Per model it sums them over the step's convolutions.
 
 **Steps.** Whole training steps (SGD with momentum), alternating in one process: eager PyTorch in
 NCHW (the baseline of every ratio) and channels-last (``model.to(memory_format=channels_last)``),
-and remat with ``layout="NCHW"`` and the default ``layout="auto"``, unconstrained and at 50%
-(where feasible). Per method: median step time over ``--step-rounds`` rounds, its ratio to eager
-NCHW, and remat's predicted peaks.
+and remat with ``layout="NCHW"``, with the default ``layout="auto"``, and with ``"auto"`` but its
+weights kept OIHW (``remat.passes.layout.OHWI_WEIGHTS`` off while compiling: the layout of stops
+26-35, whose kernels copy each weight to channels-last and its gradient back), unconstrained and at
+50% (where feasible). Per method: median step time over ``--step-rounds`` rounds, its ratio to
+eager NCHW, remat's predicted peaks, and for ``auto`` the median per-round ratio to ``auto, OIHW
+weights``. Models: zoo ResNet and U-Net (size small), and with ``--hf`` Hugging Face ResNet and
+ConvNeXt (random weights, batch 8 of 64x64 images, steps only).
 
     PYTHONPATH=src .venv/bin/python bench/conv_layout.py [--rounds 15] [--step-rounds 21] [--threads 2]
+    PYTHONPATH=src .venv/bin/python bench/conv_layout.py --parts steps --hf   # whole steps only
 
-Writes ``bench/results/conv_layout.json``. Timings are noisy on a shared machine: compare the
+Writes ``bench/results/conv_layout.json`` (one part only: ``conv_layout_<part>.json``). Timings are noisy on a shared machine: compare the
 ratios, which come from alternating runs in one process.
 """
 from __future__ import annotations
@@ -127,15 +132,49 @@ def measure(conv: dict[str, Any], rounds: int) -> dict[str, Any]:
     return out
 
 
+HF_MODELS = ("hf-resnet", "hf-convnext")
+
+
+def make_model(name: str) -> tuple[torch.nn.Module, list, Callable]:
+    """(model, inputs, loss_fn) of zoo ``name`` at size small, or of a Hugging Face conv net
+    (``HF_MODELS``: random weights, batch 8 of 64x64 images, 10 classes; its logits to cross-entropy)."""
+    if name not in HF_MODELS:
+        return zoo.make(name, "small")
+    import transformers
+
+    if name == "hf-resnet":
+        cfg = transformers.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
+                                        num_labels=10)
+        net = transformers.ResNetForImageClassification(cfg)
+    else:
+        cfg = transformers.ConvNextConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], num_labels=10)
+        net = transformers.ConvNextForImageClassification(cfg)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(pixel_values=x).logits
+
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(8, 3, 64, 64, generator=g), torch.randint(0, 10, (8,), generator=g)]
+    return Logits(net).train(), inputs, torch.nn.functional.cross_entropy
+
+
 def step_methods(name: str, budget: str | None) -> dict[str, Callable[[], Any]]:
-    """One training step of zoo ``name`` (size small, SGD with momentum) per method, each on its own
-    model: eager NCHW and channels-last; remat with ``layout="NCHW"`` and ``"auto"`` (``budget``)."""
+    """One training step of ``name`` (:func:`make_model`, SGD with momentum) per method, each on its own
+    model: eager NCHW and channels-last; remat with ``layout="NCHW"``, ``"auto"`` and ``"auto"`` with
+    OIHW weights (``budget``)."""
+    from remat.passes import layout as layout_pass
+
     methods: dict[str, Callable[[], Any]] = {}
-    for how in ("eager", "eager channels_last", "remat NCHW", "remat auto"):
+    for how in ("eager", "eager channels_last", "remat NCHW", "remat auto", "remat auto, OIHW weights"):
         if budget is not None and how.startswith("eager"):
             continue
         torch.manual_seed(0)
-        model, inputs, loss_fn = zoo.make(name, "small")
+        model, inputs, loss_fn = make_model(name)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         if how.startswith("eager"):
             if how.endswith("channels_last"):
@@ -148,7 +187,13 @@ def step_methods(name: str, budget: str | None) -> dict[str, Callable[[], Any]]:
                 opt.step()
             methods[how] = eager
         else:
-            step = remat.compile(model, inputs, loss_fn, optimizer=opt, budget=budget, layout=how.split()[1])
+            keep = layout_pass.OHWI_WEIGHTS
+            layout_pass.OHWI_WEIGHTS = not how.endswith("OIHW weights")
+            try:
+                step = remat.compile(model, inputs, loss_fn, optimizer=opt, budget=budget,
+                                     layout=how.split()[1].rstrip(","))
+            finally:
+                layout_pass.OHWI_WEIGHTS = keep
             methods[how] = lambda step=step, inputs=inputs: step(*inputs)
             methods[how].step = step  # type: ignore[attr-defined]
     return methods
@@ -178,9 +223,12 @@ def measure_steps(name: str, rounds: int) -> dict[str, Any]:
         row: dict[str, Any] = {"step_s": statistics.median(times[k]), "x_eager": statistics.median(times[k]) / eager}
         step = getattr(f, "step", None)
         if step is not None:
-            row.update(channels_last=step.channels_last, predicted_peak=step.predicted_peak,
-                       unconstrained_peak=step.unconstrained_peak,
+            row.update(channels_last=step.channels_last, ohwi_weights=len(step.imported.ohwi),
+                       predicted_peak=step.predicted_peak, unconstrained_peak=step.unconstrained_peak,
                        recomputed_instructions=step.report().recomputed_instructions)
+        base = k.replace("remat auto", "remat auto, OIHW weights")
+        if k.startswith("remat auto") and base != k and base in times:  # same round, same process
+            row["x_oihw_weights"] = statistics.median(a / b for a, b in zip(times[k], times[base]))
         out[k] = row
     return out
 
@@ -191,11 +239,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--step-rounds", type=int, default=21, help="alternating rounds of whole steps (default: 21)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     ap.add_argument("--out", default=str(RESULTS), help="output folder (default: bench/results)")
+    ap.add_argument("--parts", default="kernels,steps", help="kernels, steps or both (default: both)")
+    ap.add_argument("--hf", action="store_true", help="also whole steps of Hugging Face ResNet and ConvNeXt")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     res: dict[str, Any] = {"models": {}}
-    for name in ("resnet", "unet"):
+    parts = set(args.parts.split(","))
+    for name in ("resnet", "unet") if "kernels" in parts else ():
         rows = [measure(c, args.rounds) for c in step_convolutions(name)]
         total: dict[str, Any] = {}
         for kind in ("fwd", "bwd"):
@@ -213,17 +264,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f" converted around NCHW x{total[f'{kind}_converted_vs_nchw']:.2f}; largest workspace NCHW "
                   f"{total[f'{kind}_nchw_max_workspace'] / 2**20:.2f} MiB, NHWC "
                   f"{total[f'{kind}_nhwc_max_workspace'] / 2**20:.2f} MiB", flush=True)
-    for name in ("resnet", "unet"):
+    names = ("resnet", "unet") + (HF_MODELS if args.hf else ())
+    for name in names if "steps" in parts else ():
         steps = measure_steps(name, args.step_rounds)
-        res["models"][f"zoo {name} small"]["steps"] = steps
-        print(f"zoo {name} small, whole steps (x eager NCHW): "
-              + ", ".join(f"{k} {v['x_eager']:.3f}" for k, v in steps.items()), flush=True)
-    res["config"] = {"rounds": args.rounds, "step_rounds": args.step_rounds, "threads": torch.get_num_threads(), "torch": torch.__version__,
+        key = name if name in HF_MODELS else f"zoo {name} small"
+        res["models"].setdefault(key, {})["steps"] = steps
+        print(f"{key}, whole steps (x eager NCHW): " + ", ".join(f"{k} {v['x_eager']:.3f}" for k, v in steps.items()),
+              flush=True)
+        print(f"  remat auto / auto with OIHW weights, same rounds: "
+              + ", ".join(f"{k} {v['x_oihw_weights']:.3f}" for k, v in steps.items() if "x_oihw_weights" in v), flush=True)
+    res["config"] = {"rounds": args.rounds, "step_rounds": args.step_rounds, "threads": torch.get_num_threads(),
+                     "torch": torch.__version__, "parts": sorted(parts), "hf": args.hf,
                      "wall_s": time.perf_counter() - t0}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "conv_layout.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    print(f"wrote {out / 'conv_layout.json'}")
+    path = out / ("conv_layout.json" if parts >= {"kernels", "steps"} else f"conv_layout_{'_'.join(sorted(parts))}.json")
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
     return res
 
 

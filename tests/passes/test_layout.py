@@ -12,6 +12,7 @@ from remat.frontend.torch_import import import_module
 from remat.ir import Module, verify
 from dataclasses import replace
 
+from remat.passes import layout as layout_pass
 from remat.passes.layout import channels_last, ohwi_params
 from remat.pipeline import run_pipeline
 from remat.runtime.vm import run
@@ -202,8 +203,10 @@ def test_ohwi_weights_give_the_same_training_as_oihw(name, monkeypatch):
         opt.step()
         opt.zero_grad(set_to_none=True)
         with monkeypatch.context() as m:
-            if not ohwi:
-                m.setattr(layout, "_weights_ohwi", lambda f: None)
+            m.setattr(layout, "OHWI_WEIGHTS", ohwi)
+            # Every convolution NHWC in both runs (OHWI weights also take deep layers NHWC): only the
+            # weights' layout differs.
+            m.setattr(layout, "_activation_bound", lambda ins: True)
             step = remat.compile(model, inputs, loss_fn, optimizer=opt, keep_grads=True)
         assert bool(step.imported.ohwi) == ohwi
         grads = []
@@ -239,3 +242,18 @@ def test_weights_a_memory_lean_algorithm_may_take_stay_oihw():
     convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]
     assert convs[0].operands[0] is g.params[-1] and convs[0].attrs["weight_layout"] == "OIHW"
     assert {c.attrs["weight_layout"] for c in convs[1:] if c.attrs["layout"] == "NHWC"} == {"OHWI"}
+
+
+def test_deep_convolutions_go_nhwc_with_ohwi_weights():
+    """A convolution whose weight outweighs its feature maps (the zoo ResNet's last stage) stays NCHW
+    with an OIHW weight, and goes NHWC when its weight is stored OHWI: no transposes are left."""
+    model, inputs, loss_fn = zoo.make("resnet", "tiny")
+    imp = import_module(model, tuple(inputs[:-1]), train=True, cache=False)
+    f = imp.function
+    deep = [not layout_pass._activation_bound(i) for i in f.entry.instrs if i.op.name == "conv2d"]
+    assert any(deep)
+    for weights, want in ((False, "NCHW"), (True, "NHWC")):
+        g = channels_last(imp.module, weights=weights)[f.name]
+        convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]  # in the captured order
+        assert {c.attrs["layout"] for c, d in zip(convs, deep) if d} == {want}
+        assert ("transpose" in _ops(g)) is (not weights)

@@ -8,10 +8,11 @@ chosen for the whole graph (the layout assignment of XLA and TVM, done by hand i
 ``model.to(memory_format=torch.channels_last)``):
 
 * every ``conv2d`` (and ``conv2d_input_grad``, a transposed convolution) of a rank-4 float input
-  whose weight is at most twice as large as its input or output becomes its ``layout="NHWC"`` form; its
-  input is transposed to NHWC where it is first needed so, but for the model's input, which the
-  convolution reads in NCHW (``input_layout``: no transposed copy kept for the backward). Deep layers,
-  where weights outweigh the feature maps, stay NCHW (no faster channels-last; larger workspaces);
+  whose weight is at most twice as large as its input or output, or whose weight is stored OHWI
+  (below), becomes its ``layout="NHWC"`` form; its input is transposed to NHWC where it is first
+  needed so, but for the model's input, which the convolution reads in NCHW (``input_layout``: no
+  transposed copy kept for the backward). Deep layers, where weights outweigh the feature maps, stay
+  NCHW when their weights stay OIHW (no faster channels-last; larger workspaces);
 * an NHWC value flows on through the ops that do not care or can be told: pooling (``layout``), batch
   norm (channel ``axis`` 3), element-wise ops (their broadcast operands reshaped: a [1, C, 1, 1]
   bias becomes [1, 1, 1, C], no copy), ``concat`` (axis remapped) and reductions whose result keeps NCHW's order (a global average pool to [N, C]);
@@ -34,8 +35,15 @@ a convolution -> batch norm -> ReLU -> max pool chain: ``remat.passes.concatconv
 """
 from __future__ import annotations
 
+import os
+
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC, TO_OHWI
+
+OHWI_WEIGHTS = os.environ.get("REMAT_OHWI_WEIGHTS", "1") != "0"
+"""Whether :func:`channels_last` stores the weights of NHWC convolutions OHWI by default
+(``REMAT_OHWI_WEIGHTS=0``: no, they stay OIHW, the layout of stops 26-35; ``bench/conv_layout.py``
+compares the two)."""
 
 _INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
 
@@ -45,19 +53,23 @@ _AXIS_OPS = ("concat",)  # not softmax: over a short last axis (a segmentation h
 _REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max")
 
 
-def _seed(ins: Instruction) -> bool:
+def _seed(ins: Instruction, ohwi: frozenset[Value] = frozenset()) -> bool:
     """A convolution the pass makes NHWC whatever its input's layout: NCHW, of a rank-4 float input,
-    activation-bound."""
+    activation-bound or with a weight it stores OHWI (``ohwi``: :func:`_ohwi_candidates`)."""
     return (ins.op.name in _SEEDS and ins.attrs.get("layout") == "NCHW" and ins.operands[0].type.rank == 4
-            and ins.operands[0].type.dtype.is_float and _activation_bound(ins))
+            and ins.operands[0].type.dtype.is_float
+            and (_activation_bound(ins) or (ins.op.name == "conv2d" and ins.operands[1] in ohwi)))
 
 
 def _activation_bound(ins: Instruction) -> bool:
     """A convolution whose weight has at most twice the elements of its input or output: channels-last
-    pays there (ResNet/U-Net's early and middle layers: 0.7-0.9x the time). Deep layers with small maps
-    and large weights stay NCHW: oneDNN is no faster channels-last there, and its channels-last
-    weight gradient holds three weight-sized buffers where NCHW holds one (zoo ResNet small's last
-    stage: 1.8 against 0.6 MiB, at the step's peak)."""
+    pays there (ResNet/U-Net's early and middle layers: 0.7-0.9x the time). A deep layer with small maps
+    and a large weight goes NHWC only when its weight is stored OHWI: with an OIHW weight oneDNN is
+    no faster channels-last there, and its channels-last weight gradient holds three weight-sized
+    buffers where NCHW holds one (zoo ResNet small's last stage: 1.8 against 0.6 MiB, at the step's
+    peak); with an OHWI weight neither copy is made, and the deep layers' transposes in and out of
+    NCHW go (zoo ResNet small: 0.94-1.00x the step's time, U-Net 0.97-0.98x, peaks 1.3% and 0.5%
+    lower; stop 36)."""
     act = max(ins.operands[0].type.numel, ins.results[0].type.numel)
     return 2 * act >= ins.operands[1].type.numel
 
@@ -69,8 +81,9 @@ def _only_unit_dims_move(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, f: Function):
+    def __init__(self, f: Function, ohwi: frozenset[Value] = frozenset()):
         self.f = f
+        self.ohwi = ohwi  # weights to be stored OHWI: their convolutions go NHWC even where deep
         self.nhwc: dict[Value, Value] = {}   # value -> the same data stored NHWC
         self.plain: dict[Value, Value] = {}  # value computed NHWC only -> its NCHW version (made on demand)
         self.computed_nhwc: set[Value] = set()
@@ -126,7 +139,7 @@ class _Rewriter:
             if not all(ops[a].type.rank == 4 for a in acts):
                 return None
             if name in _SEEDS:
-                if not _seed(ins):
+                if not _seed(ins, self.ohwi):
                     return None
             elif not any(has[a] for a in acts):
                 return None
@@ -193,57 +206,70 @@ def _algorithm_convs(f: Function, uses: dict[Value, int]) -> set[Instruction]:
     return out
 
 
-def _weights_ohwi(f: Function) -> None:
-    """Store OHWI every float rank-4 parameter of ``f`` whose only uses are as the weight of NHWC
-    ``conv2d`` s that no memory-lean algorithm may rewrite."""
+def _weight_readers(f: Function) -> dict[Value, list[Instruction]]:
+    """For each float rank-4 parameter of ``f`` that only ``conv2d`` s read, as their OIHW weight
+    and nothing else, those convolutions, but for the ones a memory-lean algorithm may rewrite."""
     uses = _uses(f)
-    readers: dict[Value, list[Instruction]] = {p: [] for p in f.params}
+    readers: dict[Value, list[Instruction]] = {p: [] for p in f.params if p.type.rank == 4 and p.type.dtype.is_float}
     for ins in f.instructions():
         for v in ins.operands:
             if v in readers:
                 readers[v].append(ins)
     skip = _algorithm_convs(f, uses)
-    for p, users in readers.items():
-        if (p.type.rank != 4 or not p.type.dtype.is_float or not users
-                or any(ins.op.name != "conv2d" or ins.attrs.get("layout") != "NHWC" or ins in skip
-                       or ins.attrs.get("weight_layout", "OIHW") != "OIHW"
-                       or ins.operands[0] is p or ins.operands[1] is not p for ins in users)):
-            continue
-        p.type = p.type.with_shape(tuple(p.type.shape[i] for i in TO_OHWI))
-        for ins in users:
-            ins.attrs = {**ins.attrs, "weight_layout": "OHWI"}
+    return {p: users for p, users in readers.items()
+            if users and all(ins.op.name == "conv2d" and ins not in skip and ins.operands[1] is p
+                             and ins.operands[0] is not p and ins.attrs.get("weight_layout", "OIHW") == "OIHW"
+                             for ins in users)}
+
+
+def _ohwi_candidates(f: Function) -> frozenset[Value]:
+    """The weights the pass will store OHWI, decided before the rewrite (their convolutions become
+    NHWC seeds)."""
+    return frozenset(_weight_readers(f))
+
+
+def _weights_ohwi(f: Function) -> None:
+    """Store OHWI every weight of :func:`_weight_readers` whose convolutions are all NHWC."""
+    for p, users in _weight_readers(f).items():
+        if all(ins.attrs.get("layout") == "NHWC" for ins in users):
+            p.type = p.type.with_shape(tuple(p.type.shape[i] for i in TO_OHWI))
+            for ins in users:
+                ins.attrs = {**ins.attrs, "weight_layout": "OHWI"}
 
 
 def ohwi_params(f: Function) -> tuple[int, ...]:
     """The indices of ``f``'s parameters stored OHWI: read only as convolution weights with
     ``weight_layout="OHWI"`` (the caller passes them as OHWI views of channels-last weights)."""
-    out = []
-    for i, p in enumerate(f.params):
-        users = [ins for ins in f.instructions() if p in ins.operands]
-        if users and all(ins.attrs.get("weight_layout") == "OHWI" and ins.operands[1] is p for ins in users):
-            out.append(i)
-    return tuple(out)
+    index = {p: i for i, p in enumerate(f.params)}
+    ohwi: dict[int, bool] = {}
+    for ins in f.instructions():
+        for k, v in enumerate(ins.operands):
+            i = index.get(v)
+            if i is not None:
+                ohwi[i] = ohwi.get(i, True) and k == 1 and ins.attrs.get("weight_layout") == "OHWI"
+    return tuple(sorted(i for i, yes in ohwi.items() if yes))
 
 
 def _eligible(f: Function) -> bool:
-    """A one-block function with a convolution the pass makes NHWC."""
+    """A one-block function with an activation-bound convolution (the pass makes it NHWC)."""
     return not f.is_declaration and len(f.blocks) == 1 and any(_seed(ins) for ins in f.blocks[0].instrs)
 
 
-def channels_last(module: Module, weights: bool = True) -> Module:
+def channels_last(module: Module, weights: bool | None = None) -> Module:
     """The ``channels-last`` pass: a copy of ``module`` whose functions with convolutions compute
     them, and what follows them, in NHWC (see the module's doc); ``module`` itself when none has one.
     Functions of several blocks are left as they are. ``weights``: also store the weights of NHWC
-    convolutions OHWI (see the module's doc)."""
+    convolutions OHWI (see the module's doc; None: :data:`OHWI_WEIGHTS`)."""
     if not any(_eligible(f) for f in module):
         return module
+    weights = OHWI_WEIGHTS if weights is None else weights
     out = module.clone()
     for f in out:
         if _eligible(f):
-            _Rewriter(f).run()
+            _Rewriter(f, _ohwi_candidates(f) if weights else frozenset()).run()
             if weights:
                 _weights_ohwi(f)
     return out
 
 
-__all__ = ["channels_last", "ohwi_params"]
+__all__ = ["OHWI_WEIGHTS", "channels_last", "ohwi_params"]
