@@ -8,11 +8,10 @@ chosen for the whole graph (the layout assignment of XLA and TVM, done by hand i
 ``model.to(memory_format=torch.channels_last)``):
 
 * every ``conv2d`` (and ``conv2d_input_grad``, a transposed convolution) of a rank-4 float input
-  whose weight is at most twice as large as its input or output, or whose weight is stored OHWI
-  (below), becomes its ``layout="NHWC"`` form; its input is transposed to NHWC where it is first
-  needed so, but for the model's input, which the convolution reads in NCHW (``input_layout``: no
-  transposed copy kept for the backward). Deep layers, where weights outweigh the feature maps, stay
-  NCHW when their weights stay OIHW (no faster channels-last; larger workspaces);
+  whose weight is at most twice as large as its input or output becomes its ``layout="NHWC"`` form; its
+  input is transposed to NHWC where it is first needed so, but for the model's input, which the
+  convolution reads in NCHW (``input_layout``: no transposed copy kept for the backward). Deep layers,
+  where weights outweigh the feature maps, stay NCHW (no faster channels-last; larger workspaces);
 * an NHWC value flows on through the ops that do not care or can be told: pooling (``layout``), batch
   norm (channel ``axis`` 3), element-wise ops (their broadcast operands reshaped: a [1, C, 1, 1]
   bias becomes [1, 1, 1, C], no copy), ``concat`` (axis remapped) and reductions whose result keeps NCHW's order (a global average pool to [N, C]);
@@ -53,23 +52,22 @@ _AXIS_OPS = ("concat",)  # not softmax: over a short last axis (a segmentation h
 _REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max")
 
 
-def _seed(ins: Instruction, ohwi: frozenset[Value] = frozenset()) -> bool:
+def _seed(ins: Instruction) -> bool:
     """A convolution the pass makes NHWC whatever its input's layout: NCHW, of a rank-4 float input,
-    activation-bound or with a weight it stores OHWI (``ohwi``: :func:`_ohwi_candidates`)."""
+    activation-bound."""
     return (ins.op.name in _SEEDS and ins.attrs.get("layout") == "NCHW" and ins.operands[0].type.rank == 4
-            and ins.operands[0].type.dtype.is_float
-            and (_activation_bound(ins) or (ins.op.name == "conv2d" and ins.operands[1] in ohwi)))
+            and ins.operands[0].type.dtype.is_float and _activation_bound(ins))
 
 
 def _activation_bound(ins: Instruction) -> bool:
     """A convolution whose weight has at most twice the elements of its input or output: channels-last
-    pays there (ResNet/U-Net's early and middle layers: 0.7-0.9x the time). A deep layer with small maps
-    and a large weight goes NHWC only when its weight is stored OHWI: with an OIHW weight oneDNN is
-    no faster channels-last there, and its channels-last weight gradient holds three weight-sized
-    buffers where NCHW holds one (zoo ResNet small's last stage: 1.8 against 0.6 MiB, at the step's
-    peak); with an OHWI weight neither copy is made, and the deep layers' transposes in and out of
-    NCHW go (zoo ResNet small: 0.94-1.00x the step's time, U-Net 0.97-0.98x, peaks 1.3% and 0.5%
-    lower; stop 36)."""
+    pays there (ResNet/U-Net's early and middle layers: 0.7-0.9x the time). Deep layers with small maps
+    and large weights stay NCHW: oneDNN is no faster channels-last there, and its channels-last
+    weight gradient holds three weight-sized buffers where NCHW holds one (zoo ResNet small's last
+    stage: 1.8 against 0.6 MiB, at the step's peak). Also with OHWI weights (stop 36): taking them
+    NHWC then dropped the stage's transposes (zoo ResNet small's step 0-4% faster, its unconstrained
+    peak 1.3% lower), but raised the minimum budgets by the same weight-gradient workspaces (zoo
+    ResNet small 8.02 -> 8.65 MiB, U-Net 8.53 -> 9.07 MiB)."""
     act = max(ins.operands[0].type.numel, ins.results[0].type.numel)
     return 2 * act >= ins.operands[1].type.numel
 
@@ -81,9 +79,8 @@ def _only_unit_dims_move(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
 
 
 class _Rewriter:
-    def __init__(self, f: Function, ohwi: frozenset[Value] = frozenset()):
+    def __init__(self, f: Function):
         self.f = f
-        self.ohwi = ohwi  # weights to be stored OHWI: their convolutions go NHWC even where deep
         self.nhwc: dict[Value, Value] = {}   # value -> the same data stored NHWC
         self.plain: dict[Value, Value] = {}  # value computed NHWC only -> its NCHW version (made on demand)
         self.computed_nhwc: set[Value] = set()
@@ -139,7 +136,7 @@ class _Rewriter:
             if not all(ops[a].type.rank == 4 for a in acts):
                 return None
             if name in _SEEDS:
-                if not _seed(ins, self.ohwi):
+                if not _seed(ins):
                     return None
             elif not any(has[a] for a in acts):
                 return None
@@ -222,12 +219,6 @@ def _weight_readers(f: Function) -> dict[Value, list[Instruction]]:
                              for ins in users)}
 
 
-def _ohwi_candidates(f: Function) -> frozenset[Value]:
-    """The weights the pass will store OHWI, decided before the rewrite (their convolutions become
-    NHWC seeds)."""
-    return frozenset(_weight_readers(f))
-
-
 def _weights_ohwi(f: Function) -> None:
     """Store OHWI every weight of :func:`_weight_readers` whose convolutions are all NHWC."""
     for p, users in _weight_readers(f).items():
@@ -251,7 +242,7 @@ def ohwi_params(f: Function) -> tuple[int, ...]:
 
 
 def _eligible(f: Function) -> bool:
-    """A one-block function with an activation-bound convolution (the pass makes it NHWC)."""
+    """A one-block function with a convolution the pass makes NHWC."""
     return not f.is_declaration and len(f.blocks) == 1 and any(_seed(ins) for ins in f.blocks[0].instrs)
 
 
@@ -266,7 +257,7 @@ def channels_last(module: Module, weights: bool | None = None) -> Module:
     out = module.clone()
     for f in out:
         if _eligible(f):
-            _Rewriter(f, _ohwi_candidates(f) if weights else frozenset()).run()
+            _Rewriter(f).run()
             if weights:
                 _weights_ohwi(f)
     return out
