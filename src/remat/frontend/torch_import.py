@@ -165,6 +165,11 @@ def ohwi_view(t: torch.Tensor) -> torch.Tensor:
     return t.detach().permute(0, 2, 3, 1)
 
 
+def ohwi_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous [O, kH, kW, I] copy of the convolution weight ``t``, which stays as it is."""
+    return t.detach().permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+
+
 @dataclass
 class ImportedModel:
     """A PyTorch model as a remat module. ``function`` takes
@@ -209,7 +214,7 @@ class ImportedModel:
         if copy:
             ts = [t.detach().clone() for t in self._tensors]
             for i in self.ohwi:
-                ts[i] = self._tensors[i].detach().permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+                ts[i] = ohwi_copy(self._tensors[i])
             return ts
         ts = [t.detach() for t in self._tensors]
         for i in self.ohwi:

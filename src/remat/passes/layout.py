@@ -38,6 +38,7 @@ import os
 
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC, TO_OHWI
+from ._rewrite import use_counts
 
 OHWI_WEIGHTS = os.environ.get("REMAT_OHWI_WEIGHTS", "1") != "0"
 """Whether :func:`channels_last` stores the weights of NHWC convolutions OHWI by default
@@ -182,14 +183,6 @@ class _Rewriter:
             i = self.b.index + 1
 
 
-def _uses(f: Function) -> dict[Value, int]:
-    uses: dict[Value, int] = {}
-    for ins in f.instructions():
-        for v in ins.operands:
-            uses[v] = uses.get(v, 0) + 1
-    return uses
-
-
 def _algorithm_convs(f: Function, uses: dict[Value, int]) -> set[Instruction]:
     """The convolutions a memory-lean algorithm may rewrite (their weights stay OIHW)."""
     from . import concatconv, convblock
@@ -206,7 +199,7 @@ def _algorithm_convs(f: Function, uses: dict[Value, int]) -> set[Instruction]:
 def _weight_readers(f: Function) -> dict[Value, list[Instruction]]:
     """For each float rank-4 parameter of ``f`` that only ``conv2d`` s read, as their OIHW weight
     and nothing else, those convolutions, but for the ones a memory-lean algorithm may rewrite."""
-    uses = _uses(f)
+    uses = use_counts(f)
     readers: dict[Value, list[Instruction]] = {p: [] for p in f.params if p.type.rank == 4 and p.type.dtype.is_float}
     for ins in f.instructions():
         for v in ins.operands:

@@ -626,11 +626,10 @@ class TrainStep:
         if self.updates:
             ohwi = self._ohwi
             if ohwi:
-                from ..frontend.torch_import import ohwi_view
+                from ..frontend.torch_import import ohwi_copy, ohwi_view
             for i, ts in enumerate(self._state if state is None else state):
                 if i in ohwi:  # the OHWI parameter's state: OHWI views too (ohwi_view)
-                    args += [t.detach().permute(0, 2, 3, 1).clone(memory_format=self.torch.contiguous_format) if copy
-                             else ohwi_view(t) for t in ts]
+                    args += [ohwi_copy(t) if copy else ohwi_view(t) for t in ts]
                 else:
                     args += [t.detach().clone() if copy else t.detach() for t in ts]
             args.append(np.array(step, dtype=np.int64))
