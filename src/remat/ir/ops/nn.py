@@ -336,7 +336,7 @@ def with_nhwc(samples, acts: tuple[int, ...], shape_attr: str | None = None, wei
     return sample
 
 
-# ---------------------------------------------------------------- convolution (NCHW or NHWC, OIHW)
+# ---------------------------------------------------------------- convolution (NCHW or NHWC; OIHW or OHWI)
 _CONV_ATTRS = (ints("stride", (1, 1)), ints("padding", (0, 0)), ints("dilation", (1, 1)), Attr("groups", "int", 1),
                _LAYOUT, _WEIGHT_LAYOUT)
 
@@ -394,7 +394,7 @@ def _conv_flops(ins, outs, attrs):
 
 
 declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozenset({"conv"}),
-              doc="2-d cross-correlation, NCHW (or NHWC: layout) input, OIHW weight", flops=_conv_flops,
+              doc="2-d cross-correlation, NCHW (or NHWC: layout) input, OIHW (or OHWI: weight_layout) weight", flops=_conv_flops,
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
                   Sample([rand(r, 1, 4, 7, 5), rand(r, 4, 2, 3, 2)], {"stride": (2, 1), "groups": 2}),
