@@ -116,6 +116,37 @@ def test_numpy_and_torch_agree(name, dt):
                                            err_msg=f"{name} sample {si} result {k} ({dt})")
 
 
+BOUND = sorted({(n, d) for n in SAMPLED for d, dl in backends.dialects().items() if dl.available
+                for impl in dl.kernels.get(n, ()) if hasattr(impl.fn, "bind")})
+
+
+def test_layout_kernels_offer_bind():
+    """The kernels the VM binds per instruction (``remat.backends.bound``) include the layout wrappers
+    of both dialects, so the test below covers them."""
+    for op in ("conv2d", "conv2d_grads", "max_pool2d", "batch_norm", "batch_norm_grad"):
+        assert (op, "numpy") in BOUND and (op, "torch") in BOUND, op
+
+
+@pytest.mark.parametrize("name,dialect", BOUND, ids=[f"{n}-{d}" for n, d in BOUND])
+def test_bound_kernel_is_the_kernel(name, dialect):
+    """``bound(impl, attrs)(*operands)`` gives bit for bit what ``impl.fn(*operands, **attrs)`` gives,
+    honouring the same contract, on every sample (every layout the samples hold)."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    for si, s in enumerate(OPS[name].sample(rng)):
+        args = cast_sample(s.args, DType.f32)
+        ins, attrs = build(name, args, s.attrs)
+        impl = next((i for i in backends.dialects()[dialect].kernels[name] if i.accepts(ins)), None)
+        if impl is None or not hasattr(impl.fn, "bind"):
+            continue
+        ops, outs = run_kernel(ins, attrs, args, dialect)
+        ops_b = [a.copy() for a in args] if dialect == "numpy" else [tk.to_torch(a.copy()) for a in args]
+        out_b = backends.bound(impl, dict(attrs))(*ops_b)
+        outs_b = out_b if isinstance(out_b, tuple) else (out_b,)
+        check_contract(ins, ops_b, outs_b, dialect)
+        for k, (a, b) in enumerate(zip(outs, outs_b)):
+            assert np.array_equal(as_f64(a), as_f64(b), equal_nan=True), f"{name} ({dialect}) sample {si} result {k}"
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # pow samples include negative bases (NaN)
 @pytest.mark.parametrize("name", [n for n in SAMPLED if not OPS[n].has("random") and n != "fold_seed"])
 @pytest.mark.parametrize("dt", [DType.bf16, DType.f16], ids=str)

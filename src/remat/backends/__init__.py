@@ -17,7 +17,10 @@ Kernel contract (checked by the VM and by ``tests/backends``): a kernel is calle
 ``fn(*operands, **attrs)`` on operands of its dialect's array type and returns the result (a
 tuple for multi-result ops) of exactly the IR result dtype and shape (rank 0 gives a 0-d array,
 never a scalar). Non-view ops return fresh contiguous buffers that own exactly their bytes;
-``reshape`` (the only view op) returns a view of its operand.
+``reshape`` (the only view op) returns a view of its operand. A kernel may also offer
+``fn.bind(**attrs)``: a function of the operands alone giving exactly ``fn(*operands, **attrs)``,
+with what depends only on the attributes decided once (:func:`bound`; the VM binds each
+instruction's kernel when it prepares a program).
 """
 from __future__ import annotations
 
@@ -116,6 +119,13 @@ def has_out_variant(op: str, dialect: str) -> bool:
     """Whether ``op`` has an out-variant in ``dialect`` (else :func:`inplace` copies the result in)."""
     _load()
     return (op, dialect) in _OUT
+
+
+def bound(impl: "KernelImpl", attrs: dict) -> Callable | None:
+    """``impl``'s kernel bound to one instruction's attributes (``fn.bind(**attrs)``), a function of
+    the operands alone; None for a kernel without ``bind`` (called as ``fn(*operands, **attrs)``)."""
+    bind = getattr(impl.fn, "bind", None)
+    return None if bind is None else bind(**attrs)
 
 
 def inplace(impl: "KernelImpl", k: int) -> Callable:

@@ -310,7 +310,7 @@ def _nchw_kernel(op: str):
 
 
 def _channels_at_1(n_acts: int):
-    return channels_at_1(np.moveaxis, _fresh, n_acts)
+    return channels_at_1(lambda a, perm: a.transpose(perm), _fresh, n_acts)
 
 
 # ---------------------------------------------------------------- convolution (NCHW, OIHW)

@@ -352,14 +352,14 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
 # ---------------------------------------------------------------- layouts (remat.backends._layout)
 # An NHWC operand is handed to ATen as an NCHW view with channels-last strides (no copy): ATen then
 # runs its channels-last kernels and returns channels-last results, whose NHWC view is contiguous
-# (``_act`` keeps them as they are; ``_fresh`` of the view then copies nothing). An NCHW input of a
+# (``_act`` keeps them as they are, so the view needs no ``fresh``). An NCHW input of a
 # channels-last convolution (``input_layout``) is read as it is.
 def _nchw_kernel(op: str):
-    return nchw_kernel(lambda a, perm: a.permute(perm), _fresh, op, pass_channels_last=True)
+    return nchw_kernel(lambda a, perm: a.permute(perm), None, op, pass_channels_last=True)
 
 
 def _channels_at_1(n_acts: int):
-    return channels_at_1(lambda a, src, dst: a.movedim(src, dst), _fresh, n_acts, pass_channels_last=True)
+    return channels_at_1(lambda a, perm: a.permute(perm), _fresh, n_acts, pass_channels_last=True)
 
 
 def _act(t: torch.Tensor, channels_last: bool) -> torch.Tensor:

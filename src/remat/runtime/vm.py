@@ -21,7 +21,8 @@ Contracts the VM enforces at run time:
   result written over a dying operand (``remat.ir.reuse``: the kernel runs in place), must share
   that operand's storage (``RuntimeError`` otherwise).
 
-Cost. A function is prepared once per VM: kernels resolved, values in numbered frame slots,
+Cost. A function is prepared once per VM: kernels resolved (and bound to their attributes where a
+kernel offers it, ``remat.backends.bound``), values in numbered frame slots,
 releases precomputed, and which operands need a dialect conversion decided from the producer of
 each slot (results are stored in their dialect's own array type, so a torch kernel reading a torch
 result calls it as is). ``run(..., record="full")`` (the default) also records a timeline entry
@@ -327,6 +328,10 @@ class VM:
                     if ins in reuse:
                         st.fn = backends.inplace(impl, reuse[ins])
                         st.alias = (reuse[ins],) + st.alias[1:]
+                    else:
+                        fn_ = backends.bound(impl, ins.attrs)  # attribute-only decisions taken once
+                        if fn_ is not None:
+                            st.fn, st.attrs = fn_, {}
                     st.conv = conv = _CONVERT[ins.dialect]
                     st.family = conv if _is_family(conv) else None
                     convs = tuple(None if st.family is not None and family.get(s) is conv else conv
