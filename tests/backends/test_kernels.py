@@ -3,6 +3,9 @@ gets its test for free) drives the numpy and torch kernels, which must agree, pr
 IR result type, and honour the buffer contract (fresh contiguous storage, or the aliased operand's)."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -125,6 +128,19 @@ def test_layout_kernels_offer_bind():
     of both dialects, so the test below covers them."""
     for op in ("conv2d", "conv2d_grads", "max_pool2d", "batch_norm", "batch_norm_grad"):
         assert (op, "numpy") in BOUND and (op, "torch") in BOUND, op
+
+
+def test_a_wrapper_copying_attributes_does_not_inherit_bind():
+    """``functools.wraps`` copies ``bind`` onto a wrapper; ``bound`` must not use it (it would skip the wrapper)."""
+    impl = next(i for i in backends.dialects()["torch"].kernels["conv2d"] if hasattr(i.fn, "bind"))
+
+    @functools.wraps(impl.fn)
+    def wrapper(*a, **kw):
+        return impl.fn(*a, **kw)
+
+    assert hasattr(wrapper, "bind")
+    assert backends.bound(dataclasses.replace(impl, fn=wrapper), {"layout": "NHWC"}) is None
+    assert backends.bound(impl, {"layout": "NHWC"}) is not None
 
 
 @pytest.mark.parametrize("name,dialect", BOUND, ids=[f"{n}-{d}" for n, d in BOUND])

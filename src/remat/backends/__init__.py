@@ -18,8 +18,8 @@ Kernel contract (checked by the VM and by ``tests/backends``): a kernel is calle
 tuple for multi-result ops) of exactly the IR result dtype and shape (rank 0 gives a 0-d array,
 never a scalar). Non-view ops return fresh contiguous buffers that own exactly their bytes;
 ``reshape`` (the only view op) returns a view of its operand. A kernel may also offer
-``fn.bind(**attrs)``: a function of the operands alone giving exactly ``fn(*operands, **attrs)``,
-with what depends only on the attributes decided once (:func:`bound`; the VM binds each
+``fn.bind(**attrs)`` (:func:`bindable`): a function of the operands alone giving exactly
+``fn(*operands, **attrs)``, with what depends only on the attributes decided once (:func:`bound`; the VM binds each
 instruction's kernel when it prepares a program).
 """
 from __future__ import annotations
@@ -121,11 +121,23 @@ def has_out_variant(op: str, dialect: str) -> bool:
     return (op, dialect) in _OUT
 
 
+def bindable(fn: Callable, bind: Callable[..., Callable]) -> Callable:
+    """Give the kernel ``fn`` its ``bind(**attrs)`` (see :func:`bound`); returns ``fn``. The binder
+    records whose it is, so a wrapper that copies ``fn``'s attributes (``functools.wraps``) does not
+    inherit a binder that would skip the wrapper."""
+    bind.kernel = fn  # type: ignore[attr-defined]
+    fn.bind = bind  # type: ignore[attr-defined]
+    return fn
+
+
 def bound(impl: "KernelImpl", attrs: dict) -> Callable | None:
-    """``impl``'s kernel bound to one instruction's attributes (``fn.bind(**attrs)``), a function of
-    the operands alone; None for a kernel without ``bind`` (called as ``fn(*operands, **attrs)``)."""
+    """``impl``'s kernel bound to one instruction's attributes (``fn.bind(**attrs)``, given by
+    :func:`bindable`), a function of the operands alone; None for a kernel without one (called as
+    ``fn(*operands, **attrs)``)."""
     bind = getattr(impl.fn, "bind", None)
-    return None if bind is None else bind(**attrs)
+    if bind is None or getattr(bind, "kernel", None) is not impl.fn:
+        return None
+    return bind(**attrs)
 
 
 def inplace(impl: "KernelImpl", k: int) -> Callable:

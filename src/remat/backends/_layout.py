@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from . import bindable
 from ..ir.ops.nn import LAYOUT_OPERANDS, TO_NCHW, TO_NHWC, TO_OHWI, TO_OIHW, WEIGHT_OPERANDS
 
 
@@ -59,8 +60,7 @@ def nchw_kernel(permute: Callable, fresh: Callable | None, op: str, pass_channel
         @functools.wraps(fn)
         def any_layout(*args, **attrs):
             return bind(**attrs)(*args)
-        any_layout.bind = bind  # type: ignore[attr-defined]
-        return any_layout
+        return bindable(any_layout, bind)
     return wrap
 
 
@@ -131,6 +131,5 @@ def channels_at_1(permute: Callable, fresh: Callable, n_acts: int, pass_channels
         @functools.wraps(fn)
         def any_axis(*args, **attrs):
             return bind(**attrs)(*args)
-        any_axis.bind = bind  # type: ignore[attr-defined]
-        return any_axis
+        return bindable(any_axis, bind)
     return wrap
