@@ -67,7 +67,7 @@ def nchw_kernel(permute: Callable, fresh: Callable | None, op: str, pass_channel
 def _bound(fn: Callable, kw: dict, perms: tuple, back: dict, permute: Callable, fresh: Callable | None) -> Callable:
     """``fn(*operands, **kw)`` with operand i permuted by ``perms``' (i, perm) pairs first, and
     result i permuted back by ``back[i]`` (then made ``fresh``)."""
-    single = back.get(0) if len(back) == 1 else None
+    single = back.get(0)  # a kernel returning one result: its permutation back, if any
 
     def run(*args):
         if perms:
@@ -120,12 +120,13 @@ def channels_at_1(permute: Callable, fresh: Callable, n_acts: int, pass_channels
                 for i in range(n_acts):
                     args[i] = permute(args[i], to1)
                 out = fn(*args, channels_last=cl, **kw) if pass_channels_last else fn(*args, **kw)
-                if type(out) is not tuple:
-                    if len(out.shape) != rank:
-                        return out
-                    return permute(out, back) if dense else fresh(permute(out, back))
-                return tuple((permute(r, back) if dense else fresh(permute(r, back))) if len(r.shape) == rank else r
-                             for r in out)
+
+                def moved_back(r):  # results of the operands' rank: channels back at ``axis``
+                    if len(r.shape) != rank:
+                        return r
+                    r = permute(r, back)
+                    return r if dense else fresh(r)
+                return tuple(map(moved_back, out)) if type(out) is tuple else moved_back(out)
             return run
 
         @functools.wraps(fn)
