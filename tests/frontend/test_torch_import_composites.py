@@ -1,5 +1,6 @@
 """Composite ops kept whole by the importer (issue 8): ``linear`` (and ``addmm`` with a transposed
-weight) becomes one ``linear``, cross-entropy becomes ``log_softmax`` + ``nll_loss`` with no one-hot,
+weight) becomes one ``linear``, cross-entropy (also over an image's pixels) becomes ``log_softmax`` +
+``nll_loss`` with no one-hot,
 and the training graph reads transposed operands through matmul flags, never a materialised copy.
 Each case is compared with PyTorch eager, loss and gradients."""
 from __future__ import annotations
@@ -150,6 +151,45 @@ def test_nll_loss_of_only_ignored_rows_is_nan_like_eager():
     assert torch.isnan(want)
     assert np.isnan(npk.nll_loss(logp, target))
     assert torch.isnan(tk.nll_loss(tk.to_torch(logp), tk.to_torch(target)))
+
+
+class PixelHead(nn.Module):
+    """A 1x1 convolution giving every pixel (or every position of a sequence) its class scores."""
+
+    def __init__(self, classes: int = 3, rank: int = 4):
+        super().__init__()
+        self.rank = rank
+        self.conv = nn.Conv2d(2, classes, 1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y if self.rank == 4 else y.flatten(2)  # [N, C, H*W]: F.cross_entropy over a sequence
+
+
+@pytest.mark.parametrize("rank", [4, 3])
+@pytest.mark.parametrize("kw", [{}, {"ignore_index": 1}, {"reduction": "sum"}, {"reduction": "none"},
+                                {"weight": torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)}],
+                         ids=["mean", "ignore", "sum", "none", "weight"])
+def test_cross_entropy_over_pixels_is_one_nll_loss_like_eager(rank, kw):
+    """F.cross_entropy on [N, C, H, W] (ATen's nll_loss2d; [N, C, L] reaches it reshaped) imports as
+    ``log_softmax`` + one ``nll_loss`` with targets [N, H, W], differentiated by ``nll_loss_grad``:
+    no one-hot, iota or select of the per-pixel log-probabilities, as PyTorch's own kernels."""
+    torch.manual_seed(0)
+    model = PixelHead(rank=rank).double()
+    x = torch.randn(2, 2, 4, 5, dtype=torch.float64)
+    t = torch.randint(0, 3, (2, 4, 5) if rank == 4 else (2, 20))
+    t.view(-1)[[3, 7]] = 1  # rows the "ignore" case leaves out
+
+    def loss_fn(out, t):
+        loss = F.cross_entropy(out, t, **kw)
+        return loss.sum() if kw.get("reduction") == "none" else loss
+
+    im = import_module(model, (x, t), loss_fn)
+    ops = _ops(run_pipeline(im.module, ["dce"]).module[im.function.name])
+    assert ops.count("nll_loss") == 1 and not {"iota", "eq"} & set(ops), ops
+    step = remat.compile(copy.deepcopy(model), (x, t), loss_fn)
+    assert not {"iota", "eq"} & set(_ops(step.program)) and "nll_loss_grad" in _ops(step.program)
+    _check_step(model, x, t, loss_fn, torch.float64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])

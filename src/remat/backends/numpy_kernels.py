@@ -277,10 +277,11 @@ def _nll_rows(target, ignore_index):
 
 @k("nll_loss")
 def nll_loss(logp, target, reduction="mean", ignore_index=-100):
-    n, c = logp.shape
-    check_targets("nll_loss", target, c, ignore_index)
+    # logp [N, C] or [N, C, d1, ...] with targets [N] or [N, d1, ...]: one class per row or position
+    check_targets("nll_loss", target, logp.shape[1], ignore_index)
     keep, t = _nll_rows(target, ignore_index)
-    per_row = np.where(keep, -_up(logp)[np.arange(n), t], 0)
+    picked = np.take_along_axis(_up(logp), np.expand_dims(t.astype(np.intp), 1), axis=1)[:, 0]
+    per_row = np.where(keep, -picked, 0)
     if reduction == "none":
         return _fresh(per_row, logp.dtype)
     total = np.sum(per_row)
@@ -294,13 +295,13 @@ def nll_loss(logp, target, reduction="mean", ignore_index=-100):
 def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     check_targets("nll_loss_grad", target, num_classes, ignore_index)
     keep, t = _nll_rows(target, ignore_index)
-    n = target.shape[0]
     g32 = _up(g)
     if reduction == "mean":
         with np.errstate(invalid="ignore", divide="ignore"):
             g32 = g32 / g32.dtype.type(np.count_nonzero(keep))
-    out = np.zeros((n, num_classes), dtype=g32.dtype)
-    out[np.arange(n)[keep], t[keep]] = -(g32[keep] if reduction == "none" else g32)
+    out = np.zeros(target.shape[:1] + (num_classes,) + target.shape[1:], dtype=g32.dtype)
+    at = np.nonzero(keep)  # the kept rows (and positions); the class index goes in at axis 1
+    out[(at[0], t[keep]) + at[1:]] = -(g32[keep] if reduction == "none" else g32)
     return _fresh(out, g.dtype)
 
 

@@ -332,10 +332,24 @@ def select_out(out, c, a, b):
     return torch.where(c, a, b, out=out)
 
 
+def _nll_4d(logp, t):
+    """Log-probabilities [N, C, d1, ...] and targets [N, d1, ...] as ATen's nll_loss2d takes them
+    ([N, C, H, W] and [N, H, W]; other ranks with their positions in one axis, as ATen's nll_loss_nd)."""
+    if logp.dim() == 4:
+        return logp, t
+    n, c = logp.shape[:2]
+    return logp.reshape(n, c, 1, -1), t.reshape(n, 1, -1)
+
+
 @k("nll_loss", checker=lambda ins: ins.operands[0].type.dtype.is_float)
 def nll_loss(logp, target, reduction="mean", ignore_index=-100):
     npk.check_targets("nll_loss", target, logp.shape[1], ignore_index)
-    out, _ = torch.ops.aten.nll_loss_forward(logp, target.to(torch.int64), None, _REDUCTION[reduction], ignore_index)
+    t = target.to(torch.int64)
+    if logp.dim() == 2:
+        out, _ = torch.ops.aten.nll_loss_forward(logp, t, None, _REDUCTION[reduction], ignore_index)
+    else:  # one class per position: ATen's nll_loss2d
+        out, _ = torch.ops.aten.nll_loss2d_forward(*_nll_4d(logp, t), None, _REDUCTION[reduction], ignore_index)
+        out = out.reshape(target.shape) if reduction == "none" else out
     return _fresh(out)
 
 
@@ -343,10 +357,16 @@ def nll_loss(logp, target, reduction="mean", ignore_index=-100):
 def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     npk.check_targets("nll_loss_grad", target, num_classes, ignore_index)
     t = target.to(torch.int64)
+    shape = t.shape[:1] + (num_classes,) + t.shape[1:]
     # ATen reads only the shape and dtype of the forward input: a broadcast scalar stands for it.
-    like = torch.empty((), dtype=g.dtype, device=g.device).expand(t.shape[0], num_classes)
+    like = torch.empty((), dtype=g.dtype, device=g.device).expand(shape)
     total = (t != ignore_index).sum().to(g.dtype) if reduction == "mean" else torch.ones((), dtype=g.dtype, device=g.device)
-    return _fresh(torch.ops.aten.nll_loss_backward(g, like, t, None, _REDUCTION[reduction], ignore_index, total))
+    if t.dim() == 1:
+        return _fresh(torch.ops.aten.nll_loss_backward(g, like, t, None, _REDUCTION[reduction], ignore_index, total))
+    like4, t4 = _nll_4d(like, t)
+    g4 = g.reshape(t4.shape) if reduction == "none" else g
+    gx = torch.ops.aten.nll_loss2d_backward(g4, like4, t4, None, _REDUCTION[reduction], ignore_index, total)
+    return _fresh(gx.reshape(shape))
 
 
 # ---------------------------------------------------------------- layouts (remat.backends._layout)

@@ -949,30 +949,33 @@ def _sdpa(L: Lowerer, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, *
 _NLL_REDUCTION = {0: "none", 1: "mean", 2: "sum"}  # ATen's Reduction enum
 
 
-@lower("nll_loss_forward.default", keep=True)
+@lower("nll_loss_forward.default", "nll_loss2d_forward.default", keep=True)
 def _nll_loss_forward(L: Lowerer, x, target, weight, reduction, ignore_index):
     """(loss, total weight): ``nll_loss`` on the log-probabilities, so cross-entropy stays
-    log_softmax + nll_loss (native kernels both ways) and no one-hot is ever built."""
+    log_softmax + nll_loss (native kernels both ways) and no one-hot is ever built. ``nll_loss2d``
+    (cross-entropy over an image's pixels, [N, C, H, W] and [N, H, W]) is the same op."""
     red = _NLL_REDUCTION[int(reduction)]
     ii = int(ignore_index)
     if x.type.rank == 1:  # a single sample [C] with a scalar target
         x, target = L.reshape(x, (1, x.type.shape[0])), L.reshape(target, (1,))
-    if x.type.rank != 2:
-        raise LoweringError(f"nll_loss of a rank-{x.type.rank} input {x.type} is not supported (only [N, C] or [C])")
+    if x.type.rank < 2:
+        raise LoweringError(f"nll_loss of a rank-{x.type.rank} input {x.type} is not supported "
+                            f"(only [C], [N, C] or [N, C, d1, ...])")
     dt = x.type.dtype
+    every = list(range(target.type.rank))  # the reductions run over every row (and position)
     if weight is None:
         out = L.op("nll_loss", x, target, reduction=red, ignore_index=ii)
         total = None
         if 1 in L.used_outputs():
             keep = L.op("ne", target, L.const(ii, target.type.dtype))
-            total = L.op("reduce_sum", L.op("cast", keep, dtype=dt), axes=[0])
+            total = L.op("reduce_sum", L.op("cast", keep, dtype=dt), axes=every)
     else:
         keep = L.op("ne", target, L.const(ii, target.type.dtype))  # class weights: weighted per-row losses, divided by the summed weight of the kept rows
         safe = L.op("select", keep, target, L.const(0, target.type.dtype))
         wt = L.op("select", keep, L.op("gather", weight, safe, axis=0), L.const(0, dt))
         per = L.op("mul", L.op("nll_loss", x, target, reduction="none", ignore_index=ii), wt)
-        total = L.op("reduce_sum", wt, axes=[0])
-        out = per if red == "none" else L.op("reduce_sum", per, axes=[0])
+        total = L.op("reduce_sum", wt, axes=every)
+        out = per if red == "none" else L.op("reduce_sum", per, axes=every)
         if red == "mean":
             out = L.op("div", out, total)
     return L.reshape(out, L.out_type(0).shape), total

@@ -61,13 +61,16 @@ def _def(v: Value, op: str) -> Instruction | None:
 
 
 def _log_softmax_feeding(nll: Instruction, uses: dict[Value, int]) -> Instruction | None:
-    """The ``log_softmax(z, axis=1)`` whose result ``nll`` reads and nothing else does, or None."""
+    """The ``log_softmax(z, axis=1)`` of logits [N, C] whose result ``nll`` reads and nothing else does, or None."""
     ls = _def(nll.operands[0], "log_softmax")
-    return ls if ls is not None and uses.get(ls.results[0], 0) == 1 and ls.attrs["axis"] == 1 else None
+    return (ls if ls is not None and uses.get(ls.results[0], 0) == 1 and ls.attrs["axis"] == 1
+            and ls.results[0].type.rank == 2 else None)  # cross_entropy takes rows [N, C]; not an image's pixels
 
 
 def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list[Instruction]] | None:
     """(x, w, replaced instructions) of a head feeding ``nll`` (an ``nll_loss`` or a ``cross_entropy``), or None."""
+    if nll.operands[0].type.rank != 2:
+        return None  # one class per position of an image ([N, C, H, W]), not a head's rows
     if nll.op.name == "cross_entropy":
         if uses.get(nll.results[1], 0):
             return None  # the logsumexp is read

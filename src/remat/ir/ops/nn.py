@@ -125,10 +125,11 @@ _REDUCTIONS = ("mean", "sum", "none")
 def _nll_check(name, logp_shape, target, attrs):
     if attrs["reduction"] not in _REDUCTIONS:
         raise TypeError(f"'{name}': reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {attrs['reduction']!r}")
-    if not target.dtype.is_int or target.rank != 1:
-        raise TypeError(f"'{name}' needs integer class targets [N] (i32 or i64), got {target}")
-    if len(logp_shape) != 2 or logp_shape[0] != target.shape[0]:
-        raise TypeError(f"'{name}': log-probabilities {list(logp_shape)} and targets {target} do not fit [N, C] and [N]")
+    if not target.dtype.is_int or target.rank < 1:
+        raise TypeError(f"'{name}' needs integer class targets [N] or [N, d1, ...] (i32 or i64), got {target}")
+    if len(logp_shape) < 2 or (logp_shape[0],) + tuple(logp_shape[2:]) != target.shape:
+        raise TypeError(f"'{name}': log-probabilities {list(logp_shape)} and targets {target} do not fit [N, C] and "
+                        f"[N] (or [N, C, d1, ...] and [N, d1, ...])")
 
 
 def _nll_infer(types, attrs):
@@ -138,23 +139,30 @@ def _nll_infer(types, attrs):
     return logp.with_shape(target.shape if attrs["reduction"] == "none" else ())
 
 
+def _with_class_axis(shape: tuple[int, ...], c: int) -> tuple[int, ...]:
+    """Targets' shape [N, d1, ...] -> the log-probabilities' [N, c, d1, ...]."""
+    return shape[:1] + (c,) + shape[1:]
+
+
 def _nll_grad_infer(types, attrs):
     g, target = types
     expect_float("nll_loss_grad", g)
-    n = target.shape[0] if target.rank == 1 else -1
-    _nll_check("nll_loss_grad", (n, attrs["num_classes"]), target, attrs)
+    if target.rank < 1:
+        raise TypeError(f"'nll_loss_grad' needs integer class targets [N] or [N, d1, ...] (i32 or i64), got {target}")
+    shape = _with_class_axis(target.shape, attrs["num_classes"])
+    _nll_check("nll_loss_grad", shape, target, attrs)
     want = target.shape if attrs["reduction"] == "none" else ()
     if g.shape != want:
         raise TypeError(f"'nll_loss_grad': output gradient {g} must have shape {list(want)} for reduction "
                         f"{attrs['reduction']!r}")
     if attrs["num_classes"] < 1:
         raise TypeError(f"'nll_loss_grad': num_classes must be >= 1, got {attrs['num_classes']}")
-    return g.with_shape((n, attrs["num_classes"]))
+    return g.with_shape(shape)
 
 
-def _targets(r, n, c, ignore):
-    t = r.integers(0, c, size=(n,))
-    t[1] = ignore  # one ignored row in every sample
+def _targets(r, n, c, ignore, *spatial):
+    t = r.integers(0, c, size=(n, *spatial))
+    t.flat[1] = ignore  # one ignored row (or position) in every sample
     return t
 
 
@@ -163,21 +171,29 @@ declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset(),
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: float(ins[1].numel),
               doc="-logp[n, target[n]] reduced over rows whose target is not ignore_index (mean: divided by "
-                  "their count); targets out of [0, C) are an error",
+                  "their count); targets out of [0, C) are an error. Log-probabilities [N, C, d1, ...] and targets "
+                  "[N, d1, ...]: one class per position (PyTorch's nll_loss2d), reduced over all of them",
               sample=lambda r: [Sample([rand(r, 4, 5, low=-3, high=0), _targets(r, 4, 5, -100)]),
                                 Sample([rand(r, 3, 6, low=-3, high=0), _targets(r, 3, 6, 2)],
                                        {"reduction": "sum", "ignore_index": 2}),
                                 Sample([rand(r, 5, 3, low=-3, high=0), _targets(r, 5, 3, -1)],
+                                       {"reduction": "none", "ignore_index": -1}),
+                                # an image's classes per pixel ([N, C, H, W], PyTorch's nll_loss2d)
+                                Sample([rand(r, 2, 3, 4, 5, low=-3, high=0), _targets(r, 2, 3, -100, 4, 5)]),
+                                Sample([rand(r, 2, 4, 3, low=-3, high=0), _targets(r, 2, 4, -1, 3)],
                                        {"reduction": "none", "ignore_index": -1})]))
 declare(OpDef("nll_loss_grad", 2, (Attr("num_classes", "int"),) + _NLL_ATTRS, _nll_grad_infer, frozenset(),
               index_bounds=lambda types, attrs: IndexBounds(1, attrs["num_classes"], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: float(outs[0].numel),
-              doc="gradient of nll_loss wrt the log-probabilities [N, num_classes], from (grad_output, target)",
+              doc="gradient of nll_loss wrt the log-probabilities [N, num_classes, d1, ...], from (grad_output, target)",
               sample=lambda r: [Sample([rand(r), _targets(r, 4, 5, -100)], {"num_classes": 5}),
                                 Sample([rand(r), _targets(r, 3, 6, 2)],
                                        {"num_classes": 6, "reduction": "sum", "ignore_index": 2}),
                                 Sample([rand(r, 5), _targets(r, 5, 3, -1)],
-                                       {"num_classes": 3, "reduction": "none", "ignore_index": -1})]))
+                                       {"num_classes": 3, "reduction": "none", "ignore_index": -1}),
+                                Sample([rand(r), _targets(r, 2, 3, -100, 4, 5)], {"num_classes": 3}),
+                                Sample([rand(r, 2, 3), _targets(r, 2, 4, -1, 3)],
+                                       {"num_classes": 4, "reduction": "none", "ignore_index": -1})]))
 
 
 # ---------------------------------------------------------------- matmul
@@ -917,21 +933,26 @@ def _log_softmax_grad_decomp(b, xs, attrs):
 
 
 def _nll_rows_ir(b, target, num_classes: int, ignore_index: int):
-    """(kept rows [N] bool, one-hot of the targets [N, C] bool) of an nll_loss.
+    """(kept positions [N, d1, ...] bool, one-hot of the targets [N, C, d1, ...] bool) of an nll_loss.
 
     The targets pass through ``gather`` from ``iota(C)``: an identity on valid targets whose index
     check raises IndexError, as nll_loss's own kernels do, when a kept target is outside [0, C).
     """
-    n, dt = target.type.shape[0], target.type.dtype
+    shape, dt = target.type.shape, target.type.dtype
     keep = b.op("ne", target, _k(b, ignore_index, dt))
     t = b.op("select", keep, target, _k(b, 0, dt))
     t = b.op("gather", b.op("iota", shape=(num_classes,), dtype=dt), t, axis=0)
-    onehot = b.op("eq", b.op("iota", shape=(n, num_classes), axis=1, dtype=dt), b.op("reshape", t, shape=(n, 1)))
+    onehot = b.op("eq", b.op("iota", shape=_with_class_axis(shape, num_classes), axis=1, dtype=dt),
+                  b.op("reshape", t, shape=_with_class_axis(shape, 1)))
     return keep, onehot
 
 
+def _all_axes(v) -> list[int]:
+    return list(range(v.type.rank))
+
+
 def _kept_count(b, keep, like):
-    return b.op("reduce_sum", b.op("cast", keep, dtype=like.type.dtype), axes=[0])
+    return b.op("reduce_sum", b.op("cast", keep, dtype=like.type.dtype), axes=_all_axes(keep))
 
 
 @def_decomposition("nll_loss")
@@ -943,7 +964,7 @@ def _nll_loss_decomp(b, xs, attrs):
     per_row = b.op("select", keep, b.op("neg", picked), zero)
     if attrs["reduction"] == "none":
         return [per_row]
-    total = b.op("reduce_sum", per_row, axes=[0])
+    total = b.op("reduce_sum", per_row, axes=_all_axes(per_row))
     if attrs["reduction"] == "mean":
         total = b.op("div", total, _kept_count(b, keep, logp))
     return [total]
@@ -952,13 +973,13 @@ def _nll_loss_decomp(b, xs, attrs):
 @def_decomposition("nll_loss_grad")
 def _nll_loss_grad_decomp(b, xs, attrs):
     g, target = xs
-    n = target.type.shape[0]
+    shape = target.type.shape
     keep, onehot = _nll_rows_ir(b, target, attrs["num_classes"], attrs["ignore_index"])
     if attrs["reduction"] == "none":
-        g = b.op("reshape", g, shape=(n, 1))
+        g = b.op("reshape", g, shape=_with_class_axis(shape, 1))
     elif attrs["reduction"] == "mean":
         g = b.op("div", g, _kept_count(b, keep, g))
-    hit = b.op("and", onehot, b.op("reshape", keep, shape=(n, 1)))
+    hit = b.op("and", onehot, b.op("reshape", keep, shape=_with_class_axis(shape, 1)))
     return [b.op("select", hit, b.op("neg", g), _lit(b, 0.0, g))]
 
 
