@@ -192,6 +192,38 @@ def test_cross_entropy_over_pixels_is_one_nll_loss_like_eager(rank, kw):
     _check_step(model, x, t, loss_fn, torch.float64)
 
 
+class Resize(nn.Module):
+    """A convolution whose output is resized bilinearly (a segmentation decoder's upsampling)."""
+
+    def __init__(self, **interp):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.interp = interp
+
+    def forward(self, x):
+        return F.interpolate(self.conv(x), mode="bilinear", **self.interp)
+
+
+@pytest.mark.parametrize("interp", [{"size": (9, 7)}, {"size": (9, 7), "align_corners": True},
+                                    {"scale_factor": 2.0}, {"scale_factor": 1.5}, {"size": (3, 2)}],
+                         ids=["size", "corners", "scale2", "scale1.5", "down"])
+def test_bilinear_interpolation_is_one_op_like_eager(interp):
+    """F.interpolate(mode="bilinear") imports as one ``upsample_bilinear2d`` (ATen's kernels both
+    ways), not PyTorch's decomposition into gathers and, in the backward, scatter-adds; the caller's
+    scale factor decides the source positions as in eager."""
+    torch.manual_seed(0)
+    model = Resize(**interp).double()
+    x = torch.randn(2, 2, 5, 4, dtype=torch.float64)
+    t = torch.randn(model(x).shape, dtype=torch.float64)
+    loss_fn = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    im = import_module(model, (x, t), loss_fn)
+    ops = _ops(run_pipeline(im.module, ["dce"]).module[im.function.name])
+    assert ops.count("upsample_bilinear2d") == 1 and not {"gather", "iota"} & set(ops), ops
+    step = remat.compile(copy.deepcopy(model), (x, t), loss_fn)
+    assert "upsample_bilinear2d_grad" in _ops(step.program) and "scatter_add" not in _ops(step.program)
+    _check_step(model, x, t, loss_fn, torch.float64)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_silu_is_one_op_whose_backward_keeps_only_its_input(dtype):
     """SiLU (EfficientNet's and MobileViT's swish) imports as ``silu``, differentiated by ``silu_grad``

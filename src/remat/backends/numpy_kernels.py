@@ -467,6 +467,25 @@ def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
     return _fresh(gp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + w], gy.dtype)
 
 
+# ---------------------------------------------------------------- bilinear resize (remat.ir.ops.resize)
+def _bilinear(h: int, w: int, oh: int, ow: int, align_corners: bool, scale_h: float, scale_w: float):
+    from ..ir.ops.resize import axis_weights
+
+    return axis_weights(h, oh, align_corners, scale_h), axis_weights(w, ow, align_corners, scale_w)
+
+
+@k("upsample_bilinear2d")
+def upsample_bilinear2d(x, size, align_corners=False, scale_h=0.0, scale_w=0.0):
+    ah, aw = _bilinear(*x.shape[2:], *size, align_corners, scale_h, scale_w)
+    return _fresh(np.einsum("oh,nchw,pw->ncop", ah, x.astype(np.float64), aw), x.dtype)
+
+
+@k("upsample_bilinear2d_grad")
+def upsample_bilinear2d_grad(gy, input_shape, align_corners=False, scale_h=0.0, scale_w=0.0):
+    ah, aw = _bilinear(*input_shape[2:], *gy.shape[2:], align_corners, scale_h, scale_w)
+    return _fresh(np.einsum("oh,ncop,pw->nchw", ah, gy.astype(np.float64), aw), gy.dtype)
+
+
 # ---------------------------------------------------------------- random (shared with the torch dialect)
 _M64 = (1 << 64) - 1
 

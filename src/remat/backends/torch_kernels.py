@@ -524,6 +524,18 @@ def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0), channels_la
                                                               False, True, None, grad_input=gx), channels_last)
 
 
+# ---------------------------------------------------------------- bilinear resize (remat.ir.ops.resize)
+@k("upsample_bilinear2d")
+def upsample_bilinear2d(x, size, align_corners=False, scale_h=0.0, scale_w=0.0):
+    return _fresh(torch.ops.aten.upsample_bilinear2d(x, list(size), align_corners, scale_h or None, scale_w or None))
+
+
+@k("upsample_bilinear2d_grad")
+def upsample_bilinear2d_grad(gy, input_shape, align_corners=False, scale_h=0.0, scale_w=0.0):
+    return _fresh(torch.ops.aten.upsample_bilinear2d_backward(gy, list(gy.shape[2:]), list(input_shape), align_corners,
+                                                              scale_h or None, scale_w or None))
+
+
 # ---------------------------------------------------------------- random: the numpy samplers, converted
 def _from_np(a: np.ndarray) -> torch.Tensor:
     return to_torch(a)

@@ -134,10 +134,6 @@ def lower(*names: str, keep: bool = False):
     return deco
 
 
-# Core ATen ops export keeps whole, whose PyTorch decomposition is made of ops remat lowers.
-DECOMPOSE = ("upsample_bilinear2d.default", "upsample_bilinear2d.vec")
-
-
 def _overload(name: str):
     """The ATen overload ``"packet.overload"`` names (``"packet"``: its default), or None."""
     packet, _, overload = name.partition(".")
@@ -145,13 +141,8 @@ def _overload(name: str):
 
 
 def decomposition_table(keep: set[str] | None = None) -> dict:
-    """PyTorch's default export decompositions and those of :data:`DECOMPOSE` (bilinear resizing:
-    BEiT's relative position bias, Segformer, DPT), less the overloads in ``keep`` (default
-    :data:`KEEP`)."""
-    from torch._decomp import get_decompositions
-
+    """PyTorch's default export decompositions, less the overloads in ``keep`` (default :data:`KEEP`)."""
     table = torch.export.default_decompositions()
-    table.update(get_decompositions([_overload(n) for n in DECOMPOSE]))
     for n in KEEP if keep is None else keep:
         op = _overload(n)
         if op is not None:
@@ -1077,6 +1068,27 @@ def _adaptive_avg_pool(L: Lowerer, x, output_size):
         raise LoweringError(f"adaptive average pooling from {h}x{w} to {oh}x{ow} is supported only when the sizes divide")
     k = (h // oh, w // ow)
     return L.op("avg_pool2d", x, kernel=k, stride=k)
+
+
+def _bilinear(L: Lowerer, x, align_corners, scales: Sequence) -> Value:
+    """One ``upsample_bilinear2d`` to the traced output size, with the caller's scale factors (ATen uses
+    them for the source positions when given)."""
+    if x.type.rank != 4:
+        raise LoweringError(f"bilinear upsampling of a rank-{x.type.rank} input {x.type} is not supported (only [N, C, H, W])")
+    sh, sw = (float(s) if s is not None else 0.0 for s in scales)
+    return L.op("upsample_bilinear2d", x, size=L.out_type().shape[2:], align_corners=bool(align_corners),
+                scale_h=sh, scale_w=sw)
+
+
+@lower("upsample_bilinear2d.default", keep=True)
+def _upsample_bilinear(L: Lowerer, x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _bilinear(L, x, align_corners, (scales_h, scales_w))
+
+
+@lower("upsample_bilinear2d.vec", keep=True)
+def _upsample_bilinear_vec(L: Lowerer, x, output_size, align_corners, scale_factors=None):
+    scales = (None, None) if output_size is not None or scale_factors is None else tuple(scale_factors)
+    return _bilinear(L, x, align_corners, scales)
 
 
 @lower("upsample_nearest2d.vec", "upsample_nearest2d.default")
