@@ -83,6 +83,34 @@ def test_broadcast_of_broadcast_and_composed_transposes():
     _same_numerics(m, out, [rng.standard_normal(3), rng.standard_normal((2, 3, 4))])
 
 
+def test_a_chain_of_transposes_and_reshapes_that_keeps_the_stored_order_is_one_reshape():
+    """``view_chain``: an NHWC value read as a sequence (to NCHW, ``flatten(2)``, ``transpose(1, 2)``)
+    and a sequence read back as an NHWC image are reshapes of the value, with no copy; a chain that
+    really reorders the elements keeps its transposes."""
+    text = """func @f(%0: f64[2,3,4,5], %1: f64[2,12,5], %2: f64[2,3,4,5]) -> (f64[2,12,5], f64[2,3,4,5], f64[2,20,3], f64[5,2,12]) {
+  %3 = transpose %0 {perm=[0, 3, 1, 2]} : f64[2,5,3,4]
+  %4 = reshape %3 {shape=[2, 5, 12]} : f64[2,5,12]
+  %5 = transpose %4 {perm=[0, 2, 1]} : f64[2,12,5]
+  %6 = transpose %1 {perm=[0, 2, 1]} : f64[2,5,12]
+  %7 = reshape %6 {shape=[2, 5, 3, 4]} : f64[2,5,3,4]
+  %8 = transpose %7 {perm=[0, 2, 3, 1]} : f64[2,3,4,5]
+  %9 = reshape %2 {shape=[2, 3, 20]} : f64[2,3,20]
+  %10 = transpose %9 {perm=[0, 2, 1]} : f64[2,20,3]
+  %11 = transpose %1 {perm=[2, 0, 1]} : f64[5,2,12]
+  %12 = reshape %11 {shape=[10, 12]} : f64[10,12]
+  %13 = reshape %12 {shape=[5, 2, 12]} : f64[5,2,12]
+  return %5, %8, %10, %13
+}
+"""
+    m, out = _run(text, ["simplify", "dce"])
+    f = out["f"]
+    assert _ops(f).count("transpose") == 2, str(out)  # %10 and %11 reorder elements
+    assert [i.operands[0] for i in f.instructions() if i.op.name == "reshape"][:2] == list(f.params[:2])
+    rng = np.random.default_rng(0)
+    _same_numerics(m, out, [rng.standard_normal((2, 3, 4, 5)), rng.standard_normal((2, 12, 5)),
+                            rng.standard_normal((2, 3, 4, 5))])
+
+
 def test_matmul_reads_operands_transposed_in_their_last_two_dims_through_its_flags():
     text = """func @f(%0: f64[2,4,3], %1: f64[2,5,4], %2: f64[4,2,3]) -> (f64[2,3,5], f64[2,5,4], f64[2,3,3]) {
   %3 = transpose %0 {perm=[0, 2, 1]} : f64[2,3,4]
