@@ -84,6 +84,21 @@ def _convnext():
     return tf.ConvNextForImageClassification(cfg), dict(pixel_values=torch.randn(8, 3, 64, 64), labels=_ids(10, 8))
 
 
+def _segformer():
+    import transformers as tf
+
+    # Semantic segmentation: the loss is cross-entropy over every pixel of the upsampled logits
+    # ([N, C, H, W] against [N, H, W] labels, ATen's nll_loss2d), with an ignored label value.
+    cfg = tf.SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                             hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                             mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=5, drop_path_rate=0.0,
+                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout_prob=0.0,
+                             semantic_loss_ignore_index=255)
+    labels = _ids(5, 4, 64, 64)
+    labels[:, :4] = 255  # a border the loss ignores
+    return tf.SegformerForSemanticSegmentation(cfg), dict(pixel_values=torch.randn(4, 3, 64, 64), labels=labels)
+
+
 def _seeded(make: Callable) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
     def build():
         torch.manual_seed(0)
@@ -100,4 +115,5 @@ MODELS: list[ZooModel] = [
     ZooModel("vit", "ViTForImageClassification", _seeded(_vit)),
     ZooModel("resnet", "ResNetForImageClassification", _seeded(_resnet)),
     ZooModel("convnext", "ConvNextForImageClassification", _seeded(_convnext)),
+    ZooModel("segformer", "SegformerForSemanticSegmentation", _seeded(_segformer)),
 ]
