@@ -52,6 +52,8 @@ def test_loss_fn_on_logits_with_keyword_inputs_and_mask_matches_eager(name):
 
 
 def test_model_output_without_loss_says_to_pass_labels():
+    from remat.frontend.torch_import import ModelOutputError  # not through ``remat.``: nothing may have imported it yet
+
     model = _causal_lm("gpt2")
-    with pytest.raises(remat.frontend.torch_import.ModelOutputError, match=r"without 'loss' \(fields: logits\).*labels="):
+    with pytest.raises(ModelOutputError, match=r"without 'loss' \(fields: logits\).*labels="):
         remat.compile(model, dict(input_ids=torch.randint(0, 500, (2, 8))))
