@@ -4,7 +4,8 @@ Models: ``remat.zoo``'s MLP, ResNet, GPT and U-Net at size ``small`` with
 ``torch.optim.SGD(lr=1e-3, momentum=0.9)``, and ``gpt-medium`` (``zoo.make("gpt", "medium")``, the
 issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Then models nobody here
 wrote: Hugging Face ``transformers`` classes with random weights (:data:`HF_MODELS`: GPT-2, Llama,
-BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images),
+BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images;
+Segformer, SegFormer-B0's stages on batch 8 of 128x128 images, a class per pixel),
 in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
 loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
@@ -119,6 +120,29 @@ def _hf_vit(size: str) -> tuple[torch.nn.Module, dict]:
     return model, dict(pixel_values=torch.randn(batch, 3, 64, 64), labels=torch.randint(0, 10, (batch,)))
 
 
+def _hf_segformer(size: str) -> tuple[torch.nn.Module, dict]:
+    """SegFormer-B0's encoder (4 stages, widths 32-256) and decode head on batch 8 of 128x128 images
+    with 19 classes (Cityscapes'), its loss cross-entropy over every pixel of the bilinearly upsampled
+    logits; ``tiny``: 2 stages of widths 16, 32 on batch 4 of 64x64 images."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = size != "tiny"
+    if small:
+        stages = dict(num_encoder_blocks=4, depths=[2, 2, 2, 2], sr_ratios=[8, 4, 2, 1], hidden_sizes=[32, 64, 160, 256],
+                      patch_sizes=[7, 3, 3, 3], strides=[4, 2, 2, 2], num_attention_heads=[1, 2, 5, 8],
+                      mlp_ratios=[4, 4, 4, 4], decoder_hidden_size=256)
+        batch, hw = 8, 128
+    else:
+        stages = dict(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32], patch_sizes=[7, 3],
+                      strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32)
+        batch, hw = 4, 64
+    model = tf.SegformerForSemanticSegmentation(tf.SegformerConfig(
+        num_channels=3, num_labels=19, drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0, **stages))
+    return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 19, (batch, hw, hw)))
+
+
 HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-gpt2": _hf_text("GPT2LMHeadModel", "GPT2Config", n_positions=256, n_embd=256, n_layer=4, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
@@ -129,6 +153,7 @@ HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
                         num_attention_heads=4, intermediate_size=1024, max_position_embeddings=256, num_labels=4,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "hf-vit": _hf_vit,
+    "hf-segformer": _hf_segformer,
 }
 """Hugging Face ``transformers`` models nobody here wrote, by benchmark name: ``build(size)`` gives a
 seeded model (random weights) and its keyword inputs with ``labels``."""
