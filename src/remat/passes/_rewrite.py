@@ -1,4 +1,5 @@
-"""Small helpers shared by the rewriting passes: use counting, value replacement, purity."""
+"""Small helpers shared by the rewriting passes: use counting, value replacement, purity, and which
+chains of transposes and reshapes move no data (view chains)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -6,6 +7,82 @@ from collections import defaultdict
 from typing import Any, Callable
 
 from ..ir import Block, Builder, Function, Instruction, Module, Value
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _view_strides(shape: tuple[int, ...], strides: tuple[int, ...],
+                  new_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """Strides that read the elements laid out by (``shape``, ``strides``), in their row-major order,
+    as ``new_shape``, or None when no strides do (ATen's ``computeStride``: when ``reshape`` is a view)."""
+    if not shape or 0 in shape:
+        return None
+    new = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    base, t_numel, v_numel = strides[-1], 1, 1
+    for d in range(len(shape) - 1, -1, -1):
+        t_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != t_numel * base):
+            while view_d >= 0 and (v_numel < t_numel or new_shape[view_d] == 1):
+                new[view_d] = v_numel * base
+                v_numel *= new_shape[view_d]
+                view_d -= 1
+            if v_numel != t_numel:
+                return None
+            if d > 0:
+                base, t_numel, v_numel = strides[d - 1], 1, 1
+    return tuple(new) if view_d == -1 else None
+
+
+Step = tuple[str, tuple[int, ...]]
+"""One move of a view chain: ("transpose", perm) or ("reshape", new shape)."""
+
+
+def keeps_order(shape: tuple[int, ...], steps: list[Step]) -> bool:
+    """Whether ``steps`` applied in order to a value of ``shape`` give its elements in their stored
+    order: their result is then a reshape of the value (no data moves)."""
+    strides = _contiguous_strides(shape)
+    for kind, arg in steps:
+        if kind == "transpose":
+            shape, strides = tuple(shape[i] for i in arg), tuple(strides[i] for i in arg)
+        else:
+            strides = _view_strides(shape, strides, arg)
+            if strides is None:
+                return False
+            shape = arg
+    return all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
+
+
+MAX_VIEW_CHAIN = 6
+"""How many transposes and reshapes :func:`view_root` follows back."""
+
+
+def view_step(ins: Instruction) -> Step:
+    """The move a transpose or reshape instruction makes."""
+    return ("transpose", tuple(ins.attrs["perm"])) if ins.op.name == "transpose" else ("reshape", ins.results[0].type.shape)
+
+
+def view_root(v: Value, after: list[Step]) -> tuple[Value, list[Step]] | None:
+    """(root, its steps) when ``v``, followed by the moves ``after``, is a reshape of a value ``root``
+    it is computed from by transposes and reshapes (the nearest such root; the steps from it, in
+    order, ``after`` included), else None."""
+    steps = list(after)
+    for _ in range(MAX_VIEW_CHAIN):
+        d = getattr(v, "instr", None)
+        if d is None or d.op.name not in ("transpose", "reshape"):
+            return None
+        steps.insert(0, view_step(d))
+        v = d.operands[0]
+        if keeps_order(v.type.shape, steps):
+            return v, steps
+    return None
+
 
 
 def resolve(repl: dict[Value, Value], v: Value) -> Value:

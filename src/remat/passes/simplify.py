@@ -12,7 +12,7 @@ from typing import Callable
 
 from ..ir import OPS, Block, Builder, Function, Instruction, Module, Value
 from ..ir.types import broadcast_shapes
-from ._rewrite import apply_replacements, constant_value, resolve, splat_value
+from ._rewrite import apply_replacements, constant_value, resolve, splat_value, view_root, view_step
 
 Rule = Callable[[Instruction, Builder], "Value | None"]
 
@@ -81,75 +81,19 @@ def reshape_reshape(ins, b):
     return b.op("reshape", d.operands[0], shape=ins.attrs["shape"]) if d else None
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
-def _view_strides(shape: tuple[int, ...], strides: tuple[int, ...],
-                  new_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Strides that read the elements laid out by (``shape``, ``strides``), in their row-major order,
-    as ``new_shape``, or None when no strides do (ATen's ``computeStride``: when ``reshape`` is a view)."""
-    if not shape or 0 in shape:
-        return None
-    new = [0] * len(new_shape)
-    view_d = len(new_shape) - 1
-    base, t_numel, v_numel = strides[-1], 1, 1
-    for d in range(len(shape) - 1, -1, -1):
-        t_numel *= shape[d]
-        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != t_numel * base):
-            while view_d >= 0 and (v_numel < t_numel or new_shape[view_d] == 1):
-                new[view_d] = v_numel * base
-                v_numel *= new_shape[view_d]
-                view_d -= 1
-            if v_numel != t_numel:
-                return None
-            if d > 0:
-                base, t_numel, v_numel = strides[d - 1], 1, 1
-    return tuple(new) if view_d == -1 else None
-
-
-def _keeps_order(root: Value, chain: list[Instruction]) -> bool:
-    """Whether the transposes and reshapes of ``chain`` (applied in order to ``root``) give root's
-    elements in their stored order: their result is then a reshape of ``root``."""
-    shape = root.type.shape
-    strides = _contiguous_strides(shape)
-    for c in chain:
-        if c.op.name == "transpose":
-            perm = c.attrs["perm"]
-            shape, strides = tuple(shape[i] for i in perm), tuple(strides[i] for i in perm)
-        else:
-            new_shape = c.results[0].type.shape
-            strides = _view_strides(shape, strides, new_shape)
-            if strides is None:
-                return False
-            shape = new_shape
-    return all(n == 1 or s == c for n, s, c in zip(shape, strides, _contiguous_strides(shape)))
-
-
-MAX_VIEW_CHAIN = 6
-"""How many transposes and reshapes :func:`view_chain` follows back."""
-
-
 def view_chain(ins, b):
     """A transpose or reshape at the end of a chain of transposes and reshapes (at least one a transpose)
     that gives the chain's root in its stored order -> one reshape of the root, no copy. A channels-last
     value read as a sequence: ``transpose(x_nhwc, [0, 3, 1, 2])`` (to NCHW), ``reshape [N, C, H*W]``,
     ``transpose [0, 2, 1]`` (``flatten(2).transpose(1, 2)``) is ``reshape(x_nhwc, [N, H*W, C])``."""
-    chain, v = [ins], ins.operands[0]
-    for _ in range(MAX_VIEW_CHAIN):
-        d = getattr(v, "instr", None)
-        if d is None or d.op.name not in ("transpose", "reshape"):
-            return None
-        chain.append(d)
-        v = d.operands[0]
-        if any(c.op.name == "transpose" for c in chain) and _keeps_order(v, chain[::-1]):
-            t = ins.results[0].type
-            return v if v.type == t else b.op("reshape", v, shape=t.shape)
-    return None
+    found = view_root(ins.operands[0], [view_step(ins)])
+    if found is None:
+        return None
+    v, steps = found
+    if not any(kind == "transpose" for kind, _ in steps):
+        return None  # reshapes alone: reshape_reshape's
+    t = ins.results[0].type
+    return v if v.type == t else b.op("reshape", v, shape=t.shape)
 
 
 def broadcast_broadcast(ins, b):
