@@ -258,3 +258,46 @@ def test_deep_convolutions_stay_nchw_with_oihw_weights():
         convs = [i for i in g.entry.instrs if i.op.name == "conv2d"]  # in the captured order
         assert {(c.attrs["layout"], c.attrs["weight_layout"]) for c, d in zip(convs, deep) if d} == {("NCHW", "OIHW")}
         assert ("OHWI" in {c.attrs["weight_layout"] for c in convs}) is weights
+
+
+class _Decoder(torch.nn.Module):
+    """Segformer's decode head in small: sequences [N, H*W, C] projected by a linear layer, read as
+    images (``transpose(1, 2).reshape``), resized bilinearly to one size, concatenated and fused by a
+    1x1 convolution."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(c, 8) for c in (4, 6))
+        self.fuse = torch.nn.Conv2d(16, 5, 1)
+
+    def forward(self, a, b):
+        maps = []
+        for seq, hw, lin in ((a, 4, self.proj[0]), (b, 2, self.proj[1])):
+            x = lin(seq).transpose(1, 2).reshape(seq.shape[0], 8, hw, hw)
+            maps.append(F.interpolate(x, size=(8, 8), mode="bilinear", align_corners=False))
+        return self.fuse(torch.cat(maps, dim=1))
+
+
+def test_a_sequence_read_as_an_image_is_resized_nhwc_without_a_copy():
+    """The resize reads the linear layer's [N, H*W, C] output as NHWC data (its NCHW view's NHWC
+    transpose is a reshape), so neither it, the concatenation nor the convolution needs a transposed
+    copy, forward or backward; the step matches eager PyTorch."""
+    torch.manual_seed(0)
+    model = _Decoder()
+    a, b = torch.randn(2, 16, 4), torch.randn(2, 4, 6)
+    t = torch.randn(2, 5, 8, 8)
+    loss_fn = lambda out, t: ((out - t) ** 2).mean()  # noqa: E731
+    step = remat.compile(model, (a, b, t), loss_fn)
+    prog = step.program
+    ups = [i for i in prog.instructions() if i.op.name.startswith("upsample_bilinear2d")]
+    assert len(ups) == 4 and all(i.attrs["layout"] == "NHWC" for i in ups)
+    big = [i for i in prog.instructions() if i.op.name == "transpose" and i.results[0].type.numel >= 2 * 8 * 8 * 8]
+    assert not big, [str(i) for i in big]
+    loss = step(a, b, t)
+    torch.manual_seed(0)
+    ref = _Decoder()
+    want = loss_fn(ref(a, b), t)
+    want.backward()
+    assert abs(float(loss) - float(want.detach())) <= 1e-6
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.contiguous(), q.grad, rtol=1e-5, atol=1e-6)

@@ -475,12 +475,14 @@ def _bilinear(h: int, w: int, oh: int, ow: int, align_corners: bool, scale_h: fl
 
 
 @k("upsample_bilinear2d")
+@_nchw_kernel("upsample_bilinear2d")
 def upsample_bilinear2d(x, size, align_corners=False, scale_h=0.0, scale_w=0.0):
     ah, aw = _bilinear(*x.shape[2:], *size, align_corners, scale_h, scale_w)
     return _fresh(np.einsum("oh,nchw,pw->ncop", ah, x.astype(np.float64), aw), x.dtype)
 
 
 @k("upsample_bilinear2d_grad")
+@_nchw_kernel("upsample_bilinear2d_grad")
 def upsample_bilinear2d_grad(gy, input_shape, align_corners=False, scale_h=0.0, scale_w=0.0):
     ah, aw = _bilinear(*input_shape[2:], *gy.shape[2:], align_corners, scale_h, scale_w)
     return _fresh(np.einsum("oh,ncop,pw->nchw", ah, gy.astype(np.float64), aw), gy.dtype)

@@ -526,14 +526,18 @@ def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0), channels_la
 
 # ---------------------------------------------------------------- bilinear resize (remat.ir.ops.resize)
 @k("upsample_bilinear2d")
-def upsample_bilinear2d(x, size, align_corners=False, scale_h=0.0, scale_w=0.0):
-    return _fresh(torch.ops.aten.upsample_bilinear2d(x, list(size), align_corners, scale_h or None, scale_w or None))
+@_nchw_kernel("upsample_bilinear2d")
+def upsample_bilinear2d(x, size, align_corners=False, scale_h=0.0, scale_w=0.0, channels_last=False):
+    y = torch.ops.aten.upsample_bilinear2d(x, list(size), align_corners, scale_h or None, scale_w or None)
+    return _act(y, channels_last)
 
 
 @k("upsample_bilinear2d_grad")
-def upsample_bilinear2d_grad(gy, input_shape, align_corners=False, scale_h=0.0, scale_w=0.0):
-    return _fresh(torch.ops.aten.upsample_bilinear2d_backward(gy, list(gy.shape[2:]), list(input_shape), align_corners,
-                                                              scale_h or None, scale_w or None))
+@_nchw_kernel("upsample_bilinear2d_grad")
+def upsample_bilinear2d_grad(gy, input_shape, align_corners=False, scale_h=0.0, scale_w=0.0, channels_last=False):
+    gx = torch.ops.aten.upsample_bilinear2d_backward(gy, list(gy.shape[2:]), list(input_shape), align_corners,
+                                                     scale_h or None, scale_w or None)
+    return _act(gx, channels_last)
 
 
 # ---------------------------------------------------------------- random: the numpy samplers, converted

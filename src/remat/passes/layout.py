@@ -12,9 +12,14 @@ chosen for the whole graph (the layout assignment of XLA and TVM, done by hand i
   input is transposed to NHWC where it is first needed so, but for the model's input, which the
   convolution reads in NCHW (``input_layout``: no transposed copy kept for the backward). Deep layers,
   where weights outweigh the feature maps, stay NCHW (no faster channels-last; larger workspaces);
-* an NHWC value flows on through the ops that do not care or can be told: pooling (``layout``), batch
-  norm (channel ``axis`` 3), element-wise ops (their broadcast operands reshaped: a [1, C, 1, 1]
-  bias becomes [1, 1, 1, C], no copy), ``concat`` (axis remapped) and reductions whose result keeps NCHW's order (a global average pool to [N, C]);
+* an NHWC value flows on through the ops that do not care or can be told: pooling and bilinear
+  resizing (``layout``), batch norm (channel ``axis`` 3), element-wise ops (their broadcast operands
+  reshaped: a [1, C, 1, 1] bias becomes [1, 1, 1, C], no copy), ``concat`` (axis remapped) and
+  reductions whose result keeps NCHW's order (a global average pool to [N, C]). Pooling and resizing
+  also run NHWC on an input that is NHWC data viewed as NCHW by transposes and reshapes (a
+  sequence [N, H*W, C] read as an image, as Segformer's decoder does): its NHWC transpose is a
+  reshape (``simplify``'s ``view_chain``), where eager PyTorch gets the same from the view's
+  channels-last strides;
 * any other op reads the value transposed back to NCHW (a ``reshape`` when only unit dimensions
   move), as does the function's result.
 
@@ -38,7 +43,7 @@ import os
 
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC, TO_OHWI
-from ._rewrite import use_counts
+from ._rewrite import use_counts, view_root
 
 OHWI_WEIGHTS = os.environ.get("REMAT_OHWI_WEIGHTS", "1") != "0"
 """Whether :func:`channels_last` stores the weights of NHWC convolutions OHWI by default
@@ -71,6 +76,13 @@ def _activation_bound(ins: Instruction) -> bool:
     ResNet small 8.02 -> 8.65 MiB, U-Net 8.53 -> 9.07 MiB)."""
     act = max(ins.operands[0].type.numel, ins.results[0].type.numel)
     return 2 * act >= ins.operands[1].type.numel
+
+
+def _nhwc_view(v: Value) -> bool:
+    """Whether ``v`` (NCHW) is computed by transposes and reshapes from a value that stores its elements
+    in NHWC order, so that its NHWC transpose moves no data (``simplify``'s ``view_chain`` makes it a
+    reshape): a sequence's ``[N, H*W, C]`` read as an image, ``transpose(1, 2).reshape(N, C, H, W)``."""
+    return v.type.rank == 4 and view_root(v, [("transpose", TO_NHWC)]) is not None
 
 
 def _only_unit_dims_move(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
@@ -139,7 +151,7 @@ class _Rewriter:
             if name in _SEEDS:
                 if not _seed(ins):
                     return None
-            elif not any(has[a] for a in acts):
+            elif not any(has[a] or _nhwc_view(ops[a]) for a in acts):
                 return None
             attrs = {**ins.attrs, "layout": "NHWC"}
             if shape_attr is not None:

@@ -292,6 +292,8 @@ LAYOUT_OPERANDS: dict[str, tuple[tuple[int, ...], tuple[int, ...], str | None]] 
     "max_pool2d_grad": ((0, 1), (0,), None),
     "max_pool2d_index_grad": ((0, 1), (0,), "input_shape"),
     "avg_pool2d_grad": ((0,), (0,), "input_shape"),
+    "upsample_bilinear2d": ((0,), (0,), None),  # remat.ir.ops.resize
+    "upsample_bilinear2d_grad": ((0,), (0,), "input_shape"),
 }
 """What ``layout`` changes of each op that has it: (its activation operands, its activation results,
 its activation-shaped attribute). Weights and weight gradients are changed by ``weight_layout``

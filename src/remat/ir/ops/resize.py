@@ -1,6 +1,7 @@
 """Image resizing as composite ops with native kernels: bilinear up- (or down-) sampling of an NCHW
-tensor and its backward, as ATen's ``upsample_bilinear2d`` and ``upsample_bilinear2d_backward``
-(``F.interpolate(..., mode="bilinear")``: segmentation decoders, feature pyramids).
+(or, ``layout="NHWC"``, channels-last) tensor and its backward, as ATen's ``upsample_bilinear2d``
+and ``upsample_bilinear2d_backward`` (``F.interpolate(..., mode="bilinear")``: segmentation
+decoders, feature pyramids).
 
 PyTorch's decomposition of the op gathers the four neighbours of every output pixel (four
 ``gather``s, clamped index arithmetic, and in the backward four ``scatter_add``s over input-sized
@@ -19,10 +20,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
+from ..types import TensorType
 from ._util import expect_float, ints, rand
+from .nn import nchw, stored, with_nhwc
 
-_SCALES = (Attr("align_corners", "bool", False), Attr("scale_h", "float", 0.0), Attr("scale_w", "float", 0.0))
-SCALE_KEYS = ("align_corners", "scale_h", "scale_w")
+_SCALES = (Attr("align_corners", "bool", False), Attr("scale_h", "float", 0.0), Attr("scale_w", "float", 0.0),
+           Attr("layout", "str", "NCHW"))
+SHARED_KEYS = ("align_corners", "scale_h", "scale_w", "layout")
+"""The attributes the op and its gradient share."""
 
 
 def _check_hw(name: str, what: str, hw: tuple[int, ...]) -> None:
@@ -39,11 +44,10 @@ def _check_scales(name: str, attrs) -> None:
 def _upsample_infer(types, attrs):
     (x,) = types
     expect_float("upsample_bilinear2d", x)
-    if x.rank != 4:
-        raise TypeError(f"'upsample_bilinear2d' needs an input [N, C, H, W], got {x}")
+    xs = nchw("upsample_bilinear2d", x, attrs)
     _check_hw("upsample_bilinear2d", "size", attrs["size"])
     _check_scales("upsample_bilinear2d", attrs)
-    return x.with_shape(x.shape[:2] + tuple(attrs["size"]))
+    return x.with_shape(stored(xs[:2] + tuple(attrs["size"]), attrs))
 
 
 def _upsample_grad_infer(types, attrs):
@@ -51,11 +55,14 @@ def _upsample_grad_infer(types, attrs):
     expect_float("upsample_bilinear2d_grad", gy)
     shape = tuple(attrs["input_shape"])
     if len(shape) != 4 or min(shape) < 1:
-        raise TypeError(f"'upsample_bilinear2d_grad': input_shape must be [N, C, H, W] of positive sizes, got {list(shape)}")
+        raise TypeError(f"'upsample_bilinear2d_grad': input_shape must be 4 positive sizes (the input's, as its "
+                        f"layout stores it), got {list(shape)}")
     _check_scales("upsample_bilinear2d_grad", attrs)
-    if gy.rank != 4 or gy.shape[:2] != shape[:2]:
-        raise TypeError(f"'upsample_bilinear2d_grad': output gradient {gy} must be [N, C, OH, OW] with the input's "
-                        f"N and C {list(shape[:2])}")
+    xs = nchw("upsample_bilinear2d_grad", TensorType(gy.dtype, shape), attrs)
+    gys = nchw("upsample_bilinear2d_grad", gy, attrs)
+    if gys[:2] != xs[:2]:
+        raise TypeError(f"'upsample_bilinear2d_grad': output gradient {gy} must have the input's N and C "
+                        f"{list(xs[:2])} ({attrs.get('layout', 'NCHW')})")
     return gy.with_shape(shape)
 
 
@@ -99,28 +106,30 @@ def _grad_samples(r: np.random.Generator) -> list[Sample]:
 
 
 declare(OpDef("upsample_bilinear2d", 1, (ints("size"),) + _SCALES, _upsample_infer, frozenset(), flops=_flops,
-              doc="bilinear resize of x [N, C, H, W] to [N, C, size] (ATen upsample_bilinear2d: F.interpolate "
-                  "mode='bilinear'); scale_h/scale_w: the caller's scale factors (0: none, in/out is used)",
-              sample=_samples))
+              doc="bilinear resize of x [N, C, H, W] (or NHWC) to size [OH, OW] (ATen upsample_bilinear2d: "
+                  "F.interpolate mode='bilinear'); scale_h/scale_w: the caller's scale factors (0: none, in/out "
+                  "is used)",
+              sample=with_nhwc(_samples, (0,))))
 declare(OpDef("upsample_bilinear2d_grad", 1, (ints("input_shape"),) + _SCALES, _upsample_grad_infer, frozenset(),
               flops=_flops, doc="gradient of upsample_bilinear2d from grad_output [N, C, OH, OW] (its transpose: "
                                 "each output's gradient spread over its four source pixels)",
-              sample=_grad_samples))
+              sample=with_nhwc(_grad_samples, (0,), "input_shape")))
 
 
 # ================================================================ VJP rules (reverse mode)
 from ..opdef import def_vjp  # noqa: E402
 
 
-def _scales(p) -> dict:
-    return {k: p.attrs[k] for k in SCALE_KEYS}
+def _shared(p) -> dict:
+    return {k: p.attrs[k] for k in SHARED_KEYS}
 
 
 @def_vjp("upsample_bilinear2d", saves="none")
 def _upsample_vjp(b, p, g):
-    return [b.op("upsample_bilinear2d_grad", g, input_shape=p.in_types[0].shape, **_scales(p))]
+    return [b.op("upsample_bilinear2d_grad", g, input_shape=p.in_types[0].shape, **_shared(p))]
 
 
 @def_vjp("upsample_bilinear2d_grad", saves="none")
 def _upsample_grad_vjp(b, p, g):
-    return [b.op("upsample_bilinear2d", g, size=p.in_types[0].shape[2:], **_scales(p))]
+    size = nchw("upsample_bilinear2d_grad", p.in_types[0], p.attrs)[2:]
+    return [b.op("upsample_bilinear2d", g, size=size, **_shared(p))]
