@@ -11,6 +11,7 @@ import numpy as np
 import scipy.special
 from numpy.lib.stride_tricks import as_strided
 
+from ..ir.ops.resize import axis_weights
 from ..ir.types import DType
 from . import kernel
 from ._layout import channels_at_1, nchw_kernel
@@ -469,8 +470,7 @@ def avg_pool2d_grad(gy, input_shape, kernel, stride, padding=(0, 0)):
 
 # ---------------------------------------------------------------- bilinear resize (remat.ir.ops.resize)
 def _bilinear(h: int, w: int, oh: int, ow: int, align_corners: bool, scale_h: float, scale_w: float):
-    from ..ir.ops.resize import axis_weights
-
+    """The row and column weight matrices ([oh, h], [ow, w]) of a bilinear resize."""
     return axis_weights(h, oh, align_corners, scale_h), axis_weights(w, ow, align_corners, scale_w)
 
 

@@ -24,7 +24,7 @@ from ..types import TensorType
 from ._util import expect_float, ints, rand
 from .nn import nchw, stored, with_nhwc
 
-_SCALES = (Attr("align_corners", "bool", False), Attr("scale_h", "float", 0.0), Attr("scale_w", "float", 0.0),
+_SHARED_ATTRS = (Attr("align_corners", "bool", False), Attr("scale_h", "float", 0.0), Attr("scale_w", "float", 0.0),
            Attr("layout", "str", "NCHW"))
 SHARED_KEYS = ("align_corners", "scale_h", "scale_w", "layout")
 """The attributes the op and its gradient share."""
@@ -105,12 +105,12 @@ def _grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-declare(OpDef("upsample_bilinear2d", 1, (ints("size"),) + _SCALES, _upsample_infer, frozenset(), flops=_flops,
+declare(OpDef("upsample_bilinear2d", 1, (ints("size"),) + _SHARED_ATTRS, _upsample_infer, frozenset(), flops=_flops,
               doc="bilinear resize of x [N, C, H, W] (or NHWC) to size [OH, OW] (ATen upsample_bilinear2d: "
                   "F.interpolate mode='bilinear'); scale_h/scale_w: the caller's scale factors (0: none, in/out "
                   "is used)",
               sample=with_nhwc(_samples, (0,))))
-declare(OpDef("upsample_bilinear2d_grad", 1, (ints("input_shape"),) + _SCALES, _upsample_grad_infer, frozenset(),
+declare(OpDef("upsample_bilinear2d_grad", 1, (ints("input_shape"),) + _SHARED_ATTRS, _upsample_grad_infer, frozenset(),
               flops=_flops, doc="gradient of upsample_bilinear2d from grad_output [N, C, OH, OW] (its transpose: "
                                 "each output's gradient spread over its four source pixels)",
               sample=with_nhwc(_grad_samples, (0,), "input_shape")))
