@@ -11,6 +11,7 @@ import numpy as np
 import scipy.special
 from numpy.lib.stride_tricks import as_strided
 
+from ..ir.ops.nn import with_class_axis
 from ..ir.ops.resize import axis_weights
 from ..ir.types import DType
 from . import kernel
@@ -300,7 +301,7 @@ def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     if reduction == "mean":
         with np.errstate(invalid="ignore", divide="ignore"):
             g32 = g32 / g32.dtype.type(np.count_nonzero(keep))
-    out = np.zeros(target.shape[:1] + (num_classes,) + target.shape[1:], dtype=g32.dtype)
+    out = np.zeros(with_class_axis(target.shape, num_classes), dtype=g32.dtype)
     at = np.nonzero(keep)  # the kept rows (and positions); the class index goes in at axis 1
     out[(at[0], t[keep]) + at[1:]] = -(g32[keep] if reduction == "none" else g32)
     return _fresh(out, g.dtype)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..ir.ops.nn import with_class_axis
 from ..ir.types import DType
 from . import kernel, numpy_kernels as npk, out_kernel
 from ._layout import channels_at_1, nchw_kernel
@@ -357,7 +358,7 @@ def nll_loss(logp, target, reduction="mean", ignore_index=-100):
 def nll_loss_grad(g, target, num_classes, reduction="mean", ignore_index=-100):
     npk.check_targets("nll_loss_grad", target, num_classes, ignore_index)
     t = target.to(torch.int64)
-    shape = t.shape[:1] + (num_classes,) + t.shape[1:]
+    shape = with_class_axis(tuple(t.shape), num_classes)
     # ATen reads only the shape and dtype of the forward input: a broadcast scalar stands for it.
     like = torch.empty((), dtype=g.dtype, device=g.device).expand(shape)
     total = (t != ignore_index).sum().to(g.dtype) if reduction == "mean" else torch.ones((), dtype=g.dtype, device=g.device)

@@ -84,7 +84,6 @@ def view_root(v: Value, after: list[Step]) -> tuple[Value, list[Step]] | None:
     return None
 
 
-
 def resolve(repl: dict[Value, Value], v: Value) -> Value:
     """Follow a replacement chain to its end."""
     seen = 0

@@ -43,7 +43,7 @@ import os
 
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC, TO_OHWI
-from ._rewrite import use_counts, view_root
+from ._rewrite import keeps_order, use_counts, view_root
 
 OHWI_WEIGHTS = os.environ.get("REMAT_OHWI_WEIGHTS", "1") != "0"
 """Whether :func:`channels_last` stores the weights of NHWC convolutions OHWI by default
@@ -85,12 +85,6 @@ def _nhwc_view(v: Value) -> bool:
     return v.type.rank == 4 and view_root(v, [("transpose", TO_NHWC)]) is not None
 
 
-def _only_unit_dims_move(shape: tuple[int, ...], perm: tuple[int, ...]) -> bool:
-    """Whether ``transpose(x, perm)`` keeps the order of x's non-unit dims (then it is a reshape)."""
-    kept = [p for p in perm if shape[p] != 1]
-    return kept == sorted(kept)
-
-
 class _Rewriter:
     def __init__(self, f: Function):
         self.f = f
@@ -102,7 +96,7 @@ class _Rewriter:
 
     def _permute(self, v: Value, perm: tuple[int, ...]) -> Value:
         shape = v.type.shape
-        if _only_unit_dims_move(shape, perm):
+        if keeps_order(shape, [("transpose", perm)]):  # only unit dims move
             return self.b.op("reshape", v, shape=tuple(shape[p] for p in perm))
         return self.b.op("transpose", v, perm=perm)
 

@@ -139,7 +139,7 @@ def _nll_infer(types, attrs):
     return logp.with_shape(target.shape if attrs["reduction"] == "none" else ())
 
 
-def _with_class_axis(shape: tuple[int, ...], c: int) -> tuple[int, ...]:
+def with_class_axis(shape: tuple[int, ...], c: int) -> tuple[int, ...]:
     """Targets' shape [N, d1, ...] -> the log-probabilities' [N, c, d1, ...]."""
     return shape[:1] + (c,) + shape[1:]
 
@@ -147,9 +147,7 @@ def _with_class_axis(shape: tuple[int, ...], c: int) -> tuple[int, ...]:
 def _nll_grad_infer(types, attrs):
     g, target = types
     expect_float("nll_loss_grad", g)
-    if target.rank < 1:
-        raise TypeError(f"'nll_loss_grad' needs integer class targets [N] or [N, d1, ...] (i32 or i64), got {target}")
-    shape = _with_class_axis(target.shape, attrs["num_classes"])
+    shape = with_class_axis(target.shape, attrs["num_classes"])
     _nll_check("nll_loss_grad", shape, target, attrs)
     want = target.shape if attrs["reduction"] == "none" else ()
     if g.shape != want:
@@ -944,8 +942,8 @@ def _nll_rows_ir(b, target, num_classes: int, ignore_index: int):
     keep = b.op("ne", target, _k(b, ignore_index, dt))
     t = b.op("select", keep, target, _k(b, 0, dt))
     t = b.op("gather", b.op("iota", shape=(num_classes,), dtype=dt), t, axis=0)
-    onehot = b.op("eq", b.op("iota", shape=_with_class_axis(shape, num_classes), axis=1, dtype=dt),
-                  b.op("reshape", t, shape=_with_class_axis(shape, 1)))
+    onehot = b.op("eq", b.op("iota", shape=with_class_axis(shape, num_classes), axis=1, dtype=dt),
+                  b.op("reshape", t, shape=with_class_axis(shape, 1)))
     return keep, onehot
 
 
@@ -978,10 +976,10 @@ def _nll_loss_grad_decomp(b, xs, attrs):
     shape = target.type.shape
     keep, onehot = _nll_rows_ir(b, target, attrs["num_classes"], attrs["ignore_index"])
     if attrs["reduction"] == "none":
-        g = b.op("reshape", g, shape=_with_class_axis(shape, 1))
+        g = b.op("reshape", g, shape=with_class_axis(shape, 1))
     elif attrs["reduction"] == "mean":
         g = b.op("div", g, _kept_count(b, keep, g))
-    hit = b.op("and", onehot, b.op("reshape", keep, shape=_with_class_axis(shape, 1)))
+    hit = b.op("and", onehot, b.op("reshape", keep, shape=with_class_axis(shape, 1)))
     return [b.op("select", hit, b.op("neg", g), _lit(b, 0.0, g))]
 
 
