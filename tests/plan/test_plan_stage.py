@@ -78,3 +78,22 @@ def test_registry_picks_the_solver_of_each_probe():
     assert graph_solver("milp", small, main=False) is greedy.solve
     assert graph_solver("greedy", small, main=True) is greedy.solve
     assert {s.plans for s in SOLVERS.values()} == {"chain", "graph"}
+
+
+def test_whole_graph_milp_runs_once_per_step_under_auto(monkeypatch):
+    # Under "auto" the MILP's time limit bounds the step's planning: it runs on the first of the
+    # memory-aware orders only (two here; it ran on each, 2 x 10 s for nothing on ConvNeXt tiny).
+    import remat.plan.milp as milp
+    import remat.plan.scheduling as scheduling
+
+    calls = []
+    solve = milp.solve_milp
+    monkeypatch.setattr(milp, "solve_milp", lambda *a, **k: calls.append(1) or solve(*a, **k))
+    orders = scheduling.memory_aware_orders
+    monkeypatch.setattr(scheduling, "memory_aware_orders", lambda g, *a, **k: orders(g, *a, **k) * 2)
+    p = _problem(None)
+    p = _problem(int(predict_peak(p.unconstrained) * 0.9))
+    p.milp_time_limit = 1.0
+    assert p.solver == "auto" and len(list(p.joint.instructions())) <= MILP_MAX_NODES  # the MILP is admitted
+    plan_step(p)
+    assert len(calls) == 1

@@ -132,8 +132,11 @@ def plan_step(p: StepProblem) -> Candidate:
         minimums.append(chain)
     for q, g in lows:
         for k, order in enumerate(memory_aware_orders(g.graph)):  # siblings together, then as scheduled
+            # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order: its
+            # time limit bounds the step's planning, not each order's.
+            qk = replace(q, solver="greedy") if k and q.solver == "auto" else q
             try:
-                plan_graph(q, g, order, need_minimum=k == 0 and not isinstance(chain, Candidate) and earlier is None,
+                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Candidate) and earlier is None,
                            lowered=lowered)
             except BudgetTooSmall as e:
                 minimums.append(e.minimum)
