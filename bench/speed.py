@@ -5,7 +5,8 @@ Models: ``remat.zoo``'s MLP, ResNet, GPT and U-Net at size ``small`` with
 issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Then models nobody here
 wrote: Hugging Face ``transformers`` classes with random weights (:data:`HF_MODELS`: GPT-2, Llama,
 BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images;
-Segformer, SegFormer-B0's stages on batch 8 of 128x128 images, a class per pixel),
+Segformer, SegFormer-B0's stages on batch 8 of 128x128 images, a class per pixel; ConvNeXt's four stages
+at widths 32-256 on batch 8 of 128x128 images),
 in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
 loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
@@ -143,6 +144,20 @@ def _hf_segformer(size: str) -> tuple[torch.nn.Module, dict]:
     return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 19, (batch, hw, hw)))
 
 
+def _hf_convnext(size: str) -> tuple[torch.nn.Module, dict]:
+    """ConvNeXt's four stages at widths 32-256 (depthwise 7x7 convolutions, channels-last layer norms,
+    layer scale) on batch 8 of 128x128 images, 10 classes; ``tiny``: 2 stages of widths 16, 32 on batch
+    8 of 64x64 images."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = size != "tiny"
+    widths, depths, batch, hw = ([32, 64, 128, 256], [2, 2, 2, 2], 8, 128) if small else ([16, 32], [2, 2], 8, 64)
+    model = tf.ConvNextForImageClassification(tf.ConvNextConfig(
+        num_channels=3, num_stages=len(widths), hidden_sizes=widths, depths=depths, num_labels=10, drop_path_rate=0.0))
+    return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 10, (batch,)))
+
+
 HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-gpt2": _hf_text("GPT2LMHeadModel", "GPT2Config", n_positions=256, n_embd=256, n_layer=4, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
@@ -154,6 +169,7 @@ HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
     "hf-vit": _hf_vit,
     "hf-segformer": _hf_segformer,
+    "hf-convnext": _hf_convnext,
 }
 """Hugging Face ``transformers`` models nobody here wrote, by benchmark name: ``build(size)`` gives a
 seeded model (random weights) and its keyword inputs with ``labels``."""
