@@ -6,7 +6,7 @@ issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Then
 wrote: Hugging Face ``transformers`` classes with random weights (:data:`HF_MODELS`: GPT-2, Llama,
 BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images;
 Segformer, SegFormer-B0's stages on batch 8 of 128x128 images, a class per pixel; ConvNeXt's four stages
-at widths 32-256 on batch 8 of 128x128 images),
+at widths 32-256 on batch 8 of 128x128 images; Swin's three stages at widths 48-192 on batch 16 of 64x64 images),
 in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
 loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
@@ -158,6 +158,21 @@ def _hf_convnext(size: str) -> tuple[torch.nn.Module, dict]:
     return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 10, (batch,)))
 
 
+def _hf_swin(size: str) -> tuple[torch.nn.Module, dict]:
+    """Swin's three stages at widths 48-192 (shifted 4x4 windows, a learned relative position bias in
+    every attention, patch merging) on batch 16 of 64x64 images, 10 classes; ``tiny``: 2 stages of
+    widths 16, 32 on batch 4 of 32x32 images."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = size != "tiny"
+    width, depths, heads, batch, hw = (48, [2, 2, 2], [2, 4, 8], 16, 64) if small else (16, [1, 1], [1, 2], 4, 32)
+    model = tf.SwinForImageClassification(tf.SwinConfig(
+        image_size=hw, patch_size=4, embed_dim=width, depths=depths, num_heads=heads, window_size=4, num_labels=10,
+        drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 10, (batch,)))
+
+
 HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-gpt2": _hf_text("GPT2LMHeadModel", "GPT2Config", n_positions=256, n_embd=256, n_layer=4, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
@@ -170,6 +185,7 @@ HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-vit": _hf_vit,
     "hf-segformer": _hf_segformer,
     "hf-convnext": _hf_convnext,
+    "hf-swin": _hf_swin,
 }
 """Hugging Face ``transformers`` models nobody here wrote, by benchmark name: ``build(size)`` gives a
 seeded model (random weights) and its keyword inputs with ``labels``."""
