@@ -159,16 +159,22 @@ def test_attention_reads_heads_transposed_operands_in_place():
     np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["float_mask", "value_not_transposed"])
-def test_heads_transposes_are_kept_where_the_op_cannot_take_them(case):
-    """An additive mask (its cotangent is built from primitives on [..., H, T, D]), or an operand that
-    is not a heads transpose: nothing changes."""
-    text = (HEADS.format(mask="f64[2,1,4,6]", **TRANSPOSED_V) if case == "float_mask" else
-            HEADS.format(mask="bool[2,1,4,6]", **PLAIN_V))
-    m, out = _fold(text)
+def test_attention_with_an_additive_mask_reads_heads_transposed_operands_in_place():
+    """A float mask (a learned position bias: Swin, T5) folds like a bool one; its cotangent swaps the
+    heads back in the backward (the VJP, checked by the generated per-op tests' seq_first sample)."""
+    m, out = _fold(HEADS.format(mask="f64[2,1,4,6]", **TRANSPOSED_V))
+    (att,) = [i for i in out["f"].instructions() if i.op.name == "attention"]
+    assert att.attrs["seq_first"] and att.operands[:3] == out["f"].params[:3] and att.operands[3] == out["f"].params[3]
+    assert "transpose" not in _ops(out["f"]), str(out)
+    args = _heads_args(np.random.default_rng(3), "f64")
+    np.testing.assert_allclose(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_heads_transposes_are_kept_where_the_op_cannot_take_them():
+    """An operand that is not a heads transpose: nothing changes."""
+    m, out = _fold(HEADS.format(mask="bool[2,1,4,6]", **PLAIN_V))
     assert str(out) == str(m)
-    args = _heads_args(np.random.default_rng(3), "f64" if case == "float_mask" else "bool",
-                       v_heads_first=case == "value_not_transposed")
+    args = _heads_args(np.random.default_rng(3), "bool", v_heads_first=True)
     np.testing.assert_array_equal(evaluate(out["f"], args, out)[0], evaluate(m["f"], args, m)[0])
 
 

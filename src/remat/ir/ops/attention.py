@@ -220,6 +220,9 @@ def _seq_first_samples(r: np.random.Generator) -> list[Sample]:
         # grouped-query: 4 query heads over 2 key/value heads; a bool mask, causal
         Sample([rand(r, 2, 4, 3, 4), rand(r, 2, 2, 5, 4), rand(r, 2, 2, 5, 4), _keep_mask(r, 2, 1, 3, 5)], {"scale": 0.5}),
         Sample([rand(r, 1, 6, 4, 4), rand(r, 1, 2, 4, 4), rand(r, 1, 2, 4, 3)], {"scale": 0.4, "is_causal": True}),
+        # an additive float mask (a learned position bias, Swin's or T5's) over [H, T, S], seq_first
+        Sample([rand(r, 2, 4, 3, 4), rand(r, 2, 6, 3, 4), rand(r, 2, 6, 3, 4), rand(r, 1, 3, 4, 6)],
+               {"scale": 0.5, "seq_first": True}),
     ]
 
 
@@ -358,22 +361,26 @@ def _swap_heads(b, v):
     return b.op("transpose", v, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
 
 
-def _mT(b, v):
-    r = v.type.rank
-    return b.op("transpose", v, perm=list(range(r - 2)) + [r - 1, r - 2])
-
-
-def _mask_cotangent(b, p, g, q, k, v, out, lse, mask):
+def _mask_cotangent(b, p, g, q, k, v, out, lse, mask, seq_first=False):
     """The cotangent of an additive float mask: dS = P ⊙ (g vᵀ − rowsum(g ⊙ out)), summed back to
-    the mask's shape. Emitted from primitives; dead (and removed by DCE) unless the mask needs it."""
+    the mask's shape. Emitted from primitives; dead (and removed by DCE) unless the mask needs it.
+    The products read kᵀ and vᵀ as transposed operands (no copy); with ``seq_first`` the scores'
+    operands are swapped to [..., H, T, D] (copies) and the row sums computed on [..., T, H, D], then
+    swapped (a [..., T, H, 1] copy), so ``out`` is never copied."""
     dt = q.type.dtype
-    s = b.op("mul", b.op("matmul", q, _mT(b, k)), _const(b, p.attrs["scale"], dt))
+    if seq_first:
+        g0, out0 = g, out
+        q, k, v, g = (_swap_heads(b, x) for x in (q, k, v, g))
+    s = b.op("mul", b.op("matmul", q, k, transpose_b=True), _const(b, p.attrs["scale"], dt))
     s = b.op("add", s, mask)
     lse_k = b.op("reshape", b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse,
                  shape=lse.type.shape + (1,))
     prob = b.op("exp", b.op("sub", s, lse_k))
-    dp = b.op("matmul", g, _mT(b, v))
-    rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    dp = b.op("matmul", g, v, transpose_b=True)
+    if seq_first:
+        rows = _swap_heads(b, b.op("reduce_sum", b.op("mul", g0, out0), axes=[g0.type.rank - 1], keepdims=True))
+    else:
+        rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
     ds = b.op("mul", prob, b.op("sub", dp, rows))
     return _unb(b, ds, mask.type.shape)
 
@@ -394,10 +401,7 @@ def _attention_vjp(b, p, g):
     cts = [gq, gk, gv]
     if mask is not None:
         if mask.type.dtype.is_float:
-            ops = [g_out, q, k, v, out]
-            if seq_first:  # the primitives below compute on [..., H, T, D]
-                ops = [_swap_heads(b, x) for x in ops]
-            cts.append(_mask_cotangent(b, p, ops[0], *ops[1:], lse, mask))
+            cts.append(_mask_cotangent(b, p, g_out, q, k, v, out, lse, mask, seq_first))
         else:
             cts.append(None)
     return cts
@@ -417,12 +421,12 @@ def _dropout_keep(b, seed, q, k, p: float):
 def _dropout_mask_cotangent(b, p, g, q, k, v, out, lse, seed, mask):
     """The cotangent of an additive float mask under dropout: dS = P ⊙ (dropout(g vᵀ) − rowsum(g ⊙ out))."""
     dt = q.type.dtype
-    s = b.op("add", b.op("mul", b.op("matmul", q, _mT(b, k)), _const(b, p.attrs["scale"], dt)), mask)
+    s = b.op("add", b.op("mul", b.op("matmul", q, k, transpose_b=True), _const(b, p.attrs["scale"], dt)), mask)
     lse_k = b.op("reshape", b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse,
                  shape=lse.type.shape + (1,))
     prob = b.op("exp", b.op("sub", s, lse_k))
     keep = _dropout_keep(b, seed, q, k, p.attrs["p"])
-    dp = b.op("select", keep, b.op("mul", b.op("matmul", g, _mT(b, v)), _const(b, 1.0 / (1.0 - p.attrs["p"]), dt)),
+    dp = b.op("select", keep, b.op("mul", b.op("matmul", g, v, transpose_b=True), _const(b, 1.0 / (1.0 - p.attrs["p"]), dt)),
               _const(b, 0.0, dt))
     rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
     return _unb(b, b.op("mul", prob, b.op("sub", dp, rows)), mask.type.shape)
