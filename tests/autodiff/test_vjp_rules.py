@@ -92,6 +92,17 @@ def test_attention_logsumexp_is_not_differentiable():
         grad_module(f, [0])
 
 
+@pytest.mark.parametrize("wrt, backward", [((0, 1, 2), "attention_grad"), ((0, 3), "attention_bias_grad")])
+def test_a_float_mask_gets_its_cotangent_only_when_it_needs_one(wrt, backward):
+    """A constant additive mask (a padding mask made from the inputs) keeps the flash backward; a
+    differentiated one (a learned position bias) gets attention_bias_grad, which also gives its
+    cotangent (the VJP rule reads which operands need one: ``Primal.needs``)."""
+    s, _ = _sample("attention", 3)  # [2, 2, 4, 4] queries, an additive [2, 1, 4, 6] mask
+    f = op_function("f", "attention", [np.asarray(a) for a in s.args], s.attrs, results=(0,))
+    ops = [i.op.name for i in grad_module(f, wrt)["f_grad"].instructions()]
+    assert backward in ops and ({"attention_grad", "attention_bias_grad"} - {backward}).isdisjoint(ops), ops
+
+
 VARIANT_CASES = [(n, k) for (n, pol) in sorted(VARIANTS) for k in range(len(OPS[n].sample(np.random.default_rng(0))))]
 
 
