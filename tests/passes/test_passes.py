@@ -111,6 +111,29 @@ def test_a_chain_of_transposes_and_reshapes_that_keeps_the_stored_order_is_one_r
                             rng.standard_normal((2, 3, 4, 5))])
 
 
+def test_a_pad_or_slice_between_a_transpose_and_its_inverse_runs_in_the_outer_layout():
+    """``transpose_per_axis_transpose``: NHWC data transposed to NCHW, padded (TF-style, before a
+    stride-2 convolution) or sliced, and transposed back is padded or sliced in NHWC, its per-axis
+    attributes permuted; a second transpose that does not undo the first keeps both."""
+    text = """func @f(%0: f64[2,5,6,3]) -> (f64[2,6,7,3], f64[2,2,3,3], f64[2,6,3,7]) {
+  %1 = transpose %0 {perm=[0, 3, 1, 2]} : f64[2,3,5,6]
+  %2 = pad %1 {low=[0, 0, 0, 1], high=[0, 0, 1, 0], interior=[0, 0, 0, 0], value=0.5} : f64[2,3,6,7]
+  %3 = transpose %2 {perm=[0, 2, 3, 1]} : f64[2,6,7,3]
+  %4 = slice %1 {start=[0, 0, 1, 0], stop=[2, 3, 5, 6], step=[1, 1, 2, 2]} : f64[2,3,2,3]
+  %5 = transpose %4 {perm=[0, 2, 3, 1]} : f64[2,2,3,3]
+  %6 = transpose %2 {perm=[0, 2, 1, 3]} : f64[2,6,3,7]
+  return %3, %5, %6
+}
+"""
+    m, out = _run(text, ["simplify", "dce"])
+    f = out["f"]
+    pads = [i for i in f.instructions() if i.op.name == "pad"]
+    assert any(i.operands[0] is f.params[0] and list(i.attrs["low"]) == [0, 0, 1, 0] for i in pads), str(out)
+    assert [i.operands[0] for i in f.instructions() if i.op.name == "slice"] == [f.params[0]]
+    assert _ops(f).count("transpose") == 2, str(out)  # %6's pair does not cancel
+    _same_numerics(m, out, [np.random.default_rng(1).standard_normal((2, 5, 6, 3))])
+
+
 def test_matmul_reads_operands_transposed_in_their_last_two_dims_through_its_flags():
     text = """func @f(%0: f64[2,4,3], %1: f64[2,5,4], %2: f64[4,2,3]) -> (f64[2,3,5], f64[2,5,4], f64[2,3,3]) {
   %3 = transpose %0 {perm=[0, 2, 1]} : f64[2,3,4]

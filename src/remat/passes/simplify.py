@@ -72,6 +72,36 @@ def transpose_transpose(ins, b):
     return x if perm == list(range(len(perm))) else b.op("transpose", x, perm=perm)
 
 
+_PER_AXIS = {"pad": ("low", "high", "interior"), "slice": ("start", "stop", "step")}
+"""Ops that treat each axis alone, with their per-axis attributes: a transpose commutes with them."""
+
+
+def transpose_per_axis_transpose(ins, b):
+    """``transpose(op(transpose(x, p)), q)`` with ``q`` undoing ``p`` and ``op`` a pad or slice ->
+    ``op(x)``, its per-axis attributes permuted: a layout change around an op that reads each axis
+    alone, such as the NCHW round trip the layout pass puts around a TF-style ``F.pad`` before a
+    channels-last convolution (MobileNetV2: four transposed copies per padded convolution, two of
+    them in the backward the pad's slice gets)."""
+    d = getattr(ins.operands[0], "instr", None)
+    if d is None or d.op.name not in _PER_AXIS:
+        return None
+    inner = _def(d.operands[0], "transpose")
+    if inner is None:
+        return None
+    p, q = inner.attrs["perm"], ins.attrs["perm"]
+    if [p[i] for i in q] != list(range(len(q))):
+        return None
+    attrs = dict(d.attrs)
+    for a in _PER_AXIS[d.op.name]:
+        vals = attrs.get(a)
+        if vals:  # axis j of the transposed operand is axis p[j] of x
+            perm = [0] * len(vals)
+            for j, v in enumerate(vals):
+                perm[p[j]] = v
+            attrs[a] = perm
+    return _same(ins, b.op(d.op.name, inner.operands[0], **attrs))
+
+
 def same_shape(ins, b):
     return _same(ins, ins.operands[0])
 
@@ -258,7 +288,7 @@ RULES: dict[str, list[Rule]] = {
     "div": [_right_identity(1)],
     "pow": [_right_identity(1)],
     "neg": [neg_neg],
-    "transpose": [transpose_identity, transpose_transpose, view_chain],
+    "transpose": [transpose_identity, transpose_transpose, view_chain, transpose_per_axis_transpose],
     "reshape": [same_shape, reshape_reshape, view_chain],
     "broadcast": [same_shape, broadcast_broadcast],
     "cast": [cast_same],
