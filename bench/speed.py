@@ -6,7 +6,8 @@ issue's 8-layer GPT, no optimizer: the step leaves gradients in ``.grad``). Then
 wrote: Hugging Face ``transformers`` classes with random weights (:data:`HF_MODELS`: GPT-2, Llama,
 BERT, ViT, 4 layers of width 256, sequences of 256 tokens, batch 8; ViT batch 16 of 64x64 images;
 Segformer, SegFormer-B0's stages on batch 8 of 128x128 images, a class per pixel; ConvNeXt's four stages
-at widths 32-256 on batch 8 of 128x128 images; Swin's three stages at widths 48-192 on batch 16 of 64x64 images),
+at widths 32-256 on batch 8 of 128x128 images; Swin's three stages at widths 48-192 on batch 16 of 64x64 images;
+MobileNetV2 on batch 8 of 128x128 images),
 in training mode with dropout off, keyword inputs that include ``labels`` (the model computes its
 loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-momentum as above.
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
@@ -173,6 +174,20 @@ def _hf_swin(size: str) -> tuple[torch.nn.Module, dict]:
     return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 10, (batch,)))
 
 
+def _hf_mobilenet_v2(size: str) -> tuple[torch.nn.Module, dict]:
+    """MobileNetV2 (depthwise separable convolutions, ReLU6, TensorFlow-style padding before the
+    stride-2 convolutions) on batch 8 of 128x128 images, 10 classes; ``tiny``: depth multiplier 0.35
+    on batch 4 of 64x64 images."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    small = size != "tiny"
+    hw, batch = (128, 8) if small else (64, 4)
+    model = tf.MobileNetV2ForImageClassification(tf.MobileNetV2Config(
+        image_size=hw, num_labels=10, classifier_dropout_prob=0.0, depth_multiplier=1.0 if small else 0.35))
+    return model, dict(pixel_values=torch.randn(batch, 3, hw, hw), labels=torch.randint(0, 10, (batch,)))
+
+
 HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-gpt2": _hf_text("GPT2LMHeadModel", "GPT2Config", n_positions=256, n_embd=256, n_layer=4, n_head=4,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
@@ -186,6 +201,7 @@ HF_MODELS: dict[str, Callable[[str], tuple[torch.nn.Module, dict]]] = {
     "hf-segformer": _hf_segformer,
     "hf-convnext": _hf_convnext,
     "hf-swin": _hf_swin,
+    "hf-mobilenet-v2": _hf_mobilenet_v2,
 }
 """Hugging Face ``transformers`` models nobody here wrote, by benchmark name: ``build(size)`` gives a
 seeded model (random weights) and its keyword inputs with ``labels``."""

@@ -21,7 +21,8 @@ def test_parse_args_defaults_and_validation() -> None:
     a = speed.parse_args([])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.threads) == (7, 2, ("50%", "25%"), "inductor", 0)
     assert a.models == ["mlp", "resnet", "gpt", "unet", "gpt-medium", "hf-gpt2", "hf-llama", "hf-bert", "hf-vit",
-                        "hf-segformer", "hf-convnext", "hf-swin"]
+                        "hf-segformer", "hf-convnext", "hf-swin",
+                        "hf-mobilenet-v2"]
     assert not a.one_process  # each model in a fresh process
     a = speed.parse_args(["--quick", "--models", "gpt-medium", "--budgets", "90%"])
     assert (a.rounds, a.warmup, a.budgets, a.compile_backend, a.models) == (3, 1, ("90%",), "aot_eager", ["gpt-medium"])
