@@ -225,6 +225,33 @@ def test_bilinear_interpolation_is_one_op_like_eager(interp):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_relu6_is_one_op_whose_backward_keeps_only_its_output(dtype):
+    """ReLU6 (MobileNetV2's; ``hardtanh(0, 6)``) imports as ``hardtanh``, differentiated by
+    ``hardtanh_grad`` from its output, as PyTorch's hardtanh_backward from its input (the same
+    gradient: the output is strictly inside the bounds where the input is). The clamp it was,
+    ``minimum(maximum(x, 0), 6)``, kept the input of both halves: one activation more per ReLU6
+    beside the output the next layer keeps (MobileNetV2's unconstrained peak: 1.27x eager's)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 5)
+
+        def forward(self, x):
+            return self.b(F.relu6(self.a(x) * 4.0) + F.hardtanh(self.a(x), -0.5, 0.25))
+
+    model = Net().to(dtype)
+    x, t = _data(dtype)
+    loss_fn = lambda out, t: F.cross_entropy(out.reshape(-1, 5), t)  # noqa: E731
+    im = import_module(model, (x, t), loss_fn)
+    ops = _ops(im.function)
+    assert ops.count("hardtanh") == 2 and not {"maximum", "minimum"} & set(ops), ops
+    step = _check_step(model, x, t, loss_fn, dtype)
+    hts = [i for i in step.program.instructions() if i.op.name == "hardtanh_grad"]
+    assert len(hts) == 2 and all(i.operands[1].instr.op.name == "hardtanh" for i in hts), _ops(step.program)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_silu_is_one_op_whose_backward_keeps_only_its_input(dtype):
     """SiLU (EfficientNet's and MobileViT's swish) imports as ``silu``, differentiated by ``silu_grad``
     from the input alone, as PyTorch's silu_backward: ``x * sigmoid(x)`` kept x and sigmoid(x), one

@@ -64,6 +64,18 @@ def relu_grad(g, y):
     return _fresh(np.where(y <= 0, np.zeros((), g.dtype), g), g.dtype)
 
 
+@k("hardtanh")
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    return _fresh(np.minimum(np.maximum(x, np.asarray(min_val, x.dtype)), np.asarray(max_val, x.dtype)), x.dtype)
+
+
+@k("hardtanh_grad")
+def hardtanh_grad(g, v, min_val=-1.0, max_val=1.0):
+    """PyTorch's hardtanh_backward: 0 where v <= min_val or v >= max_val, else g (a NaN v passes g)."""
+    out = (v <= np.asarray(min_val, v.dtype)) | (v >= np.asarray(max_val, v.dtype))
+    return _fresh(np.where(out, np.zeros((), g.dtype), g), g.dtype)
+
+
 @k("gelu")
 def gelu(x, approximate="none"):
     y = _up(x)

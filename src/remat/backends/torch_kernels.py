@@ -93,6 +93,16 @@ def relu_grad(g, y):
     return torch.ops.aten.threshold_backward(g, y, 0)
 
 
+@k("hardtanh")
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    return F.hardtanh(x, min_val, max_val)
+
+
+@k("hardtanh_grad")
+def hardtanh_grad(g, v, min_val=-1.0, max_val=1.0):
+    return _fresh(torch.ops.aten.hardtanh_backward(g, v, min_val, max_val))
+
+
 @k("silu")
 def silu(x):
     return F.silu(x)
@@ -294,6 +304,16 @@ def relu_out(out, x):
 @_out("relu_grad")
 def relu_grad_out(out, g, y):
     return torch.ops.aten.threshold_backward.grad_input(g, y, 0, grad_input=out)
+
+
+@_out("hardtanh")
+def hardtanh_out(out, x, min_val=-1.0, max_val=1.0):
+    return torch.ops.aten.hardtanh.out(x, min_val, max_val, out=out)
+
+
+@_out("hardtanh_grad")
+def hardtanh_grad_out(out, g, v, min_val=-1.0, max_val=1.0):
+    return torch.ops.aten.hardtanh_backward.grad_input(g, v, min_val, max_val, grad_input=out)
 
 
 @_out("silu")

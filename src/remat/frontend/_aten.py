@@ -332,7 +332,16 @@ def _leaky_relu(L: Lowerer, x, negative_slope=0.01):
     return L.op("select", L.op("gt", x, L.const(0, dt)), x, L.op("mul", x, L.const(negative_slope, dt)))
 
 
-@lower("clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_max.default", "hardtanh.default")
+@lower("hardtanh.default", keep=True)
+def _hardtanh(L: Lowerer, x, min_val=-1.0, max_val=1.0):
+    """One op (ReLU6 is hardtanh(0, 6)): its backward keeps the output, where a clamp's keeps the input
+    of both its halves (MobileNetV2's unconstrained peak: 1.27x eager's with the clamp)."""
+    if not x.type.dtype.is_float or not min_val < max_val:
+        return _clamp(L, x, min_val, max_val)
+    return L.op("hardtanh", x, min_val=float(min_val), max_val=float(max_val))
+
+
+@lower("clamp.default", "clamp.Tensor", "clamp_min.default", "clamp_max.default")
 def _clamp(L: Lowerer, x, min=None, max=None):
     if L.node.target.__name__.startswith("clamp_max"):
         min, max = None, min

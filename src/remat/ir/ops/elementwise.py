@@ -79,6 +79,48 @@ declare(OpDef("gelu_grad", 2, (Attr("approximate", "str", "none"),), _gelu_grad_
                                 Sample([rand(r, 2, 5), rand(r, 2, 5, low=-3, high=3)], {"approximate": "tanh"})]))
 
 
+_HARDTANH_ATTRS = (Attr("min_val", "float", -1.0), Attr("max_val", "float", 1.0))
+
+
+def _hardtanh_check(name: str, t: TensorType, attrs) -> None:
+    expect_float(name, t)
+    if not attrs["min_val"] < attrs["max_val"]:
+        raise TypeError(f"'{name}': min_val must be below max_val, got min_val={attrs['min_val']} and "
+                        f"max_val={attrs['max_val']}")
+
+
+def _hardtanh_infer(types, attrs):
+    (t,) = types
+    _hardtanh_check("hardtanh", t, attrs)
+    return t
+
+
+def _hardtanh_grad_infer(types, attrs):
+    _hardtanh_check("hardtanh_grad", types[1], attrs)
+    return grad_pair_infer("hardtanh_grad", "hardtanh input or output")(types, attrs)
+
+
+def _hardtanh_sample(r: np.random.Generator, *shape: int) -> np.ndarray:
+    """Values in (-2.5, 2.5) at least 0.15 away from the default bounds -1 and 1 (the kinks)."""
+    x = away_from(r, *shape, gap=0.15) * 2.5
+    return np.where(np.abs(np.abs(x) - 1.0) < 0.15, x * 0.5, x)
+
+
+declare(OpDef("hardtanh", 1, _HARDTANH_ATTRS, _hardtanh_infer, frozenset({"elementwise", "unary"}),
+              doc="x clamped to [min_val, max_val] (PyTorch's hardtanh; ReLU6 is hardtanh(0, 6)), its gradient "
+                  "passed where min_val < x < max_val, so the output alone gives it",
+              flops=max_numel,
+              sample=lambda r: [Sample([_hardtanh_sample(r, 3, 4)]),
+                                Sample([_hardtanh_sample(r, 2, 5) * 3.0 + 3.0], {"min_val": 0.0, "max_val": 6.0})]))
+declare(OpDef("hardtanh_grad", 2, _HARDTANH_ATTRS, _hardtanh_grad_infer, frozenset({"elementwise"}),
+              doc="gradient of hardtanh from (grad_output, hardtanh input or output): 0 where the value is "
+                  "<= min_val or >= max_val, else the gradient (PyTorch's hardtanh_backward)",
+              flops=lambda ins, outs, attrs: 2.0 * outs[0].numel,
+              sample=lambda r: [Sample([rand(r, 3, 4), _hardtanh_sample(r, 3, 4)]),
+                                Sample([rand(r, 2, 5), _hardtanh_sample(r, 2, 5) * 3.0 + 3.0],
+                                       {"min_val": 0.0, "max_val": 6.0})]))
+
+
 declare(OpDef("silu", 1, (), _unary_infer("silu", True), frozenset({"elementwise", "unary"}),
               doc="x * sigmoid(x) (swish; PyTorch's silu, whose backward keeps only the input)", flops=per_output(4.0),
               sample=_unary_sample(lambda r: rand(r, 3, 4, low=-4, high=4))))
@@ -255,6 +297,24 @@ def _relu_vjp_in(b, p, g):
 def _relu_grad_vjp(b, p, g):
     # Linear in the gradient, piecewise constant in the value: d g = relu_grad(u, y), d y = 0.
     return [b.op("relu_grad", g, p.x[1]), None]
+
+
+@def_vjp("hardtanh", saves="outputs")
+def _hardtanh_vjp(b, p, g):
+    # The output is strictly inside (min_val, max_val) exactly where the input is; a ReLU6's output
+    # is what the next convolution keeps anyway, so its backward keeps nothing more.
+    return [b.op("hardtanh_grad", g, p.y[0], **p.attrs)]
+
+
+@def_vjp_variant("hardtanh", "inputs", saves="inputs")
+def _hardtanh_vjp_in(b, p, g):
+    return [b.op("hardtanh_grad", g, p.x[0], **p.attrs)]
+
+
+@def_vjp("hardtanh_grad", saves=(1,))
+def _hardtanh_grad_vjp(b, p, g):
+    # Linear in the gradient, piecewise constant in the value.
+    return [b.op("hardtanh_grad", g, p.x[1], **p.attrs), None]
 
 
 @def_vjp("exp", saves="outputs")
@@ -481,6 +541,19 @@ def _gelu_grad_decomp(b, xs, attrs):
     # Φ(x) + x φ(x), φ(x) = exp(−x²/2) / √(2π)
     pdf = b.op("div", b.op("exp", b.op("mul", _c(b, -0.5, x), b.op("mul", x, x))), _c(b, _sqrt(2.0 * _pi), x))
     return [b.op("mul", g, b.op("add", _gelu_cdf(b, x), b.op("mul", x, pdf)))]
+
+
+@def_decomposition("hardtanh")
+def _hardtanh_decomp(b, xs, attrs):
+    (x,) = xs
+    return [b.op("minimum", b.op("maximum", x, _c(b, attrs["min_val"], x)), _c(b, attrs["max_val"], x))]
+
+
+@def_decomposition("hardtanh_grad")
+def _hardtanh_grad_decomp(b, xs, attrs):
+    g, v = xs
+    out = b.op("or", b.op("le", v, _c(b, attrs["min_val"], v)), b.op("ge", v, _c(b, attrs["max_val"], v)))
+    return [b.op("select", out, _c(b, 0.0, g), g)]
 
 
 @def_decomposition("silu")
