@@ -102,6 +102,19 @@ def mib(b: int | None) -> str:
     return "-" if b is None else f"{b / 2**20:.2f}"
 
 
+def checked_rows(cases: dict, show, rtol: float) -> list[dict]:
+    """Each case's row (``cases``: name -> a function returning a row with ``max_relative_difference``),
+    printed as ``show(row)``; stops with an error naming the case whose results differ by more than ``rtol``."""
+    rows = []
+    for name, run in cases.items():
+        row = run()
+        rows.append(row)
+        print(f"{name:16} {show(row)}  max rel diff {row['max_relative_difference']:.1e}", flush=True)
+        if row["max_relative_difference"] > rtol:
+            raise SystemExit(f"{name}: gradients differ by {row['max_relative_difference']:.2e} > {rtol:g}")
+    return rows
+
+
 def write_kernel_rows(path: str, rows: list[dict], rounds: int) -> None:
     """A kernel benchmark's rows as JSON at ``path`` (folders made), with torch's version and threads."""
     import json

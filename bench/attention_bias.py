@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from _measure import write_kernel_rows
+from _measure import checked_rows, write_kernel_rows
 from remat.backends import torch_kernels as tk
 
 SHAPES = {"swin stage 1": (256, 2, 16, 24), "swin stage 2": (64, 4, 16, 24), "swin stage 3": (16, 8, 16, 24),
@@ -80,14 +80,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rtol", type=float, default=1e-5, help="largest relative gradient difference accepted")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "attention_bias.json"))
     a = ap.parse_args(argv)
-    rows = []
-    for name, shape in SHAPES.items():
-        row = bench(name, shape, a.rounds, a.hot)
-        rows.append(row)
-        print(f"{name:16} {shape}  " + "  ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items())
-              + f"  | x separate {row['x_separate']:.2f}  max rel diff {row['max_relative_difference']:.1e}", flush=True)
-        if row["max_relative_difference"] > a.rtol:
-            raise SystemExit(f"{name}: gradients differ by {row['max_relative_difference']:.2e} > {a.rtol:g}")
+    rows = checked_rows({name: (lambda name=name, shape=shape: bench(name, shape, a.rounds, a.hot))
+                         for name, shape in SHAPES.items()},
+                        lambda row: f"{tuple(row['b_h_t_d'])}  " + "  ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items())
+                        + f"  | x separate {row['x_separate']:.2f}", a.rtol)
     write_kernel_rows(a.out, rows, a.rounds)
     return rows
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from _measure import write_kernel_rows
+from _measure import checked_rows, write_kernel_rows
 from remat.backends import torch_kernels as tk
 
 SHAPES = {"gpt-medium head": (2048, 8000), "32k vocabulary": (1024, 32000), "mlp head": (512, 10)}
@@ -88,14 +88,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--rtol", type=float, default=1e-5, help="largest relative gradient difference accepted")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cross_entropy.json"))
     a = ap.parse_args(argv)
-    rows = []
-    for name, (n, c) in SHAPES.items():
-        row = bench(name, n, c, a.rounds)
-        rows.append(row)
-        print(f"{name:16} [{n}, {c}]  " + "  ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
-              + f"  | x pair: {row['x_pair']}  max rel diff {row['max_relative_difference']:.1e}", flush=True)
-        if row["max_relative_difference"] > a.rtol:
-            raise SystemExit(f"{name}: gradients differ by {row['max_relative_difference']:.2e} > {a.rtol:g}")
+    rows = checked_rows({name: (lambda name=name, n=n, c=c: bench(name, n, c, a.rounds)) for name, (n, c) in SHAPES.items()},
+                        lambda row: f"[{row['rows']}, {row['classes']}]  "
+                        + "  ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items()) + f"  | x pair: {row['x_pair']}",
+                        a.rtol)
     write_kernel_rows(a.out, rows, a.rounds)
     return rows
 

@@ -94,11 +94,13 @@ def transpose_per_axis_transpose(ins, b):
     attrs = dict(d.attrs)
     for a in _PER_AXIS[d.op.name]:
         vals = attrs.get(a)
+        if vals and len(vals) != len(p):
+            return None
         if vals:  # axis j of the transposed operand is axis p[j] of x
-            perm = [0] * len(vals)
+            moved = [0] * len(vals)
             for j, v in enumerate(vals):
-                perm[p[j]] = v
-            attrs[a] = perm
+                moved[p[j]] = v
+            attrs[a] = moved
     return _same(ins, b.op(d.op.name, inner.operands[0], **attrs))
 
 

@@ -561,7 +561,8 @@ def _attention_bias_grad_decomp(b, xs, attrs):
 
 
 def _attention_grads_ir(b, xs, attrs, mask_grad: bool):
-    """dq, dk, dv and, with a mask, its cotangent (the scores' gradient summed to the mask's shape)."""
+    """dq, dk, dv and, with ``mask_grad``, the additive mask's cotangent (the scores' gradient summed
+    to the mask's shape)."""
     seq_first = attrs.get("seq_first", False)
     g, q, k0, v0, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
     k, v = repeat_kv(b, k0, q), repeat_kv(b, v0, q)
