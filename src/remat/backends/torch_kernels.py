@@ -1027,7 +1027,7 @@ def attention_bias_grad(g, q, k, v, out, lse, mask, *, scale, is_causal=False, s
     """attention_grad and the additive mask's cotangent from one recomputation of the probabilities,
     explicit (f16/bf16 in f32), in place on the scores: 0.64-1.03x the time of the flash backward
     followed by the cotangent's primitives, which recomputed them again, on Swin's and a T5-like
-    encoder's shapes with operands from memory (``bench/attention_bias.py``, two runs). With
+    encoder's shapes with operands from memory (``bench/attention_bias.py``, three runs). With
     ``seq_first`` the products' operands are copied to [..., H, T, D] first (ATen's matmul of two
     such strided views is ~12x slower than of contiguous ones: 0.9 ms against 75 µs for Swin's
     [256, 2, 16, 24]) and the gradients written back [..., T, H, D]-contiguous."""
