@@ -133,7 +133,8 @@ def test_failures_name_the_stage(monkeypatch):
 
     with pytest.raises(CaptureError, match=r"capture \(torch.export.export\)") as ei:
         import_module(DataDependent(), (torch.randn(3),))
-    assert ei.value.stage.startswith("capture")
+    assert ei.value.stage.startswith("capture") and ei.value.eager_error is None  # it runs eagerly
+    assert "could not be traced" in str(ei.value)
 
     default = torch.export.default_decompositions
 
@@ -150,6 +151,27 @@ def test_failures_name_the_stage(monkeypatch):
     with pytest.raises(CaptureError, match="decomposition") as ei:
         import_module(Hardswish(), (torch.randn(2, 4),))
     assert len(ei.value.failures) == 2 and all("broken decomposition" in f for f in ei.value.failures)
+
+
+def test_a_model_that_raises_by_itself_is_not_called_untraceable():
+    """A model that fails when run eagerly (here a shape mismatch after a batch norm) gets a capture
+    error that says so and shows the model's own error, not the hint to make it traceable; the check
+    runs the model once without gradients and leaves its running statistics as they were."""
+
+    class Mismatch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.fc = nn.BatchNorm1d(3), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(self.bn(x))  # 3 features into a Linear of 4
+
+    model = Mismatch().train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CaptureError, match="raises on these example inputs when run eagerly") as ei:
+        import_module(model, (torch.randn(5, 3),))
+    assert ei.value.eager_error.startswith("RuntimeError") and "could not be traced" not in str(ei.value)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def test_slice_assignment_and_copy_match_eager():

@@ -122,12 +122,17 @@ class CaptureError(RuntimeError):
     """PyTorch could not capture or decompose the model; ``stage`` says which step failed and
     ``failures`` what each attempt raised (the first lines of each error)."""
 
-    def __init__(self, stage: str, failures: Sequence[str]):
-        self.stage, self.failures = stage, list(failures)
+    def __init__(self, stage: str, failures: Sequence[str], eager_error: str | None = None):
+        self.stage, self.failures, self.eager_error = stage, list(failures), eager_error
         shown = "\n".join("  " + "\n    ".join(f.strip().splitlines()[:3]) for f in failures)
-        hint = ("the model's Python could not be traced; make it traceable by torch.export (no data-dependent "
-                "control flow on tensor values)" if stage.startswith("capture") else
-                "PyTorch's decompositions failed on the captured graph with every table remat tried")
+        if eager_error is not None:
+            hint = ("the model itself raises on these example inputs when run eagerly, so this is not a tracing "
+                    f"problem: fix the model or its inputs\n  eager: {eager_error}\n  torch.export:")
+        elif stage.startswith("capture"):
+            hint = ("the model's Python could not be traced; make it traceable by torch.export (no data-dependent "
+                    "control flow on tensor values)")
+        else:
+            hint = "PyTorch's decompositions failed on the captured graph with every table remat tried"
         super().__init__(f"importing the model failed at {stage}: {hint}\n{shown}")
 
 
@@ -537,7 +542,8 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
     except ModelOutputError:
         raise  # the user's call, not the capture: its message says what to change
     except Exception as e:
-        raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"]) from e
+        raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"],
+                           _eager_error(wrapper, example_inputs)) from e
     failures = []
     for name, table in decomposition_tables():
         try:
@@ -545,6 +551,26 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
         except Exception as e:  # noqa: BLE001  a decomposition of PyTorch's own failed: try the next table
             failures.append(f"with {name}: {type(e).__name__}: {e}")
     raise CaptureError("decomposition (ExportedProgram.run_decompositions)", failures)
+
+
+def _eager_error(wrapper: torch.nn.Module, example_inputs: tuple) -> str | None:
+    """What the model raises when run eagerly on the example inputs (its first line), or None when it
+    runs: tells a model that fails by itself from one that ``torch.export`` cannot trace. Run without
+    gradients; its buffers (batch norm's running statistics) and the RNG state are put back, so the
+    check leaves the model as it was."""
+    buffers = [(b, b.detach().clone()) for b in wrapper.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            wrapper(*example_inputs)
+        return None
+    except Exception as e:  # noqa: BLE001  the model's own error, reported with the capture's
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
 
 
 def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_user: int, has_loss: bool,
