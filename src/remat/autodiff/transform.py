@@ -404,8 +404,7 @@ class _Transform:
         xs, ys = saved_indices(saves, len(ins.operands), len(ins.results), ins.attrs)
         p = Primal(dict(ins.attrs), [v.type for v in ins.operands], [r.type for r in ins.results],
                    [self.avail[v] if i in xs else None for i, v in enumerate(ins.operands)],
-                   [self.avail[r] if j in ys else None for j, r in enumerate(ins.results)],
-                   tuple(v in self.active for v in ins.operands))
+                   [self.avail[r] if j in ys else None for j, r in enumerate(ins.results)])
         outer, b.loc = b.loc, ins.loc  # the backward of an instruction comes from its source line
         try:  # single-result rules get the cotangent, multi-result rules the list (None: zero)
             cts = rule(b, p, gs[0] if len(ins.results) == 1 else gs)

@@ -873,7 +873,7 @@ def fused(*args, body):
                      lambda x, shape: np.array(np.broadcast_to(x, shape), order="C", copy=True))
 
 # ---------------------------------------------------------------- attention (explicit softmax reference)
-from ..ir.ops.attention import reference_backward, reference_bias_backward, reference_forward  # noqa: E402
+from ..ir.ops.attention import reference_backward, reference_forward  # noqa: E402
 
 
 def _f32_mask(mask):
@@ -899,14 +899,6 @@ def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, s
     g, q, k, v, out = (_heads_first(_up(x), seq_first) for x in (g, q, k, v, out))
     grads = reference_backward(g, q, k, v, out, _up(lse), _f32_mask(mask), scale=scale, is_causal=is_causal)
     return tuple(_fresh(_heads_first(x, seq_first), dt) for x in grads)
-
-
-@k("attention_bias_grad")
-def attention_bias_grad(g, q, k, v, out, lse, mask, *, scale, is_causal=False, seq_first=False):
-    dt = q.dtype
-    g, q, k, v, out = (_heads_first(_up(x), seq_first) for x in (g, q, k, v, out))
-    *grads, dmask = reference_bias_backward(g, q, k, v, out, _up(lse), _up(mask), scale=scale, is_causal=is_causal)
-    return tuple(_fresh(_heads_first(x, seq_first), dt) for x in grads) + (_fresh(dmask, dt),)
 
 
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)

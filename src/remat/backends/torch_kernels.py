@@ -1015,34 +1015,6 @@ def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
     return tuple(_fresh(_heads_first(x.to(q.dtype), seq_first)) for x in (dq, dk, _sum_groups(dv, v0)))
 
 
-def _sum_to(t: torch.Tensor, shape) -> torch.Tensor:
-    """``t`` (of a broadcast shape) summed back to ``shape`` (broadcasting's axes, right-aligned)."""
-    lead = t.dim() - len(shape)
-    axes = list(range(lead)) + [lead + i for i, d in enumerate(shape) if d == 1 and t.shape[lead + i] != 1]
-    return (t.sum(axes, keepdim=True) if axes else t).reshape(tuple(shape))
-
-
-@k("attention_bias_grad")
-def attention_bias_grad(g, q, k, v, out, lse, mask, *, scale, is_causal=False, seq_first=False):
-    """attention_grad and the additive mask's cotangent from one recomputation of the probabilities,
-    explicit (f16/bf16 in f32), in place on the scores: 0.64-1.03x the time of the flash backward
-    followed by the cotangent's primitives, which recomputed them again, on Swin's and a T5-like
-    encoder's shapes with operands from memory (``bench/attention_bias.py``, three runs). With
-    ``seq_first`` the products' operands are copied to [..., H, T, D] first (ATen's matmul of two
-    such strided views is ~12x slower than of contiguous ones: 0.9 ms against 75 µs for Swin's
-    [256, 2, 16, 24]) and the gradients written back [..., T, H, D]-contiguous."""
-    g, q, k, v, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
-    g32, q32, k32, v32 = (_up(x).contiguous() for x in (g, q, k, v))
-    out32 = _up(out)
-    p = torch.matmul(q32, k32.mT).mul_(scale).add_(mask.to(g32.dtype)).sub_(_lse_for(lse, q).unsqueeze(-1)).exp_()
-    dv = torch.matmul(p.mT, g32)
-    ds = torch.matmul(g32, v32.mT).sub_((g32 * out32).sum(-1, keepdim=True)).mul_(p)
-    dq = torch.matmul(ds, k32).mul_(scale)
-    dk = torch.matmul(ds.mT, q32).mul_(scale)
-    return (tuple(_fresh(_heads_first(x.to(q.dtype), seq_first)) for x in (dq, dk, dv))
-            + (_fresh(_sum_to(ds, mask.shape).to(mask.dtype)),))
-
-
 # ---------------------------------------------------------------- convolution -> batch norm -> ReLU -> max pool (batch-tiled)
 # ``remat.ir.ops.convblock``: two passes over tiles of the batch, in NCHW views of any layout; a
 # tile's convolution output and its normalised, rectified and routed-back forms are the only

@@ -388,9 +388,11 @@ def fold_head_transposes(f: Function) -> tuple[Function, int]:
     ``simplify`` then cancels that transpose against the model's own transpose of the output, and
     DCE drops the operands' transposes: the flash kernels read [B, T, H, D] through views and write
     their output (and, in the backward, the gradients) [B, T, H, D]-contiguous, so the copies the
-    transposes and the kernels' own layout changes made are gone (bit-identical results). An
-    additive (float) mask, a learned position bias, folds alike: its backward,
-    ``attention_bias_grad``, reads the [..., T, H, D] operands too."""
+    transposes and the kernels' own layout changes made are gone (bit-identical results). With an
+    additive (float) mask, a learned position bias, the mask's cotangent computes on [..., H, T, D]:
+    it swaps the query, key, value and output gradient back (four copies in the backward, where
+    the heads-first form copied them in the forward, the output both ways and the three gradients
+    back: eight)."""
     def rewrite(ins: Instruction, b: Builder, users: dict[Value, list[Instruction]]):
         if ins.attrs.get("seq_first", False) or ins.operands[0].type.rank < 3:
             return None

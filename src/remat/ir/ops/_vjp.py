@@ -32,13 +32,6 @@ class Primal:
     out_types: list[TensorType]
     x: list[Value | None]  # operands, None unless saved
     y: list[Value | None]  # results, None unless saved
-    active: tuple[bool, ...] | None = None  # per operand: whether its cotangent is used (None: all are)
-
-    def needs(self, i: int) -> bool:
-        """Whether operand ``i``'s cotangent is used (the operand depends on a differentiated input and
-        a differentiated output depends on it): a rule may emit a cheaper backward without the others
-        (a cotangent given for an operand that does not need it is dropped)."""
-        return self.active is None or self.active[i]
 
 
 # (op name, policy) -> (rule, saves). Policy "inputs": the rule keeps inputs instead of outputs.

@@ -15,11 +15,6 @@ whose scores are all masked has no defined softmax (NaN, as the explicit formula
 gives them; the op computes on their ``[..., H, T, D]`` transposes, read in place (the logsumexp
 stays ``[..., H, T]``). ``remat.passes.attention.fold_head_transposes`` sets it where a model
 transposes heads in and out of attention, so no transposed copy is made either way.
-``attention_bias_grad`` is ``attention_grad`` for an additive float mask that needs a gradient (a
-learned position bias: Swin's, T5's): it also returns the mask's cotangent, the scores' gradient
-``P ⊙ (g vᵀ − rowsum(g ⊙ out))`` summed to the mask's shape, from the one recomputation of the
-probabilities its backward makes anyway (one kernel where the flash backward and the cotangent's
-primitives recomputed them twice).
 Grouped-query attention (``attention`` and ``attention_grad``): k and v may have fewer heads (axis
 -3) than q, a divisor of them; query head ``h`` reads key/value head ``h // (H / H_kv)``, as
 Hugging Face's ``repeat_kv`` lays the repeated heads out (``remat.passes.attention.fold_kv_repeats``
@@ -123,18 +118,6 @@ def _attention_grad_infer(types, attrs):
     return tuple(types[1:4])
 
 
-def _attention_bias_grad_infer(types, attrs):
-    if len(types) != 7:
-        raise TypeError(f"'attention_bias_grad' takes (grad_out, query, key, value, out, logsumexp, mask), "
-                        f"got {len(types)} operands")
-    grads = _attention_grad_infer(types, attrs)
-    mask = types[6]
-    if mask.dtype != types[1].dtype:
-        raise TypeError(f"'attention_bias_grad': the mask must be an additive {types[1].dtype} mask (a bool mask has "
-                        f"no gradient: use attention_grad), got {mask}")
-    return tuple(grads) + (mask,)
-
-
 def _scores(types) -> float:
     q, k = types[0], types[1]
     return float(prod(q.shape[:-1]) * k.shape[-2])
@@ -199,17 +182,6 @@ def _reference_softmax(s):
 
 def reference_backward(g, q, k, v, out, lse, mask=None, *, scale: float, is_causal: bool = False):
     """(dq, dk, dv) from the probabilities recomputed as exp(scores - logsumexp)."""
-    return _reference_grads(g, q, k, v, out, lse, mask, scale, is_causal)[:3]
-
-
-def reference_bias_backward(g, q, k, v, out, lse, mask, *, scale: float, is_causal: bool = False):
-    """(dq, dk, dv, dmask): :func:`reference_backward` and the additive mask's cotangent, the scores'
-    gradient summed to the mask's shape."""
-    dq, dk, dv, ds = _reference_grads(g, q, k, v, out, lse, mask, scale, is_causal)
-    return dq, dk, dv, sum_to(ds, mask.shape)
-
-
-def _reference_grads(g, q, k, v, out, lse, mask, scale, is_causal):
     k0, v0 = k, v
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     s = reference_scores(q, k, mask, scale, is_causal)
@@ -218,16 +190,7 @@ def _reference_grads(g, q, k, v, out, lse, mask, scale, is_causal):
     dp = np.matmul(g, np.swapaxes(v, -1, -2))
     ds = p * (dp - np.sum(g * out, axis=-1, keepdims=True))
     sc = np.asarray(scale, q.dtype)
-    return (np.matmul(ds, k) * sc, _sum_groups(np.matmul(np.swapaxes(ds, -1, -2), q) * sc, k0), _sum_groups(dv, v0),
-            ds)
-
-
-def sum_to(x: np.ndarray, shape) -> np.ndarray:
-    """``x`` (of a broadcast shape) summed back to ``shape`` (NumPy broadcasting, right-aligned)."""
-    shape = tuple(shape)
-    lead = x.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, d in enumerate(shape) if d == 1 and x.shape[lead + i] != 1)
-    return np.sum(x, axis=axes, keepdims=True).reshape(shape) if axes else x
+    return np.matmul(ds, k) * sc, _sum_groups(np.matmul(np.swapaxes(ds, -1, -2), q) * sc, k0), _sum_groups(dv, v0)
 
 
 def _keep_mask(r: np.random.Generator, *shape: int) -> np.ndarray:
@@ -283,23 +246,12 @@ def _attention_grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-def _attention_bias_grad_samples(r: np.random.Generator) -> list[Sample]:
-    """attention_grad's samples with an additive float mask (heads-first and seq_first)."""
-    return [s for s in _attention_grad_samples(r) if len(s.args) == 7 and s.args[6].dtype != np.bool_]
-
-
 declare(OpDef("attention", None, _SEQ_ATTRS, _attention_infer, frozenset(), num_results=2, min_operands=3,
               doc="softmax(q @ kᵀ · scale, masked) @ v and the scores' row logsumexp; mask: bool (keep) or additive",
               sample=_attention_samples, flops=_attention_flops))
 declare(OpDef("attention_grad", None, _SEQ_ATTRS, _attention_grad_infer, frozenset(), num_results=3, min_operands=6,
               doc="gradients of attention wrt q, k, v from (grad_out, q, k, v, out, logsumexp[, mask])",
               sample=_attention_grad_samples, flops=_attention_grad_flops))
-declare(OpDef("attention_bias_grad", None, _SEQ_ATTRS, _attention_bias_grad_infer, frozenset(), num_results=4,
-              min_operands=7,
-              doc="gradients of attention wrt q, k, v and its additive float mask (a learned bias, summed to the "
-                  "mask's shape) from (grad_out, q, k, v, out, logsumexp, mask)",
-              sample=_attention_bias_grad_samples,
-              flops=lambda t, r, a: _attention_grad_flops(t, r, a) + _scores(t[1:])))
 
 
 # ---------------------------------------------------------------- attention with dropout on the probabilities
@@ -409,6 +361,30 @@ def _swap_heads(b, v):
     return b.op("transpose", v, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
 
 
+def _mask_cotangent(b, p, g, q, k, v, out, lse, mask, seq_first=False):
+    """The cotangent of an additive float mask: dS = P ⊙ (g vᵀ − rowsum(g ⊙ out)), summed back to
+    the mask's shape. Emitted from primitives; dead (and removed by DCE) unless the mask needs it.
+    The products read kᵀ and vᵀ as transposed operands (no copy); with ``seq_first`` the scores'
+    operands are swapped to [..., H, T, D] (copies) and the row sums computed on [..., T, H, D], then
+    swapped (a [..., T, H, 1] copy), so ``out`` is never copied."""
+    dt = q.type.dtype
+    if seq_first:
+        g0, out0 = g, out
+        q, k, v, g = (_swap_heads(b, x) for x in (q, k, v, g))
+    s = b.op("mul", b.op("matmul", q, k, transpose_b=True), _const(b, p.attrs["scale"], dt))
+    s = b.op("add", s, mask)
+    lse_k = b.op("reshape", b.op("cast", lse, dtype=dt) if lse.type.dtype != dt else lse,
+                 shape=lse.type.shape + (1,))
+    prob = b.op("exp", b.op("sub", s, lse_k))
+    dp = b.op("matmul", g, v, transpose_b=True)
+    if seq_first:
+        rows = _swap_heads(b, b.op("reduce_sum", b.op("mul", g0, out0), axes=[g0.type.rank - 1], keepdims=True))
+    else:
+        rows = b.op("reduce_sum", b.op("mul", g, out), axes=[g.type.rank - 1], keepdims=True)
+    ds = b.op("mul", prob, b.op("sub", dp, rows))
+    return _unb(b, ds, mask.type.shape)
+
+
 @def_vjp("attention", saves=Saves(operands=(0, 1, 2, 3), results=(0, 1)))
 def _attention_vjp(b, p, g):
     g_out, g_lse = g
@@ -420,24 +396,21 @@ def _attention_vjp(b, p, g):
     out, lse = p.y
     seq_first = p.attrs.get("seq_first", False)
     attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"], "seq_first": seq_first}
-    if mask is not None and mask.type.dtype.is_float and p.needs(3):
-        # The mask (a learned bias) needs its cotangent: one kernel gives it with the others.
-        return list(b.op("attention_bias_grad", g_out, q, k, v, out, lse, mask, **attrs))
     extra = [mask] if mask is not None else []
     gq, gk, gv = b.op("attention_grad", g_out, q, k, v, out, lse, *extra, **attrs)
-    return [gq, gk, gv] + ([None] if mask is not None else [])
+    cts = [gq, gk, gv]
+    if mask is not None:
+        if mask.type.dtype.is_float:
+            cts.append(_mask_cotangent(b, p, g_out, q, k, v, out, lse, mask, seq_first))
+        else:
+            cts.append(None)
+    return cts
 
 
 @def_vjp("attention_grad", saves="none")
 def _attention_grad_vjp(b, p, g):
     raise NotImplementedError("second-order differentiation through attention is not supported "
                               "(attention_grad has no VJP rule)")
-
-
-@def_vjp("attention_bias_grad", saves="none")
-def _attention_bias_grad_vjp(b, p, g):
-    raise NotImplementedError("second-order differentiation through attention is not supported "
-                              "(attention_bias_grad has no VJP rule)")
 
 
 def _dropout_keep(b, seed, q, k, p: float):
@@ -552,17 +525,6 @@ def _attention_decomp(b, xs, attrs):
 
 @def_decomposition("attention_grad")
 def _attention_grad_decomp(b, xs, attrs):
-    return _attention_grads_ir(b, xs, attrs, False)
-
-
-@def_decomposition("attention_bias_grad")
-def _attention_bias_grad_decomp(b, xs, attrs):
-    return _attention_grads_ir(b, xs, attrs, True)
-
-
-def _attention_grads_ir(b, xs, attrs, mask_grad: bool):
-    """dq, dk, dv and, with ``mask_grad``, the additive mask's cotangent (the scores' gradient summed
-    to the mask's shape)."""
     seq_first = attrs.get("seq_first", False)
     g, q, k0, v0, out = [_swap_heads(b, x) for x in xs[:5]] if seq_first else xs[:5]
     k, v = repeat_kv(b, k0, q), repeat_kv(b, v0, q)
@@ -577,8 +539,7 @@ def _attention_grads_ir(b, xs, attrs, mask_grad: bool):
     scale = _const(b, attrs["scale"], dt)
     grads = [b.op("mul", b.op("matmul", ds, k), scale),
              _sum_groups_ir(b, b.op("mul", b.op("matmul", ds, q, transpose_a=True), scale), k0), _sum_groups_ir(b, dv, v0)]
-    grads = [_swap_heads(b, x) for x in grads] if seq_first else grads
-    return grads + ([_unb(b, ds, xs[6].type.shape)] if mask_grad else [])
+    return [_swap_heads(b, x) for x in grads] if seq_first else grads
 
 
 @def_decomposition("dropout_attention")
