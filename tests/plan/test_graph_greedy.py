@@ -1,7 +1,7 @@
 """RAF-style greedy rematerialization and memory-aware scheduling."""
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from remat.plan._exhaustive import exhaustive_min_peak, exhaustive_optimum
@@ -13,6 +13,7 @@ from remat.plan.scheduling import memory_aware_order, order_peak, schedule_plan
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), n=st.integers(3, 14), frac=st.floats(0.0, 1.0))
+@example(seed=300, n=13, frac=0.0)
 def test_greedy_valid_at_or_above_its_minimum(seed, n, frac):
     g = random_graph(n, seed, n_inputs=2, max_fanin=3, p_nonrecomputable=0.15, p_workspace=0.2)
     m = greedy_min_budget(g)
@@ -23,9 +24,12 @@ def test_greedy_valid_at_or_above_its_minimum(seed, n, frac):
     assert evaluate(g, plan.schedule) == (plan.cost, plan.peak)
     assert plan.peak <= budget
     assert plan.cost >= g.base_cost - 1e-9
-    if m > min_memory_lower_bound(g):
+    if min_memory_lower_bound(g) < m < 20_000:
+        # The bisection's last failing probe: m - 1 while its tolerance (1e-4 of m) is under 2 bytes. Not
+        # any budget below m: the greedy is not monotone in the budget (seed 300, 13 nodes: m = 37, it fails
+        # at 36 and fits 35).
         with pytest.raises(BudgetTooSmall) as info:
-            solve_greedy(g, m - max(1, m // 10_000) - 1, score="raf_belady")  # m is this score's minimum
+            solve_greedy(g, m - 1, score="raf_belady")
         assert info.value.minimum == m
 
 
