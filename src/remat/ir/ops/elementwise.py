@@ -97,7 +97,7 @@ def _hardtanh_infer(types, attrs):
 
 def _hardtanh_grad_infer(types, attrs):
     _hardtanh_check("hardtanh_grad", types[1], attrs)
-    return grad_pair_infer("hardtanh_grad", "hardtanh input or output")(types, attrs)
+    return _hardtanh_pair_infer(types, attrs)
 
 
 def _hardtanh_sample(r: np.random.Generator, *shape: int) -> np.ndarray:
@@ -138,6 +138,9 @@ def grad_pair_infer(name: str, what: str):
         return g
 
     return infer
+
+
+_hardtanh_pair_infer = grad_pair_infer("hardtanh_grad", "hardtanh input or output")
 
 
 declare(OpDef("silu_grad", 2, (), grad_pair_infer("silu_grad", "input"), frozenset({"elementwise"}),
