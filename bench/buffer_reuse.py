@@ -45,7 +45,7 @@ def _method(spec: "speed.ModelSpec", budget: str | None, reuse: bool) -> Any:
 
 def _vm_reused(step: Any) -> int:
     """Kernels the step's VM runs over an operand's buffer (as it was prepared, reuse on or off)."""
-    plan = step._vm._plans[step.program.name]
+    plan = step.vm._plans[step.program.name]
     return sum(1 for bp in plan.blocks for s in bp.steps
                if s.fn is not None and s.alias and s.alias[0] >= 0 and not s.ins.op.aliases)
 
@@ -76,7 +76,7 @@ def compare(name: str, budget: str | None, rounds: int, quick: bool = False) -> 
             measured = st.last_stats.peak_bytes
             entry.update(reused_buffers=_vm_reused(st), predicted_peak=st.predicted_peak, measured_peak=measured,
                          measured_eq_predicted=measured == st.predicted_peak,
-                         unconstrained_peak=st.report().unconstrained_peak, recomputed=st.recomputed)
+                         unconstrained_peak=st.report().unconstrained_peak, recomputed=st.compilation.recomputed)
         row[k] = entry
     row["reuse_over_no_reuse"] = statistics.median(a / b for a, b in zip(times["reuse"], times["no reuse"]))
     row["status"] = "ok"

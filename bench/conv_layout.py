@@ -223,7 +223,7 @@ def measure_steps(name: str, rounds: int) -> dict[str, Any]:
         row: dict[str, Any] = {"step_s": statistics.median(times[k]), "x_eager": statistics.median(times[k]) / eager}
         step = getattr(f, "step", None)
         if step is not None:
-            row.update(channels_last=step.channels_last, ohwi_weights=len(step.imported.ohwi),
+            row.update(channels_last=step.compilation.channels_last, ohwi_weights=len(step.compilation.imported.ohwi),
                        predicted_peak=step.predicted_peak, unconstrained_peak=step.unconstrained_peak,
                        recomputed_instructions=step.report().recomputed_instructions)
         base = k.replace("remat auto", "remat auto, OIHW weights")

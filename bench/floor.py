@@ -133,7 +133,7 @@ def gpt_part(size: str, rounds: int, sgd: bool = False) -> dict[str, Any]:
     k_best = min(mins, key=lambda k: mins[k]["minimum"])
     m_best = mins[k_best]["minimum"]
     step = remat.compile(model, example, loss_fn, budget=m_best, micro_batches=k_best, full_batch_peak=U, **opt)
-    out["minimum"] = {"micro_batches": k_best, "budget": m_best, "fraction": m_best / U, "solver": step.solver,
+    out["minimum"] = {"micro_batches": k_best, "budget": m_best, "fraction": m_best / U, "solver": step.compilation.plan.solver,
                       "algorithms": step.report().algorithms, **one_step(step, example)}
     out["minimum_whole_batch"] = {"budget": mins[1]["minimum"], "fraction": mins[1]["minimum"] / U}
     _log(f"  minimum {m_best / U:.1%} at k={k_best}: measured == predicted: {out['minimum']['measured_eq_predicted']}")
@@ -148,8 +148,8 @@ def gpt_part(size: str, rounds: int, sgd: bool = False) -> dict[str, Any]:
     ratios = [a / b for a, b in zip(times["at_25"], times["unconstrained"])]
     out["at_25"] = {"feasible": True, "budget": s25.budget, "micro_batches": s25.micro_batches,
                     "algorithms": s25.report().algorithms,
-                    "micro_batch_choice": s25.report().micro_batch_choice, "solver": s25.solver,
-                    "recomputed_instructions": s25.recomputed, "predicted_overhead": s25.predicted_overhead,
+                    "micro_batch_choice": s25.report().micro_batch_choice, "solver": s25.compilation.plan.solver,
+                    "recomputed_instructions": s25.compilation.recomputed, "predicted_overhead": s25.compilation.plan.overhead,
                     **run, "step_s_median": statistics.median(times["at_25"]),
                     "unconstrained_step_s_median": statistics.median(times["unconstrained"]),
                     "time_ratio_median": statistics.median(ratios), "time_ratios": ratios}
@@ -224,7 +224,7 @@ def zoo_part(size: str, max_doublings: int) -> list[dict[str, Any]]:
                  f"(VM only: {m_vm / U:.1%}){' (micro-batching refused)' if 'micro_batching_refused' in entry else ''}")
             if m <= 0.25 * U:
                 step = remat.compile(model, example, loss_fn, budget="25%", micro_batches=k_best, full_batch_peak=U)
-                row.update(reaches_25=True, batch=n, micro_batches=k_best, budget=step.budget, solver=step.solver,
+                row.update(reaches_25=True, batch=n, micro_batches=k_best, budget=step.budget, solver=step.compilation.plan.solver,
                            **one_step(step, example))
                 break
         best = min(tried, key=lambda e: e["fraction"])

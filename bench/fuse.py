@@ -43,8 +43,8 @@ def measure(name: str, rounds: int) -> dict:
     ta, tb, ma, mb = [], [], [], []
     members = set(st.member_positions)
     for r in range(rounds + 1):
-        oa, sa = vm_a.run(prog.name, *step._step_args(ex, copy=True, step=1), outputs="torch")
-        ob, sb = vm_b.run(fused.name, *step._step_args(ex, copy=True, step=1), outputs="torch")
+        oa, sa = vm_a.run(prog.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
+        ob, sb = vm_b.run(fused.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
         assert all(torch.equal(x, y) for x, y in zip(oa, ob)), f"{name}: fused outputs differ"
         assert sa.peak_bytes == p_a and sb.peak_bytes == p_b, (name, sa.peak_bytes, p_a, sb.peak_bytes, p_b)
         if r:  # round 0 warms up

@@ -109,7 +109,7 @@ def _compile(spec, onednn: bool):
 def onednn_kernels(step) -> int:
     """How many of the step's VM instructions run a oneDNN product kernel (as the VM resolved them)."""
     return sum(getattr(st.fn, "__name__", "").endswith("_onednn")
-               for plan in step._vm._plans.values() for block in plan.blocks for st in block.steps)
+               for plan in step.vm._plans.values() for block in plan.blocks for st in block.steps)
 
 
 def bench_steps(spec, rounds: int) -> dict:

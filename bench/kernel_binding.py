@@ -44,7 +44,7 @@ def captured_calls(name: str) -> list[tuple[Any, Any, tuple]]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     step = remat.compile(model, inputs, loss_fn, optimizer=opt)
     step(*inputs)
-    plan = step._vm._plans[step.program.name]  # the prepared program (private: this benchmark inspects it)
+    plan = step.vm._plans[step.program.name]  # the prepared program (private: this benchmark inspects it)
     calls: list[tuple[Any, Any, tuple]] = []
     kept = []
     for bp in plan.blocks:

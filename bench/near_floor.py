@@ -65,7 +65,7 @@ def _sweep(step, budgets: list[int], neighbourhood: bool, ref_outs, args) -> lis
     try:
         for b in budgets:
             t0 = time.perf_counter()
-            cand = plan_step(dataclasses.replace(step.problem, budget=b))
+            cand = plan_step(dataclasses.replace(step.compilation.problem, budget=b))
             seconds = time.perf_counter() - t0
             outs, peak = _run(step, cand.program, args)
             same = len(outs) == len(ref_outs) and all(torch.equal(torch.as_tensor(x), torch.as_tensor(y))
@@ -92,8 +92,8 @@ def main() -> None:
         step = _build(name)
         lo, hi = minimum_budget(step), step.unconstrained_peak
         budgets = sorted({int(lo + (hi - lo) * f) for f in a.fractions})
-        args = step._step_args(step._example, copy=True, step=1)
-        ref_outs, _ = _run(step, step.problem.unconstrained, args)
+        args = step.binding.step_args(step.signature.example, copy=True, step=1)
+        ref_outs, _ = _run(step, step.compilation.problem.unconstrained, args)
         before = _sweep(step, budgets, False, ref_outs, args)
         after = _sweep(step, budgets, True, ref_outs, args)
         print(f"{name}: minimum {lo:,} B, unconstrained {hi:,} B")

@@ -61,12 +61,12 @@ def measure(name: str, layers: int, build, budget: float) -> dict:
         step = remat.compile(model, example, loss, optimizer=opt, budget=e.minimum)
     setup = time.perf_counter() - t0
     rep = step.report()
-    joint_instrs = sum(1 for i in step.joint.entry.instrs if i.op.name != "return")
-    nodes = len(to_graph(step.joint, step.costs).graph.compute_nodes)
+    joint_instrs = sum(1 for i in step.compilation.joint.entry.instrs if i.op.name != "return")
+    nodes = len(to_graph(step.compilation.joint, step.compilation.costs).graph.compute_nodes)
     return {"model": name, "layers": layers, "joint_instructions": joint_instrs, "graph_nodes": nodes,
-            "program_instructions": step.instructions, "setup_s": setup,
+            "program_instructions": step.compilation.instructions, "setup_s": setup,
             "plan_s": rep.stage_seconds.get("plan"), "stage_seconds": rep.stage_seconds,
-            "solver": step.solver, "predicted_overhead": step.predicted_overhead, "notes": list(step.notes),
+            "solver": step.compilation.plan.solver, "predicted_overhead": step.compilation.plan.overhead, "notes": list(step.compilation.notes),
             "budget_bytes": step.budget, "predicted_peak": step.predicted_peak, "refused": refused}
 
 

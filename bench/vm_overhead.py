@@ -188,19 +188,19 @@ class _Recording:
 
 def step_row(label: str, step: Any, ex: tuple, vms: dict[str, tuple[Any, str | None]], rounds: int) -> dict:
     """Median whole training-step time with each VM variant swapped into the TrainStep."""
-    own = step._vm
+    own = step.vm
     variants = {}
     for k, (vm, record) in vms.items():
         wrapped = _Recording(vm, record)
 
         def go(w=wrapped):
-            step._vm = w
+            step.vm = w
             step(*ex)
         variants[k] = go
     try:
         t = time_variants(variants, rounds)
     finally:
-        step._vm = own
+        step.vm = own
     first = next(iter(vms))
     return {"model": label, "rounds": rounds, **{f"{k}_ms": v["wall"] * 1e3 for k, v in t.items()},
             **{f"{k}_cpu_ms": v["cpu"] * 1e3 for k, v in t.items()},
@@ -259,7 +259,7 @@ def main() -> None:
     for size in sizes:
         for m in models:
             step, ex = zoo_step(m, size)
-            args = step._step_args(ex, copy=True, step=1)
+            args = step.binding.step_args(ex, copy=True, step=1)
             vms = variants_for(Module([step.program]), step.dialects, step._kinds)
             rows.append(overhead_row(f"zoo/{m}/{size}", vms, step.program.name, args,
                                      rounds if size == "tiny" else max(3, rounds // 2), outputs="torch"))

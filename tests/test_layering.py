@@ -94,3 +94,91 @@ def test_the_pass_registry_sits_above_passes_autodiff_and_plan():
         if path.name == "pipeline.py":
             caught = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)]
             assert not caught, f"{path.relative_to(SRC)} catches an exception (import errors must surface)"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            out.update(id(n) for n in ast.walk(node))
+    return out
+
+
+def _file_imports() -> dict[str, set[str]]:
+    """Module (file) of remat -> the modules of remat it imports, at import time or inside functions
+    (``from .x import y`` counts ``x.y`` when that is a module, else ``x``); ``TYPE_CHECKING``
+    imports excluded."""
+    paths = {_module_name(p): p for p in SRC.rglob("*.py")}
+    edges: dict[str, set[str]] = {m: set() for m in paths}
+    for name, path in paths.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_nodes(tree)
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                mod = ".".join(base + (node.module.split(".") if node.module else []))
+                if mod.split(".")[0] != "remat":
+                    continue
+                for a in node.names:
+                    target = f"{mod}.{a.name}" if f"{mod}.{a.name}" in paths else mod
+                    if target in paths:
+                        edges[name].add(target)
+            elif isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in paths)
+        edges[name].discard(name)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_files_outside_the_ir():
+    """Files form layers too, also through imports deferred into function bodies (annotations'
+    ``TYPE_CHECKING`` imports aside); only the IR's core and printer may need each other."""
+    cycles = [c for c in _cycles(_file_imports()) if not all(m.startswith("remat.ir") for m in c)]
+    assert not cycles, "import cycles between files: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_file_cycle_check_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -2,8 +2,17 @@
 with the least recomputation.
 
 The pipeline, by folder: ``ir`` (typed SSA tensor IR, text format, verifier) ←
-``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``plan``
-(cost model, liveness, chain DP and graph solvers, block cutting, portfolio) → ``backends`` (dialects) → ``runtime`` (the VM).
+``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``step`` (the training
+graph and optimizer updates as IR) → ``plan`` (cost model, memory simulator, chain DP and graph
+solvers, block cutting, portfolio) → ``lower`` (fusion) → ``backends`` (dialects) → ``runtime``
+(the VM). ``train`` runs them as the stages of ``remat.compile``, one function each over one
+record (``train/compilation.py``)::
+
+    capture → layout → bind → training graph → prepare → [profile] → plan → lower → fuse
+            → [compile kernels] → prepare VM
+
+and ``TrainStep`` (``train/api.py``) runs the result; ``distributed`` rewrites a step for data
+parallelism on ``torch.distributed``.
 """
 from __future__ import annotations
 

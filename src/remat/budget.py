@@ -2,9 +2,43 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
           "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: bytes, or a fraction of a reference peak not known yet (the unconstrained
+    one, known once the step is differentiated). Parsed once, when the options are checked."""
+
+    nbytes: int | None = None       # absolute bytes
+    fraction: float | None = None   # of the reference peak, in (0, 1]
+
+    @staticmethod
+    def of(budget) -> "Budget":
+        """The budget ``budget`` (any form :func:`parse_budget` takes); ValueError when not valid."""
+        frac = _fraction_of(budget)
+        return Budget(fraction=frac) if frac is not None else Budget(nbytes=parse_budget(budget))
+
+    def resolve(self, reference: int) -> int:
+        """Bytes, a fraction taken of ``reference`` (bytes)."""
+        return self.nbytes if self.nbytes is not None else int(self.fraction * reference)
+
+
+def _fraction_of(budget) -> float | None:
+    """The fraction a fractional budget ('40%', 0.4) names, else None (checked: in (0, 1])."""
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return budget
+    if isinstance(budget, str):
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*%", budget.strip())
+        if m:
+            frac = float(m.group(1)) / 100
+            if not 0 < frac <= 1:
+                raise ValueError(f"a fractional memory budget must be in (0, 1], got {frac}")
+            return frac
+    return None
 
 
 def parse_budget(budget, reference: int | None = None) -> int:
@@ -22,17 +56,15 @@ def parse_budget(budget, reference: int | None = None) -> int:
         if b <= 0:
             raise ValueError(f"memory budget {b} bytes must be positive")
         return b
+    frac = _fraction_of(budget)
+    if frac is not None:
+        return _fraction(frac, reference, valid)
     if isinstance(budget, float):
-        if 0 < budget <= 1:
-            return _fraction(budget, reference, valid)
         if budget > 1 and budget.is_integer():
             return int(budget)
         raise ValueError(f"memory budget {budget!r} is not valid; give {valid}")
     if isinstance(budget, str):
         s = budget.strip()
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*%", s)
-        if m:
-            return _fraction(float(m.group(1)) / 100, reference, valid)
         m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)", s)
         if m and m.group(2).lower() in _UNITS:
             b = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
@@ -43,8 +75,6 @@ def parse_budget(budget, reference: int | None = None) -> int:
 
 
 def _fraction(frac: float, reference: int | None, valid: str) -> int:
-    if not 0 < frac <= 1:
-        raise ValueError(f"a fractional memory budget must be in (0, 1], got {frac}")
     if reference is None:
         raise ValueError("a fractional budget needs a reference peak (the unconstrained one); here give " + valid.split(", a percentage")[0])
     return int(frac * reference)

@@ -324,7 +324,7 @@ def _run(args: argparse.Namespace, steps: int, log_every: int) -> int:
     if paired is not None:
         overhead, ours, ref = paired
         print(f"  measured overhead: median step {ours * 1e3:.0f} ms under the budget vs {ref * 1e3:.0f} ms without, "
-              f"{overhead:+.1%} (over {len(res.paired)} back-to-back pairs; predicted {step.predicted_overhead:+.1%})")
+              f"{overhead:+.1%} (over {len(res.paired)} back-to-back pairs; predicted {step.compilation.plan.overhead:+.1%})")
     else:
         overhead = None
         print("  measured overhead: too few steps to pair with the reference")

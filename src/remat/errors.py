@@ -7,12 +7,16 @@ class BudgetTooSmall(ValueError):
     the smallest budget the raising planner can meet (or, where it says so in ``detail``, a proven
     lower bound). The one such error of remat: every planner raises it.
 
-    ``what``: what was planned ("this training step"); ``detail``: how the minimum was found."""
+    ``what``: what was planned ("this training step"); ``detail``: how the minimum was found;
+    ``unconstrained_peak``: the step's peak without recomputation, in bytes, when the raiser knows it
+    (``remat.compile`` does: relative budgets are fractions of it), else None."""
 
-    def __init__(self, budget: float, minimum: float, what: str = "", *, detail: str = ""):
+    def __init__(self, budget: float, minimum: float, what: str = "", *, detail: str = "",
+                 unconstrained_peak: int | None = None):
         self.budget = budget
         self.minimum = int(minimum)
         self.detail = detail
+        self.unconstrained_peak = unconstrained_peak
         where = f" for {what}" if what else ""
         super().__init__(f"memory budget of {format_bytes(budget)} ({int(budget)} bytes) is below the minimum feasible budget{where} of "
                          f"{format_bytes(minimum)} ({int(minimum)} bytes); give a budget >= {int(minimum)} bytes"

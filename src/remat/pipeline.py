@@ -12,7 +12,7 @@ from .autodiff.transform import grad_pass
 from .ir import Module
 from .lower.fuse import fuse_pass
 from .lower.siblings import merge_conv_grads_pass
-from .passes import CLEANUP, PASSES as _LOCAL
+from .passes import CLEANUP, PASSES as _LOCAL, PRE_DIFFERENTIATION
 from .passes.pipeline import PassFn, PipelineResult, lookup, run_passes
 from .plan.liveness import insert_frees_pass
 
@@ -21,6 +21,7 @@ PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert
 """Every pass by name: those of :mod:`remat.passes`, differentiation, explicit frees and fusion."""
 
 PIPELINES: dict[str, list[str]] = {
+    "pre-differentiation": PRE_DIFFERENTIATION,
     "cleanup": CLEANUP,
     "differentiate": ["grad", *CLEANUP],
 }

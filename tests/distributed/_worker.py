@@ -69,14 +69,14 @@ def _run(rank: int, mode: str, budget, out: str) -> None:
     for x, y in batches():
         step(_shard(x, rank), _shard(y, rank))
         peaks.append(step.last_stats.peak_bytes)
-    n_state = sum(len(ts) for ts in step._state_types)
-    first = step.layout.n_args
+    n_state = sum(len(ts) for ts in step.binding.state_types)
+    first = step.binding.layout.n_args
     torch.save({"params": [p.detach().clone() for p in m.parameters()], "peaks": peaks,
                 "predicted": step.predicted_peak, "budget": step.budget, "by_kind": step.kind_stats,
-                "predicted_by_kind": predicted(step.program, step.layout.n_params, range(first, first + n_state)),
-                "state_bytes": sum(t.untyped_storage().nbytes() for ts in step._state for t in ts),
+                "predicted_by_kind": predicted(step.program, step.binding.layout.n_params, range(first, first + n_state)),
+                "state_bytes": sum(t.untyped_storage().nbytes() for ts in step.binding.state for t in ts),
                 "arg_bytes": step.last_stats.argument_bytes, "report": str(step.report()),
-                "program": print_function(step.program), "notes": list(step.notes)},
+                "program": print_function(step.program), "notes": list(step.compilation.notes)},
                f"{out}/{mode}-{budget}-{rank}.pt")
 
 

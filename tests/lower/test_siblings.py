@@ -195,9 +195,9 @@ def test_zoo_resnet_step_merges_every_pair_bit_identically() -> None:
     assert names.count("conv2d_grads") == convs - 1 and names.count("conv2d_weight_grad") == 1
     assert step.report().measured_peak is None or step.report().measured_peak == predict_peak(prog)
     # the same step unmerged: same outputs, bit for bit
-    unmerged = step.plan.program
+    unmerged = step.compilation.plan.program
     assert "conv2d_grads" not in [i.op.name for i in unmerged.instructions()]
-    oa, sa = VM(Module([unmerged.clone()])).run(unmerged.name, *step._step_args(ex, copy=True, step=1), outputs="torch")
-    ob, sb = VM(Module([prog.clone()])).run(prog.name, *step._step_args(ex, copy=True, step=1), outputs="torch")
+    oa, sa = VM(Module([unmerged.clone()])).run(unmerged.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
+    ob, sb = VM(Module([prog.clone()])).run(prog.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
     assert all(torch.equal(a, b) for a, b in zip(oa, ob))
     assert sb.peak_bytes == predict_peak(prog) <= sa.peak_bytes == predict_peak(unmerged)

@@ -44,7 +44,7 @@ def test_one_step_at_half_the_peak_matches_eager(zm):
     step = remat.compile(model, inputs, optimizer=torch.optim.SGD(model.parameters(), lr=LR), budget=0.5,
                          count_workspaces=False)
     got = step(**inputs)
-    if step.channels_last:
+    if step.compilation.channels_last:
         # remat runs the convolutions channels-last: compare with eager PyTorch in that layout (remat's
         # kernels are ATen's channels-last ones). Against NCHW eager the values agree to f32 rounding,
         # but on one thread a ReLU of this ResNet flips at a pre-activation that rounds across zero, so

@@ -82,7 +82,7 @@ def test_a_compiled_unet_splits_every_nchw_batch_norm_and_stays_bit_identical_un
         n_bn = sum(isinstance(mod, torch.nn.BatchNorm2d) for mod in model.modules())
         whole = [i for i in step.program.entry.instrs if i.op.name == "batch_norm"]
         stats = [i for i in step.program.entry.instrs if i.op.name == "batch_norm_stats"]
-        assert step.channels_last is (layout == "auto")
+        assert step.compilation.channels_last is (layout == "auto")
         assert all(i.attrs["axis"] == 3 for i in whole) and all(i.attrs["axis"] == 1 for i in stats)
         if budget is None:
             assert len(whole) + len(stats) == n_bn

@@ -122,7 +122,7 @@ def test_a_channels_last_step_matches_eager_channels_last_and_nchw(name):
         model, inputs, loss_fn = zoo.make(name, "tiny")
         if how == "remat":
             step = remat.compile(model, inputs, loss_fn)
-            assert step.channels_last and step.report().channels_last
+            assert step.compilation.channels_last and step.report().channels_last
             step(*inputs)
         else:
             if how == "eager-cl":
@@ -139,7 +139,7 @@ def test_a_channels_last_step_matches_eager_channels_last_and_nchw(name):
 def test_layout_option():
     model, inputs, loss_fn = zoo.make("resnet", "tiny")
     step = remat.compile(model, inputs, loss_fn, layout="NCHW")
-    assert not step.channels_last
+    assert not step.compilation.channels_last
     assert {i.attrs["layout"] for i in step.program.entry.instrs if "conv2d" in i.op.name} == {"NCHW"}
     with pytest.raises(ValueError, match="layout must be one of 'auto', 'NCHW', got 'NHWC'"):
         remat.compile(model, inputs, loss_fn, layout="NHWC")
@@ -208,7 +208,7 @@ def test_ohwi_weights_give_the_same_training_as_oihw(name, monkeypatch):
             # weights' layout differs, on every convolution but those an algorithm may take.
             m.setattr(layout, "_activation_bound", lambda ins: True)
             step = remat.compile(model, inputs, loss_fn, optimizer=opt, keep_grads=True)
-        assert bool(step.imported.ohwi) == ohwi
+        assert bool(step.compilation.imported.ohwi) == ohwi
         grads = []
         for _ in range(3):
             opt.zero_grad(set_to_none=True)

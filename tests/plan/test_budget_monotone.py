@@ -49,7 +49,7 @@ def test_frontier_keeps_pareto_plans_and_picks_the_cheapest_that_fits():
 
 
 def _plan(step, budget: int, **kw) -> Candidate:
-    return plan_step(dataclasses.replace(step.problem, budget=int(budget), **kw))
+    return plan_step(dataclasses.replace(step.compilation.problem, budget=int(budget), **kw))
 
 
 def _tiny(name: str):
@@ -114,12 +114,12 @@ def test_near_the_floor_the_milp_searches_the_greedys_neighbourhood_and_the_plan
     notes = "\n".join(c.notes)
     assert "MILP on its neighbourhood" in notes and f"won: {c.solver}" in notes
     assert any(f"status {s}" in notes for s in ("optimal", "time_limit", "infeasible")), notes
-    args = step._step_args(step._example, copy=True, step=1)
+    args = step.binding.step_args(step.signature.example, copy=True, step=1)
 
     def run(program):
         return VM(Module([program]), dialects=step.dialects).run(program.name, *[a.clone() for a in args])
 
-    want, _ = run(step.problem.unconstrained)
+    want, _ = run(step.compilation.problem.unconstrained)
     got, stats = run(c.program)
     assert stats.peak_bytes == c.peak <= b
     assert len(got) == len(want) and all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(got, want))

@@ -142,7 +142,7 @@ def _minimums(problem) -> tuple[int, int]:
 def test_chain_minimum_is_not_above_the_greedys(name):
     model, inputs, loss_fn = _compiled(name)
     step = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    chain, greedy = _minimums(step.problem)
+    chain, greedy = _minimums(step.compilation.problem)
     assert chain <= greedy, (name, chain, greedy)
 
 
@@ -152,11 +152,11 @@ def test_resnet_at_the_chains_minimum_runs_exactly_with_identical_updates():
     model, inputs, loss_fn = _compiled("resnet")
     m0, m1 = copy.deepcopy(model), copy.deepcopy(model)
     s0 = remat.compile(m0, inputs, loss_fn, optimizer=torch.optim.SGD(m0.parameters(), lr=0.1, momentum=0.9))
-    chain, greedy = _minimums(s0.problem)
+    chain, greedy = _minimums(s0.compilation.problem)
     forget_plans()
     s1 = remat.compile(m1, inputs, loss_fn, optimizer=torch.optim.SGD(m1.parameters(), lr=0.1, momentum=0.9),
                        budget=chain, solver="greedy", count_workspaces=False)
-    assert s1.solver.startswith("chain DP") and chain < greedy
+    assert s1.compilation.plan.solver.startswith("chain DP") and chain < greedy
     for _ in range(2):
         assert torch.equal(s0(*inputs), s1(*inputs))
     r = s1.report()
@@ -171,11 +171,11 @@ def test_chain_is_a_candidate_and_the_notes_say_what_it_predicted():
     model, inputs, loss_fn = _compiled("gpt")
     step = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     peak = step.unconstrained_peak
-    chain_min, _ = _minimums(step.problem)
+    chain_min, _ = _minimums(step.compilation.problem)
     for budget in (int(peak * 0.95), int(peak * 0.8), chain_min, chain_min - 1):
         forget_plans()
         try:
-            c = plan_step(dataclasses.replace(step.problem, budget=budget, solver="greedy"))
+            c = plan_step(dataclasses.replace(step.compilation.problem, budget=budget, solver="greedy"))
         except BudgetTooSmall as e:
             assert budget < chain_min and e.minimum <= chain_min
             continue

@@ -42,9 +42,9 @@ def _step(optimizer: bool, budget=None):
 
 def test_only_steps_that_update_at_once_consume_their_gradients():
     with_sgd, grads_only = _step(True), _step(False)
-    n = with_sgd.layout.n_params
-    assert with_sgd.problem.consumed == tuple(range(1, 1 + n))
-    assert grads_only.problem.consumed == ()  # the gradients are the step's results
+    n = with_sgd.binding.layout.n_params
+    assert with_sgd.compilation.problem.consumed == tuple(range(1, 1 + n))
+    assert grads_only.compilation.problem.consumed == ()  # the gradients are the step's results
 
 
 def test_consumed_gradients_let_the_greedy_recompute_less():
@@ -63,7 +63,7 @@ def test_consumed_gradients_let_the_greedy_recompute_less():
     gains = []
     for k in range(1, 8):
         budget = least + (step.unconstrained_peak - least) * k // 8
-        p = replace(step.problem, budget=budget)
+        p = replace(step.compilation.problem, budget=budget)
         assert p.consumed
         forget_plans()
         with_model = plan_step(p)

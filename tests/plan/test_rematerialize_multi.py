@@ -126,8 +126,8 @@ def test_on_a_step_graph_every_group_is_computed_together():
     model, inputs, loss_fn = zoo.make("unet", "tiny")
     st = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                        budget="75%")  # tiny's minimum is at about 72%
-    p = st.problem
-    low = to_graph(p.joint, p.costs, workspaces=st._workspaces(p.joint), consumed=p.consumed)
+    p = st.compilation.problem
+    low = to_graph(p.joint, p.costs, workspaces=st.compilation.workspaces(p.joint), consumed=p.consumed)
     order = memory_aware_order(low.graph)
     seq = greedy_compute_sequence(low.graph, p.budget - p.extra_bytes, order)
     assert seq is not None

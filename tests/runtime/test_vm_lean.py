@@ -132,8 +132,8 @@ def test_peak_mode_matches_full_mode_on_a_zoo_training_step():
     torch.manual_seed(0)
     model, ex, loss_fn = zoo.make("gpt", "tiny")  # dropout on: random ops replay from the seed argument
     step = remat.compile(model, ex, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    args = step._step_args(ex, copy=True, step=1)
-    full, peak = run_both(step._vm, step.program.name, args, outputs="torch")
+    args = step.binding.step_args(ex, copy=True, step=1)
+    full, peak = run_both(step.vm, step.program.name, args, outputs="torch")
     assert_same(full, peak)
     assert peak[1].peak_bytes == step.predicted_peak
     for a, b in zip(full[0], peak[0]):

@@ -202,7 +202,7 @@ def test_chain_planner_differentiates_blocks_with_the_chosen_batch_norm_backward
         step = remat.compile(model, inputs, loss_fn, budget=e.value.minimum)
     finally:
         forget_plans()  # nor should later tests reuse these chain-only plans
-    assert step.solver.startswith("chain DP")
+    assert step.compilation.plan.solver.startswith("chain DP")
     assert any(line.startswith("batch_norm_grad at ") and ": chosen;" in line for line in step.report().algorithms)
     ops = [i.op.name for i in step.program.entry.instrs]
     assert "batch_norm_grad_sums" in ops and "batch_norm_grad" not in ops

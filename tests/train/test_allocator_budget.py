@@ -203,10 +203,10 @@ def test_chain_stages_see_workspaces():
 
     model, inputs, loss_fn = make("resnet", batch=ZOO["resnet"])
     step = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
-    p = step.problem
+    p = step.compilation.problem
     blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=False)
     plain = profile_stages(blocks.stages, None, None, None, measure=False)
-    counted = profile_stages(blocks.stages, None, None, None, measure=False, workspace_fn=step._workspaces)
+    counted = profile_stages(blocks.stages, None, None, None, measure=False, workspace_fn=step.compilation.workspaces)
     assert all(c.fwd_overhead >= a.fwd_overhead and c.bwd_overhead >= a.bwd_overhead for a, c in zip(plain, counted))
     assert any(c.bwd_overhead > a.bwd_overhead for a, c in zip(plain, counted))  # convolution backward
 
@@ -262,7 +262,7 @@ def test_a_chain_refusal_names_a_minimum_the_chain_meets():
     with pytest.raises(remat.BudgetTooSmall) as info:
         remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=0.5)
     step = remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=info.value.minimum)
-    assert step.solver.startswith("chain DP")
+    assert step.compilation.plan.solver.startswith("chain DP")
     r = step.report()
     assert r.predicted_peak <= r.predicted_allocator_peak <= info.value.minimum
     step(x, y)

@@ -110,14 +110,14 @@ def test_chain_planner_differentiates_the_forward_the_unconstrained_step_does():
     x = torch.randint(0, 64, (8, 64))
     inputs = dict(x=x, y=x.clone())
     step = remat.compile(Net(), inputs, budget="60%")
-    chain = plan_blocks(step.problem)  # the chain planner's own plan (the greedy wins this budget)
+    chain = plan_blocks(step.compilation.problem)  # the chain planner's own plan (the greedy wins this budget)
     assert isinstance(chain, Candidate)
     assert "broadcast" not in _ops(chain.program)  # no repeated key/value heads
 
     def run(fn):
-        args = step._step_args(tuple(inputs.values()), copy=True, step=1)
+        args = step.binding.step_args(tuple(inputs.values()), copy=True, step=1)
         return VM(Module([fn.clone()])).run(fn.name, *args, outputs="torch")[0]
-    free, chained = run(step.problem.unconstrained), run(chain.program)
+    free, chained = run(step.compilation.problem.unconstrained), run(chain.program)
     assert len(free) == len(chained)
     for k, (a, b) in enumerate(zip(free, chained)):
         assert torch.equal(a, b), k

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import zoo
+from remat.plan.liveness import predict_peak
 from remat.step.microbatch import microbatch_step
 from remat.train.microbatch import MicroBatchingRefused
 
@@ -28,7 +29,7 @@ def test_gradients_equal_the_whole_batch_up_to_summation_order(k):
     model, example, loss_fn = zoo.make("gpt", "tiny", dtype=torch.float64, batch=4, dropout=0.0)
     _, loss1, g1 = _grads(model, example, loss_fn)
     step, loss_k, gk = _grads(model, example, loss_fn, micro_batches=k)
-    assert step.micro_batches == k and step.loss_reduction == "mean"
+    assert step.micro_batches == k and step.compilation.loss_reduction == "mean"
     assert torch.allclose(loss_k, loss1, rtol=1e-13, atol=0)
     for a, b in zip(g1, gk):
         assert torch.allclose(a, b, rtol=1e-11, atol=1e-14)
@@ -45,7 +46,7 @@ def test_sum_reduced_loss_is_detected_and_not_scaled():
 
     _, loss1, g1 = _grads(model, example, loss_fn)
     step, loss2, g2 = _grads(model, example, loss_fn, micro_batches=2)
-    assert step.loss_reduction == "sum"
+    assert step.compilation.loss_reduction == "sum"
     assert torch.allclose(loss1, loss2, rtol=1e-13)
     assert all(torch.allclose(a, b, rtol=1e-11, atol=1e-14) for a, b in zip(g1, g2))
 
@@ -62,10 +63,10 @@ def test_updates_under_a_budget_match_and_fit():
     with pytest.raises(remat.BudgetTooSmall) as e:
         remat.compile(m3, example, loss_fn, micro_batches=2, budget=1,
                       optimizer=torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9))
-    budget = (e.value.minimum + free2.step_unconstrained_peak) // 2
+    budget = (e.value.minimum + predict_peak(free2.compilation.unconstrained)) // 2
     s2 = remat.compile(m2, example, loss_fn, optimizer=torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9),
                        budget=budget, micro_batches=2)
-    assert s2.recomputed > 0
+    assert s2.compilation.recomputed > 0
     for _ in range(2):
         s1(*example)
         s2(*example)
@@ -101,7 +102,7 @@ def test_auto_chooses_micro_batches_below_the_whole_batch_minimum():
 def test_auto_without_need_keeps_the_whole_batch():
     model, example, loss_fn = zoo.make("mlp", "tiny")
     step = remat.compile(model, example, loss_fn, budget="100%", micro_batches="auto")
-    assert step.micro_batches == 1 and step.recomputed == 0
+    assert step.micro_batches == 1 and step.compilation.recomputed == 0
 
 
 def test_batch_norm_is_refused():
@@ -128,7 +129,7 @@ def test_a_mean_over_varying_counts_is_refused():
     with pytest.raises(MicroBatchingRefused, match="neither their mean"):
         remat.compile(model, (x, y), loss_fn, micro_batches=2)
     step = remat.compile(model, (x, y), loss_fn, micro_batches=2, loss_reduction="mean")  # the user's call
-    assert step.loss_reduction == "mean"
+    assert step.compilation.loss_reduction == "mean"
 
 
 @pytest.mark.parametrize("k, match", [(3, r"does not divide the batch of 8; valid: \[1, 2, 4, 8\]"),
@@ -144,6 +145,6 @@ def test_microbatch_step_refuses_buffer_updates():
 
     model, example, loss_fn = zoo.make("mlp", "tiny")
     step = remat.compile(model, example, loss_fn)
-    layout = Layout(step.layout.n_params, step.layout.n_state, step.layout.n_inputs, False, 1)
+    layout = Layout(step.binding.layout.n_params, step.binding.layout.n_state, step.binding.layout.n_inputs, False, 1)
     with pytest.raises(ValueError, match="once per micro-batch"):
-        microbatch_step(step.joint, layout, None, [], True, 2)
+        microbatch_step(step.compilation.joint, layout, None, [], True, 2)

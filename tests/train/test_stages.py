@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import remat
-from remat.train.api import STAGES
+from remat.train.compilation import STAGE_NAMES as STAGES
 from _train_util import make
 
 
@@ -156,11 +156,12 @@ def test_profiled_cost_model_measures_the_lean_variants_too():
     """With ``cost_model="profiled"`` a lean-algorithm variant's problem is costed as the reference's
     is, by running it (its candidates are compared with the reference's); static costs stay static."""
     from remat.plan.costmodel import static_costs
+    from remat.train.variants import lean_variants
 
     for cost_model in ("static", "profiled"):
         model, inputs, loss_fn = make("resnet")  # its stem has a tiled (conv_bn_relu_pool) variant
         step = remat.compile(model, inputs, loss_fn, cost_model=cost_model)
-        variants = step._lean_variants(step.problem)
+        variants = lean_variants(step.compilation)(step.compilation.problem)
         assert variants, "resnet has no lean variant"
         p = variants[0].problem
         static = static_costs(p.joint)

@@ -87,7 +87,7 @@ def test_gpt_with_dropout_trains():
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = remat.compile(model, inputs, loss_fn, optimizer=opt)
-    assert step.imported.has_seed  # dropout is active: the step draws masks from a seed
+    assert step.compilation.imported.has_seed  # dropout is active: the step draws masks from a seed
     losses = [step(*inputs).item() for _ in range(8)]
     assert all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < losses[0] - 0.3, losses  # one fixed batch: the loss must come down
@@ -172,7 +172,7 @@ def test_out_of_range_targets_raise_and_change_nothing(opt_name, budget):
     opt = _OPTIMIZERS[opt_name](model.parameters())
     x, y = torch.randn(256, 8), torch.randint(0, 10, (256,))
     step = remat.compile(model, (x, y), torch.nn.functional.cross_entropy, optimizer=opt, budget=budget)
-    assert budget is None or step.recomputed > 0
+    assert budget is None or step.compilation.recomputed > 0
     for k in range(2):  # on the first call (no optimizer state yet), then after a successful step
         before = snapshot(model, opt)
         for bad in (99, -5, 10):
@@ -265,8 +265,8 @@ def test_slices_of_a_larger_batch_are_counted_as_predicted():
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
     s = steps[0]
-    first, n_state = s.layout.n_args, sum(len(ts) for ts in s._state_types)
-    want = predicted(s.program, s.layout.n_params, range(first, first + n_state))
+    first, n_state = s.binding.layout.n_args, sum(len(ts) for ts in s.binding.state_types)
+    want = predicted(s.program, s.binding.layout.n_params, range(first, first + n_state))
     assert s.kind_stats == want and s.last_stats.by_kind is None  # later steps record the peak only
     assert s.kind_stats.at_peak["inputs"] >= big_x[:n].nbytes + big_y[:n].nbytes
     assert s.kind_stats.at_peak["optimizer state"] == sum(2 * p.numel() * p.element_size() for p in model.parameters())

@@ -9,26 +9,27 @@ FORMAT = "remat.TrainStep/1"
 
 def state_dict(step) -> dict[str, Any]:
     """This rank's training state: parameters, buffers, optimizer state (its shards under ZeRO),
-    the optimizer step count, the dropout seed counter, and the sharding metadata. Tensors are copies."""
+    the optimizer step count, the dropout seed counter, and the sharding metadata. Tensors are copies.
+    ``step``: a compiled step's binding (``remat.train.binding.Binding``)."""
     import torch
 
     dp = step.dp
     names = step.imported.param_names
-    opt_steps = dp.steps if dp is not None and dp.shards_state else step._optimizer_steps()
+    opt_steps = step.optimizer_steps()
     sd: dict[str, Any] = {
         "format": FORMAT,
         "data_parallel": None if dp is None else dp.mode,
         "world_size": 1 if dp is None else dp.world,
         "rank": 0 if dp is None else dp.rank,
         "steps": opt_steps,
-        "seed_step": step._step,
-        "params": {n: p.detach().clone() for n, p in zip(names, step._params)},
+        "seed_step": step.calls,
+        "params": {n: p.detach().clone() for n, p in zip(names, step.params)},
         "buffers": {n: b.detach().clone() for n, b in step.model.named_buffers()},
         "optimizer_state": {},
         "shards": {},
     }
     if step.updates:
-        for n, p, u, ts in zip(names, step._params, step.updates, step._state):
+        for n, p, u, ts in zip(names, step.params, step.updates, step.state):
             sd["optimizer_state"][n] = {k: t.detach().clone() for k, t in zip(u.state_keys, ts)}
             if dp is not None and dp.shards_state:
                 sh = dp.shard(p.numel())
@@ -56,29 +57,27 @@ def load_state_dict(step, sd: dict[str, Any]) -> None:
     if list(sd["params"]) != list(names):
         raise ValueError(f"checkpoint parameters {list(sd['params'])} do not match the model's {list(names)}")
     with torch.no_grad():
-        for n, p in zip(names, step._params):
+        for n, p in zip(names, step.params):
             p.copy_(sd["params"][n])
         own = dict(step.model.named_buffers())
         for n, t in sd["buffers"].items():
             own[n].copy_(t)
         if step.updates:
             if dp is None or not dp.shards_state:
-                from ..step.optim import bind_state
-
-                step._state = bind_state(step.optimizer, step._params, step.updates, step._state)
-                for p, u in zip(step._params, step.updates):
+                step.bind_state(step.state)
+                for p, u in zip(step.params, step.updates):
                     if "step" in step.optimizer.state[p]:
                         step.optimizer.state[p]["step"].fill_(sd["steps"])
             else:
                 dp.steps = int(sd["steps"])
-            for n, u, ts in zip(names, step.updates, step._state):
+            for n, u, ts in zip(names, step.updates, step.state):
                 for k, t in zip(u.state_keys, ts):
                     src = sd["optimizer_state"][n][k]
                     if src.shape != t.shape:
                         raise ValueError(f"optimizer state {n}.{k}: checkpoint has shape {list(src.shape)}, the "
                                          f"step {list(t.shape)}")
                     t.copy_(src)
-    step._step = int(sd["seed_step"])
+    step.calls = int(sd["seed_step"])
 
 
 def reassemble(state_dicts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

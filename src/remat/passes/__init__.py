@@ -49,10 +49,18 @@ CLEANUP: list[str] = ["inline", "simplify", "fold", "cse", "dce"]
 """The clean-up pipeline run after differentiation: one flat function, simplified, folded,
 common subexpressions merged, dead code removed."""
 
+PRE_DIFFERENTIATION: list[str] = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify",
+                                  "dce"]
+"""The passes run on a forward before it is differentiated. Simplifying first builds the backward
+from the simplified forward (e.g. a matmul reading a transposed weight through its flags gets
+flagged-matmul cotangents, not a cotangent transposed back by a materialised copy); attention
+reading heads-transposed operands in place gets a backward that writes its gradients in that layout;
+grouped-query attention reading its shared key/value heads keeps no repeated copies for the backward."""
+
 
 def run(module: Module, names: Sequence[str], verify_each: bool | None = None) -> PipelineResult:
     """Run passes of this package by name (the packages above use :func:`remat.pipeline.run_pipeline`)."""
     return run_passes(module, lookup(PASSES, names, " in remat.passes"), verify_each)
 
 
-__all__ = ["CLEANUP", "PASSES", "PassFn", "PassRecord", "PipelineResult", "lookup", "run", "run_passes"]
+__all__ = ["CLEANUP", "PASSES", "PRE_DIFFERENTIATION", "PassFn", "PassRecord", "PipelineResult", "lookup", "run", "run_passes"]

@@ -40,6 +40,7 @@ a convolution -> batch norm -> ReLU -> max pool chain: ``remat.passes.concatconv
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..ir import BlockArg, Builder, Function, Instruction, Module, Value
 from ..ir.ops.nn import LAYOUT_OPERANDS as _LAYOUT_OPS, TO_NCHW, TO_NHWC, TO_OHWI
@@ -263,3 +264,16 @@ def channels_last(module: Module, weights: bool | None = None) -> Module:
 
 
 __all__ = ["OHWI_WEIGHTS", "channels_last", "ohwi_params"]
+
+
+def with_layout(imported, option: str):
+    """An imported model (``remat.frontend.torch_import.ImportedModel``) with its forward in the
+    layout ``option`` asks for: channels-last under "auto" (``ohwi`` naming its OHWI weights), as
+    captured under "NCHW"; ``imported`` itself when nothing changes."""
+    if option == "NCHW":
+        return imported
+    module = channels_last(imported.module)
+    if module is imported.module:
+        return imported
+    function = module[imported.function.name]
+    return replace(imported, module=module, function=function, ohwi=ohwi_params(function))

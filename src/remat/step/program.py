@@ -38,21 +38,14 @@ class Layout:
         return 1 + self.n_buffers_out
 
 
-PRE_DIFFERENTIATION = ["simplify", "fold-kv-repeats", "simplify", "dce", "fold-head-transposes", "simplify", "dce"]
-"""The passes run on a forward before it is differentiated. Simplifying first builds the backward
-from the simplified forward (e.g. a matmul reading a transposed weight through its flags gets
-flagged-matmul cotangents, not a cotangent transposed back by a materialised copy); attention
-reading heads-transposed operands in place gets a backward that writes its gradients in that layout;
-grouped-query attention reading its shared key/value heads keeps no repeated copies for the backward."""
-
-
 def training_forward(forward: Function) -> Function:
-    """``forward`` as every training program differentiates it (:data:`PRE_DIFFERENTIATION`): the
+    """``forward`` as every training program differentiates it (the "pre-differentiation" pipeline,
+    :data:`remat.passes.PRE_DIFFERENTIATION`): the
     whole step's :func:`training_graph`, and the blocks the chain planner differentiates one by one
     (``StepProblem.forward``). Both must start from this same function, or a budget the chain planner
     wins computes other bits than the unconstrained step (the key and value gradients of a
     grouped-query attention whose head repeats were folded in one and not in the other)."""
-    return run_pipeline(Module([forward.clone("forward")]), PRE_DIFFERENTIATION).module["forward"]
+    return run_pipeline(Module([forward.clone("forward")]), "pre-differentiation").module["forward"]
 
 
 def training_graph(forward: Function, n_params: int) -> Module:

@@ -40,7 +40,7 @@ class SweepRow:
 def minimum_budget(step) -> int:
     """The smallest budget (bytes) the planners find a plan for, for a compiled ``step``."""
     try:
-        plan_step(dataclasses.replace(step.problem, budget=1))
+        plan_step(dataclasses.replace(step.compilation.problem, budget=1))
     except BudgetTooSmall as e:
         return int(e.minimum)
     return 1
@@ -71,8 +71,8 @@ def budget_sweep(step, budgets: Sequence[int], repeats: int = 3,
 def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, int], None] | None) -> list[SweepRow]:
     from ..runtime.vm import VM
 
-    args = step._step_args(step._example, copy=True, step=1)
-    base = step.problem.unconstrained
+    args = step.binding.step_args(step.signature.example, copy=True, step=1)
+    base = step.compilation.problem.unconstrained
     base_vm = VM(Module([base]), dialects=step.dialects)
 
     def once(vm, program):
@@ -83,7 +83,7 @@ def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, 
     for k, b in enumerate(sorted(budgets)):
         if progress is not None:
             progress(k, len(budgets))
-        cand = plan_step(dataclasses.replace(step.problem, budget=int(b)))
+        cand = plan_step(dataclasses.replace(step.compilation.problem, budget=int(b)))
         vm = VM(Module([cand.program]), dialects=step.dialects)
         once(vm, cand.program)
         runs, base_runs = [], []

@@ -125,7 +125,7 @@ def max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = None, opt
     each candidate is compiled (capture and plan) and fits when its plan's exact peak does. Other
     ``options`` go to ``remat.compile`` (``micro_batches`` is fixed to 1). Nothing of the model or
     the optimizer is modified."""
-    from .api import TrainStep
+    from .api import compile
 
     cap = _budget_bytes(budget)
     if options.pop("micro_batches", 1) not in (1, None):
@@ -135,7 +135,7 @@ def max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = None, opt
 
     def fits(n: int) -> tuple[bool, int, Any]:
         try:
-            step = TrainStep(model, make_batch(n), loss_fn, optimizer, cap, **options)
+            step = compile(model, make_batch(n), loss_fn, optimizer, cap, **options)
         except BudgetTooSmall as e:
             say(f"batch {n}: does not fit (needs {format_bytes(e.minimum)})")
             return False, e.minimum, None

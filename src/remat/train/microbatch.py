@@ -8,7 +8,7 @@ every planner fits), and the VM runs the whole step as one program, so predicted
 ``micro_batches="auto"`` chooses ``k`` jointly with recomputation: for each ``k`` dividing the
 batch, in increasing order, the cheapest plan that fits is found and its whole-step time
 predicted (the cost model over all micro-batches); the cheapest feasible ``k`` wins
-(:func:`compile_auto`).
+(:func:`remat.train.api.compile_auto`).
 
 Semantics are kept, or micro-batching is refused (:class:`MicroBatchingRefused`): models whose
 forward mixes samples (batch norm with batch statistics) or updates buffers are refused; the loss
@@ -22,11 +22,10 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Sequence
 
-from ..errors import BudgetTooSmall, format_bytes
 from ..step.microbatch import REDUCTIONS, batch_dependent
 
 if TYPE_CHECKING:
-    from .api import TrainStep
+    from .compilation import Compilation
 
 
 class MicroBatchingRefused(ValueError):
@@ -59,11 +58,11 @@ def check_micro_batches(k, inputs: Sequence, data_parallel: bool) -> int:
     return k
 
 
-def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_targets: int | None) -> str:
+def micro_batch_semantics(c: "Compilation", loss_reduction: str | None) -> str:
     """The loss reduction micro-batching must apply ("mean" or "sum"), after refusing models whose
     forward depends on the batch. ``loss_reduction`` given: trusted; None: checked eagerly on the
     example's micro-batches and the whole batch (a float64 copy of the model in eval mode)."""
-    why = batch_dependent(step.imported.function, step.layout)
+    why = batch_dependent(c.imported.function, c.binding.layout)
     if why:
         raise MicroBatchingRefused("micro-batching would change what this step computes: " + "; ".join(why)
                                    + ". Use micro_batches=1 (a smaller batch, or a larger budget)")
@@ -75,13 +74,13 @@ def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_tar
 
     from ..frontend.torch_import import loss_module
 
-    k, b = step.micro_batches, step._capture_example[0].shape[0]
+    k, b = c.micro_batches, c.capture_example[0].shape[0]
     try:  # in float64, so that a mean over unequal counts cannot hide in float32 rounding
-        model, tol = copy.deepcopy(step.model).double(), 1e-9
-        example = tuple(t.double() if t.is_floating_point() else t for t in step._example)
+        model, tol = copy.deepcopy(c.model).double(), 1e-9
+        example = tuple(t.double() if t.is_floating_point() else t for t in c.signature.example)
     except (RuntimeError, TypeError):
-        model, tol, example = step.model, 1e-5, step._example
-    wrapper, tensors = loss_module(model, step._keywords(example), step._loss_fn, num_targets)
+        model, tol, example = c.model, 1e-5, c.signature.example
+    wrapper, tensors = loss_module(model, c.signature.keywords(example), c.loss_fn, c.num_targets)
     modes = [m.training for m in model.modules()]
     wrapper.eval()
     try:
@@ -105,71 +104,16 @@ def micro_batch_semantics(step: "TrainStep", loss_reduction: str | None, num_tar
         f"Pass loss_reduction='mean' or 'sum' if the difference is intended, or use micro_batches=1")
 
 
-def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
+def whole_batch_peak(c: "Compilation") -> int:
     """The unconstrained peak of the whole batch's step (no micro-batching): the reference of
     relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
     from ..frontend.torch_import import import_module
+    from ..passes.layout import with_layout
     from ..plan.liveness import predict_peak
     from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
-    from .api import apply_layout
-
-    imp = apply_layout(import_module(step.model, step._keywords(step._example), step._loss_fn,
-                                     train=step.model.training, num_targets=num_targets), step.layout_option)
-    joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), step.dialects)
-    return predict_peak(step_program(joint, step.layout, step.updates, step._state_types, step.keep_grads))
-
-
-def compile_auto(model, example_inputs, loss_fn, optimizer, budget, **options) -> "TrainStep":
-    """``remat.compile(..., micro_batches="auto")``: the micro-batch count chosen with recomputation.
-
-    For each ``k`` dividing the batch, in increasing order, a step is planned (``k = 1`` is the
-    whole batch); among those that fit the budget the one with the least predicted whole-step
-    time wins. The search stops at a ``k`` whose plan recomputes nothing, or whose step without
-    recomputation already costs more than the best found (more micro-batches only add per-op
-    cost). Raises ``BudgetTooSmall`` with the smallest minimum over every ``k`` tried."""
-    from ..frontend.torch_import import keyword_inputs
-    from .api import TrainStep
-
-    if budget is None:
-        return TrainStep(model, example_inputs, loss_fn, optimizer, budget, **options)
-    _, tensors, _ = keyword_inputs(example_inputs, loss_fn, options.get("num_targets"))
-    n = batch_size(tensors)
-    ks = [1] if n is None or options.get("data_parallel") else [d for d in range(1, n + 1) if n % d == 0]
-    lines: list[str] = []
-    best: TrainStep | None = None
-    first_error: BudgetTooSmall | None = None
-    minimums: list[int] = []
-    infeasible: list[int] = []
-    ref: int | None = None
-    for k in ks:
-        try:
-            step = TrainStep(model, example_inputs, loss_fn, optimizer, budget, micro_batches=k,
-                             full_batch_peak=ref, **options)
-        except BudgetTooSmall as e:
-            first_error = first_error or e
-            minimums.append(e.minimum)
-            infeasible.append(k)
-            ref = ref if ref is not None else getattr(e, "unconstrained_peak", None)
-            lines.append(f"k={k}: infeasible (needs at least {format_bytes(e.minimum)})")
-            continue
-        except MicroBatchingRefused as e:
-            lines.append(f"k={k}: refused: {e}")
-            break
-        ref = step.unconstrained_peak
-        lines.append(f"k={k}: peak {format_bytes(step.predicted_peak)} ({step.unconstrained_peak - step.predicted_peak:,} B "
-                     f"below the whole batch's unconstrained peak), predicted step {step.predicted_seconds * 1e3:.1f} ms, "
-                     f"recompute overhead {step.predicted_overhead:+.1%} ({step.solver})")
-        if best is None or step.predicted_seconds < best.predicted_seconds:
-            best = step
-        if not step._recomputes or step.unconstrained_predicted_seconds >= best.predicted_seconds:
-            break
-    if best is None:
-        refused = [ln for ln in lines if "refused" in ln]
-        err = BudgetTooSmall(first_error.budget, min(minimums), "this training step at any micro-batch count tried",
-                             detail=f"micro-batch counts tried: {', '.join(map(str, infeasible))}"
-                             + (f"; {refused[0]}" if refused else ""))
-        err.unconstrained_peak = ref  # of the whole batch, as TrainStep's own BudgetTooSmall says
-        raise err from first_error
-    best.micro_batch_choice = lines + [f"chose k={best.micro_batches}: the least predicted step time that fits"]
-    return best
+    imp = with_layout(import_module(c.model, c.signature.keywords(c.signature.example), c.loss_fn,
+                                    train=c.model.training, num_targets=c.num_targets), c.options.layout)
+    joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), c.dialects)
+    b = c.binding
+    return predict_peak(step_program(joint, b.layout, b.updates, b.state_types, c.keep_grads))

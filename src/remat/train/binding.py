@@ -1,0 +1,140 @@
+"""The model's tensors and the optimizer's state, bound to the step program's arguments and results.
+
+A :class:`Binding` is made once per compile (the ``bind`` stage) and used at every step: it lays the
+parameters, buffers, optimizer state and step counters out in the order of the captured IR
+(:class:`remat.step.Layout`), and puts the step's results back (updated buffers, ``.grad``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ..step.optim import bind_state, init_state, steps_taken, updates_from_torch
+from ..step.program import Layout
+
+
+def tensor_type(t):
+    """The IR type of a torch tensor."""
+    from ..runtime.vm import tensor_type_of
+
+    return tensor_type_of(t.detach())
+
+
+class Binding:
+    """Parameters, buffers and optimizer state of ``model`` in the order of the imported IR ``imp``.
+
+    ``state``: each trainable parameter's optimizer state tensors (``updates[i].state_keys``), the
+    optimizer's own (bound on the first successful step) or, under ZeRO, this rank's shards.
+    ``calls``: steps run so far (the dropout seed of a step is ``seed + calls``)."""
+
+    def __init__(self, model, optimizer, imp, dp, seed: int):
+        self.model, self.optimizer, self.imported, self.dp, self.seed = model, optimizer, imp, dp, seed
+        self.calls = 0
+        named = dict(model.named_parameters())
+        self.params = [named[n] for n in imp.param_names]
+        # The trainable weights the step takes OHWI (channels-last weights; remat.passes.layout).
+        self.ohwi = frozenset(i for i in imp.ohwi if i < len(self.params) and self.params[i] is imp._tensors[i])
+        named_b = dict(model.named_buffers())
+        self.buffers_out = ([named_b[n.split(":", 1)[-1]] for n in imp.output_names[1:]]
+                            if len(imp.output_names) > 1 else [])
+        self.layout = Layout(len(imp.param_names), imp.state_count, imp.input_count, imp.has_seed,
+                             len(imp.output_names) - 1)
+        self.updates = updates_from_torch(optimizer, self.params) if optimizer is not None else None
+        self.state = init_state(optimizer, self.params, self.updates) if self.updates else []
+        if self.updates:
+            steps_taken(optimizer, self.params, self.updates)  # parameters stepped unequally: fail now
+        if dp is not None and dp.shards_state:
+            self.state = self._sharded_state()
+        self.state_types = [[tensor_type(t.permute(0, 2, 3, 1) if i in self.ohwi else t) for t in ts]
+                            for i, ts in enumerate(self.state)]
+
+    def _sharded_state(self) -> list[list]:
+        """ZeRO: zeros for this rank's shard of every state tensor, kept by the step (not in
+        ``optimizer.state``: it holds no full-size state); ``state_dict()`` saves them."""
+        import torch
+
+        if any(self.optimizer.state.get(p) for p in self.params):
+            raise ValueError(f"data_parallel={self.dp.mode!r} shards the optimizer state, but this optimizer already "
+                             "has state; compile with a fresh optimizer and restore a run with step.load_state_dict()")
+        return [[torch.zeros(self.dp.shard(p.numel()).size, dtype=p.dtype) for _ in u.state_keys]
+                for p, u in zip(self.params, self.updates)]
+
+    def extra_bytes(self) -> int:
+        """Bytes the step adds to the joint: optimizer state and the step counter."""
+        return sum(t.nbytes for ts in self.state_types for t in ts) + (8 if self.updates else 0)
+
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken so far (the count the next step's update continues from)."""
+        if self.dp is not None and self.dp.shards_state:
+            return self.dp.steps
+        return steps_taken(self.optimizer, self.params, self.updates) if self.updates else 0
+
+    def check_optimizer(self) -> None:
+        lrs = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
+        for p, u in zip(self.params, self.updates):
+            if lrs[id(p)] != u.attrs["lr"]:
+                raise RuntimeError(f"the optimizer's learning rate changed from {u.attrs['lr']} to {lrs[id(p)]} after "
+                                   "remat.compile; learning-rate schedules need a recompile (not supported yet)")
+
+    # ------------------------------------------------------------------ arguments
+    def joint_args(self, inputs: Sequence, copy: bool) -> list:
+        """The training joint's arguments: state (parameters, buffers, constants), inputs[, seed]."""
+        args = self.imported.param_tensors(copy=copy) + [t.detach() if hasattr(t, "detach") else t for t in inputs]
+        if self.imported.has_seed:
+            args.append(np.array(self.seed + self.calls, dtype=np.int64))
+        return args
+
+    def step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
+        """The step program's arguments: the joint's, then the optimizer state and the step count
+        ``step`` (the optimizer step this one takes) when the step updates the parameters."""
+        args = self.joint_args(inputs, copy)
+        if self.updates:
+            ohwi = self.ohwi
+            if ohwi:
+                from ..frontend.torch_import import ohwi_copy, ohwi_view
+            for i, ts in enumerate(self.state if state is None else state):
+                if i in ohwi:  # the OHWI parameter's state: OHWI views too (ohwi_view)
+                    args += [ohwi_copy(t) if copy else ohwi_view(t) for t in ts]
+                else:
+                    args += [t.detach().clone() if copy else t.detach() for t in ts]
+            args.append(np.array(step, dtype=np.int64))
+        return args
+
+    # ------------------------------------------------------------------ results
+    def bind_state(self, state: list[list]) -> None:
+        """After a successful step: the optimizer owns the state the step updated."""
+        self.state = bind_state(self.optimizer, self.params, self.updates, state)
+
+    def put_results(self, outs: Sequence, args: Sequence, keep_grads: bool) -> None:
+        """The step's updated buffers into the model's, and with ``keep_grads`` its gradients into ``.grad``."""
+        import torch
+
+        with torch.no_grad():
+            for buf, new in zip(self.buffers_out, outs[1:self.layout.first_grad]):
+                buf.copy_(new)
+            if keep_grads:
+                self._set_grads(outs, args)
+
+    def _set_grads(self, outs: Sequence, args: Sequence) -> None:
+        """Each parameter's ``.grad``: the step's gradient (added to an existing ``.grad``). A gradient
+        that owns its storage alone is taken as it is, so the step's measured peak is the VM's (a copy
+        of every gradient while the VM's are still referenced would add the gradients' bytes at the
+        end of the step); one sharing storage with an argument, the loss, a buffer's new value or
+        another gradient (a view, or one value returned twice) is copied."""
+        import torch
+
+        first = self.layout.first_grad
+        taken = {t.untyped_storage().data_ptr() for t in [*args, *outs[:first]] if isinstance(t, torch.Tensor)}
+        ohwi = self.ohwi
+        for i, (p, g) in enumerate(zip(self.params, outs[first:])):
+            if p.grad is not None:
+                p.grad.add_(g.permute(0, 3, 1, 2) if i in ohwi else g)
+                continue
+            g = g.to(p.dtype)
+            st = g.untyped_storage()
+            alone = (g.numel() > 0 and g.is_contiguous() and g.storage_offset() == 0
+                     and st.nbytes() == g.numel() * g.element_size() and st.data_ptr() not in taken)
+            g = g if alone else g.clone()
+            p.grad = g.permute(0, 3, 1, 2) if i in ohwi else g  # an OHWI gradient: the weight's, channels-last
+            taken.add(st.data_ptr())

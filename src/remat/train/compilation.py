@@ -1,0 +1,505 @@
+"""``remat.compile`` as a flat list of named stages over one record.
+
+A :class:`Compilation` holds everything a compile knows so far: the user's model, inputs, loss and
+optimizer with the checked :class:`CompileOptions`; then the captured module, the training graph,
+the planning problem, the plan, the program and the VM that runs it. Each stage is a plain
+function ``Compilation -> Compilation`` that fills the fields it owns (``dataclasses.replace``);
+:data:`STAGES` lists them in the order they run, and :func:`compile_step` runs them with the
+runner that runs passes (:func:`remat.passes.pipeline.run_passes`: timing, ``print_after``, the
+IR verified after each stage in tests)::
+
+    capture -> layout -> bind -> training graph -> prepare -> [profile] -> plan -> lower -> fuse
+            -> [compile kernels] -> prepare VM
+
+``profile`` runs with ``cost_model="profiled"`` only, ``compile kernels`` when the numba dialect is
+enabled. Micro-batching (``micro_batches=k``) and data parallelism (``data_parallel=``) are options
+of the stages that build the step program (:meth:`Compilation.step_program`). The result becomes a
+:class:`remat.train.api.TrainStep`, the run-time object.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field, fields, replace
+from functools import partial
+from typing import Any, Callable, Mapping, Sequence
+
+from .. import backends
+from .._gc import cyclic_gc_paused, cyclic_gc_relaxed
+from ..budget import Budget
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Function, Instruction, Module
+from ..passes.pipeline import run_passes
+from ..plan.algorithms import plan_choosing_algorithms
+from ..plan.costmodel import static_costs
+from ..plan.frontier import CostModel
+from ..plan.liveness import predict_peak
+from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
+from ..step.microbatch import microbatch_step
+from ..step.program import prepare_joint, step_program, training_forward, training_graph
+from .binding import Binding
+from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_peak
+from .report import recomputed_layers
+from .signature import Signature
+from .variants import lean_variants
+
+ALGORITHM_OPTIONS = ("auto", "reference")
+"""``algorithms=``: "auto" lets the planner choose memory-lean algorithms (chunked cross-entropy,
+attention with dropout without its score matrix, convolutions over a concatenation without it,
+batch norm backwards without ATen's unused buffer) when the reference step does not fit the budget
+and they are faster or the only feasible choice; "reference" keeps every op's reference algorithm
+(gradients bit-identical to the unconstrained step under any budget)."""
+
+LAYOUT_OPTIONS = ("auto", "NCHW")
+"""``layout``: "auto" computes a convolutional model channels-last (``remat.passes.layout``), "NCHW" as
+captured."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The options of ``remat.compile`` (documented there), checked before the seconds-long capture."""
+
+    num_targets: int | None = None
+    solver: str = "auto"
+    dialects: Sequence[str] | None = None
+    seed: int = 0
+    keep_grads: bool | None = None
+    profile_repeats: int = 2
+    cost_model: str = "static"
+    milp_time_limit: float = 10.0
+    progress: Callable[[str], None] | None = None
+    print_after: str | Sequence[str] | None = None
+    data_parallel: str | None = None
+    bucket_bytes: int | None = None
+    count_workspaces: bool = True
+    measure_allocator: bool = True
+    algorithms: str = "auto"
+    micro_batches: int | str = 1
+    loss_reduction: str | None = None
+    layout: str = "auto"
+    full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
+
+    @staticmethod
+    def of(options: Mapping[str, Any]) -> "CompileOptions":
+        """The options named in ``options``; a TypeError naming unknown ones and the valid ones."""
+        valid = [f.name for f in fields(CompileOptions) if f.name != "full_batch_peak"]
+        unknown = sorted(set(options) - set(valid) - {"full_batch_peak"})
+        if unknown:
+            raise TypeError(f"remat.compile: unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+        return CompileOptions(**options)
+
+    def check(self) -> None:
+        """ValueError naming the first invalid option and what would be valid."""
+        if self.cost_model not in ("static", "profiled"):
+            raise ValueError(f"cost_model must be 'static' (deterministic estimates) or 'profiled' (measured), "
+                             f"got {self.cost_model!r}")
+        if self.algorithms not in ALGORITHM_OPTIONS:
+            raise ValueError(f"algorithms must be one of {', '.join(map(repr, ALGORITHM_OPTIONS))}, "
+                             f"got {self.algorithms!r}")
+        if self.layout not in LAYOUT_OPTIONS:
+            raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUT_OPTIONS))}, got {self.layout!r}")
+        if self.solver not in SOLVER_OPTIONS:
+            raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+        unknown = self.shown - set(STAGE_NAMES)
+        if unknown:
+            raise ValueError(f"print_after: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGE_NAMES)}")
+
+    @property
+    def shown(self) -> set[str]:
+        """The stages whose IR ``print_after`` asks to print."""
+        return {self.print_after} if isinstance(self.print_after, str) else set(self.print_after or ())
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """What a compile knows after each stage (fields in the order the stages fill them). Bytes, seconds."""
+
+    # ---- given (before the first stage)
+    model: Any
+    optimizer: Any
+    loss_fn: Callable | None
+    options: CompileOptions
+    budget_spec: Budget | None    # the budget as given; ``budget`` resolves it (``prepare``)
+    signature: Signature          # the example's tensors, their keywords and compiled keyword options
+    dp: Any                       # remat.distributed's setup, None in one process
+    keep_grads: bool
+    num_targets: int | None
+    micro_batches: int            # k > 1: the batch runs as k micro-batches (remat.step.microbatch)
+    capture_example: tuple        # what is captured: the example, or its first micro-batch
+    started: float                # time.perf_counter() when the compile started
+    # ---- capture, layout
+    imported: Any = None          # remat.frontend.torch_import.ImportedModel (after ``layout``: its layout)
+    channels_last: bool = False   # ``layout`` made the convolutions NHWC
+    # ---- bind
+    binding: Binding | None = None
+    loss_reduction: str | None = None  # micro-batching's "mean" or "sum"
+    # ---- training graph
+    forward: Function | None = None    # the forward every planner differentiates (training_forward)
+    graph: Module | None = None        # forward + loss + backward
+    # ---- prepare, profile
+    joint: Function | None = None      # the training joint, prepared for the chosen dialects
+    unconstrained: Function | None = None  # the step program without recomputation
+    unconstrained_peak: int = 0        # of the whole batch (also when micro-batched)
+    budget: int | None = None
+    costs: dict | None = None          # per-instruction seconds of the joint (static or measured)
+    unconstrained_step_seconds: float | None = None  # measured ("profiled" only)
+    # ---- plan
+    problem: StepProblem | None = None
+    plan: Candidate | None = None
+    workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
+    predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces
+    predicted_seconds: float = 0.0                 # the cost model's seconds for the planned step (every micro-batch)
+    unconstrained_predicted_seconds: float = 0.0   # and for the unconstrained step
+    # ---- lower, fuse
+    program: Function | None = None
+    instructions: int = 0                          # of the lowered program (control flow not counted)
+    recomputed: int = 0                            # instructions it has beyond the unconstrained step
+    recomputed_layers: dict[str, int] = field(default_factory=dict)
+    recomputes: bool = False                       # the program is not the unconstrained step's
+    notes: tuple[str, ...] = ()                    # the plan's notes, and the later stages'
+    # ---- prepare VM
+    vm: Any = None
+    kinds: Any = None                              # the kind of every program value (parameters, ...)
+    predicted_peak: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dialects(self) -> tuple[str, ...] | None:
+        return tuple(self.options.dialects) if self.options.dialects else None
+
+    @property
+    def ir(self) -> Module | None:
+        """The newest IR: the program, the plan's program, the joint, the training graph or the capture."""
+        for fn in (self.program, self.plan.program if self.plan is not None else None, self.joint):
+            if fn is not None:
+                return Module([fn])
+        if self.graph is not None:
+            return self.graph
+        return None if self.imported is None else self.imported.module
+
+    def step_program(self, joint: Function, check: bool) -> Function:
+        """The step program of a joint: one process (micro-batched or not), or this rank's
+        (``remat.distributed.passes``)."""
+        b = self.binding
+        if self.micro_batches > 1:
+            return microbatch_step(joint, b.layout, b.updates, b.state_types, self.keep_grads, self.micro_batches,
+                                   self.loss_reduction, check=check)
+        if self.dp is None:
+            return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check)
+        from ..distributed.passes import data_parallel_step
+
+        return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check)
+
+    def workspaces(self, fn: Function) -> dict[Instruction, int]:
+        """Kernels' own bytes per instruction of ``fn`` (measured once per kernel and shape, cached)."""
+        from ..runtime.allocator import workspaces
+
+        return workspaces(fn, self.dialects)
+
+    def measured_costs(self, joint: Function) -> dict[Instruction, float]:
+        """Measured per-instruction seconds of a joint (on copies of the example's arguments)."""
+        from ..runtime.vm import VM
+
+        return _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
+                                   self.binding.joint_args(self.capture_example, copy=True),
+                                   self.options.profile_repeats)[0]
+
+
+# ---------------------------------------------------------------------------------------------- stages
+def capture(c: Compilation) -> Compilation:
+    """The model (with its loss) captured by torch.export and translated to IR (``remat.frontend``)."""
+    from ..frontend.torch_import import import_module
+
+    return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
+                                             train=c.model.training, num_targets=c.num_targets))
+
+
+def layout(c: Compilation) -> Compilation:
+    """The forward in the layout the ``layout`` option asks for (``remat.passes.layout``); every path
+    that differentiates the step starts from it, so all plans share it."""
+    from ..passes.layout import with_layout
+
+    imported = with_layout(c.imported, c.options.layout)
+    return replace(c, imported=imported, channels_last=imported is not c.imported)
+
+
+def bind(c: Compilation) -> Compilation:
+    """The model's parameters, buffers and optimizer state bound to the program's arguments; with
+    micro-batches, the loss's reduction (micro-batching refuses steps it would change)."""
+    binding = Binding(c.model, c.optimizer, c.imported, c.dp, c.options.seed)
+    c = replace(c, binding=binding)
+    if c.micro_batches > 1:
+        c = replace(c, loss_reduction=micro_batch_semantics(c, c.options.loss_reduction))
+    return c
+
+
+def differentiate(c: Compilation) -> Compilation:
+    """The training graph: forward + loss + backward (``remat.step.program``), from the forward
+    every planner differentiates (the whole step's and the chain planner's blocks)."""
+    forward = training_forward(c.imported.function)
+    return replace(c, forward=forward, graph=training_graph(forward, len(c.imported.param_names)))
+
+
+def prepare(c: Compilation) -> Compilation:
+    """The joint as it will run (training batch norms split into statistics and element-wise
+    normalisation, composites no chosen dialect has a kernel for expanded: ``prepare_joint``), the
+    unconstrained step program, its peak (the whole batch's, also when micro-batched: the reference
+    of relative budgets), the budget in bytes, and static per-instruction costs."""
+    joint = prepare_joint(c.graph, c.dialects)
+    unconstrained = c.step_program(joint, check=True)
+    peak = predict_peak(unconstrained)
+    if c.micro_batches > 1:
+        peak = c.options.full_batch_peak if c.options.full_batch_peak is not None else whole_batch_peak(c)
+    budget = None if c.budget_spec is None else c.budget_spec.resolve(peak)
+    return replace(c, joint=joint, unconstrained=unconstrained, unconstrained_peak=peak, budget=budget,
+                   costs=static_costs(joint))
+
+
+def profile(c: Compilation) -> Compilation:
+    """Measured per-instruction seconds of the joint, and the unconstrained step's time (on copies)."""
+    from ..runtime.vm import VM
+
+    costs = c.measured_costs(c.joint)
+    vm = VM(Module([c.unconstrained]), dialects=c.dialects)
+    args = partial(c.binding.step_args, c.signature.example, copy=True, step=1)
+    seconds = min(vm.run(c.unconstrained.name, *args())[1].total_seconds for _ in range(c.options.profile_repeats))
+    return replace(c, costs=costs, unconstrained_step_seconds=seconds)
+
+
+def plan(c: Compilation) -> Compilation:
+    """The cheapest plan whose peak fits the budget (``remat.plan``): with workspaces counted
+    (the default), PyTorch's allocator peak, not only the VM's exact count of IR values. Each
+    kernel's workspace is measured once per kernel and shape (``runtime.allocator``, cached on
+    disk) and enters the solvers as the node's workspace; a plan fits when its allocator bound (the
+    VM's high-water mark at each instruction plus that kernel's workspace) is within the budget.
+    Raises ``BudgetTooSmall`` with the minimum feasible budget and the unconstrained peak."""
+    from ..plan.workspace import allocator_bound, workspace_margin
+
+    o = c.options
+    problem = StepProblem(c.forward, c.imported.state_count, len(c.imported.param_names), c.joint, c.unconstrained,
+                          c.budget, partial(c.step_program, check=False), c.binding.extra_bytes(), c.costs, o.solver,
+                          o.milp_time_limit,
+                          c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
+                          c.dialects)
+    if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1:
+        g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
+        problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
+    counted = c.budget is not None and o.count_workspaces
+    margin = bound = None
+    if counted:
+        margin = workspace_margin(c.unconstrained, c.workspaces(c.unconstrained))
+        problem = replace(problem, workspaces=c.workspaces(problem.joint), workspace_fn=c.workspaces)
+    try:
+        chosen = _plan_on_ranks(c, problem)
+    except BudgetTooSmall as e:
+        e.unconstrained_peak = c.unconstrained_peak  # of the whole batch: resolves relative budgets
+        raise
+    if counted:
+        bound = allocator_bound(chosen.program, c.workspaces(chosen.program))
+    cost = CostModel(c.costs)
+    # The problem is kept so that other budgets can be planned on the same capture (remat.train.curve).
+    return replace(c, problem=problem, plan=chosen, workspace_bytes=margin or 0, predicted_allocator_peak=bound,
+                   predicted_seconds=cost.program_cost(chosen.program),
+                   unconstrained_predicted_seconds=cost.program_cost(c.unconstrained), notes=tuple(chosen.notes))
+
+
+def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Candidate:
+    """The plan; under ``data_parallel="ddp"`` made on rank 0 only, every rank receiving it
+    (``remat.distributed.group.plan_on_rank0``), so that all ranks run the same program. ZeRO's
+    step programs differ between ranks (each slices its own shards), so there every rank plans on
+    its own and ``check_same_collectives`` compares what they issue."""
+    if c.options.algorithms == "reference":
+        run = partial(plan_step, problem)
+    else:
+        run = partial(plan_choosing_algorithms, problem, lean_variants(c))
+    if c.dp is None or c.dp.shards_state:
+        return run()
+    from ..distributed.group import plan_on_rank0
+
+    return plan_on_rank0(run, c.dp, problem.budget)
+
+
+def lower(c: Compilation) -> Compilation:
+    """The plan's step program (rematerialised, its updates and frees placed), and what it
+    recomputes: counted here, since fusion merges instructions but recomputes nothing."""
+    program = c.plan.program
+    unconstrained = c.plan.unconstrained or c.unconstrained  # a lean algorithm won: against its own step
+    n = _count(program)
+    return replace(c, program=program, instructions=n, recomputed=n - _count(unconstrained),
+                   recomputed_layers=recomputed_layers(program), recomputes=program is not unconstrained)
+
+
+def fuse(c: Compilation) -> Compilation:
+    """Sibling convolution gradients become one call (:mod:`remat.lower.siblings`) and, with the numba
+    dialect, element-wise DAGs fused kernels (:mod:`remat.lower.fuse`). Neither raises the VM's
+    peak, but they move high-water marks; with workspaces counted, a rewrite whose span holds an
+    allocator high-water mark above the budget is undone (the others are kept), and the fused
+    program is kept only if its allocator bound stays within the budget (else the planned program
+    runs unfused). Merged and fused kernels are bit-identical to the ops they replace, so the
+    plan's promises carry over."""
+    from ..lower.fuse import fuse_function
+    from ..lower.siblings import merge_conv_grads
+    from ..plan.workspace import allocator_bound, allocator_excess
+
+    counted = c.budget is not None and c.options.count_workspaces
+    judge = None
+    if counted and (c.predicted_allocator_peak or 0) <= c.budget:
+        judge = partial(_excess, c.workspaces, c.budget, allocator_excess)  # rewrites breaking the budget are undone
+    fused = merge_conv_grads(c.program, judge)
+    if _numba(c):
+        fused = fuse_function(fused, judge=judge)
+    if not counted:
+        return replace(c, program=fused)
+    bound = allocator_bound(fused, c.workspaces(fused))
+    if bound > c.budget >= (c.predicted_allocator_peak or 0):
+        return replace(c, notes=c.notes + (f"fusion left out: the fused program's allocator bound "
+                                           f"{format_bytes(bound)} exceeds the budget",))
+    return replace(c, program=fused, predicted_allocator_peak=bound)
+
+
+def _excess(workspaces: Callable, budget: int, excess: Callable, out: Function) -> int | None:
+    return excess(out, workspaces(out), budget)
+
+
+def compile_kernels(c: Compilation) -> Compilation:
+    """The numba dialect's kernels of the program, compiled (cached on disk: a second compile of the
+    same model compiles nothing)."""
+    from ..backends import numba_kernels
+
+    numba_kernels.prepare(Module([c.program]))
+    return c
+
+
+def prepare_vm(c: Compilation) -> Compilation:
+    """The program's exact predicted peak, the VM that runs it, and the kind of each of its values
+    (parameters, gradients, optimizer state, ...) for the report's split of the peak."""
+    from ..distributed.memory import kinds
+    from ..runtime.vm import VM
+
+    if c.dp is not None:
+        from ..distributed.group import check_same_collectives
+
+        check_same_collectives(c.program, c.dp)
+    vm = VM(Module([c.program]), dialects=c.dialects)
+    b = c.binding
+    n_state = sum(len(ts) for ts in b.state_types) if b.updates else 0
+    first = b.layout.n_args
+    n_params = b.layout.n_params + len(c.imported.frozen_names)  # frozen ones are parameters too
+    value_kinds = kinds(c.program, n_params, range(first, first + n_state))
+    vm.set_kinds(c.program, value_kinds)
+    return replace(c, vm=vm, kinds=value_kinds, predicted_peak=predict_peak(c.program))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of ``remat.compile``: its name, its function, whether it runs for a compilation
+    (``when``), and whether Python's cyclic garbage collector is paused while it builds the
+    program's many long-lived objects (:mod:`remat._gc`) or relaxed (``capture`` pauses it around its
+    own translation only, not around torch.export; ``plan`` builds and drops many candidate
+    programs)."""
+
+    name: str
+    run: Callable[[Compilation], Compilation]
+    gc_paused: bool = True
+    when: Callable[[Compilation], bool] | None = None
+
+
+def _profiled(c: Compilation) -> bool:
+    return c.options.cost_model == "profiled"
+
+
+def _numba(c: Compilation) -> bool:
+    return "numba" in backends.resolve(c.dialects)
+
+
+STAGES: list[Stage] = [
+    Stage("capture", capture, gc_paused=False),
+    Stage("layout", layout),
+    Stage("bind", bind, gc_paused=False),
+    Stage("training graph", differentiate),
+    Stage("prepare", prepare),
+    Stage("profile", profile, gc_paused=False, when=_profiled),
+    Stage("plan", plan, gc_paused=False),
+    Stage("lower", lower),
+    Stage("fuse", fuse),
+    Stage("compile kernels", compile_kernels, when=_numba),
+    Stage("prepare VM", prepare_vm),
+]
+"""The stages of ``remat.compile``, in the order they run."""
+
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, optimizer, budget,
+          options: CompileOptions) -> Compilation:
+    """The record before the first stage: options checked (before the seconds-long capture), the
+    example's keyword inputs made positional, the data-parallel group set up."""
+    from ..distributed import setup  # imported on use (torch.distributed)
+    from ..frontend.torch_import import keyword_inputs, keyword_options
+
+    started = time.perf_counter()
+    spec = None if budget is None else Budget.of(budget)
+    options.check()
+    o = options
+    dp = setup(o.data_parallel) if o.bucket_bytes is None else setup(o.data_parallel, o.bucket_bytes)
+    if dp is not None and (optimizer is None or o.keep_grads):
+        raise ValueError(f"data_parallel={o.data_parallel!r} needs an optimizer and keep_grads off: the reduced "
+                         "gradients are consumed by the (sharded) optimizer updates inside the step")
+    compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
+    names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
+    k = check_micro_batches(o.micro_batches, example, dp is not None)
+    return Compilation(
+        model=model, optimizer=optimizer, loss_fn=loss_fn, options=o, budget_spec=spec,
+        signature=Signature(example, names, compiled_options), dp=dp,
+        keep_grads=(optimizer is None) if o.keep_grads is None else o.keep_grads, num_targets=num_targets,
+        micro_batches=k, capture_example=example if k == 1 else tuple(t[: t.shape[0] // k] for t in example),
+        started=started)
+
+
+def compile_step(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, optimizer, budget,
+                 options: CompileOptions) -> Compilation:
+    """Every stage of :data:`STAGES` that applies, in order, on the record :func:`start` makes."""
+    c = start(model, example_inputs, loss_fn, optimizer, budget, options)
+    stages = [s for s in STAGES if s.when is None or s.when(c)]
+    shown = options.shown
+    progress = options.progress or (lambda name: None)
+
+    def around(name: str) -> AbstractContextManager:
+        progress(name)
+        return cyclic_gc_paused() if by_name[name].gc_paused else cyclic_gc_relaxed()
+
+    def after(record, out: Compilation) -> None:  # print_after
+        if record.name in shown:
+            from ..ir import print_module
+
+            print(f"// ---- after {record.name} ({record.seconds:.2f} s)")
+            print(print_module(out.ir))
+
+    by_name = {s.name: s for s in stages}
+    result = run_passes(c, [(s.name, s.run) for s in stages], around=around, after=after, ir=_ir)
+    return replace(result.module, stage_seconds={r.name: r.seconds for r in result.records})
+
+
+def _ir(c: Compilation) -> Module | None:
+    return c.ir
+
+
+def _count(fn: Function) -> int:
+    return sum(1 for i in fn.entry.instrs if not i.op.has("control"))
+
+
+def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dict, float]:
+    """Per-instruction median seconds of ``fn`` on the VM over ``repeats`` runs after an untimed one
+    (kernels compile or load on their first call), and the fastest total."""
+    per: list[list[float]] = [[] for _ in fn.entry.instrs]
+    totals = []
+    vm.run(fn.name, *args)
+    for _ in range(repeats):
+        _, st = vm.run(fn.name, *args)
+        totals.append(st.total_seconds)
+        for idx, _op, sec in st.instr_times:
+            if idx < len(per):
+                per[idx].append(sec)
+    # The step time is the fastest run.
+    return ({ins: statistics.median(ts) for ins, ts in zip(fn.entry.instrs, per) if ts}, min(totals))

@@ -1,0 +1,108 @@
+"""What a compiled step planned and measured: :class:`Report`, what ``step.report()`` returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import format_bytes
+from ..ir import Function
+
+
+def recomputed_layers(fn: Function) -> dict[str, int]:
+    """Module path -> number of instructions of ``fn`` that recompute a value (their provenance),
+    in program order; instructions without a location count under "(unknown)"."""
+    out: dict[str, int] = {}
+    for ins in fn.instructions():
+        if ins.recomputes is not None:
+            path = "(unknown)" if ins.loc is None else ins.loc.path
+            out[path] = out.get(path, 0) + 1
+    return out
+
+
+@dataclass
+class Report:
+    """What a compiled step planned and measured. Bytes and seconds.
+
+    Overheads are fractions of the unconstrained step (0.1 = +10%). ``predicted_overhead``: the
+    plan's recompute cost over the unconstrained compute cost, from the cost model. ``overhead``
+    (measured): the last step's time over the unconstrained step program's measured time, minus
+    1; exactly 0 when nothing is recomputed (the program is the unconstrained one), and None when
+    there is no unconstrained measurement (the static cost model runs nothing at compile time)."""
+
+    budget: int | None
+    predicted_peak: int
+    measured_peak: int | None
+    unconstrained_peak: int
+    overhead: float | None
+    predicted_overhead: float
+    solver: str
+    solver_notes: list[str] = field(default_factory=list)
+    plan_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    step_seconds: float | None = None
+    unconstrained_step_seconds: float | None = None  # measured ("profiled" cost model only)
+    instructions: int = 0
+    recomputed_instructions: int = 0
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    data_parallel: str | None = None  # "ddp" | "zero1" | "zero2": the numbers are this rank's
+    memory: dict[str, int] | None = None  # bytes by kind live at the peak: measured (first step), else predicted
+    recomputed_layers: dict[str, int] = field(default_factory=dict)  # module path ("" = top level) -> recomputed instructions
+    workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
+    predicted_allocator_peak: int | None = None    # the allocator bound: VM high-water marks + kernel workspaces
+    measured_allocator_peak: int | None = None     # PyTorch's allocator (budgeted steps: the first step, or
+                                                   # step.measure_allocator_peak on copies)
+    shapes_cached: int = 1  # input shapes with a compiled plan; the other fields are of the example's shapes
+    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices considered, and why
+    micro_batches: int = 1  # k: the batch runs as k micro-batches with gradient accumulation (remat.train.microbatch)
+    batch_size: int | None = None  # the whole batch (axis 0 of the inputs), when micro-batched
+    predicted_step_seconds: float | None = None  # the cost model's seconds for the whole step (all micro-batches)
+    micro_batch_choice: list[str] = field(default_factory=list)  # each micro-batch count tried and why one won
+    capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
+    channels_last: bool = False  # the convolutions run channels-last (NHWC; the ``layout`` option)
+
+    def __str__(self) -> str:
+        def b(v):
+            return "-" if v is None else f"{format_bytes(v)} ({v:,} B)"
+
+        rows = [
+            ("budget", b(self.budget)),
+            ("predicted peak", b(self.predicted_peak)),
+            ("measured peak (last step)", b(self.measured_peak)),
+            ("unconstrained peak", b(self.unconstrained_peak)),
+            ("largest kernel workspace", b(self.workspace_bytes)),
+            ("allocator peak: predicted", b(self.predicted_allocator_peak)),
+            ("allocator peak: measured", b(self.measured_allocator_peak)),
+            ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
+            ("solver", self.solver),
+            ("layout", "channels-last (NHWC)" if self.channels_last else "as captured"),
+            ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
+            ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
+             or "-"),
+            ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}"),
+            ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
+             else f"{self.overhead:+.1%}"),
+            ("step time (last)", "-" if self.step_seconds is None else f"{self.step_seconds * 1e3:.1f} ms"),
+            ("unconstrained step time (profiled)", "-" if self.unconstrained_step_seconds is None
+             else f"{self.unconstrained_step_seconds * 1e3:.1f} ms"),
+            ("setup time", f"{self.setup_seconds:.2f} s: " + ", ".join(
+                f"{k} {v:.2f} s" + (" (capture cache)" if k == "capture" and self.capture_cached else "")
+                for k, v in self.stage_seconds.items())),
+        ]
+        w = max(len(k) for k, _ in rows)
+        lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        if self.micro_batches > 1 or self.micro_batch_choice:
+            mb = ("1 (the whole batch at once)" if self.micro_batches == 1 else
+                  f"{self.micro_batches} x {self.batch_size // self.micro_batches} samples, gradients accumulated "
+                  f"(equal to the whole batch's up to summation order)")
+            pred = ("" if self.predicted_step_seconds is None
+                    else f"; predicted step {self.predicted_step_seconds * 1e3:.1f} ms (static cost model)")
+            lines.insert(2, f"{'micro-batches':<{w}}  {mb}{pred}")
+            lines += [f"  micro-batching: {c}" for c in self.micro_batch_choice]
+        if self.shapes_cached > 1:
+            lines.insert(2, f"{'input shapes cached':<{w}}  {self.shapes_cached} (this report: the example's shapes)")
+        if self.data_parallel is not None:
+            lines.insert(2, f"{'data parallel':<{w}}  {self.data_parallel} (bytes are per rank)")
+        if self.memory is not None:
+            lines += [f"{'at peak: ' + k:<{w}}  {b(v)}" for k, v in self.memory.items() if v]
+        lines += [f"  algorithm: {a}" for a in self.algorithms]
+        lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
+        return "\n".join(lines)
