@@ -38,10 +38,10 @@ def test_exactly_one_budget_too_small():
 
 
 def test_exactly_one_simulator():
-    """One memory simulator of record (``plan.liveness.simulate``, behind ``predict_peak``)."""
+    """One memory simulator of record (``plan.simulator.simulate``, behind ``predict_peak``)."""
     found = [f"{path.relative_to(SRC)}" for path, tree in _modules() for node in ast.walk(tree)
              if isinstance(node, ast.FunctionDef) and node.name in ("simulate", "predict_peak")]
-    assert sorted(found) == ["plan/liveness.py", "plan/liveness.py"], found
+    assert sorted(found) == ["plan/simulator.py", "plan/simulator.py"], found
 
 
 def _package_imports(module_level_only: bool) -> dict[str, set[str]]:

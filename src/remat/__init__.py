@@ -3,7 +3,7 @@ with the least recomputation.
 
 The pipeline, by folder: ``ir`` (typed SSA tensor IR, text format, verifier) ←
 ``frontend`` (staged DSL, PyTorch importer) → ``autodiff`` → ``passes`` → ``plan``
-(cost model, liveness, chain DP and graph solvers, block cutting, portfolio) → ``backends`` (dialects) → ``runtime`` (the VM).
+(cost model, memory simulator, chain DP and graph solvers, block cutting, portfolio) → ``backends`` (dialects) → ``runtime`` (the VM).
 """
 from __future__ import annotations
 

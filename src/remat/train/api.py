@@ -24,7 +24,7 @@ from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.ap
 from ..ir import Function, Instruction, Module
 from ..plan.costmodel import static_costs
 from ..plan.frontier import CostModel
-from ..plan.liveness import predict_peak
+from ..plan.simulator import predict_peak
 from ..plan.algorithms import Variant, plan_choosing_algorithms
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
@@ -860,7 +860,7 @@ class TrainStep:
         if self.kind_stats is not None:
             split = self.kind_stats.at_peak
         else:
-            from ..plan.liveness import simulate
+            from ..plan.simulator import simulate
 
             if len(self.program.blocks) != 1:
                 return None

@@ -109,7 +109,7 @@ def whole_batch_peak(step: "TrainStep", num_targets: int | None) -> int:
     """The unconstrained peak of the whole batch's step (no micro-batching): the reference of
     relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
     from ..frontend.torch_import import import_module
-    from ..plan.liveness import predict_peak
+    from ..plan.simulator import predict_peak
     from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
     from .api import apply_layout
