@@ -136,6 +136,7 @@ class KindCounter(StorageCounter):
         self.at_top = [0] * n
 
     def add(self, key: Hashable, nbytes: int, owner: Any = None, kind: int = 0) -> None:
+        # StorageCounter.add inlined, plus the kind's live, peak and allocated bytes.
         e = self._refs.get(key)
         if e is None:
             self._refs[key] = [1, nbytes, owner, kind]
@@ -154,6 +155,7 @@ class KindCounter(StorageCounter):
             e[0] += 1
 
     def release(self, key: Hashable) -> None:
+        # StorageCounter.release inlined (a call to it costs the VM's by-kind step ~15%), plus the kind.
         e = self._refs[key]
         e[0] -= 1
         if e[0] == 0:
