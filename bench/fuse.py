@@ -20,7 +20,7 @@ import remat
 from remat import zoo
 from remat.backends import numba_kernels as nk
 from remat.ir import Module
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.lower.fuse import FuseStats, fuse
 from remat.runtime.vm import VM
 

@@ -1,5 +1,5 @@
 """Layering facts of the source tree, read from the code: the IR imports nothing else of remat,
-and there is exactly one ``BudgetTooSmall`` and one simulator of record."""
+and there is exactly one ``BudgetTooSmall``, one simulator of record and one memory accounting."""
 from __future__ import annotations
 
 import ast
@@ -38,10 +38,22 @@ def test_exactly_one_budget_too_small():
 
 
 def test_exactly_one_simulator():
-    """One memory simulator of record (``plan.liveness.simulate``, behind ``predict_peak``)."""
+    """One memory simulator of record (``plan.simulator.simulate``, behind ``predict_peak``)."""
     found = [f"{path.relative_to(SRC)}" for path, tree in _modules() for node in ast.walk(tree)
              if isinstance(node, ast.FunctionDef) and node.name in ("simulate", "predict_peak")]
-    assert sorted(found) == ["plan/liveness.py", "plan/liveness.py"], found
+    assert sorted(found) == ["plan/simulator.py", "plan/simulator.py"], found
+
+
+def test_one_memory_accounting():
+    """The simulator and the VM count bytes with the same classes (``remat.accounting``), so the
+    predicted and measured counts cannot drift: no other class releases reference-counted storages,
+    and the accounting imports nothing else of remat."""
+    found = [f"{path.relative_to(SRC)}:{node.name}" for path, tree in _modules() for node in ast.walk(tree)
+             if isinstance(node, ast.ClassDef)
+             and any(isinstance(m, ast.FunctionDef) and m.name == "release" for m in node.body)]
+    assert sorted(found) == ["accounting.py:KindCounter", "accounting.py:StorageCounter"], found
+    tree = ast.parse((SRC / "accounting.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or "remat" in (n.module or ""))]
 
 
 def _package_imports(module_level_only: bool) -> dict[str, set[str]]:

@@ -46,7 +46,7 @@ def _section(title: str) -> None:
 
 def _predicted_peak(fn: Staged) -> int | None:
     try:
-        from remat.plan.liveness import predict_peak
+        from remat.plan.simulator import predict_peak
     except ImportError:
         return None
     try:

@@ -14,7 +14,7 @@ from .lower.fuse import fuse_pass
 from .lower.siblings import merge_conv_grads_pass
 from .passes import CLEANUP, PASSES as _LOCAL, PRE_DIFFERENTIATION
 from .passes.pipeline import PassFn, PipelineResult, lookup, run_passes
-from .plan.liveness import insert_frees_pass
+from .plan.simulator import insert_frees_pass
 
 PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert_frees_pass, "fuse": fuse_pass,
                             "merge-conv-grads": merge_conv_grads_pass}

@@ -10,7 +10,7 @@ import pytest
 from remat.ir import OPS, Builder, DType, Function, GradientSpec, Module, TensorType
 from remat.ir.ops.crossentropy import workspace_bytes
 from remat.pipeline import run_pipeline
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.runtime.allocator import kernel_workspace
 from remat.runtime.vm import VM
 

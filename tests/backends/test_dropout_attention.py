@@ -15,7 +15,7 @@ from remat.ir.ops._vjp import const
 from remat.ir.ops.attention import workspace_bytes
 from remat.passes.attention import recognise_attention, recognise_dropout_attention
 from remat.pipeline import run_pipeline
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.runtime.allocator import kernel_workspace
 from remat.runtime.vm import VM
 

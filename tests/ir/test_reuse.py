@@ -9,7 +9,7 @@ import torch
 import remat
 from remat.ir import parse
 from remat.ir.reuse import buffer_reuse, reuses_operand
-from remat.plan.liveness import predict_peak, simulate
+from remat.plan.simulator import predict_peak, simulate
 
 
 def reused(text: str) -> dict[str, int]:

@@ -10,7 +10,7 @@ import torch
 
 from remat.ir import Module, parse, verify
 from remat.lower.fuse import FuseStats, find_groups, fuse, fuse_function
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.pipeline import get_pass
 from remat.runtime.vm import VM
 

@@ -11,7 +11,7 @@ from remat.backends import torch_kernels as tk
 from remat.ir import Module, parse, verify
 from remat.lower.siblings import find_pairs, merge_conv_grads
 from remat.pipeline import get_pass
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.runtime.vm import VM
 
 CASES = [  # (x shape, w shape, attributes): zoo-like 3x3, 1x1 stride 2, groups, dilation and asymmetric padding

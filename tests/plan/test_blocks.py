@@ -12,7 +12,7 @@ from remat.ir import parse
 from remat.plan.blocks import canonical_key, cut
 from remat.plan.chain.executor import make_stage
 from remat.plan.portfolio import plan_step
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 
 WIDTH, BATCH = 16, 8
 

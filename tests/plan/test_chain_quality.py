@@ -28,7 +28,7 @@ from remat.plan.chain.profile import _profile, chain_costs, output_unread, profi
 from remat.plan.costmodel import static_costs
 from remat.plan.frontier import forget_plans
 from remat.plan.inner import build_variant, need, option_levels, recipes, stage_options
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.plan.portfolio import plan_blocks, plan_graph, plan_step
 from remat.plan.rematerialize import to_graph
 from remat.plan.scheduling import memory_aware_order

@@ -6,7 +6,7 @@ import pytest
 
 from remat.errors import BudgetTooSmall
 from remat.ir import parse
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.plan.milp import MILP_MAX_NODES
 from remat.plan.portfolio import Candidate, StepProblem, plan_step, uses_milp
 from remat.plan.costmodel import static_costs

@@ -8,7 +8,7 @@ import pytest
 
 from remat.ir import Builder, DType, Function, Module, TensorType
 from remat.plan.graph import COMPUTE, FREE
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.plan.rematerialize import from_schedule, to_graph
 from remat.runtime.vm import VM
 

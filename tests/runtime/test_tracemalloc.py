@@ -14,7 +14,7 @@ import pytest
 
 import remat
 from remat.ir import parse
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 
 SLACK = 16 * 1024  # bytes of Python objects (headers, frame lists, timeline entries) allowed
 

@@ -7,7 +7,7 @@ import torch
 
 import remat
 from remat.ir import Builder, DType, Function, Module, TensorType, parse
-from remat.plan.liveness import predict_peak, simulate
+from remat.plan.simulator import predict_peak, simulate
 
 F = lambda *s: TensorType(DType.f32, s)  # noqa: E731
 N = 1000  # elements; f32[1000] is 4000 bytes

@@ -12,12 +12,12 @@ import torch
 import remat
 from remat import zoo
 from remat.ir import OPS, Builder, DType, Function, Module, TensorType, parse
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "ir"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "plan"))
 from irgen import sampled_ops  # noqa: E402
-from test_liveness import random_program  # noqa: E402
+from test_simulator import random_program  # noqa: E402
 
 F = lambda *s: TensorType(DType.f32, s)  # noqa: E731
 N = 1000

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import remat
 from remat import zoo
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 from remat.step.microbatch import microbatch_step
 from remat.train.microbatch import MicroBatchingRefused
 

@@ -9,7 +9,7 @@ record, and the two agree byte for byte.
 from __future__ import annotations
 
 from ..ir import Function
-from ..runtime.memory import KindBytes
+from ..accounting import KindBytes
 
 KINDS = ("parameters", "gradients", "reduced gradients", "optimizer state", "activations", "communication", "inputs")
 """``gradients``: the backward's (this rank's batch); ``reduced gradients``: what the collectives
@@ -59,9 +59,9 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
 
 
 def predicted(fn: Function, n_params: int, state_args: range) -> KindBytes | None:
-    """Per-kind bytes of ``fn`` predicted by the simulator of record (``remat.plan.liveness.simulate``),
+    """Per-kind bytes of ``fn`` predicted by the simulator of record (``remat.plan.simulator.simulate``),
     which the VM measures with ``run(..., by_kind=True)`` (None when ``fn`` is not straight-line)."""
-    from ..plan.liveness import simulate
+    from ..plan.simulator import simulate
 
     if len(fn.blocks) != 1:
         return None

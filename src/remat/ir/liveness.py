@@ -5,7 +5,7 @@ when it is live out of the predecessor but not live into the successor. Returned
 outputs and never die inside the function.
 
 A pure IR analysis: the VM (``remat.runtime.vm``) releases values at these points, and the memory
-simulator of record (``remat.plan.liveness``) replays that accounting from types.
+simulator of record (``remat.plan.simulator``) replays that accounting from types.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ write its result into that operand's buffer instead of a fresh one: the activati
 its consumer. ``relu_grad(g, y)`` over ``g``, batch norm's element-wise gradient over the gradient it
 reads, a residual ``add`` over one of its summands, cross-entropy's gradient over the logits. The program's values stay SSA: the reuse is a
 storage decision, like an allocator's, made by :func:`buffer_reuse` from the program alone. The memory
-simulator of record (``remat.plan.liveness``) and the VM (``remat.runtime.vm``) both ask it, so every
+simulator of record (``remat.plan.simulator``) and the VM (``remat.runtime.vm``) both ask it, so every
 peak a planner judges, and the VM's measured peak, count the result in the operand's storage: exactly
 the same bytes on both sides. Kernels write in place through their dialect's out-variant
 (``remat.backends.inplace``); the bits are those of the out-of-place kernel.

@@ -2,7 +2,7 @@
 
 ``fuse``: element-wise instruction DAGs become ``fused`` instructions run by one backend kernel;
 ``siblings``: a convolution's input and weight gradients become one ``conv2d_grads`` call. Both
-keep only the rewrites that leave the planned peak (``remat.plan.liveness.predict_peak``) where it
+keep only the rewrites that leave the planned peak (``remat.plan.simulator.predict_peak``) where it
 was. They sit above ``plan/`` because they are checked by the memory simulator of record.
 """
 from __future__ import annotations

@@ -26,7 +26,7 @@ from typing import Callable
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.ops.fused import Body, Node, fusible_node_op, parse_body
 from ..ir.types import DType, broadcast_shapes
-from ..plan.liveness import simulate
+from ..plan.simulator import simulate
 
 Supports = Callable[[str, tuple[DType, ...], dict], bool]
 Judge = Callable[[Function], "int | None"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
-from .liveness import predict_peak
+from .simulator import predict_peak
 from .portfolio import Candidate, StepProblem, fit_peak, plan_step
 
 

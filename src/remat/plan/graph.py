@@ -4,7 +4,7 @@ Every rematerialization solver in this package (MILP, greedy, scheduler) works o
 a :class:`Graph` and emits a *schedule*: a list of steps ``("compute", i)`` /
 ``("free", i)``.  :func:`evaluate` is the solvers' cost model of such a schedule;
 every graph solver measures its result with it.  The simulator of record for a program
-is :func:`remat.plan.liveness.simulate` (the IR the plan lowers to), which the
+is :func:`remat.plan.simulator.simulate` (the IR the plan lowers to), which the
 portfolio checks every plan against.
 
 Memory model (all sizes in bytes, costs in seconds):

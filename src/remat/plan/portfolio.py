@@ -25,7 +25,7 @@ from ..ir import Function, Instruction, Module, verify
 from .costmodel import function_cost
 from .frontier import CostModel, frontier_for, program_overhead
 from .graph import Graph, GraphPlan
-from .liveness import predict_peak
+from .simulator import predict_peak
 from .milp import MILP_MAX_NODES
 from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
                        improves_neighbourhood, small_for_exact)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Collection, Mapping
 
 from ..ir import Function, Instruction
-from .liveness import simulate
+from .simulator import simulate
 
 
 def allocator_bound(fn: Function, ws: Mapping[Instruction, int], donate: Collection[int] = ()) -> int:

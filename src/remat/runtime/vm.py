@@ -3,8 +3,8 @@
 Kernels come from the dialect assigned to each instruction (``remat.backends``); values are
 released at the points computed by ``remat.ir.liveness`` (after their last use; results never
 used right after they are produced; on CFG edges for values that die there), and every storage is
-counted by :class:`~remat.runtime.memory.MemoryTracker`. ``remat.plan.liveness.predict_peak``
-replays the same accounting from types and equals the measured ``peak_bytes`` on straight-line code.
+counted by :class:`~remat.runtime.memory.MemoryTracker`. ``remat.plan.simulator.predict_peak``
+replays the same accounting (``remat.accounting``) from types and equals the measured ``peak_bytes`` on straight-line code.
 
 Contracts the VM enforces at run time:
 
@@ -43,13 +43,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import backends
+from ..accounting import OTHER, KindBytes, TimelineEntry
 from ..errors import format_bytes
 from ..ir import Function, Instruction, Module, TensorType, verify
 from ..ir.printer import Namer, format_instruction
 from ..ir.liveness import liveness
 from ..ir.reuse import buffer_reuse
 from ..ir.types import DType
-from .memory import OTHER, KindBytes, KindTracker, MemoryTracker, TimelineEntry, storage_of
+from .memory import KindTracker, MemoryTracker, storage_of
 
 _K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)
 RECORD_LEVELS = ("full", "peak")
@@ -243,7 +244,7 @@ class VM:
     # -------------------------------------------------------------- planning
     def _plan(self, fn: Function) -> _FnPlan:
         lv = liveness(fn)
-        reuse = buffer_reuse(fn)  # results written over a dying operand (as remat.plan.liveness counts them)
+        reuse = buffer_reuse(fn)  # results written over a dying operand (as remat.plan.simulator counts them)
         slot: dict = dict(lv.order)  # every value's definition index: its register
         params = set(fn.params)
         bindex = {b: i for i, b in enumerate(fn.blocks)}
@@ -533,8 +534,7 @@ class VM:
             for st in bp.steps:
                 if full:
                     t0 = perf()
-                    saved_peak = tracker.peak_bytes
-                    tracker.peak_bytes = tracker.live_bytes
+                    saved_peak = tracker.begin_instruction()
                 kind = st.kind
                 if kind == _K_KERNEL:
                     try:
@@ -748,12 +748,11 @@ class _Recorder(_PeakRecorder):
         self.on_step = on_step
 
     def step(self, st: _Step, tracker: MemoryTracker, t0: float, saved_peak: int) -> None:
-        hw = tracker.peak_bytes
+        hw = tracker.end_instruction(saved_peak)
         e = TimelineEntry(st.index, tracker.live_bytes, hw)
         self.timeline.append(e)
         if hw > self.peak:
             self.peak, self.peak_index = hw, st.index
-        tracker.peak_bytes = max(saved_peak, hw)
         self.times.append((st.index, st.name, time.perf_counter() - t0))
         if self.on_step is not None:
             self.on_step(e)

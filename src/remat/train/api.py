@@ -191,7 +191,7 @@ class TrainStep:
         if self.kind_stats is not None:
             split = self.kind_stats.at_peak
         else:
-            from ..plan.liveness import simulate
+            from ..plan.simulator import simulate
 
             if len(self.program.blocks) != 1:
                 return None

@@ -34,7 +34,7 @@ from ..passes.pipeline import run_passes
 from ..plan.algorithms import plan_choosing_algorithms
 from ..plan.costmodel import static_costs
 from ..plan.frontier import CostModel
-from ..plan.liveness import predict_peak
+from ..plan.simulator import predict_peak
 from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.microbatch import microbatch_step
 from ..step.program import prepare_joint, step_program, training_forward, training_graph

@@ -109,7 +109,7 @@ def whole_batch_peak(c: "Compilation") -> int:
     relative budgets for a micro-batched step. Captures the whole batch (no planning, no VM)."""
     from ..frontend.torch_import import import_module
     from ..passes.layout import with_layout
-    from ..plan.liveness import predict_peak
+    from ..plan.simulator import predict_peak
     from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
     imp = with_layout(import_module(c.model, c.signature.keywords(c.signature.example), c.loss_fn,

@@ -12,7 +12,7 @@ from remat.plan.chain.solvers import no_recompute_peak
 from remat.plan.chain.executor import compile_schedule, make_stage
 from remat.plan.chain.profile import chain_costs, profile_stages
 from remat.ir import Builder, DType, Function, TensorType
-from remat.plan.liveness import predict_peak
+from remat.plan.simulator import predict_peak
 
 F64 = DType.f64
 

@@ -11,7 +11,7 @@ that no other live slot holds, so the VM releases memory exactly where the plan 
 temporary is released at its last use. So are a stage's tape and upstream gradient once its
 backward runs (``Split.donated``): the chain holds them in no slot after that, and the backward's
 last read of each frees it, unless another slot still holds the value (a checkpoint). Its peak is therefore predicted exactly by
-``remat.plan.liveness.predict_peak``, and the VM measures that same number.
+``remat.plan.simulator.predict_peak``, and the VM measures that same number.
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ class ChainPlanner:
         self._compiled: dict = {}
 
     def compile(self, plan: Plan, budget: int) -> Policy:
-        from ..liveness import predict_peak
+        from ..simulator import predict_peak
 
         key = tuple(plan.schedule)
         if key not in self._compiled:

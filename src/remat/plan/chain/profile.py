@@ -46,7 +46,7 @@ def _internal_peak(fn: Function, workspace_fn: WorkspaceFn | None = None, donate
     ``workspace_fn``, of the allocator bound (high-water marks plus kernels' workspaces). ``donated``:
     arguments ``fn`` releases at their last use (``partition.Split.donated``), so the peak may be
     less than the arguments (negative)."""
-    from ..liveness import predict_peak
+    from ..simulator import predict_peak
     from ..workspace import allocator_bound
 
     args = sum(p.type.nbytes for p in fn.params)

@@ -1,7 +1,7 @@
 """Chain schedules (plans), their steps, and the chain cost model that evaluates them.
 
 :func:`evaluate` is the DP's model of a chain schedule; the simulator of record for the
-compiled program is :func:`remat.plan.liveness.simulate`, which the planner checks every
+compiled program is :func:`remat.plan.simulator.simulate`, which the planner checks every
 plan against.
 
 Memory model replayed by :func:`evaluate` (bytes; this is what an executor with

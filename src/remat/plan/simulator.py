@@ -1,13 +1,13 @@
-"""Explicit frees and static peak prediction, the memory simulator of record.
+"""The memory simulator of record: static peak prediction from IR types, and explicit frees.
 
-``liveness(fn)`` (an IR analysis, ``remat.ir.liveness``, re-exported here) computes per-block live-in/live-out sets by backward data-flow over the CFG and,
-from them, where each value dies: after its last use in a block (when it is not live-out), right
-after its definition when never used, at block entry for unused block arguments, or on a CFG edge
-when it is live out of the predecessor but not live into the successor. Returned values are
-outputs and never die inside the function.
+Values die where the IR analysis ``remat.ir.liveness`` says: after their last use in a block
+(when not live-out), right after their definition when never used, at block entry for unused block
+arguments, or on a CFG edge when live out of the predecessor but not into the successor. Returned
+values are outputs and never die inside the function.
 
 The VM (``remat.runtime.vm``) releases values exactly at these points, and ``predict_peak``
-replays the VM's accounting from IR types alone, so the two agree byte for byte:
+replays the VM's accounting from IR types alone, counting on the same
+:class:`remat.accounting.StorageCounter` as the VM's tracker, so the two agree byte for byte:
 
 * a value's storage is a fresh buffer of ``type.nbytes`` bytes, except results that the op
   ``aliases`` to an operand (``reshape`` views, in-place optimizer updates), which share it, and
@@ -23,13 +23,14 @@ measures them with ``run(..., by_kind=True)``.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Collection, Iterator, Mapping
 
+from ..accounting import OTHER, KindBytes, KindCounter, StorageCounter, TimelineEntry
 from ..ir import Block, Builder, Function, Instruction, Module, Successor, Value
-from ..ir.liveness import Liveness, liveness
+from ..ir.liveness import liveness
 from ..ir.reuse import buffer_reuse
-from ..runtime.memory import OTHER, KindBytes, TimelineEntry
 
 
 # ---------------------------------------------------------------- explicit frees
@@ -108,56 +109,6 @@ class MemoryPrediction:
     by_kind: KindBytes | None = None  # simulate(..., kinds=...): as the VM's RunStats.by_kind
 
 
-class _Sim:
-    """Reference-counted storages, as ``remat.runtime.memory.MemoryTracker`` but from types."""
-
-    def __init__(self, kinds: Mapping[Value, str] | None = None) -> None:
-        self.refs: dict[int, list] = {}
-        self.live = 0
-        self.peak = 0
-        self.next = 0
-        # By kind (as remat.runtime.memory.KindTracker): None unless kinds were given.
-        self.kinds = kinds
-        self.kind_live: dict[str, int] = {}
-        self.kind_peaks: dict[str, int] = {}
-        self.kind_allocated: dict[str, int] = {}
-        self.top = 0
-        self.at_top: dict[str, int] = {}
-
-    def new(self, nbytes: int, value: Value | None = None) -> int:
-        sid = self.next
-        self.next += 1
-        kind = None if self.kinds is None else self.kinds.get(value, OTHER)
-        self.refs[sid] = [1, nbytes, kind]
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        if kind is not None:
-            kl = self.kind_live
-            kl[kind] = kl.get(kind, 0) + nbytes
-            self.kind_allocated[kind] = self.kind_allocated.get(kind, 0) + nbytes
-            self.kind_peaks[kind] = max(self.kind_peaks.get(kind, 0), kl[kind])
-            if self.live > self.top:
-                self.top, self.at_top = self.live, dict(kl)
-        return sid
-
-    def by_kind(self) -> KindBytes:
-        names = [OTHER] + sorted(set(self.kinds.values()) - {OTHER})
-        return KindBytes({k: self.at_top.get(k, 0) for k in names}, {k: self.kind_peaks.get(k, 0) for k in names},
-                         {k: self.kind_allocated.get(k, 0) for k in names})
-
-    def ref(self, sid: int) -> None:
-        self.refs[sid][0] += 1
-
-    def release(self, sid: int) -> None:
-        e = self.refs[sid]
-        e[0] -= 1
-        if e[0] == 0:
-            del self.refs[sid]
-            self.live -= e[1]
-            if e[2] is not None:
-                self.kind_live[e[2]] -= e[1]
-
-
 def _straight_line(fn: Function) -> None:
     if fn.is_declaration:
         raise ValueError(f"@{fn.name} is a gradient declaration without a body; run the 'grad' pass first")
@@ -179,46 +130,55 @@ def _kept_params(fn: Function, donate: bool | Collection[int]) -> set[Value]:
     return {p for i, p in enumerate(fn.params) if i not in given}
 
 
-def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool | Collection[int],
+def _simulate(fn: Function, counter: StorageCounter, keys: Iterator[int], kind_index: Mapping[Value, int] | None,
+              arg_keys: list[int] | None, donate: bool | Collection[int],
               timeline: list[TimelineEntry] | None) -> list[int]:
-    """Run ``fn``'s accounting on ``sim``; returns the storages of the returned values (one reference
-    each, owned by the caller). ``arg_sids`` None: top level, parameters are fresh storages."""
+    """Run ``fn``'s accounting on ``counter``; returns the storages of the returned values (one
+    reference each, owned by the caller). Fresh storages take the next of ``keys``; ``kind_index``:
+    each labelled value's kind index (others: 0, ``OTHER``). ``arg_keys`` None: top level,
+    parameters are fresh storages."""
     _straight_line(fn)
     lv = liveness(fn)
     reuse = buffer_reuse(fn)  # element-wise results written over a dying operand (as the VM does)
+    add, ref, release = counter.add, counter.acquire_key, counter.release
+
+    def fresh(v: Value) -> int:
+        key = next(keys)
+        add(key, v.type.nbytes, None, 0 if kind_index is None else kind_index.get(v, 0))
+        return key
+
     env: dict[Value, int] = {}
-    top = arg_sids is None
+    top = arg_keys is None
     for i, p in enumerate(fn.params):
         if top:
-            env[p] = sim.new(p.type.nbytes, p)
+            env[p] = fresh(p)
         else:
-            sim.ref(arg_sids[i])
-            env[p] = arg_sids[i]
+            ref(arg_keys[i])
+            env[p] = arg_keys[i]
     keep = _kept_params(fn, donate) if top else set()
     for a in lv.dead_args.get(fn.entry, ()):
         if a not in keep:
-            sim.release(env.pop(a))
+            release(env.pop(a))
     for idx, ins in enumerate(fn.entry.instrs):
         if timeline is not None:
-            saved, sim.peak = sim.peak, sim.live
+            saved = counter.begin_instruction()
         name = ins.op.name
         if name == "return":
             out = [env[v] for v in ins.operands]
             for s in out:
-                sim.ref(s)  # the caller's reference
+                ref(s)  # the caller's reference
             if not top:
                 for s in env.values():
-                    sim.release(s)
+                    release(s)
                 env.clear()
             if timeline is not None:
-                timeline.append(TimelineEntry(idx, sim.live, sim.peak))
-                sim.peak = max(saved, sim.peak)
+                timeline.append(TimelineEntry(idx, counter.live_bytes, counter.end_instruction(saved)))
             return out
         if name == "call":
             callee = fn.module[ins.attrs["callee"]] if fn.module is not None else None
             if callee is None:
                 raise ValueError(f"call to @{ins.attrs['callee']} in @{fn.name}, which belongs to no module")
-            outs = _simulate(callee, sim, [env[v] for v in ins.operands], True, None)
+            outs = _simulate(callee, counter, keys, kind_index, [env[v] for v in ins.operands], True, None)
             for r, s in zip(ins.results, outs):
                 env[r] = s
         elif name != "free":
@@ -228,16 +188,15 @@ def _simulate(fn: Function, sim: _Sim, arg_sids: list[int] | None, donate: bool 
             for k, r in enumerate(ins.results):
                 if k in aliases:
                     s = env[ins.operands[aliases[k]]]
-                    sim.ref(s)
+                    ref(s)
                     env[r] = s
                 else:
-                    env[r] = sim.new(r.type.nbytes, r)
+                    env[r] = fresh(r)
         for v in lv.dies_at.get(ins, ()):
             if v not in keep and v in env:
-                sim.release(env.pop(v))
+                release(env.pop(v))
         if timeline is not None:
-            timeline.append(TimelineEntry(idx, sim.live, sim.peak))
-            sim.peak = max(saved, sim.peak)
+            timeline.append(TimelineEntry(idx, counter.live_bytes, counter.end_instruction(saved)))
     raise ValueError(f"@{fn.name} does not end with return")
 
 
@@ -250,16 +209,24 @@ def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mappin
     ``donate``: the parameters released at their last use: none (False), all (True), or those at
     these indices (a block-internal plan's backward, ``partition.Split.donated``).
     """
-    sim = _Sim(kinds)
+    if kinds is None:
+        counter: StorageCounter = StorageCounter()
+        kind_index = None
+    else:
+        names = [OTHER] + sorted(set(kinds.values()) - {OTHER})
+        index = {k: i for i, k in enumerate(names)}
+        counter = KindCounter(names)
+        kind_index = {v: index[k] for v, k in kinds.items()}
     timeline: list[TimelineEntry] = []
-    _simulate(fn, sim, None, donate, timeline)
-    peak = max([sim.live] + [t.high_water for t in timeline]) if timeline else sim.live
+    _simulate(fn, counter, itertools.count(), kind_index, None, donate, timeline)
+    live = counter.live_bytes
+    peak = max([live] + [t.high_water for t in timeline]) if timeline else live
     args = sum(p.type.nbytes for p in fn.params)
     peak = max(peak, args)
     at = next((t.index for t in timeline if t.high_water == peak), None)
     if at is not None and args == peak:
         at = None
-    return MemoryPrediction(peak, timeline, sim.live, at, None if kinds is None else sim.by_kind())
+    return MemoryPrediction(peak, timeline, live, at, counter.by_kind() if kinds is not None else None)
 
 
 def predict_peak(fn: Function, donate: bool | Collection[int] = False) -> int:
@@ -267,4 +234,4 @@ def predict_peak(fn: Function, donate: bool | Collection[int] = False) -> int:
     return simulate(fn, donate).peak_bytes
 
 
-__all__ = ["Liveness", "MemoryPrediction", "TimelineEntry", "insert_frees", "liveness", "predict_peak", "simulate"]
+__all__ = ["MemoryPrediction", "TimelineEntry", "insert_frees", "insert_frees_pass", "predict_peak", "simulate"]

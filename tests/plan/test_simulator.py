@@ -1,5 +1,6 @@
-"""Liveness (CFG data-flow, death points), the insert-frees pass, and static peak prediction,
-which must equal the VM's measured peak on generated straight-line programs."""
+"""The simulator of record: liveness (CFG data-flow, death points) as it uses it, the insert-frees
+pass, and static peak prediction, which must equal the VM's measured peak on generated straight-line
+programs."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 
 import remat
 from remat.ir import Builder, DType, Function, Module, TensorType, parse, verify
-from remat.plan.liveness import insert_frees, liveness, predict_peak, simulate
+from remat.ir.liveness import liveness
+from remat.plan.simulator import insert_frees, predict_peak, simulate
 from remat.pipeline import run_pipeline
 
 DIAMOND = """func @f(%0: f32[500], %1: bool[]) -> f32[500] {
