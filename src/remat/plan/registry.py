@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
-from .graph import Graph, GraphPlan
+from .graph import Graph
+from .record import Solution
 from .milp import MILP_MAX_NODES
 
 
@@ -28,8 +29,8 @@ class Solver:
     what: str
     max_nodes: int | None = None
     main_probe_only: bool = False
-    solve: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
-    solve_auto: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
+    solve: Callable[[Graph, int, Sequence[int], float], Solution | None] | None = None
+    solve_auto: Callable[[Graph, int, Sequence[int], float], Solution | None] | None = None
     method: str | None = None
 
     def admits(self, option: str, n_nodes: int) -> bool:
@@ -39,19 +40,19 @@ class Solver:
         return option == "auto" and (self.max_nodes is None or n_nodes <= self.max_nodes)
 
 
-def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
     from .milp import solve_milp
 
     return solve_milp(graph, budget, time_limit=time_limit, order=order)
 
 
-def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
     from .milp import solve_with_fallback
 
     return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES)
 
 
-def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan | None:
+def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution | None:
     from .greedy import try_greedy_best
 
     return try_greedy_best(graph, budget, order)  # bounded passes: a failed probe stays cheap
@@ -96,7 +97,7 @@ def check_option(option: str) -> None:
         raise ValueError(f"unknown solver {option!r}; valid: {', '.join(SOLVER_OPTIONS)}")
 
 
-def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], GraphPlan | None]:
+def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], Solution | None]:
     """The solve function that runs at one budget probe (``main``: the probe at the budget itself)."""
     for s in GRAPH_SOLVERS:
         if s.admits(option, n_nodes) and (main or not s.main_probe_only):

@@ -22,11 +22,12 @@ from ..budget import parse_budget
 from .. import backends
 from ..errors import BudgetTooSmall, format_bytes  # noqa: F401  (remat.train.api.BudgetTooSmall)
 from ..ir import Function, Instruction, Module
-from ..plan.costmodel import static_costs
-from ..plan.frontier import CostModel
+from ..plan.costmodel import CostModel, static_costs
 from ..plan.liveness import predict_peak
 from ..plan.algorithms import Variant, plan_choosing_algorithms
-from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
+from ..plan.portfolio import SOLVER_OPTIONS, plan_step
+from ..plan.problem import StepProblem
+from ..plan.record import Plan
 from ..step.optim import advance_steps, bind_state, current_state, init_state, steps_taken, updates_from_torch
 from ..step.microbatch import microbatch_step
 from ..step.program import Layout, prepare_joint, step_program, training_forward, training_graph
@@ -203,7 +204,7 @@ def _printable(x) -> str:
         return print_module(x)
     if isinstance(x, Function):
         return print_function(x)
-    if isinstance(x, Candidate):
+    if isinstance(x, Plan):
         return print_function(x.program)
     return print_function(x.function)  # an imported model
 
@@ -432,7 +433,7 @@ class TrainStep:
             return self.dp.steps
         return steps_taken(self.optimizer, self._params, self.updates) if self.updates else 0
 
-    def _plan_within_allocator(self, problem: StepProblem, unconstrained: Function) -> Candidate:
+    def _plan_within_allocator(self, problem: StepProblem, unconstrained: Function) -> Plan:
         """Plan so that PyTorch's allocator, not only the VM's count of IR values, stays within the
         budget. The VM counts IR values exactly; kernels allocate workspaces beside them. Each
         kernel's workspace is measured once per kernel and shape (``runtime.allocator``, cached on
@@ -490,7 +491,7 @@ class TrainStep:
         self.predicted_allocator_peak = bound
         return fused
 
-    def _plan_once(self, problem: StepProblem) -> Candidate:
+    def _plan_once(self, problem: StepProblem) -> Plan:
         """:meth:`_plan`; under ``data_parallel="ddp"`` on rank 0 only, every rank receiving its plan
         (``remat.distributed.group.plan_on_rank0``), so that all ranks run the same program. ZeRO's
         step programs differ between ranks (each slices its own shards), so there every rank plans
@@ -501,7 +502,7 @@ class TrainStep:
 
         return plan_on_rank0(lambda: self._plan(problem), self.dp, problem.budget)
 
-    def _plan(self, problem: StepProblem) -> Candidate:
+    def _plan(self, problem: StepProblem) -> Plan:
         """Plan ``problem``, choosing per operator between the reference and memory-lean algorithms
         (``remat.plan.algorithms``) unless ``algorithms="reference"``."""
         if self._algorithms == "reference":
