@@ -128,6 +128,17 @@ def plan_step(p: StepProblem) -> Plan:
     return best
 
 
+def minimum_budget(p: StepProblem) -> int:
+    """The smallest budget (bytes) at which :func:`plan_step` plans ``p``'s step: the least of every
+    solver's minimum (each through the registry's ``Solver.minimum``) whose program plans; what a
+    refusal (``BudgetTooSmall.minimum``) reports."""
+    try:
+        plan_step(replace(p, budget=1))
+    except BudgetTooSmall as e:
+        return int(e.minimum)
+    return 1
+
+
 def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model: CostModel, base: float,
                         remarks: list[str], lowered: Sequence[Plan] = ()) -> Plan | None:
     """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
@@ -194,7 +205,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
     lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
-    from .greedy import greedy_min_budget, solve_greedy
+    from .greedy import solve_greedy
     from .rematerialize import from_schedule
 
     notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
@@ -238,7 +249,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     if best is None:
         if not need_minimum:  # the chain DP found a plan; its minimum is not needed
             return None
-        m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
+        m = SOLVERS["greedy"].minimum(low.graph, order, p.milp_time_limit)
         cand = lower(solve_greedy(low.graph, m, order=order, score="raf_belady"))  # m is this score's minimum
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
@@ -394,4 +405,5 @@ def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:
     return out
 
 
-__all__ = ["MILP_MAX_NODES", "SOLVER_OPTIONS", "plan_blocks", "plan_graph", "plan_inner", "plan_step", "uses_milp"]
+__all__ = ["MILP_MAX_NODES", "SOLVER_OPTIONS", "minimum_budget", "plan_blocks", "plan_graph", "plan_inner", "plan_step",
+           "uses_milp"]

@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BudgetTooSmall
 from ..ir import Module
+from ..plan import portfolio
 from ..plan.portfolio import plan_step
 
 CSV_FIELDS = ("budget", "budget_fraction", "solver", "predicted_peak", "measured_peak", "predicted_overhead",
@@ -39,11 +39,7 @@ class SweepRow:
 
 def minimum_budget(step) -> int:
     """The smallest budget (bytes) the planners find a plan for, for a compiled ``step``."""
-    try:
-        plan_step(dataclasses.replace(step.problem, budget=1))
-    except BudgetTooSmall as e:
-        return int(e.minimum)
-    return 1
+    return portfolio.minimum_budget(step.problem)
 
 
 def default_budgets(step, n_points: int = 10) -> list[int]:
