@@ -56,7 +56,7 @@ def main() -> dict:
         "budget_bytes": budget,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "exact": {"time_s": t_exact, "cost": exact.cost, "peak": exact.peak,
-                  "overhead": exact.cost / base, "frontier_points": exact.info["frontier_points"]},
+                  "overhead": exact.cost / base, "frontier_points": exact.stats["frontier_points"]},
     }
     bucket10k = budget // 10_000
     t10k, p10k = timed(lambda: solve(costs, budget, "precise", bucket=bucket10k), repeat=2)

@@ -13,7 +13,8 @@ import remat
 from remat import zoo
 from remat.ir import Function
 from remat.plan.frontier import Frontier, forget_plans
-from remat.plan.portfolio import Candidate, plan_step
+from remat.plan.portfolio import plan_step
+from remat.plan.record import Plan
 from remat.train.curve import budget_sweep, default_budgets, minimum_budget
 
 
@@ -35,8 +36,8 @@ def test_sweep_is_monotone_and_exact(name, size):
         assert b.predicted_overhead <= a.predicted_overhead, (name, a, b)
 
 
-def _cand(peak: int, overhead: float) -> Candidate:
-    return Candidate(f"p{peak}", [], Function("f", [], []), overhead, peak=peak)
+def _cand(peak: int, overhead: float) -> Plan:
+    return Plan(f"p{peak}", [], Function("f", [], []), overhead, peak=peak)
 
 
 def test_frontier_keeps_pareto_plans_and_picks_the_cheapest_that_fits():
@@ -48,7 +49,7 @@ def test_frontier_keeps_pareto_plans_and_picks_the_cheapest_that_fits():
     assert f.best(125).peak == 100 and f.best(140).peak == 130 and f.best(10**6).peak == 150
 
 
-def _plan(step, budget: int, **kw) -> Candidate:
+def _plan(step, budget: int, **kw) -> Plan:
     return plan_step(dataclasses.replace(step.compilation.problem, budget=int(budget), **kw))
 
 
@@ -114,7 +115,7 @@ def test_near_the_floor_the_milp_searches_the_greedys_neighbourhood_and_the_plan
     notes = "\n".join(c.notes)
     assert "MILP on its neighbourhood" in notes and f"won: {c.solver}" in notes
     assert any(f"status {s}" in notes for s in ("optimal", "time_limit", "infeasible")), notes
-    args = step.binding.step_args(step.signature.example, copy=True, step=1)
+    args = step._step_args(step._example, copy=True, step=1)
 
     def run(program):
         return VM(Module([program]), dialects=step.dialects).run(program.name, *[a.clone() for a in args])

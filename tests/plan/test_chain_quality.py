@@ -21,7 +21,7 @@ from remat.errors import BudgetTooSmall
 from remat.ir import Builder, DType, Function, TensorType
 from remat.plan.chain import ChainPlanner, minimum_budget, solve
 from remat.plan.chain import executor
-from remat.plan.chain.schedule import evaluate
+from remat.plan.chain.schedule import evaluate_chain
 from remat.plan.chain.costs import ChainCosts
 from remat.plan.chain.executor import compile_schedule, make_stage
 from remat.plan.chain.profile import _profile, chain_costs, output_unread, profile_stages
@@ -71,13 +71,13 @@ def _run_all_budgets(stages, profiles, args, ref=None):
     planner = ChainPlanner(stages, chain_costs(profiles))
     full = planner.solve(10 ** 12)
     if ref is None:
-        ref, _ = remat.run(full.function, *args, dialects=("numpy",))
+        ref, _ = remat.run(full.program, *args, dialects=("numpy",))
     minimum = planner.minimum()
     for frac in np.linspace(0.0, 1.0, 5):
         budget = int(minimum + frac * (full.peak - minimum))
         pol = planner.solve(budget)
-        outs, stats = remat.run(pol.function, *args, dialects=("numpy",))
-        assert stats.peak_bytes == pol.peak == predict_peak(pol.function) <= budget
+        outs, stats = remat.run(pol.program, *args, dialects=("numpy",))
+        assert stats.peak_bytes == pol.peak == predict_peak(pol.program) <= budget
         assert all(np.array_equal(a, b) for a, b in zip(outs, ref)), "gradients must be bit-identical"
     return minimum, ref
 
@@ -91,7 +91,7 @@ def test_unread_output_is_freed_before_the_backward(chain, monkeypatch):
     costs = chain_costs(profiles)
     held = dataclasses.replace(costs, out_unread=None)
     sched = solve(costs, minimum_budget(costs, method="extended"), method="extended", bucket=1).schedule
-    assert evaluate(costs, sched, "extended")[1] < evaluate(held, sched, "extended")[1]
+    assert evaluate_chain(costs, sched, "extended")[1] < evaluate_chain(held, sched, "extended")[1]
     # And the executor does it: the same schedule compiled without the early frees peaks higher.
     lean = predict_peak(compile_schedule(stages, sched)["chain_step"])
     monkeypatch.setattr(executor, "FREE_UNREAD_OUTPUTS", False)
@@ -112,7 +112,7 @@ def test_block_internal_variants_are_exact_and_bit_identical(chain):
     for v, p, q in zip(variants, profiles, vprofs):
         assert q.tape_bytes < p.tape_bytes and need(q) < need(p)  # only the input is kept
         assert len(v.split.backward.entry.instrs) > len(stages[0].split.backward.entry.instrs)  # it recomputes
-    ref = remat.run(ChainPlanner(stages, chain_costs(profiles)).solve(10 ** 12).function, *args,
+    ref = remat.run(ChainPlanner(stages, chain_costs(profiles)).solve(10 ** 12).program, *args,
                     dialects=("numpy",))[0]
     _run_all_budgets(variants, vprofs, args, ref)
     opts = stage_options(stages, profiles, [0] * len(stages), static_costs)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from remat.plan.graph import (BudgetTooSmall, Graph, GraphPlan, InvalidSchedule, eager_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, evaluate)
+from remat.plan.graph import (BudgetTooSmall, Graph, eager_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, evaluate)
+from remat.plan.record import ScheduleError, Solution
 from graphgen import random_graph, synthetic_training_graph
 
 
@@ -47,25 +48,25 @@ def test_simulate_remat_schedule_and_peak():
 
 def test_simulate_rejects_invalid_schedules():
     g = diamond()
-    with pytest.raises(InvalidSchedule, match="not live"):
+    with pytest.raises(ScheduleError, match="not live"):
         evaluate(g, [("compute", 3)])
-    with pytest.raises(InvalidSchedule, match="input node"):
+    with pytest.raises(ScheduleError, match="input node"):
         evaluate(g, [("compute", 0)])
-    with pytest.raises(InvalidSchedule, match="already live"):
+    with pytest.raises(ScheduleError, match="already live"):
         evaluate(g, [("compute", 1), ("compute", 1)])
-    with pytest.raises(InvalidSchedule, match="never computed"):
+    with pytest.raises(ScheduleError, match="never computed"):
         evaluate(g, [("compute", 1)])
-    with pytest.raises(InvalidSchedule, match="not live at the end"):
+    with pytest.raises(ScheduleError, match="not live at the end"):
         evaluate(g, [("compute", 1), ("compute", 2), ("compute", 3), ("free", 3)])
-    with pytest.raises(InvalidSchedule, match="freeing"):
+    with pytest.raises(ScheduleError, match="freeing"):
         evaluate(g, [("free", 1)])
-    with pytest.raises(InvalidSchedule, match="unknown step"):
+    with pytest.raises(ScheduleError, match="unknown step"):
         evaluate(g, [("run", 1)])
     g2 = Graph()
     x = g2.add_input("x", 1)
     r = g2.add_node("rand", 1.0, 1, [x], recomputable=False)
     g2.add_node("y", 1.0, 1, [r], is_output=True)
-    with pytest.raises(InvalidSchedule, match="not recomputable"):
+    with pytest.raises(ScheduleError, match="not recomputable"):
         evaluate(g2, [("compute", 1), ("free", 1), ("compute", 1), ("compute", 2)])
 
 
@@ -102,8 +103,8 @@ def test_insert_frees_is_eager_and_prune_drops_useless_computes():
 
 def test_plan_str_and_describe():
     g = diamond()
-    plan = make_plan(g, [1, 2, 3], solver="test", status="exact", solve_time=0.0, notes=["why"], budget=20)
-    assert isinstance(plan, GraphPlan)
+    plan = make_plan(g, [1, 2, 3], solver="test", status="exact", seconds=0.0, notes=["why"], budget=20)
+    assert isinstance(plan, Solution)
     assert plan.peak == 18 and plan.cost == 6.0 and plan.overhead == 0.0
     assert "test" in str(plan) and "why" in plan.describe()
 

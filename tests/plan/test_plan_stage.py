@@ -8,7 +8,9 @@ from remat.errors import BudgetTooSmall
 from remat.ir import parse
 from remat.plan.simulator import predict_peak
 from remat.plan.milp import MILP_MAX_NODES
-from remat.plan.portfolio import Candidate, StepProblem, plan_step, uses_milp
+from remat.plan.portfolio import plan_step, uses_milp
+from remat.plan.problem import StepProblem
+from remat.plan.record import Plan
 from remat.plan.costmodel import static_costs
 from remat.step.program import Layout, cleanup, step_program, training_graph
 
@@ -42,7 +44,7 @@ def test_plan_stage_on_ir_alone():
     base = _problem(None)
     peak = predict_peak(base.unconstrained)
     none = plan_step(base)
-    assert isinstance(none, Candidate) and none.solver == "none" and none.overhead == 0.0
+    assert isinstance(none, Plan) and none.solver == "none" and none.overhead == 0.0
     assert none.program is base.unconstrained
     with pytest.raises(BudgetTooSmall) as e:
         plan_step(_problem(1))

@@ -93,7 +93,8 @@ def test_chain_planner_differentiates_the_forward_the_unconstrained_step_does():
     copies by a separate reduction) where the unconstrained step reads the shared heads: gradients
     differed in the last bits whenever it won (tiny Cohere, OLMo, StableLM, BLOOM)."""
     from remat.ir import Module
-    from remat.plan.portfolio import Candidate, plan_blocks
+    from remat.plan.portfolio import plan_blocks
+    from remat.plan.record import Plan
     from remat.runtime.vm import VM
 
     class Net(torch.nn.Module):
@@ -111,11 +112,11 @@ def test_chain_planner_differentiates_the_forward_the_unconstrained_step_does():
     inputs = dict(x=x, y=x.clone())
     step = remat.compile(Net(), inputs, budget="60%")
     chain = plan_blocks(step.compilation.problem)  # the chain planner's own plan (the greedy wins this budget)
-    assert isinstance(chain, Candidate)
+    assert isinstance(chain, Plan)
     assert "broadcast" not in _ops(chain.program)  # no repeated key/value heads
 
     def run(fn):
-        args = step.binding.step_args(tuple(inputs.values()), copy=True, step=1)
+        args = step._step_args(tuple(inputs.values()), copy=True, step=1)
         return VM(Module([fn.clone()])).run(fn.name, *args, outputs="torch")[0]
     free, chained = run(step.compilation.problem.unconstrained), run(chain.program)
     assert len(free) == len(chained)

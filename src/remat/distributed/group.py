@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..ir.core import Function
-from ..plan.portfolio import Candidate
+from ..plan.record import Plan
 
 MODES = ("ddp", "zero1", "zero2")
 """``ddp``: gradients averaged by bucketed ``all_reduce``; ``zero1``: optimizer state sharded, each
@@ -108,7 +108,7 @@ def check_same_collectives(fn, dp: DataParallel) -> None:
                            "solver='greedy' or the default chain planner, not a time-limited MILP)")
 
 
-def plan_on_rank0(plan: Callable[[], Candidate], dp: DataParallel, budget: int | None) -> Candidate:
+def plan_on_rank0(plan: Callable[[], Plan], dp: DataParallel, budget: int | None) -> Plan:
     """Plan once, on rank 0, and give every rank that plan (as canonical IR text).
 
     Ranks that planned independently could choose different plans (a time-limited MILP under
@@ -155,5 +155,5 @@ def plan_on_rank0(plan: Callable[[], Candidate], dp: DataParallel, budget: int |
     def fn(text: str) -> Function:
         return next(iter(parse(text).functions.values()))
 
-    return Candidate(solver, notes + ["planned on rank 0 and received as IR text"], fn(program), overhead, None, peak,
-                     algorithms, None if unconstrained is None else fn(unconstrained))
+    return Plan(solver, notes + ["planned on rank 0 and received as IR text"], fn(program), overhead, peak=peak,
+                budget=budget, algorithms=algorithms, unconstrained=None if unconstrained is None else fn(unconstrained))

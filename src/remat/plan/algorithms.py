@@ -16,7 +16,7 @@ per step.
 Exactness: under one algorithm choice, gradients are bit-identical across budgets (recomputation
 replays the same kernels). The lean variant's values equal the reference's up to summation order
 (its weight gradient is summed chunk by chunk; attention's probabilities come from a logsumexp), so the reference is kept whenever a reference plan
-fits the budget, and every choice is reported (:attr:`Candidate.algorithms`).
+fits the budget, and every choice is reported (:attr:`Plan.algorithms`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
 from .simulator import predict_peak
-from .portfolio import Candidate, StepProblem, fit_peak, plan_step
+from .portfolio import plan_step
+from .problem import StepProblem, fit_peak
+from .record import Plan
 
 
 @dataclass
@@ -52,7 +54,7 @@ first use) in order of preference: the faster first, the leaner later (e.g. a ba
 large enough to run fast, then in smaller ones); empty when no op of the step has a lean alternative."""
 
 
-def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Candidate:
+def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Plan:
     """The reference plan when one fits ``p.budget``, else the first lean variant's plan that fits.
 
     Without a budget, or when the unconstrained reference step fits, this is ``plan_step(p)``: no
@@ -65,7 +67,7 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Can
         # bound; the VM's count alone fitting is not enough, or a minimum reached with the lean
         # algorithms would be refused when asked for again)
         return plan_step(p)
-    ref: Candidate | None = None
+    ref: Plan | None = None
     ref_min: int | None = None
     try:
         ref = plan_step(p)

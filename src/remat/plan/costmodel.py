@@ -1,8 +1,10 @@
-"""A static cost model: estimated seconds per instruction from its arithmetic and memory traffic.
+"""The one cost model of planning: seconds per instruction, and the overhead of a program.
 
-Plans made with it are deterministic (the same model and budget give the same plan on any
-machine), unlike plans made from measured timings. Rates are nominal CPU figures; only ratios
-between instructions matter to the planners.
+:func:`static_costs` estimates each instruction from its arithmetic and memory traffic. Plans made
+with it are deterministic (the same model and budget give the same plan on any machine), unlike
+plans made from measured timings. Rates are nominal CPU figures; only ratios between instructions
+matter to the planners. :class:`CostModel` prices any program of one step from those per-instruction
+seconds (static or measured), so every planner's plan is scored the same way (:func:`program_overhead`).
 """
 from __future__ import annotations
 
@@ -32,8 +34,49 @@ def instruction_cost(ins: Instruction) -> float:
 
 
 def function_cost(fn: Function) -> float:
+    """Estimated seconds of one run of ``fn`` (every instruction once)."""
     return sum(instruction_cost(i) for b in fn.blocks for i in b.instrs)
 
 
 def static_costs(fn: Function) -> dict[Instruction, float]:
+    """Estimated seconds of each instruction of ``fn``."""
     return {i: instruction_cost(i) for b in fn.blocks for i in b.instrs}
+
+
+def _signature(ins: Instruction) -> tuple:
+    """What makes two instructions cost the same: op, operand and result types, attributes."""
+    return (ins.op.name, tuple(str(o.type) for o in ins.operands), tuple(str(r.type) for r in ins.results),
+            repr(sorted(ins.attrs.items())))
+
+
+class CostModel:
+    """Seconds per instruction of any program of one step: the step's own per-instruction costs
+    (estimated or measured on the joint), looked up by signature for recomputed copies, and the
+    static estimate for instructions the joint lacks (the optimizer updates, the same in every plan)."""
+
+    def __init__(self, costs: dict[Instruction, float]):
+        self.by_signature: dict[tuple, float] = {}
+        for ins, sec in costs.items():
+            self.by_signature.setdefault(_signature(ins), sec)
+        self.base = sum(costs.values())  # the joint's compute seconds: the overhead's denominator
+
+    def program_cost(self, fn: Function) -> float:
+        """Seconds of one run of ``fn``."""
+        total = 0.0
+        for b in fn.blocks:
+            for ins in b.instrs:
+                if ins.op.name in ("free", "return") or ins.op.has("view"):
+                    continue
+                sec = self.by_signature.get(_signature(ins))
+                total += instruction_cost(ins) if sec is None else sec
+        return total
+
+
+def program_overhead(model: CostModel, program: Function, unconstrained: float) -> float:
+    """Recompute seconds of ``program`` over the joint's compute seconds (0.1 = +10%); never below 0.
+    ``unconstrained``: ``model.program_cost`` of the unconstrained step program."""
+    return max(0.0, (model.program_cost(program) - unconstrained) / model.base) if model.base > 0 else 0.0
+
+
+__all__ = ["BYTES_PER_SECOND", "CostModel", "FLOPS_PER_SECOND", "OVERHEAD_SECONDS", "flops", "function_cost",
+           "instruction_cost", "program_overhead", "static_costs"]

@@ -2,7 +2,7 @@
 a costlier plan than a smaller one did.
 
 Every candidate a planner lowers has an exact peak (``predict_peak`` of its program) and an
-overhead on one cost model (:func:`program_overhead`), whichever planner made it. A
+overhead on one cost model (:func:`.costmodel.program_overhead`), whichever planner made it. A
 :class:`Frontier` keeps the Pareto-minimal ones in (peak, overhead); planning the same step at
 another budget reuses any of them whose peak fits. Frontiers live in a small per-process cache
 keyed by the step's printed program and its costs (:func:`frontier_for`); :func:`forget_plans`
@@ -27,61 +27,24 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-from ..ir import Function, Instruction, print_function
-from .costmodel import instruction_cost
-
-if TYPE_CHECKING:
-    from .portfolio import Candidate, StepProblem
+from ..ir import print_function
+from .problem import StepProblem
+from .record import Plan
 
 MAX_STEPS = 8
 """Training steps whose frontiers the cache keeps (least recently planned dropped first)."""
-
-
-def _signature(ins: Instruction) -> tuple:
-    """What makes two instructions cost the same: op, operand and result types, attributes."""
-    return (ins.op.name, tuple(str(o.type) for o in ins.operands), tuple(str(r.type) for r in ins.results),
-            repr(sorted(ins.attrs.items())))
-
-
-class CostModel:
-    """Seconds per instruction of any program of one step: the step's own per-instruction costs
-    (estimated or measured on the joint), looked up by signature for recomputed copies, and the
-    static estimate for instructions the joint lacks (the optimizer updates, the same in every plan)."""
-
-    def __init__(self, costs: dict[Instruction, float]):
-        self.by_signature: dict[tuple, float] = {}
-        for ins, sec in costs.items():
-            self.by_signature.setdefault(_signature(ins), sec)
-        self.base = sum(costs.values())  # the joint's compute seconds: the overhead's denominator
-
-    def program_cost(self, fn: Function) -> float:
-        """Seconds of one run of ``fn``."""
-        total = 0.0
-        for b in fn.blocks:
-            for ins in b.instrs:
-                if ins.op.name in ("free", "return") or ins.op.has("view"):
-                    continue
-                sec = self.by_signature.get(_signature(ins))
-                total += instruction_cost(ins) if sec is None else sec
-        return total
-
-
-def program_overhead(model: CostModel, program: Function, unconstrained: float) -> float:
-    """Recompute seconds of ``program`` over the joint's compute seconds (0.1 = +10%); never below 0.
-    ``unconstrained``: ``model.program_cost`` of the unconstrained step program."""
-    return max(0.0, (model.program_cost(program) - unconstrained) / model.base) if model.base > 0 else 0.0
 
 
 class Frontier:
     """Lowered plans of one training step, Pareto-minimal in (exact peak bytes, overhead)."""
 
     def __init__(self) -> None:
-        self.plans: list[Candidate] = []
-        self.searched: list[Candidate] = []  # plans whose neighbourhood the MILP already searched
+        self.plans: list[Plan] = []
+        self.searched: list[Plan] = []  # plans whose neighbourhood the MILP already searched
 
-    def add(self, cand: Candidate) -> None:
+    def add(self, cand: Plan) -> None:
         """Keep ``cand`` unless a kept plan peaks no higher and costs no more; drop those it beats."""
         for q in self.plans:
             if q.peak <= cand.peak and q.overhead <= cand.overhead:
@@ -90,11 +53,11 @@ class Frontier:
         self.plans.append(cand)
         self.plans.sort(key=lambda q: q.peak)
 
-    def add_all(self, cands: Iterable[Candidate]) -> None:
+    def add_all(self, cands: Iterable[Plan]) -> None:
         for c in cands:
             self.add(c)
 
-    def best(self, budget: int) -> Candidate | None:
+    def best(self, budget: int) -> Plan | None:
         """The cheapest kept plan whose peak fits ``budget`` (the lower peak on a tie), or None."""
         fits = [q for q in self.plans if q.peak <= budget]
         return min(fits, key=lambda q: (q.overhead, q.peak)) if fits else None
@@ -134,4 +97,4 @@ def forget_plans() -> None:
     _CACHE.clear()
 
 
-__all__ = ["CostModel", "Frontier", "MAX_STEPS", "forget_plans", "frontier_for", "program_overhead", "step_key"]
+__all__ = ["Frontier", "MAX_STEPS", "forget_plans", "frontier_for", "step_key"]

@@ -1,4 +1,4 @@
-"""Abstract computation graph, the exact memory model, and the common plan type.
+"""Abstract computation graph and its exact memory model, which every graph solver plans on.
 
 Every rematerialization solver in this package (MILP, greedy, scheduler) works on
 a :class:`Graph` and emits a *schedule*: a list of steps ``("compute", i)`` /
@@ -28,20 +28,17 @@ Memory model (all sizes in bytes, costs in seconds):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
 from ..errors import BudgetTooSmall  # noqa: F401  (raised by every graph solver)
+from .record import ScheduleError, Solution
 
 Step = tuple[str, int]  # ("compute" | "free", node index)
 Schedule = list[Step]
 
 COMPUTE = "compute"
 FREE = "free"
-
-
-class InvalidSchedule(ValueError):
-    """A schedule violates the memory model (missing input, double compute, ...)."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +271,7 @@ def check_order(graph: Graph, order: Sequence[int]) -> None:
 def evaluate(graph: Graph, schedule: Sequence[Step]) -> tuple[float, int]:
     """Validate ``schedule`` and return ``(total_cost_seconds, peak_bytes)``.
 
-    Raises :class:`InvalidSchedule` naming the offending step and node.
+    Raises :class:`ScheduleError` naming the offending step and node.
     """
     cost, peak, _ = _run(graph, schedule, want_profile=False)
     return cost, peak
@@ -300,22 +297,22 @@ def _run(
         try:
             kind, i = step
         except (TypeError, ValueError):
-            raise InvalidSchedule(f"step {t}: expected (kind, index), got {step!r}") from None
+            raise ScheduleError(f"step {t}: expected (kind, index), got {step!r}") from None
         if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n:
-            raise InvalidSchedule(f"step {t}: node index {i!r} out of range [0, {n})")
+            raise ScheduleError(f"step {t}: node index {i!r} out of range [0, {n})")
         nd = nodes[i]
         if kind == COMPUTE:
             if nd.is_input:
-                raise InvalidSchedule(f"step {t}: cannot compute input node {i} ({nd.name!r})")
+                raise ScheduleError(f"step {t}: cannot compute input node {i} ({nd.name!r})")
             if live[i]:
-                raise InvalidSchedule(f"step {t}: node {i} ({nd.name!r}) computed while already live")
+                raise ScheduleError(f"step {t}: node {i} ({nd.name!r}) computed while already live")
             if times[i] and not nd.recomputable:
-                raise InvalidSchedule(
+                raise ScheduleError(
                     f"step {t}: node {i} ({nd.name!r}) is not recomputable but is computed again"
                 )
             for j in nd.inputs:
                 if not live[j]:
-                    raise InvalidSchedule(
+                    raise ScheduleError(
                         f"step {t}: computing node {i} ({nd.name!r}) needs input {j} "
                         f"({nodes[j].name!r}) which is not live"
                     )
@@ -329,18 +326,18 @@ def _run(
                 prof.append(during)
         elif kind == FREE:
             if not live[i]:
-                raise InvalidSchedule(f"step {t}: freeing node {i} ({nd.name!r}) which is not live")
+                raise ScheduleError(f"step {t}: freeing node {i} ({nd.name!r}) which is not live")
             live[i] = False
             mem -= nd.bytes
             if want_profile:
                 prof.append(mem)
         else:
-            raise InvalidSchedule(f"step {t}: unknown step kind {kind!r}")
+            raise ScheduleError(f"step {t}: unknown step kind {kind!r}")
     for i, nd in enumerate(nodes):
         if not nd.is_input and times[i] == 0:
-            raise InvalidSchedule(f"node {i} ({nd.name!r}) is never computed")
+            raise ScheduleError(f"node {i} ({nd.name!r}) is never computed")
         if nd.is_output and not live[i]:
-            raise InvalidSchedule(f"output node {i} ({nd.name!r}) is not live at the end")
+            raise ScheduleError(f"output node {i} ({nd.name!r}) is not live at the end")
     return cost, peak, prof
 
 
@@ -454,84 +451,22 @@ def no_remat_schedule(graph: Graph, order: Sequence[int] | None = None) -> Sched
     return eager_frees(graph, order)
 
 
-# ---------------------------------------------------------------------- plan type
-@dataclass
-class GraphPlan:
-    """The result of any solver: a schedule and what it costs.
-
-    ``cost``: total compute seconds of the schedule (base cost + recomputation);
-    ``peak``: exact peak bytes per :func:`evaluate`; ``solver``: which solver ran;
-    ``status``: e.g. ``optimal``, ``time_limit_feasible``, ``heuristic``;
-    ``solve_time``: wall seconds spent in the solver (incl. model building).
-    """
-
-    schedule: Schedule
-    cost: float
-    peak: int
-    solver: str
-    status: str
-    solve_time: float
-    notes: list[str] = field(default_factory=list)
-    budget: int | None = None
-    base_cost: float | None = None  # cost without rematerialization
-    # the solver's own objective (e.g. MILP model cost before pruning useless
-    # computes); ``cost`` (re-measured by evaluate) is never above it
-    objective: float | None = None
-
-    @property
-    def compute_order(self) -> list[int]:
-        return schedule_computes(self.schedule)
-
-    @property
-    def overhead(self) -> float | None:
-        """Recomputation overhead as a fraction of the base cost (0.1 = +10%)."""
-        if self.base_cost is None or self.base_cost <= 0:
-            return None
-        return self.cost / self.base_cost - 1.0
-
-    def __str__(self) -> str:
-        ov = self.overhead
-        ov_s = f" (+{100 * ov:.1f}% recompute)" if ov is not None else ""
-        bud = f" / budget {_fmt_bytes(self.budget)}" if self.budget is not None else ""
-        n_comp = sum(1 for k, _ in self.schedule if k == COMPUTE)
-        return (
-            f"GraphPlan[{self.solver}, {self.status}] cost={self.cost:.6g}s{ov_s} "
-            f"peak={_fmt_bytes(self.peak)}{bud} computes={n_comp} solve={self.solve_time:.3f}s"
-        )
-
-    def describe(self) -> str:
-        """Multi-line explanation: solver, why it ran, status, and the numbers."""
-        lines = [str(self)]
-        lines += [f"  - {n}" for n in self.notes]
-        return "\n".join(lines)
-
-
-def _fmt_bytes(b: int | None) -> str:
-    if b is None:
-        return "-"
-    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(b) >= f:
-            return f"{b / f:.2f}{unit}"
-    return f"{b}B"
-
-
+# ---------------------------------------------------------------------- solutions
 def make_plan(
     graph: Graph,
     compute_order: Sequence[int],
     *,
     solver: str,
     status: str,
-    solve_time: float,
+    seconds: float,
     notes: Sequence[str] = (),
     budget: int | None = None,
     prune: bool = True,
-) -> GraphPlan:
-    """Build a :class:`GraphPlan` from a compute sequence: prune, insert eager frees,
+) -> Solution:
+    """Build a :class:`~.record.Solution` from a compute sequence: prune, insert eager frees,
     validate and measure with :func:`evaluate`."""
     seq = prune_compute_sequence(graph, compute_order) if prune else list(compute_order)
     sched = eager_frees(graph, seq)
     cost, peak = evaluate(graph, sched)
-    return GraphPlan(
-        sched, cost, peak, solver, status, solve_time, list(notes), budget, graph.base_cost
-    )
-
+    return Solution(solver, sched, cost, peak, budget=budget, seconds=seconds, notes=list(notes), status=status,
+                    base_cost=graph.base_cost)

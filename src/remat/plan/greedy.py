@@ -34,10 +34,10 @@ import sys
 import time
 from typing import Sequence
 
+from .record import Solution
 from .graph import (
     BudgetTooSmall,
     Graph,
-    GraphPlan,
     check_order,
     eager_frees,
     make_plan,
@@ -376,14 +376,14 @@ the other scores), hence a third score rather than a new rule."""
 PROBE_STEPS_PER_NODE = 8
 
 
-def _cheapest(tried: list[tuple[str, GraphPlan]]) -> GraphPlan:
+def _cheapest(tried: list[tuple[str, Solution]]) -> Solution:
     best = min(tried, key=lambda t: t[1].cost)[1]  # min keeps the first on ties
     if len(tried) > 1:
         best.notes.append("greedy scores tried: " + ", ".join(f"{sc} cost {q.cost:.4g} s" for sc, q in tried))
     return best
 
 
-def try_greedy_best(graph: Graph, budget: int, order: Sequence[int]) -> GraphPlan | None:
+def try_greedy_best(graph: Graph, budget: int, order: Sequence[int]) -> Solution | None:
     """One bounded pass per score at ``budget`` (:data:`PROBE_STEPS_PER_NODE`): the cheapest plan,
     or None when every pass gets stuck. The portfolio's greedy probe."""
     steps = PROBE_STEPS_PER_NODE * len(graph) + 1000
@@ -392,14 +392,14 @@ def try_greedy_best(graph: Graph, budget: int, order: Sequence[int]) -> GraphPla
 
 
 def try_greedy(graph: Graph, budget: int, order: Sequence[int], *, score: str = "raf_belady",
-               max_steps: int | None = None) -> GraphPlan | None:
+               max_steps: int | None = None) -> Solution | None:
     """One greedy pass at ``budget``: its plan, or None when it gets stuck (no search for the
     minimum, so a failed probe costs one bounded pass; planners probing many budgets use this)."""
     t0 = time.perf_counter()
     seq = greedy_compute_sequence(graph, int(budget), order, score=score, max_steps=max_steps)
     if seq is None:
         return None
-    return make_plan(graph, seq, solver="greedy", status="heuristic", solve_time=time.perf_counter() - t0,
+    return make_plan(graph, seq, solver="greedy", status="heuristic", seconds=time.perf_counter() - t0,
                      notes=[f"RAF-style greedy rematerialization (score={score}) over a {len(order)}-node order"],
                      budget=int(budget))
 
@@ -410,7 +410,7 @@ def solve_greedy(
     *,
     order: Sequence[int] | None = None,
     score: str | None = None,
-) -> GraphPlan:
+) -> Solution:
     """RAF-style greedy rematerialization with peak <= ``budget`` bytes.
 
     ``score``: one of :data:`SCORES`; None (the default) runs each and keeps the cheapest plan
@@ -423,7 +423,7 @@ def solve_greedy(
     ``minimum = greedy_min_budget(...)``.
     """
     if score is None:
-        tried: list[tuple[str, GraphPlan]] = []
+        tried: list[tuple[str, Solution]] = []
         refusals: list[BudgetTooSmall] = []
         for sc in SCORES:
             try:
@@ -452,7 +452,7 @@ def solve_greedy(
         notes.append(f"greedy got stuck at {budget} B; used its plan for the tighter budget {m} B")
     plan = make_plan(
         graph, seq, solver="greedy", status="heuristic",
-        solve_time=time.perf_counter() - t0, notes=notes, budget=budget,
+        seconds=time.perf_counter() - t0, notes=notes, budget=budget,
     )
     if plan.peak > budget:  # the eager-free schedule never exceeds the greedy's accounting
         raise AssertionError(f"greedy plan peak {plan.peak} B exceeds budget {budget} B")

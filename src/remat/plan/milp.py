@@ -50,11 +50,11 @@ from typing import Sequence
 
 import numpy as np
 
+from .record import Solution
 from .graph import (
     COMPUTE,
     BudgetTooSmall,
     Graph,
-    GraphPlan,
     check_order,
     eager_frees,
     make_plan,
@@ -78,13 +78,13 @@ class NoSolutionFound(RuntimeError):
     """The MILP found no feasible schedule within its time limit (not proven
     infeasible).  The caller should fall back to the greedy solver."""
 
-    def __init__(self, budget: int, time_limit: float, solve_time: float, detail: str) -> None:
+    def __init__(self, budget: int, time_limit: float, seconds: float, detail: str) -> None:
         self.budget = budget
         self.time_limit = time_limit
-        self.solve_time = solve_time
+        self.seconds = seconds
         super().__init__(
             f"MILP found no feasible schedule for budget {budget} B within "
-            f"{time_limit:g}s (ran {solve_time:.2f}s): {detail}"
+            f"{time_limit:g}s (ran {seconds:.2f}s): {detail}"
         )
 
 
@@ -330,8 +330,8 @@ class MinPeak:
 
     minimum: int
     exact: bool
-    plan: GraphPlan | None
-    solve_time: float
+    plan: Solution | None
+    seconds: float
 
 
 def milp_min_peak(
@@ -355,7 +355,7 @@ def milp_min_peak(
         seq = [back[v] for v in _extract(model, res.x)]
         plan = make_plan(
             graph, seq, solver="milp", status="optimal" if res.status == 0 else "time_limit_feasible",
-            solve_time=time.perf_counter() - t0, notes=["MILP minimising the peak"],
+            seconds=time.perf_counter() - t0, notes=["MILP minimising the peak"],
         )
     if res.status == 0 and plan is not None:
         # the model value is conservative; the simulated peak is exact
@@ -384,7 +384,7 @@ def solve_milp(
     order: Sequence[int] | None = None,
     mip_rel_gap: float = 1e-4,
     min_peak_time_limit: float | None = None,
-) -> GraphPlan:
+) -> Solution:
     """Minimum-recomputation schedule with peak <= ``budget`` bytes (Checkmate MILP).
 
     ``order``: topological order of first computations (default: index order; pass
@@ -415,7 +415,7 @@ def solve_milp(
         # every node must be computed once, so no-remat is optimal
         return make_plan(
             graph, [back[v] for v in base_order], solver="milp", status="optimal",
-            solve_time=time.perf_counter() - t0, budget=budget,
+            seconds=time.perf_counter() - t0, budget=budget,
             notes=[f"budget >= no-remat peak {base_peak} B: no recomputation needed (MILP skipped)"],
         )
     notes: list[str] = []
@@ -446,7 +446,7 @@ def solve_milp(
             raise NoSolutionFound(budget, time_limit, elapsed, str(res.message))
         seq = [back[v] for v in _extract(model, res.x)]
         status = "optimal" if res.status == 0 else "time_limit_feasible"
-        plan = make_plan(graph, seq, solver="milp", status=status, solve_time=elapsed, budget=budget)
+        plan = make_plan(graph, seq, solver="milp", status=status, seconds=elapsed, budget=budget)
         plan.objective = float(res.fun) * model.cost_scale
         gap = getattr(res, "mip_gap", None)
         notes.append(
@@ -473,7 +473,7 @@ def solve_with_fallback(
     time_limit: float = 30.0,
     milp_max_nodes: int = MILP_MAX_NODES,
     order: Sequence[int] | None = None,
-) -> GraphPlan:
+) -> Solution:
     """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
     graph has at most ``milp_max_nodes`` compute nodes, the MILP under
     ``time_limit``; returns the cheaper valid plan.  Falls back to the greedy when
@@ -486,7 +486,7 @@ def solve_with_fallback(
     T = len(graph.compute_nodes)
     if order is None:
         order = memory_aware_order(graph)
-    greedy_plan: GraphPlan | None = None
+    greedy_plan: Solution | None = None
     errors: list[BudgetTooSmall] = []
     try:
         greedy_plan = solve_greedy(graph, budget, order=order)
@@ -541,7 +541,7 @@ class WindowSearch:
     at its time limit with a solution) / ``no_solution`` (none found in time) / ``infeasible``
     (the window's model has no schedule, e.g. the fixed schedule's order inside a stage differs)."""
 
-    plan: GraphPlan | None
+    plan: Solution | None
     statuses: list[str]
     improved: int
     seconds: float
@@ -590,7 +590,7 @@ def _live_at_stages(g: Graph, seq: Sequence[int], ends: Sequence[int]) -> list[f
     return out
 
 
-def improve_in_windows(graph: Graph, plan: GraphPlan, cap: int, *, time_limit: float = 3.0,
+def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: float = 3.0,
                        window_stages: int = WINDOW_STAGES, max_windows: int = MAX_WINDOWS,
                        window_time_share: float = 0.5, max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
     """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of at
@@ -659,7 +659,7 @@ def improve_in_windows(graph: Graph, plan: GraphPlan, cap: int, *, time_limit: f
     if not improved:
         return search
     out = make_plan(graph, [back[v] for v in seq], solver="milp window", status=search.status,
-                    solve_time=seconds, budget=cap)
+                    seconds=seconds, budget=cap)
     out.notes = [f"MILP on the neighbourhood of the {plan.solver} plan: {len(statuses)} windows of at most "
                  f"{window_stages} stages (of {T}), {improved} improved it, HiGHS statuses: "
                  + ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) + f"; {seconds:.2f} s"]

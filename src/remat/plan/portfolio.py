@@ -2,10 +2,10 @@
 
 Input is IR alone (a :class:`StepProblem`: the forward, the training joint, the unconstrained step
 program, the budget, per-instruction costs), so the policy is testable without torch. Every
-planner yields a :class:`Candidate` (its program already lowered, so its exact peak is known);
+planner yields a :class:`~.record.Plan` (its program already lowered, so its exact peak is known);
 the cheapest candidate whose program fits wins. Overhead means one thing everywhere:
 recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
-on one cost model for every planner (:mod:`.frontier`). Candidates lowered for one budget are kept
+on one cost model for every planner (:mod:`.costmodel`). Candidates lowered for one budget are kept
 (:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
 budget never gets a costlier plan than a smaller one did in the same process (the precise
 guarantee is in :mod:`.frontier`). When the winner is a greedy plan that recomputes much (near
@@ -15,76 +15,22 @@ the floor), the MILP searches its neighbourhood under a small time limit
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
 from ..errors import BudgetTooSmall, format_bytes
-from ..ir import Function, Instruction, Module, verify
-from .costmodel import function_cost
-from .frontier import CostModel, frontier_for, program_overhead
-from .graph import Graph, GraphPlan
+from ..ir import Function, Module, verify
+from .costmodel import CostModel, function_cost, program_overhead
+from .frontier import frontier_for
+from .graph import Graph
 from .simulator import predict_peak
 from .milp import MILP_MAX_NODES
+from .problem import StepProblem, fit_peak
+from .record import Plan, Solution
 from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
                        improves_neighbourhood, small_for_exact)
-
-
-@dataclass
-class Candidate:
-    """One planner's answer: the step program it lowered to and what it predicts."""
-
-    solver: str                 # e.g. "chain DP (extended)", "greedy (heuristic)", "none"
-    notes: list[str]
-    program: Function           # the whole training step, rematerialised, with frees
-    overhead: float             # predicted recompute cost / unconstrained compute cost
-    plan: object = None         # the solver's own plan record (GraphPlan, chain Plan), for inspection
-    peak: int | None = None     # bytes its fit is judged by (set by plan_step): predict_peak(program), or
-                                # with workspaces counted (StepProblem.workspace_fn) the allocator bound
-    algorithms: list[str] = field(default_factory=list)  # per-operator algorithm choices and why (plan.algorithms)
-    unconstrained: Function | None = None  # the unconstrained step of a lean algorithm choice (None: the reference)
-
-
-@dataclass
-class StepProblem:
-    """What planning a training step needs, as IR. Bytes and seconds."""
-
-    forward: Function           # the imported forward: (state..., inputs...[, seed]) -> (loss, others...)
-    n_state: int                # parameters and buffers leading the forward's arguments
-    n_params: int
-    joint: Function             # forward + backward: -> (loss, others..., grads...)
-    unconstrained: Function     # the step program without recomputation
-    budget: int | None
-    finish: Callable[[Function], Function]  # a joint-shaped program -> the step program (adds the updates)
-    extra_bytes: int            # what the step adds to the joint: optimizer state and step counter
-    costs: dict[Instruction, float]  # per-instruction seconds (estimated or measured)
-    solver: str = "auto"
-    milp_time_limit: float = 10.0
-    example_args: list | None = None  # the joint's arguments, to measure block times ("profiled"); None: static
-    dialects: tuple[str, ...] | None = None
-    workspaces: dict[Instruction, int] | None = None  # kernels' own bytes per joint instruction (graph solvers)
-    # Kernels' own bytes of any function's instructions (remat.runtime.allocator.workspaces). When
-    # set, a plan fits when its allocator bound (VM high-water marks + workspaces) is within the
-    # budget, and the chain DP's per-stage transient terms include the stages' workspaces.
-    workspace_fn: Callable[[Function], dict[Instruction, int]] | None = None
-    # The joint's training batch-norm backwards are split (remat.passes.batchnorm.split_batch_norm_grad,
-    # a memory-lean algorithm): the chain planner's blocks are differentiated the same way.
-    split_bn_grad: bool = False
-    # Indices of the joint's results that ``finish`` consumes as soon as they are computed: the
-    # gradients, when each one's update follows it (one process, an optimizer, gradients not kept).
-    # The graph model then counts each as its node's workspace rather than holding it to the end.
-    consumed: tuple[int, ...] = ()
-
-
-def fit_peak(p: StepProblem, program: Function) -> int:
-    """The peak (bytes) a program of ``p`` must keep within the budget: the VM's exact peak, or with
-    workspaces counted its allocator bound (:func:`~.workspace.allocator_bound`)."""
-    if p.workspace_fn is None:
-        return predict_peak(program)
-    from .workspace import allocator_bound
-
-    return allocator_bound(program, p.workspace_fn(program))
 
 
 def uses_milp(solver: str, n_nodes: int) -> bool:
@@ -93,7 +39,7 @@ def uses_milp(solver: str, n_nodes: int) -> bool:
     return SOLVERS["milp"].admits(solver, n_nodes)
 
 
-def plan_step(p: StepProblem) -> Candidate:
+def plan_step(p: StepProblem) -> Plan:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
@@ -101,12 +47,13 @@ def plan_step(p: StepProblem) -> Candidate:
     those lowered earlier for other budgets of this step (:func:`~.frontier.frontier_for`), are
     scored on one cost model and the cheapest that fits wins. Raises ``BudgetTooSmall`` with the
     smallest minimum found."""
+    t0 = time.perf_counter()
     check_option(p.solver)
     peak = fit_peak(p, p.unconstrained)
     if p.budget is None or peak <= p.budget:
         why = ("no budget given" if p.budget is None else
                f"the unconstrained step ({format_bytes(peak)}) fits the budget")
-        return Candidate("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak)
+        return Plan("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak, budget=p.budget)
     from .rematerialize import to_graph
     from .scheduling import memory_aware_orders
 
@@ -123,7 +70,7 @@ def plan_step(p: StepProblem) -> Candidate:
     lows = [(p, low)]
     if p.consumed and p.solver in ("auto", "greedy"):
         lows.append((replace(p, solver="greedy"), to_graph(p.joint, p.costs, workspaces=p.workspaces)))
-    lowered: list[Candidate] = []
+    lowered: list[Plan] = []
     minimums: list[int] = []
     remarks: list[str] = []
     deferred: list = []  # the cuts' contexts, for block-internal plans when nothing cheap enough fits
@@ -136,12 +83,12 @@ def plan_step(p: StepProblem) -> Candidate:
             # time limit bounds the step's planning, not each order's.
             qk = replace(q, solver="greedy") if k and q.solver == "auto" else q
             try:
-                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Candidate) and earlier is None,
+                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan) and earlier is None,
                            lowered=lowered)
             except BudgetTooSmall as e:
                 minimums.append(e.minimum)
 
-    def score(cands: list[Candidate]) -> None:  # one cost model for every planner's program
+    def score(cands: list[Plan]) -> None:  # one cost model for every planner's program
         for c in cands:
             c.peak = fit_peak(p, c.program) if c.peak is None else c.peak
             c.overhead = program_overhead(model, c.program, base)
@@ -155,12 +102,12 @@ def plan_step(p: StepProblem) -> Candidate:
         # or the best one recomputes much (a 64-layer GPT at 50%: the greedy's +9% wins, 19 s of
         # planning instead of 49 s).
         found = plan_inner(p, deferred)
-        news = [r for r in found if isinstance(r, Candidate)]
+        news = [r for r in found if isinstance(r, Plan)]
         minimums += [r for r in found if isinstance(r, int)]
         lowered += news
         score(news)
         if news:
-            chain = min(news + ([chain] if isinstance(chain, Candidate) else []), key=lambda c: c.overhead)
+            chain = min(news + ([chain] if isinstance(chain, Plan) else []), key=lambda c: c.overhead)
         best = frontier.best(p.budget)
     better = _improve_near_floor(p, low, best, frontier, model, base, remarks, lowered)
     if better is not None:
@@ -171,18 +118,29 @@ def plan_step(p: StepProblem) -> Candidate:
         known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
-    fits = 1 + sum(1 for c in others if c.plan is not best.plan)
+    fits = 1 + sum(1 for c in others if c.solution is not best.solution)
     remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
                    f" (the least predicted overhead of {fits} plan{'s' if fits > 1 else ''} that fit)")
-    best = Candidate(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                                for c in others] + _why_not_chain(chain, p.budget, best) + remarks,
-                     best.program.clone(), best.overhead, best.plan, best.peak)
+    best = Plan(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
+                                           for c in others] + _why_not_chain(chain, p.budget, best) + remarks,
+                best.program.clone(), best.overhead, best.solution, best.peak, p.budget, time.perf_counter() - t0)
     verify(Module([best.program]))
     return best
 
 
-def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, model: CostModel, base: float,
-                        remarks: list[str], lowered: Sequence[Candidate] = ()) -> Candidate | None:
+def minimum_budget(p: StepProblem) -> int:
+    """The smallest budget (bytes) at which :func:`plan_step` plans ``p``'s step: the least of every
+    solver's minimum (each through the registry's ``Solver.minimum``) whose program plans; what a
+    refusal (``BudgetTooSmall.minimum``) reports."""
+    try:
+        plan_step(replace(p, budget=1))
+    except BudgetTooSmall as e:
+        return int(e.minimum)
+    return 1
+
+
+def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model: CostModel, base: float,
+                        remarks: list[str], lowered: Sequence[Plan] = ()) -> Plan | None:
     """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
     the MILP on the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one
     a chain plan beat: the MILP often improves the greedy's past it), under a small time limit and
@@ -194,11 +152,11 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
     if best is None or not improves_neighbourhood(p.solver, best.overhead):
         return None
     greedy = [c for c in list(lowered) + frontier.plans
-              if isinstance(c.plan, GraphPlan) and c.plan.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
+              if c.solution is not None and c.solution.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
     if not greedy:
         return None
     start = min(greedy, key=lambda c: (c.overhead, c.peak))
-    plan = start.plan
+    plan = start.solution
     if any(c is start for c in frontier.searched):
         return None
     frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [start]
@@ -209,7 +167,7 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
         remarks.append(what + ", no cheaper plan found")
         return None
     prog = p.finish(from_schedule(low, search.plan.schedule, check=False))
-    cand = Candidate(f"{search.plan.solver} ({search.plan.status})",
+    cand = Plan(f"{search.plan.solver} ({search.plan.status})",
                      [n for n in start.notes if n.startswith("instruction-level")] + search.plan.notes
                      + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"],
                      prog, program_overhead(model, prog, base), search.plan, fit_peak(p, prog))
@@ -218,11 +176,11 @@ def _improve_near_floor(p: StepProblem, low, best: Candidate | None, frontier, m
     return cand
 
 
-def _why_not_chain(chain: Candidate | int | None, budget: int, best: Candidate) -> list[str]:
+def _why_not_chain(chain: Plan | int | None, budget: int, best: Plan) -> list[str]:
     """The note saying why a chain of blocks did not win (none when it did)."""
-    if isinstance(chain, Candidate) and chain.peak is not None and chain.peak > budget:
+    if isinstance(chain, Plan) and chain.peak is not None and chain.peak > budget:
         return [f"chain of blocks: planned, but its program peaks at {format_bytes(chain.peak)}, over the budget"]
-    if isinstance(chain, Candidate) and not best.solver.startswith("chain DP"):
+    if isinstance(chain, Plan) and not best.solver.startswith("chain DP"):
         return [f"chain of blocks: planned, predicted overhead {chain.overhead:+.1%} at a peak of "
                 f"{format_bytes(chain.peak)}; the winner predicts less recomputation ({best.overhead:+.1%})"]
     if chain is None:
@@ -235,7 +193,7 @@ def _why_not_chain(chain: Candidate | int | None, budget: int, best: Candidate) 
 
 # ---------------------------------------------------------------- instruction level
 def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, main: bool,
-                 time_limit: float) -> GraphPlan | None:
+                 time_limit: float) -> Solution | None:
     """One instruction-level solve at a budget probe, by the solver the registry picks: None (or
     ``BudgetTooSmall`` from the MILP) when it finds no plan at ``budget``; the greedy probes with
     bounded passes (:func:`.greedy.try_greedy_best`), so a failed probe stays cheap."""
@@ -243,20 +201,20 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0, lowered: list[Candidate] | None = None) -> Candidate | None:
+               max_overhead: float = 2.0, lowered: list[Plan] | None = None) -> Plan | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
     lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
-    from .greedy import greedy_min_budget, solve_greedy
+    from .greedy import solve_greedy
     from .rematerialize import from_schedule
 
     notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
 
-    def lower(plan: GraphPlan) -> tuple[GraphPlan, Function, int]:
+    def lower(plan: Solution) -> tuple[Solution, Function, int]:
         prog = p.finish(from_schedule(low, plan.schedule, check=False))
         peak = fit_peak(p, prog)
         if lowered is not None:
-            lowered.append(Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog,
+            lowered.append(Plan(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog,
                                      plan.overhead or 0.0, plan, peak))
         return plan, prog, peak
 
@@ -291,18 +249,18 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     if best is None:
         if not need_minimum:  # the chain DP found a plan; its minimum is not needed
             return None
-        m = greedy_min_budget(low.graph, order, rel_tol=0.02, max_steps=20 * len(low.graph) + 1000)
+        m = SOLVERS["greedy"].minimum(low.graph, order, p.milp_time_limit)
         cand = lower(solve_greedy(low.graph, m, order=order, score="raf_belady"))  # m is this score's minimum
         if cand[2] > p.budget:
             raise BudgetTooSmall(p.budget, cand[2], "this training step")
         best = cand
     plan, prog, peak = best
-    return Candidate(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan, peak)
+    return Plan(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog, plan.overhead or 0.0, plan, peak)
 
 
 # ---------------------------------------------------------------- chain of blocks
-def plan_blocks(p: StepProblem, lowered: list[Candidate] | None = None,
-                deferred: list | None = None) -> Candidate | int | None:
+def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
+                deferred: list | None = None) -> Plan | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
@@ -314,7 +272,7 @@ def plan_blocks(p: StepProblem, lowered: list[Candidate] | None = None,
     results = [r for r in (plan_cut(p, True, cache, deferred), plan_cut(p, False, cache, deferred)) if r is not None]
     if not results:
         return None
-    ok = [r for r in results if isinstance(r, Candidate)]
+    ok = [r for r in results if isinstance(r, Plan)]
     if lowered is not None:
         lowered.extend(ok)
     if ok:
@@ -323,7 +281,7 @@ def plan_blocks(p: StepProblem, lowered: list[Candidate] | None = None,
 
 
 def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
-             deferred: list | None = None) -> Candidate | int | None:
+             deferred: list | None = None) -> Plan | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits.
     ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``)."""
     from .chain.profile import profile_stages
@@ -350,7 +308,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)
     from . import inner
 
-    if not inner.INNER_PLANS or isinstance(best, Candidate) and best.overhead <= NEAR_FLOOR_OVERHEAD:
+    if not inner.INNER_PLANS or isinstance(best, Plan) and best.overhead <= NEAR_FLOOR_OVERHEAD:
         return best
     if deferred is not None:
         deferred.append((blocks, profiles, what, t0, best))
@@ -358,11 +316,11 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     return _with_inner_plans(p, blocks, profiles, what, t0, best)
 
 
-def plan_inner(p: StepProblem, deferred: list) -> list[Candidate | int]:
+def plan_inner(p: StepProblem, deferred: list) -> list[Plan | int]:
     """Block-internal plans (:func:`_with_inner_plans`) of the cuts :func:`plan_blocks` deferred:
     per cut, its new candidate, or its minimum (bytes) when still none fits; a cut where they do
     no better than the chain as it was gives nothing."""
-    out: list[Candidate | int] = []
+    out: list[Plan | int] = []
     for blocks, profiles, what, t0, before in deferred:
         r = _with_inner_plans(p, blocks, profiles, what, t0, before)
         if r is not before:
@@ -371,13 +329,14 @@ def plan_inner(p: StepProblem, deferred: list) -> list[Candidate | int]:
 
 
 def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
-                 inner: str = "", base: float | None = None) -> Candidate | int:
+                 inner: str = "", base: float | None = None) -> Plan | int:
     """The chain DP (extended model) over ``stages`` with costs from ``profiles``: its candidate, or
     the minimum (bytes) when no plan fits ``p.budget``. ``inner`` says which stages run
     block-internal plans (notes); ``base``: the compute its overhead is relative to (default: these
     stages' own, without recomputation)."""
     from .chain.planner import ChainPlanner
     from .chain.profile import chain_costs
+    from .chain.schedule import n_recomputed
 
     costs = chain_costs(profiles)
 
@@ -392,15 +351,15 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
         return e.minimum
     notes = [f"{what} in {time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output "
              f"or whole tape{', or a block-internal plan' if inner else ''})",
-             f"schedule: {len(pol.schedule)} steps, {pol.plan.n_recomputed(costs)} block recomputations"]
+             f"schedule: {len(pol.solution.schedule)} steps, {n_recomputed(pol.solution, costs)} block recomputations"]
     if inner:
         notes.append(inner)
     base = costs.no_recompute_cost() if base is None else base
-    return Candidate(f"chain DP ({SOLVERS['chain'].method})", notes, pol.function, pol.plan.cost / base - 1.0, pol.plan)
+    return Plan(f"chain DP ({SOLVERS['chain'].method})", notes, pol.program, pol.solution.cost / base - 1.0, pol.solution)
 
 
 def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,
-                      best: Candidate | int) -> Candidate | int:
+                      best: Plan | int) -> Plan | int:
     """The chain DP again with block-internal plans (:mod:`.inner`: stages whose backward recomputes
     part of their tape) at a few levels, when the stages as they are give no plan or one near the
     floor: the cheapest candidate, or the smallest minimum."""
@@ -415,10 +374,10 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
         inner = (f"block-internal plans: {sum(1 for k in level if k)} of {len(level)} blocks keep only their "
                  f"input and recompute the rest of their tape in their backward (planned by the greedy on that backward)")
         r = _solve_chain(p, blocks, [c.stage for c in chosen], [c.profile for c in chosen], what, t0, inner, base)
-        if isinstance(r, Candidate):
-            if not isinstance(best, Candidate) or r.overhead < best.overhead:
+        if isinstance(r, Plan):
+            if not isinstance(best, Plan) or r.overhead < best.overhead:
                 best = r
-        elif not isinstance(best, Candidate):
+        elif not isinstance(best, Plan):
             best = min(best, r)
     return best
 
@@ -446,5 +405,5 @@ def _reorder_aux(fn: Function, aux_order: list[int]) -> Function:
     return out
 
 
-__all__ = ["Candidate", "MILP_MAX_NODES", "SOLVER_OPTIONS", "StepProblem", "fit_peak", "plan_inner", "plan_step",
+__all__ = ["MILP_MAX_NODES", "SOLVER_OPTIONS", "minimum_budget", "plan_blocks", "plan_graph", "plan_inner", "plan_step",
            "uses_milp"]

@@ -7,10 +7,14 @@ A new solver is one entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
-from .graph import Graph, GraphPlan
+from .graph import Graph
+from .record import Solution
 from .milp import MILP_MAX_NODES
+
+if TYPE_CHECKING:
+    from .chain.costs import ChainCosts
 
 
 @dataclass(frozen=True)
@@ -21,16 +25,21 @@ class Solver:
     budget probe; the others run at every probe. Graph solvers: ``solve(graph, budget, order,
     time_limit)`` solves as when named (returning the plan, or None / ``BudgetTooSmall`` when it
     finds none at the budget), ``solve_auto`` as under ``"auto"`` (None: the same). Chain
-    solvers: ``method``, the chain DP's cost model (``remat.plan.chain.solvers.solve``)."""
+    solvers: ``method``, the chain DP's cost model (``remat.plan.chain.solvers.solve``).
+    ``minimum``: the least budget (bytes) at which the solver finds a plan in its own model, the one
+    way to ask any solver for it: ``minimum(graph, order, time_limit)`` for a graph solver (the MILP,
+    when its time limit leaves the optimum unproven: a lower bound), ``minimum(costs, bucket)`` for
+    the chain DP (the exact minimum under that bucketing)."""
 
     name: str
     plans: Literal["chain", "graph"]
     what: str
     max_nodes: int | None = None
     main_probe_only: bool = False
-    solve: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
-    solve_auto: Callable[[Graph, int, Sequence[int], float], GraphPlan | None] | None = None
+    solve: Callable[[Graph, int, Sequence[int], float], Solution | None] | None = None
+    solve_auto: Callable[[Graph, int, Sequence[int], float], Solution | None] | None = None
     method: str | None = None
+    minimum: Callable[..., int] | None = None
 
     def admits(self, option: str, n_nodes: int) -> bool:
         """Whether this solver runs for ``solver=option`` on a graph of ``n_nodes`` compute nodes."""
@@ -39,31 +48,53 @@ class Solver:
         return option == "auto" and (self.max_nodes is None or n_nodes <= self.max_nodes)
 
 
-def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
     from .milp import solve_milp
 
     return solve_milp(graph, budget, time_limit=time_limit, order=order)
 
 
-def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan:
+def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
     from .milp import solve_with_fallback
 
     return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES)
 
 
-def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> GraphPlan | None:
+def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution | None:
     from .greedy import try_greedy_best
 
     return try_greedy_best(graph, budget, order)  # bounded passes: a failed probe stays cheap
 
 
+def _chain_minimum(costs: ChainCosts, bucket: int | str = 1) -> int:
+    from .chain.solvers import minimum_budget
+
+    return minimum_budget(costs, bucket=bucket, method="extended")
+
+
+def _milp_minimum(graph: Graph, order: Sequence[int], time_limit: float) -> int:
+    from .milp import milp_min_peak
+
+    return milp_min_peak(graph, time_limit=time_limit, order=order).minimum
+
+
+def _greedy_minimum(graph: Graph, order: Sequence[int], time_limit: float) -> int:
+    from .greedy import greedy_min_budget
+
+    # to 2%, each pass bounded (a pass that recomputes without end counts as failing): the budget
+    # probes' precision, a few dozen greedy passes on a large graph
+    return greedy_min_budget(graph, order, rel_tol=0.02, max_steps=20 * len(graph) + 1000)
+
+
 SOLVERS: dict[str, Solver] = {s.name: s for s in (
     Solver("chain", "chain", "the thesis DP over blocks cut at separators (extended model: per block, keep "
-           "output or whole tape)", method="extended"),
+           "output or whole tape)", method="extended", minimum=_chain_minimum),
     # Graph solvers, tried in this order: the first one admitted at a probe runs.
     Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit; under 'auto' with the greedy "
-           "as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy),
-    Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy),
+           "as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
+           minimum=_milp_minimum),
+    Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy,
+           minimum=_greedy_minimum),
 )}
 
 GRAPH_SOLVERS: tuple[Solver, ...] = tuple(s for s in SOLVERS.values() if s.plans == "graph")
@@ -96,7 +127,7 @@ def check_option(option: str) -> None:
         raise ValueError(f"unknown solver {option!r}; valid: {', '.join(SOLVER_OPTIONS)}")
 
 
-def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], GraphPlan | None]:
+def graph_solver(option: str, n_nodes: int, main: bool) -> Callable[[Graph, int, Sequence[int], float], Solution | None]:
     """The solve function that runs at one budget probe (``main``: the probe at the budget itself)."""
     for s in GRAPH_SOLVERS:
         if s.admits(option, n_nodes) and (main or not s.main_probe_only):

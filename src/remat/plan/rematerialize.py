@@ -5,7 +5,7 @@ work on (one node per storage-producing instruction; views such as ``reshape`` a
 the storage they alias, so the graph's memory model matches the VM's storage accounting);
 ``from_schedule`` turns a solver's schedule back into IR: recomputations are clones of the
 original instructions, frees are explicit ``free`` instructions, views are re-emitted next to
-their uses. The result's peak is then predicted exactly by ``liveness.predict_peak``.
+their uses. The result's peak is then predicted exactly by ``simulator.predict_peak``.
 
 An instruction with several results (e.g. ``batch_norm``: output and statistics) gives one node
 per result, each reading the instruction's operands and costing the whole instruction, since

@@ -17,7 +17,8 @@ import heapq
 import time
 from typing import Callable, Sequence
 
-from .graph import Graph, GraphPlan, check_order, eager_frees, evaluate
+from .record import Solution
+from .graph import Graph, check_order, eager_frees, evaluate
 
 __all__ = ["memory_aware_order", "memory_aware_orders", "order_peak", "schedule_plan", "no_remat_plan", "with_siblings"]
 
@@ -198,24 +199,22 @@ def _dfs_order_factory(graph: Graph) -> Callable[[], list[int]]:
     return lambda: _dfs_order(graph)
 
 
-def no_remat_plan(graph: Graph, order: Sequence[int] | None = None) -> GraphPlan:
+def no_remat_plan(graph: Graph, order: Sequence[int] | None = None) -> Solution:
     """Run every node once in ``order`` (default index order) with eager frees."""
     t0 = time.perf_counter()
     base = list(order) if order is not None else graph.compute_nodes
     check_order(graph, base)
     sched = eager_frees(graph, base)
     cost, peak = evaluate(graph, sched)
-    return GraphPlan(
-        sched, cost, peak, "no_remat", "exact", time.perf_counter() - t0,
-        ["no rematerialization: each node computed once in the given order, eager frees"],
-        None, graph.base_cost,
-    )
+    return Solution("no_remat", sched, cost, peak, seconds=time.perf_counter() - t0, status="exact",
+                    notes=["no rematerialization: each node computed once in the given order, eager frees"],
+                    base_cost=graph.base_cost)
 
 
 def schedule_plan(
     graph: Graph, order: Sequence[int] | None = None, *, lookahead: bool = True
-) -> GraphPlan:
-    """:func:`memory_aware_order` as a :class:`GraphPlan` (no recomputation)."""
+) -> Solution:
+    """:func:`memory_aware_order` as a :class:`Solution` (no recomputation)."""
     t0 = time.perf_counter()
     base = list(order) if order is not None else graph.compute_nodes
     base_peak = order_peak(graph, base)
@@ -227,7 +226,5 @@ def schedule_plan(
         if peak < base_peak
         else f"memory-aware list scheduling found no better order; kept the given order ({peak} B)"
     )
-    return GraphPlan(
-        sched, cost, peak, "schedule", "heuristic", time.perf_counter() - t0, [note],
-        None, graph.base_cost,
-    )
+    return Solution("schedule", sched, cost, peak, seconds=time.perf_counter() - t0, status="heuristic", notes=[note],
+                    base_cost=graph.base_cost)

@@ -19,7 +19,7 @@ def allocator_bound(fn: Function, ws: Mapping[Instruction, int], donate: Collect
     """The allocator peak of running ``fn`` on the VM (bytes), bounded from the VM's exact
     accounting: the largest of the arguments' bytes and, over the instructions, the high-water
     mark (operands live, results allocated) plus the kernel's workspace ``ws`` (absent: 0).
-    ``donate``: indices of parameters released at their last use (``liveness.simulate``)."""
+    ``donate``: indices of parameters released at their last use (``simulator.simulate``)."""
     sim = simulate(fn, donate)
     instrs = fn.entry.instrs
     return max([sum(p.type.nbytes for p in fn.params)]

@@ -32,10 +32,11 @@ from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction, Module
 from ..passes.pipeline import run_passes
 from ..plan.algorithms import plan_choosing_algorithms
-from ..plan.costmodel import static_costs
-from ..plan.frontier import CostModel
+from ..plan.costmodel import CostModel, static_costs
+from ..plan.portfolio import SOLVER_OPTIONS, plan_step
+from ..plan.problem import StepProblem
+from ..plan.record import Plan
 from ..plan.simulator import predict_peak
-from ..plan.portfolio import SOLVER_OPTIONS, Candidate, StepProblem, plan_step
 from ..step.microbatch import microbatch_step
 from ..step.program import prepare_joint, step_program, training_forward, training_graph
 from .binding import Binding
@@ -146,7 +147,7 @@ class Compilation:
     unconstrained_step_seconds: float | None = None  # measured ("profiled" only)
     # ---- plan
     problem: StepProblem | None = None
-    plan: Candidate | None = None
+    plan: Plan | None = None
     workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
     predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces
     predicted_seconds: float = 0.0                 # the cost model's seconds for the planned step (every micro-batch)
@@ -304,7 +305,7 @@ def plan(c: Compilation) -> Compilation:
                    unconstrained_predicted_seconds=cost.program_cost(c.unconstrained), notes=tuple(chosen.notes))
 
 
-def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Candidate:
+def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
     """The plan; under ``data_parallel="ddp"`` made on rank 0 only, every rank receiving it
     (``remat.distributed.group.plan_on_rank0``), so that all ranks run the same program. ZeRO's
     step programs differ between ranks (each slices its own shards), so there every rank plans on

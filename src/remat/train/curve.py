@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..errors import BudgetTooSmall
 from ..ir import Module
+from ..plan import portfolio
 from ..plan.portfolio import plan_step
 
 CSV_FIELDS = ("budget", "budget_fraction", "solver", "predicted_peak", "measured_peak", "predicted_overhead",
@@ -39,11 +39,7 @@ class SweepRow:
 
 def minimum_budget(step) -> int:
     """The smallest budget (bytes) the planners find a plan for, for a compiled ``step``."""
-    try:
-        plan_step(dataclasses.replace(step.compilation.problem, budget=1))
-    except BudgetTooSmall as e:
-        return int(e.minimum)
-    return 1
+    return portfolio.minimum_budget(step.compilation.problem)
 
 
 def default_budgets(step, n_points: int = 10) -> list[int]:
@@ -71,7 +67,7 @@ def budget_sweep(step, budgets: Sequence[int], repeats: int = 3,
 def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, int], None] | None) -> list[SweepRow]:
     from ..runtime.vm import VM
 
-    args = step.binding.step_args(step.signature.example, copy=True, step=1)
+    args = step._step_args(step._example, copy=True, step=1)
     base = step.compilation.problem.unconstrained
     base_vm = VM(Module([base]), dialects=step.dialects)
 

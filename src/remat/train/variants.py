@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import format_bytes
 from ..plan.algorithms import Variant
 from ..plan.costmodel import static_costs
-from ..plan.portfolio import StepProblem
+from ..plan.problem import StepProblem
 from ..step.program import prepare_joint, training_forward, training_graph
 
 if TYPE_CHECKING:

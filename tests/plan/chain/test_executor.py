@@ -65,15 +65,15 @@ def test_budgets_measured_equals_predicted_and_gradients_are_bit_identical(chain
     costs = chain_costs(profiles)
     planner = ChainPlanner(stages, costs)
     full = planner.solve(10**12)
-    ref, ref_stats = remat.run(full.function, *args, dialects=("numpy",))
+    ref, ref_stats = remat.run(full.program, *args, dialects=("numpy",))
     assert ref_stats.peak_bytes == full.peak
     minimum = planner.minimum()
     seen_peaks = set()
     for frac in np.linspace(0.0, 1.0, 9):
         budget = int(minimum + frac * (full.peak - minimum))
         policy = planner.solve(budget)
-        outs, stats = remat.run(policy.function, *args, dialects=("numpy",))
-        assert stats.peak_bytes == policy.peak == predict_peak(policy.function)
+        outs, stats = remat.run(policy.program, *args, dialects=("numpy",))
+        assert stats.peak_bytes == policy.peak == predict_peak(policy.program)
         assert stats.peak_bytes <= budget
         for a, b in zip(outs, ref):
             assert np.array_equal(a, b), "gradients must be bit-identical to the no-recompute run"
@@ -106,10 +106,10 @@ def test_recomputed_random_ops_replay():
     costs = chain_costs(profiles)
     planner = ChainPlanner(stages, costs)
     lo = planner.solve(planner.minimum())
-    recomputes = sum(1 for s in lo.schedule if type(s).__name__ in ("F", "FT") and s.i == 3)
+    recomputes = sum(1 for s in lo.solution.schedule if type(s).__name__ in ("F", "FT") and s.i == 3)
     assert recomputes >= 2
-    a, _ = remat.run(lo.function, *args)
-    b, _ = remat.run(planner.solve(10**12).function, *args)
+    a, _ = remat.run(lo.program, *args)
+    b, _ = remat.run(planner.solve(10**12).program, *args)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
@@ -125,8 +125,8 @@ def test_a_stage_backward_releases_its_tape_and_upstream_gradient(monkeypatch):
         stages, profiles, args = _chain("conv")
         assert all(bool(st.split.donated) == donate for st in stages)
         policy = ChainPlanner(stages, chain_costs(profiles)).solve(10**12)
-        outs[donate], stats = remat.run(policy.function, *args, dialects=("numpy",))
-        assert stats.peak_bytes == predict_peak(policy.function)
+        outs[donate], stats = remat.run(policy.program, *args, dialects=("numpy",))
+        assert stats.peak_bytes == predict_peak(policy.program)
         peaks[donate] = stats.peak_bytes
     assert peaks[True] < peaks[False]
     assert all(np.array_equal(a, b) for a, b in zip(outs[True], outs[False]))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from remat.plan.chain.costs import BudgetTooSmall, ChainCosts
-from remat.plan.chain.schedule import B, F, FT, Free, ScheduleError, evaluate
+from remat.plan.chain.schedule import B, F, FT, Free, evaluate_chain
+from remat.plan.record import ScheduleError
 from remat.plan.chain.solvers import minimum_budget, no_recompute_peak, solve, solve_thesis
 
 
@@ -66,7 +67,7 @@ def test_solve_thesis_hand_worked_example():
     # Budget 4: C(0, 3, 3) picks k = 2 (f_1 dropped, recomputed once): 17, B = 3.
     p = solve_thesis(af, ab, bf, bb, 4)
     assert p.cost == pytest.approx(17.0) and p.peak == 4
-    assert p.info["dp_cost"] == pytest.approx(17.0) and p.info["predicted_peak"] == 4
+    assert p.stats["dp_cost"] == pytest.approx(17.0) and p.stats["predicted_peak"] == 4
     assert p.schedule == [F(1), FT(2), Free("f", 1), B(2), Free("b", 3), Free("f", 2),
                           FT(1), B(1), Free("b", 2), Free("f", 1), B(0), Free("b", 1)]
     # Budget 3: below P(0, 3) + beta_f[0] = 4.
@@ -81,11 +82,11 @@ def test_precise_plans_valid_and_match_simulator():
     for c in _chains():
         for b in _budgets(c):
             p = solve(c, b, "precise", bucket=1)
-            cost, peak = evaluate(c, p.schedule)
+            cost, peak = evaluate_chain(c, p.schedule)
             assert peak <= b and p.feasible
             assert cost == pytest.approx(p.cost) and peak == p.peak
-            assert p.peak == p.info["predicted_peak"]  # beta_f[0] + B(0, N+1, M)
-            assert p.cost == pytest.approx(p.info["dp_cost"])
+            assert p.peak == p.stats["predicted_peak"]  # beta_f[0] + B(0, N+1, M)
+            assert p.cost == pytest.approx(p.stats["dp_cost"])
 
 
 def test_cost_non_increasing_and_no_recompute_at_top():
@@ -136,7 +137,7 @@ def test_exact_mode_equals_unit_bucket_and_beats_buckets():
             one = solve(c, b, "precise", bucket=1)
             ex = solve(c, b, "precise", bucket="exact")
             assert ex.cost == pytest.approx(one.cost)
-            assert ex.peak <= b and evaluate(c, ex.schedule) == pytest.approx((ex.cost, ex.peak))
+            assert ex.peak <= b and evaluate_chain(c, ex.schedule) == pytest.approx((ex.cost, ex.peak))
             try:
                 coarse = solve(c, b, "precise", bucket=13)
             except BudgetTooSmall:
@@ -151,7 +152,7 @@ def test_precise_never_worse_than_baselines():
             pr = solve(c, b, "precise", bucket=1)
             for m in ("uniform", "sqrt", "none"):
                 base = solve(c, b, m)
-                assert evaluate(c, base.schedule) == pytest.approx((base.cost, base.peak))
+                assert evaluate_chain(c, base.schedule) == pytest.approx((base.cost, base.peak))
                 if base.feasible:
                     assert pr.cost <= base.cost + 1e-9, (m, b)
 
@@ -177,15 +178,15 @@ def test_extended_never_worse_than_precise_and_valid():
         assert c.has_extended
         for b in _budgets(c):
             ext = solve(c, b, "extended", bucket=1)
-            assert evaluate(c, ext.schedule, "extended") == pytest.approx((ext.cost, ext.peak))
-            assert ext.peak <= b and ext.peak == ext.info["predicted_peak"]
+            assert evaluate_chain(c, ext.schedule, "extended") == pytest.approx((ext.cost, ext.peak))
+            assert ext.peak <= b and ext.peak == ext.stats["predicted_peak"]
             try:
                 pr = solve(c, b, "precise", bucket=1)  # thesis model on folded costs
             except BudgetTooSmall:
                 continue
             assert ext.cost <= pr.cost + 1e-9
             # a thesis plan is valid in the extended model and never peaks higher there
-            assert evaluate(c, pr.schedule, "extended")[1] <= pr.peak
+            assert evaluate_chain(c, pr.schedule, "extended")[1] <= pr.peak
 
 
 def test_extended_equals_exhaustive_small_chains():
@@ -217,8 +218,8 @@ def test_extended_tables_answer_every_smaller_budget():
                 assert again.value.minimum == e.minimum
                 continue
             kept = solve(c, b, "extended", bucket=3, tables=tables)
-            assert (kept.schedule, kept.cost, kept.peak, kept.info) == (fresh.schedule, fresh.cost, fresh.peak,
-                                                                        fresh.info)
+            assert (kept.schedule, kept.cost, kept.peak, kept.stats) == (fresh.schedule, fresh.cost, fresh.peak,
+                                                                        fresh.stats)
         assert tables[("extended", 3)] is widest  # no smaller budget solved the DP again
 
 
@@ -226,22 +227,22 @@ def test_extended_tables_answer_every_smaller_budget():
 def test_simulator_rejects_invalid_schedules():
     c = ChainCosts.uniform(2)
     with pytest.raises(ScheduleError, match="f_1 is not live"):
-        evaluate(c, [F(2)])
+        evaluate_chain(c, [F(2)])
     with pytest.raises(ScheduleError, match="b_3 is not live"):
-        evaluate(c, [F(1), FT(2), Free("b", 3), B(2)])
+        evaluate_chain(c, [F(1), FT(2), Free("b", 3), B(2)])
     with pytest.raises(ScheduleError, match="tape"):
-        evaluate(ChainCosts.random(2, 1, extended=True), [F(1), F(2), B(2)], "extended")
+        evaluate_chain(ChainCosts.random(2, 1, extended=True), [F(1), F(2), B(2)], "extended")
     with pytest.raises(ScheduleError, match="unexpected live set"):
-        evaluate(c, [FT(1), FT(2), B(2), Free("b", 3), B(1), Free("b", 2), B(0), Free("b", 1)])
+        evaluate_chain(c, [FT(1), FT(2), B(2), Free("b", 3), B(1), Free("b", 2), B(0), Free("b", 1)])
 
 
 def test_plan_str_and_errors():
     c = ChainCosts.random(5, seed=2)
     p = solve(c, no_recompute_peak(c), "precise", bucket=1)
-    s = str(p)
+    s = p.describe()
     assert "precise" in s and "B(0)" in s and "feasible" in s
     with pytest.raises(ValueError, match="unknown method"):
         solve(c, 1e6, "magic")
     with pytest.raises(ValueError, match="budget"):
         solve(c, float("nan"))
-    assert math.isclose(p.overhead(c), 0.0, abs_tol=1e-12)  # no recomputation at the no-recompute peak
+    assert math.isclose(p.overhead, 0.0, abs_tol=1e-12)  # no recomputation at the no-recompute peak

@@ -19,7 +19,8 @@ import numpy as np
 
 from .costs import ChainCosts
 from .executor import ChainStage, make_stage
-from .planner import ChainPlanner, Policy
+from ..record import Plan
+from .planner import ChainPlanner
 from .profile import StageProfile, chain_costs, profile_stages
 from ...budget import parse_budget
 
@@ -126,7 +127,7 @@ class SequentialCheckpointer:
 
     def solve_optimal_policy(self, memory_budget, method: str = "extended", profile_comp: bool = True,
                              profile_mem: bool = True, compute_costs: dict | None = None,
-                             memory_costs: dict | None = None, bucket=None) -> Policy:
+                             memory_costs: dict | None = None, bucket=None) -> Plan:
         """Solve for the least-compute policy whose compiled program peaks within ``memory_budget``
         bytes (profiles are reused across budgets). ``method``: "extended" (default), "precise"
         (the thesis DP), or the baselines "uniform", "sqrt", "none". ``bucket``: bytes per memory
@@ -142,7 +143,7 @@ class SequentialCheckpointer:
         return self._planners[key].solve(budget, method, bucket, baseline=self.baseline_bytes())
 
     # ------------------------------------------------------------------ execute
-    def backprop_sequence(self, policy: Policy, x, upstream_grad):
+    def backprop_sequence(self, policy: Plan, x, upstream_grad):
         """Run forward and backward by the policy; accumulate parameter ``.grad``s like autograd
         and return the gradient wrt ``x``."""
         import torch
@@ -154,7 +155,7 @@ class SequentialCheckpointer:
         if tuple(x.shape) != self._shapes[0] or tuple(upstream_grad.shape) != self._shapes[1]:
             raise ValueError(f"backprop_sequence was profiled for input {list(self._shapes[0])} and upstream "
                              f"gradient {list(self._shapes[1])}, got {list(x.shape)} and {list(upstream_grad.shape)}")
-        fn = policy.function
+        fn = policy.program
         flat = [p for ps in self._detached_params() for p in ps]
         t0 = time.perf_counter()
         outs, stats = run(fn, *flat, x.detach(), upstream_grad.detach(), dialects=self.dialects)

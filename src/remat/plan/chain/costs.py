@@ -1,4 +1,7 @@
-"""Per-stage cost model of a sequential (chain) network, in the thesis's notation.
+"""Per-stage profile of a sequential (chain) network, in the thesis's notation: the data the chain
+DP plans on. It is not a second cost model: its times come from the one cost model
+(:mod:`remat.plan.costmodel`, or measured), and the chain's model of a schedule is
+:func:`.schedule.evaluate_chain`.
 
 Notation (thesis §2.4.3 / §3.1.1): a chain of N layers has forward tensors
 ``f_0 .. f_N`` (``f_0`` is the network input, ``f_i`` the output of layer i) and
@@ -61,7 +64,7 @@ def _as_array(name: str, values, length: int, integer: bool) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class ChainCosts:
-    """Validated per-layer compute (time) and memory (bytes) costs of a chain.
+    """A chain's profile: validated per-layer compute (time) and memory (bytes) of each stage.
 
     ``alpha_f``/``beta_f`` have N+1 entries (f_0..f_N); ``alpha_b``/``beta_b`` have
     N+2 entries (b_0..b_{N+1}).  Byte arrays must hold whole numbers.  The

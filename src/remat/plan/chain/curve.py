@@ -53,7 +53,7 @@ def tradeoff_curve(
         try:
             p = solve(costs, b, m, bucket=bucket)
             rows.append(dict(method=m, budget=b, cost=p.cost, overhead=p.cost / base, peak=p.peak,
-                             feasible=p.feasible, solve_time_s=p.solve_time_s, bucket=bucket))
+                             feasible=p.feasible, solve_time_s=p.seconds, bucket=bucket))
         except BudgetTooSmall:
             rows.append(dict(method=m, budget=b, cost=math.nan, overhead=math.nan, peak=math.nan,
                              feasible=False, solve_time_s=math.nan, bucket=bucket))

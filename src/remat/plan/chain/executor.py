@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
 from ..partition import Split, donating, split_joint
-from .schedule import B, F, FT, Free, Step
+from .schedule import B, F, FT, ChainStep, Free
 
 
 @dataclass
@@ -182,7 +182,7 @@ FREE_UNREAD_OUTPUTS = True
 On with ``remat.plan.inner.INNER_PLANS``; a switch for comparing plans with and without it."""
 
 
-def _free_unread_output(b: Builder, f_slot: dict[int, list[Value]], i: int, schedule: list[Step], pos: int,
+def _free_unread_output(b: Builder, f_slot: dict[int, list[Value]], i: int, schedule: list[ChainStep], pos: int,
                         needed: set[Value]) -> None:
     """Before ``B(i)`` at ``schedule[pos]``: free ``f_i``'s output when nothing reads it any more (not
     the backward, another slot, the caller or the program's results) and the schedule's next use of
@@ -201,7 +201,7 @@ def _free_unread_output(b: Builder, f_slot: dict[int, list[Value]], i: int, sche
     f_slot[i] = [v for v in f_slot[i] if v is not y]
 
 
-def compile_schedule(stages: list[ChainStage], schedule: list[Step], name: str = "chain_step",
+def compile_schedule(stages: list[ChainStage], schedule: list[ChainStep], name: str = "chain_step",
                      upstream_is_param: bool = True, return_output: bool = False,
                      binding: Binding | None = None, check: bool = True) -> Module:
     """Build the program executing ``schedule`` (verified unless ``check`` is false: a planner probing

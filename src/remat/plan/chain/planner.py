@@ -6,41 +6,13 @@ largest one whose compiled program's exact predicted peak fits the budget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ...errors import BudgetTooSmall, format_bytes
+from ...errors import BudgetTooSmall
 from ...ir import Module
+from ..record import Plan, Solution
 from .costs import ChainCosts
 from .executor import ChainStage, compile_schedule
-from .schedule import Plan
 
 EXACT_METHODS = ("precise", "extended")
-
-
-@dataclass
-class Policy:
-    """A solved plan compiled into a program. ``peak`` is the program's exact predicted peak (bytes)."""
-
-    plan: Plan
-    program: Module
-    peak: int
-    budget: int
-
-    @property
-    def cost(self) -> float:
-        return self.plan.cost
-
-    @property
-    def schedule(self):
-        return self.plan.schedule
-
-    @property
-    def function(self):
-        return next(iter(self.program))
-
-    def __str__(self) -> str:
-        return (f"Policy[{self.plan.method}] budget {format_bytes(self.budget)}, predicted peak "
-                f"{format_bytes(self.peak)} ({self.peak} B), compute cost {self.plan.cost:.4g}\n{self.plan}")
 
 
 class ChainPlanner:
@@ -61,12 +33,13 @@ class ChainPlanner:
         self.what = what or f"this {len(stages)}-stage chain"
         self._compiled: dict = {}
 
-    def compile(self, plan: Plan, budget: int) -> Policy:
+    def compile(self, solution: Solution, budget: int) -> Plan:
+        """``solution`` compiled into a program (once per schedule), with the program's exact peak."""
         from ..simulator import predict_peak
 
-        key = tuple(plan.schedule)
+        key = tuple(solution.schedule)
         if key not in self._compiled:
-            prog = compile_schedule(self.stages, list(plan.schedule), name=self.name,
+            prog = compile_schedule(self.stages, list(solution.schedule), name=self.name,
                                     upstream_is_param=self.upstream_is_param, return_output=self.return_output,
                                     binding=self.binding, check=self.finish is None)
             if self.finish is not None:
@@ -74,29 +47,31 @@ class ChainPlanner:
             fn = next(iter(prog))
             self._compiled[key] = (prog, (self.peak_fn or predict_peak)(fn))
         prog, peak = self._compiled[key]
-        return Policy(plan, prog, peak, budget)
+        kind = "DP" if solution.solver in EXACT_METHODS else "baseline"
+        return Plan(f"chain {kind} ({solution.solver})", list(solution.notes), next(iter(prog)), solution.overhead or 0.0,
+                    solution, peak, budget, solution.seconds)
 
     def default_bucket(self) -> int:
         from .solvers import no_recompute_peak
 
         return max(1, int(no_recompute_peak(self.costs, "extended")) // 4000)
 
-    def solve(self, budget: int, method: str = "extended", bucket=None, baseline: int = 0) -> Policy:
-        """The least-compute policy whose program peaks within ``budget`` bytes, or BudgetTooSmall
+    def solve(self, budget: int, method: str = "extended", bucket=None, baseline: int = 0) -> Plan:
+        """The least-compute plan whose program peaks within ``budget`` bytes, or BudgetTooSmall
         with the minimum. Baselines ("uniform", "sqrt", "none") get ``budget - baseline`` once."""
         from .solvers import minimum_budget, no_recompute_peak, solve
 
         bucket = self.default_bucket() if bucket is None else bucket
         what = f"{self.what} ({method})"
         if method not in EXACT_METHODS:
-            policy = self.compile(solve(self.costs, max(budget - baseline, 0), method=method, bucket=bucket), budget)
-            if policy.peak > budget:
-                raise BudgetTooSmall(budget, policy.peak, f"{what}, whose plan ignores the budget")
-            return policy
+            plan = self.compile(solve(self.costs, max(budget - baseline, 0), method=method, bucket=bucket), budget)
+            if plan.peak > budget:
+                raise BudgetTooSmall(budget, plan.peak, f"{what}, whose plan ignores the budget")
+            return plan
 
         tables: dict = {}  # the DP's tables, solved once at the widest budget and read at every probe
 
-        def attempt(m: int) -> Policy:
+        def attempt(m: int) -> Plan:
             return self.compile(solve(self.costs, m, method=method, bucket=bucket, tables=tables), budget)
 
         lo = minimum_budget(self.costs, bucket=bucket, method=method)
@@ -114,12 +89,12 @@ class ChainPlanner:
             mid = (lo + hi) // 2
             p = attempt(mid)
             if p.peak <= budget:
-                lo, best = mid, (p if p.plan.cost <= best.plan.cost else best)
+                lo, best = mid, (p if p.solution.cost <= best.solution.cost else best)
             else:
                 hi = mid
         return best
 
-    def _search_levels(self, budget: int, lo: int, hi: int, bucket: int, tables: dict, best: Policy) -> Policy:
+    def _search_levels(self, budget: int, lo: int, hi: int, bucket: int, tables: dict, best: Plan) -> Plan:
         """The cheapest of the DP's distinct plans between ``lo`` (fits) and ``hi`` (does not) whose
         program fits ``budget``, compiling few of them: the program adds a nearly constant number of
         bytes to the model's peak, so the last probe's excess predicts which plan fits; that guess and
@@ -128,9 +103,9 @@ class ChainPlanner:
         from .solvers import extended_levels, solve
 
         levels = extended_levels(self.costs, lo, hi, bucket, tables)
-        plans: dict[int, Policy] = {}
+        plans: dict[int, Plan] = {}
 
-        def probe(k: int) -> Policy:
+        def probe(k: int) -> Plan:
             if k not in plans:
                 plans[k] = self.compile(solve(self.costs, levels[k][0], method="extended", bucket=bucket,
                                               tables=tables), budget)
@@ -142,14 +117,14 @@ class ChainPlanner:
         while b - a > 1:
             if guesses:
                 guesses -= 1
-                excess = last.peak - last.plan.info["predicted_peak"]  # bytes the program adds to the model
+                excess = last.peak - last.solution.stats["predicted_peak"]  # bytes the program adds to the model
                 k = max((j for j in range(a + 1, b) if levels[j][1] + excess <= budget), default=a + 1)
             else:
                 k = (a + b) // 2
             last = probe(k)
             if last.peak <= budget:
                 a = k
-                best = last if last.plan.cost <= best.plan.cost else best
+                best = last if last.solution.cost <= best.solution.cost else best
             else:
                 b = k
         return best

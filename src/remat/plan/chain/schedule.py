@@ -1,10 +1,10 @@
-"""Chain schedules (plans), their steps, and the chain cost model that evaluates them.
+"""Chain schedules, their steps, and the chain's model of memory and time that evaluates them.
 
-:func:`evaluate` is the DP's model of a chain schedule; the simulator of record for the
+:func:`evaluate_chain` is the DP's model of a chain schedule; the simulator of record for the
 compiled program is :func:`remat.plan.simulator.simulate`, which the planner checks every
 plan against.
 
-Memory model replayed by :func:`evaluate` (bytes; this is what an executor with
+Memory model replayed by :func:`evaluate_chain` (bytes; this is what an executor with
 exact byte accounting must reproduce).  Initially live: ``f_0`` (with its tape)
 and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
 
@@ -29,18 +29,15 @@ coincide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Literal, Union
 
 import numpy as np
 
+from ..record import ScheduleError, Solution
 from .costs import ChainCosts
 
-__all__ = ["F", "FT", "B", "Free", "Step", "Plan", "evaluate", "ScheduleError", "format_schedule"]
-
-
-class ScheduleError(ValueError):
-    """A schedule is invalid under the memory model (missing input, leak, ...)."""
+__all__ = ["F", "FT", "B", "Free", "ChainStep", "evaluate_chain", "n_recomputed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,70 +81,17 @@ class Free:
         return f"Free({self.kind}{self.i})"
 
 
-Step = Union[F, FT, B, Free]
+ChainStep = Union[F, FT, B, Free]
 
 
-def format_schedule(schedule: Iterable[Step], width: int = 100) -> str:
-    """Wrap a schedule's steps into lines of at most ``width`` characters."""
-    lines: list[str] = []
-    cur = ""
-    for s in schedule:
-        tok = str(s)
-        if cur and len(cur) + 1 + len(tok) > width:
-            lines.append(cur)
-            cur = tok
-        else:
-            cur = f"{cur} {tok}" if cur else tok
-    if cur:
-        lines.append(cur)
-    return "\n".join(lines)
+def n_recomputed(solution: Solution, costs: ChainCosts) -> int:
+    """Forward evaluations of a chain solution beyond one per layer."""
+    return sum(isinstance(s, (F, FT)) for s in solution.schedule) - costs.n
 
 
-@dataclass
-class Plan:
-    """Result of a chain solver.
-
-    ``cost``: total compute (sum of the alpha's of the executed steps, the given
-    f_0 / b_{N+1} not charged).  ``peak``: peak bytes of the schedule under
-    ``model`` (equal to :func:`evaluate`'s).  ``feasible``: ``peak <= budget``
-    (baselines such as ``sqrt``/``uniform`` ignore or mis-model the budget and
-    may be infeasible).
-    """
-
-    method: str
-    budget: float
-    cost: float
-    peak: int
-    schedule: list[Step]
-    model: Literal["thesis", "extended"] = "thesis"
-    bucket: int | str | None = None
-    solve_time_s: float = 0.0
-    info: dict = field(default_factory=dict)
-
-    @property
-    def feasible(self) -> bool:
-        return self.peak <= self.budget
-
-    def overhead(self, costs: ChainCosts) -> float:
-        """Recomputation overhead as a fraction of the no-recompute cost (0.1 = +10%; 0 = none),
-        the one meaning of "overhead" in every plan and report of remat."""
-        return self.cost / costs.no_recompute_cost() - 1.0
-
-    def n_recomputed(self, costs: ChainCosts) -> int:
-        """Number of forward evaluations beyond one per layer."""
-        return sum(isinstance(s, (F, FT)) for s in self.schedule) - costs.n
-
-    def __str__(self) -> str:
-        head = (f"Plan[{self.method}] budget={self.budget:,.0f} B  peak={self.peak:,} B  "
-                f"cost={self.cost:.6g}  {'feasible' if self.feasible else 'INFEASIBLE'}  "
-                f"model={self.model} bucket={self.bucket} steps={len(self.schedule)} "
-                f"solve={self.solve_time_s * 1e3:.1f} ms")
-        return head + "\n" + format_schedule(self.schedule)
-
-
-def evaluate(
+def evaluate_chain(
     costs: ChainCosts,
-    schedule: Iterable[Step],
+    schedule: Iterable[ChainStep],
     model: Literal["thesis", "extended"] = "thesis",
     *,
     strict: bool = True,

@@ -35,7 +35,7 @@ the folded measurements (and equal when there are no tapes / overheads).
 
 Bucketing (``bucket`` = bytes per memory unit): every size is rounded *up* to
 whole units and the budget *down*, so plans are always valid in exact bytes
-(``Plan.peak`` is the simulated exact peak); the price is a possibly higher
+(``Solution.peak`` is the simulated exact peak); the price is a possibly higher
 cost (thesis §4.2).  ``bucket="exact"`` runs the frontier DP of
 :mod:`._pareto` in exact bytes (no bucketing loss); ``bucket=None`` picks a
 bucket giving about ``DEFAULT_UNITS`` units.
@@ -53,7 +53,8 @@ import numpy as np
 from . import _kernels as K
 from ._pareto import pareto_dp
 from .costs import BudgetTooSmall, ChainCosts
-from .schedule import B, F, FT, Free, Plan, Step, evaluate
+from ..record import Solution
+from .schedule import B, F, FT, ChainStep, Free, evaluate_chain
 
 __all__ = [
     "solve", "solve_thesis", "minimum_budget", "no_recompute_peak", "METHODS",
@@ -71,7 +72,7 @@ _QUAD: Tree = ("quad",)
 
 
 # ---------------------------------------------------------------- emission
-def _emit_forwards(i: int, k: int, keep_tape: bool, out: list[Step]) -> None:
+def _emit_forwards(i: int, k: int, keep_tape: bool, out: list[ChainStep]) -> None:
     """Forwards f_{i+1}..f_k in place: each intermediate is freed once the next exists."""
     for l in range(i + 1, k + 1):
         out.append(FT(l) if (l == k and keep_tape) else F(l))
@@ -79,7 +80,7 @@ def _emit_forwards(i: int, k: int, keep_tape: bool, out: list[Step]) -> None:
             out.append(Free("f", l - 1))
 
 
-def _emit(tree: Tree, t: int, i: int, j: int, out: list[Step]) -> None:
+def _emit(tree: Tree, t: int, i: int, j: int, out: list[ChainStep]) -> None:
     """Append the steps of strategy ``tree`` for family-``t`` sub-problem (i, j)."""
     kind = tree[0]
     if kind == "leaf":
@@ -106,9 +107,9 @@ def _emit(tree: Tree, t: int, i: int, j: int, out: list[Step]) -> None:
     _emit(left, t, i, k if s == 1 else k + 1, out)
 
 
-def tree_to_schedule(tree: Tree, n: int) -> list[Step]:
+def tree_to_schedule(tree: Tree, n: int) -> list[ChainStep]:
     """Schedule of a strategy tree for the whole chain (0, N+1), family 1."""
-    out: list[Step] = []
+    out: list[ChainStep] = []
     lim = sys.getrecursionlimit()
     if lim < 4 * n + 100:
         sys.setrecursionlimit(4 * n + 100)
@@ -140,7 +141,7 @@ def _check_budget(budget: float) -> None:
 def no_recompute_peak(costs: ChainCosts, model: Literal["thesis", "extended"] = "thesis") -> int:
     """Peak bytes of the store-everything schedule (eq. 2.19 plus the forward phase)."""
     n = costs.n
-    return evaluate(costs, tree_to_schedule(_store_all(0, n + 1), n), model)[1]
+    return evaluate_chain(costs, tree_to_schedule(_store_all(0, n + 1), n), model)[1]
 
 
 def _thesis_units(costs: ChainCosts, bucket: int):
@@ -169,17 +170,17 @@ def minimum_budget(costs: ChainCosts, bucket: int | str = 1,
 
 
 def _finish(method: str, costs: ChainCosts, budget: float, tree_or_sched, model: str,
-            bucket, t0: float, info: dict, expect_cost: float | None = None) -> Plan:
+            bucket, t0: float, stats: dict, expect_cost: float | None = None) -> Solution:
     sched = tree_or_sched if isinstance(tree_or_sched, list) else tree_to_schedule(tree_or_sched, costs.n)
-    cost, peak = evaluate(costs, sched, model)  # exact bytes, validates the schedule
+    cost, peak = evaluate_chain(costs, sched, model)  # exact bytes, validates the schedule
     if expect_cost is not None and not math.isclose(cost, expect_cost, rel_tol=1e-9, abs_tol=1e-9):
         raise AssertionError(f"{method}: DP cost {expect_cost} != simulated {cost}")
-    return Plan(method=method, budget=float(budget), cost=cost, peak=int(peak), schedule=sched,
-                model=model, bucket=bucket, solve_time_s=time.perf_counter() - t0, info=info)
+    return Solution(method, sched, cost, int(peak), budget=int(budget), seconds=time.perf_counter() - t0,
+                    base_cost=costs.no_recompute_cost(), stats=stats, model=model, bucket=bucket)
 
 
 # ---------------------------------------------------------------- precise
-def _solve_precise(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan:
+def _solve_precise(costs: ChainCosts, budget: float, bucket, t0: float) -> Solution:
     n = costs.n
     if bucket == "exact":
         return _solve_exact(costs, budget, t0)
@@ -211,14 +212,14 @@ def _solve_precise(costs: ChainCosts, budget: float, bucket, t0: float) -> Plan:
     if sys.getrecursionlimit() < 4 * n + 100:
         sys.setrecursionlimit(4 * n + 100)
     p0 = pid[0, n + 1]
-    info = {"units": M, "bucket_bytes": u, "dp_cost": float(C[p0, M]),
+    stats = {"units": M, "bucket_bytes": u, "dp_cost": float(C[p0, M]),
             "predicted_peak": u * int(bf[0] + Bt[p0, M]), "minimum_budget": u * need,
             "no_recompute_peak_units": int(bf[0] + NR[0, n + 1])}
-    return _finish("precise", costs, budget, tree(0, n + 1, M), "thesis", u, t0, info,
+    return _finish("precise", costs, budget, tree(0, n + 1, M), "thesis", u, t0, stats,
                    expect_cost=float(C[p0, M]))
 
 
-def _solve_exact(costs: ChainCosts, budget: float, t0: float) -> Plan:
+def _solve_exact(costs: ChainCosts, budget: float, t0: float) -> Solution:
     n = costs.n
     c = costs.folded()
     bf, bb = c.beta_f, c.beta_b
@@ -249,14 +250,14 @@ def _solve_exact(costs: ChainCosts, budget: float, t0: float) -> Plan:
     if sys.getrecursionlimit() < 4 * n + 100:
         sys.setrecursionlimit(4 * n + 100)
     e0 = lookup(0, n + 1, mcap)
-    info = {"dp_cost": float(gc[e0]), "predicted_peak": int(bf[0] + gp[e0]), "minimum_budget": need,
+    stats = {"dp_cost": float(gc[e0]), "predicted_peak": int(bf[0] + gp[e0]), "minimum_budget": need,
             "frontier_points": int(length.sum()), "top_frontier": int(length[pid[0, n + 1]])}
-    return _finish("precise", costs, budget, tree(0, n + 1, mcap), "thesis", "exact", t0, info,
+    return _finish("precise", costs, budget, tree(0, n + 1, mcap), "thesis", "exact", t0, stats,
                    expect_cost=float(gc[e0]))
 
 
 def solve_thesis(alpha_f: Sequence[float], alpha_b: Sequence[float], beta_f: Sequence[int],
-                 beta_b: Sequence[int], budget: float, bucket: int | str = 1) -> Plan:
+                 beta_b: Sequence[int], budget: float, bucket: int | str = 1) -> Solution:
     """The thesis's solver in its own notation (Alg. 3.4).
 
     ``alpha_f``/``beta_f`` over f_0..f_N, ``alpha_b``/``beta_b`` over b_0..b_{N+1},
@@ -278,7 +279,7 @@ def _ext_units(costs: ChainCosts, u: int):
     return fo, ft, fx, bb, bx
 
 
-def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables: dict | None = None) -> Plan:
+def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables: dict | None = None) -> Solution:
     n = costs.n
     u = 1 if bucket == "exact" else int(bucket)
     fo, ft, fx, bb, bx = _ext_units(costs, u)
@@ -315,9 +316,9 @@ def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables:
     if sys.getrecursionlimit() < 4 * n + 100:
         sys.setrecursionlimit(4 * n + 100)
     p0 = pid[0, n + 1]
-    info = {"units": M, "bucket_bytes": u, "dp_cost": float(C[1, p0, M]),
+    stats = {"units": M, "bucket_bytes": u, "dp_cost": float(C[1, p0, M]),
             "predicted_peak": u * int(ft[0] + Bt[1, p0, M]), "minimum_budget": u * need}
-    return _finish("extended", costs, budget, tree(1, 0, n + 1, M), "extended", u, t0, info,
+    return _finish("extended", costs, budget, tree(1, 0, n + 1, M), "extended", u, t0, stats,
                    expect_cost=float(C[1, p0, M]))
 
 
@@ -342,7 +343,7 @@ def extended_levels(costs: ChainCosts, lo: int, hi: int, bucket: int, tables: di
 
 
 # ---------------------------------------------------------------- baselines
-def _solve_uniform(costs: ChainCosts, budget: float, t0: float) -> Plan:
+def _solve_uniform(costs: ChainCosts, budget: float, t0: float) -> Solution:
     """Gruslys et al. (Alg. 2.1) on averaged costs, evaluated under precise costs.
 
     Memory slots: one slot per average forward tensor after reserving ``f_0`` and
@@ -370,12 +371,12 @@ def _solve_uniform(costs: ChainCosts, budget: float, t0: float) -> Plan:
         k = i + y
         return ("split", k, 1, tree(k, j, m - 1), tree(i, k, m))
 
-    info = {"slots": slots, "predicted_forwards": float(Cg[t_max, slots]),
+    stats = {"slots": slots, "predicted_forwards": float(Cg[t_max, slots]),
             "slot_bytes": mf}
-    return _finish("uniform", costs, budget, tree(0, n + 1, slots), "thesis", None, t0, info)
+    return _finish("uniform", costs, budget, tree(0, n + 1, slots), "thesis", None, t0, stats)
 
 
-def _solve_sqrt(costs: ChainCosts, budget: float, t0: float) -> Plan:
+def _solve_sqrt(costs: ChainCosts, budget: float, t0: float) -> Solution:
     """Chen et al.'s sqrt(N) segments: checkpoint every L-th forward, L = ceil(sqrt(N+1)),
     and backprop each segment with everything stored (one recomputation)."""
     n = costs.n
@@ -391,7 +392,7 @@ def _solve_sqrt(costs: ChainCosts, budget: float, t0: float) -> Plan:
     return _finish("sqrt", costs, budget, tree(0, 0), "thesis", None, t0, {"segment": L})
 
 
-def _solve_none(costs: ChainCosts, budget: float, t0: float) -> Plan:
+def _solve_none(costs: ChainCosts, budget: float, t0: float) -> Solution:
     return _finish("none", costs, budget, _store_all(0, costs.n + 1), "thesis", None, t0, {})
 
 
@@ -417,7 +418,7 @@ def _enum_trees(t: int, i: int, j: int, model: str, memo: dict) -> list[Tree]:
 
 
 def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
-                      model: Literal["thesis", "extended"] = "thesis") -> Plan:
+                      model: Literal["thesis", "extended"] = "thesis") -> Solution:
     """Brute force: evaluate every strategy of the model (checkpoint trees, plus the
     quadratic strategy in the thesis model) and keep the cheapest within budget.
     Independent of the DP's formulas (uses only the simulator).  N <= 7."""
@@ -429,7 +430,7 @@ def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
     min_peak = None
     for tr in trees:
         sched = tree_to_schedule(tr, n)
-        cost, peak = evaluate(costs, sched, model)
+        cost, peak = evaluate_chain(costs, sched, model)
         min_peak = peak if min_peak is None else min(min_peak, peak)
         if peak <= budget and (best is None or cost < best[0] - 1e-12):
             best = (cost, peak, sched)
@@ -441,7 +442,7 @@ def _solve_exhaustive(costs: ChainCosts, budget: float, t0: float,
 
 # ---------------------------------------------------------------- entry point
 def solve(costs: ChainCosts, budget: float, method: str = "precise",
-          bucket: int | str | None = None, tables: dict | None = None) -> Plan:
+          bucket: int | str | None = None, tables: dict | None = None) -> Solution:
     """Solve for a checkpointing plan of ``costs`` within ``budget`` bytes.
 
     ``method``: ``precise`` | ``extended`` | ``uniform`` | ``sqrt`` | ``none`` |
