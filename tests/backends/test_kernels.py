@@ -13,8 +13,10 @@ import torch
 from remat import backends
 from remat.backends import torch_kernels as tk
 from remat.ir import OPS, Builder, DType, Function, TensorType
+from remat.ir.ops.optim import HYPER
 from remat.ir.reuse import reuses_operand
 from remat.runtime.memory import storage_of
+from remat.step.optim import hyper_values, updates_from_torch
 
 KERNEL_OPS = sorted(n for n, o in OPS.items() if not o.has("control"))
 SAMPLED = [n for n in KERNEL_OPS if OPS[n].sample is not None]
@@ -31,8 +33,11 @@ def build(name: str, args: list[np.ndarray], attrs: dict):
     return ins, attrs
 
 
-def cast_sample(args, dt: DType):
-    return [a.astype(dt.numpy) if a.dtype.kind == "f" else a.copy() for a in args]
+def cast_sample(args, dt: DType, name: str = ""):
+    """The sample's float arguments in ``dt``, but for operands whose dtype the op fixes (an
+    optimizer update's f64 hyperparameters)."""
+    fixed = {len(args) - 1} if name in HYPER else set()
+    return [a.astype(dt.numpy) if a.dtype.kind == "f" and k not in fixed else a.copy() for k, a in enumerate(args)]
 
 
 def run_kernel(ins, attrs, args, dialect):
@@ -96,7 +101,7 @@ def test_control_ops_have_no_kernels():
 def test_numpy_and_torch_agree(name, dt):
     rng = np.random.default_rng(sum(map(ord, name)))
     for si, s in enumerate(OPS[name].sample(rng)):
-        args = cast_sample(s.args, dt)
+        args = cast_sample(s.args, dt, name)
         ins, attrs = build(name, args, s.attrs)
         ops_np, out_np = run_kernel(ins, attrs, args, "numpy")
         check_contract(ins, ops_np, out_np, "numpy")
@@ -149,7 +154,7 @@ def test_bound_kernel_is_the_kernel(name, dialect):
     honouring the same contract, on every sample (every layout the samples hold)."""
     rng = np.random.default_rng(sum(map(ord, name)))
     for si, s in enumerate(OPS[name].sample(rng)):
-        args = cast_sample(s.args, DType.f32)
+        args = cast_sample(s.args, DType.f32, name)
         ins, attrs = build(name, args, s.attrs)
         impl = next((i for i in backends.dialects()[dialect].kernels[name] if i.accepts(ins)), None)
         if impl is None or not hasattr(impl.fn, "bind"):
@@ -173,7 +178,7 @@ def test_low_precision_matches_f32_reference(name, dt):
     for s in OPS[name].sample(rng):
         if not any(a.dtype.kind == "f" for a in s.args):
             continue
-        lo = cast_sample(s.args, dt)
+        lo = cast_sample(s.args, dt, name)
         ins, attrs = build(name, lo, s.attrs)
         ops, outs = run_kernel(ins, attrs, lo, "numpy")
         check_contract(ins, ops, outs, "numpy")
@@ -233,8 +238,9 @@ def test_sgd_step_matches_torch_optim(nesterov, maximize, step):
         opt.state[tp]["momentum_buffer"] = torch.tensor(buf)
     tp.grad = torch.tensor(g)
     opt.step()
-    args = [p, g, buf, np.array(step, dtype=np.int64)]
-    ins, attrs = build("sgd_step", args, hp)
+    (u,) = updates_from_torch(opt, [tp])  # the op's operands and attributes from torch's param group
+    args = [p, g, buf, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0])]
+    ins, attrs = build("sgd_step", args, u.attrs)
     for d in ("numpy", "torch"):
         _, (np_, nbuf) = run_kernel(ins, attrs, args, d)
         np.testing.assert_allclose(as_f64(np_), tp.detach().numpy(), rtol=1e-12, atol=1e-12)
@@ -257,9 +263,9 @@ def test_adam_step_matches_torch_optim(decoupled, step):
         m0, v0 = np.zeros_like(m), np.zeros_like(v)
     tp.grad = torch.tensor(g)
     opt.step()
-    args = [p, g, m0, v0, np.array(step, dtype=np.int64)]
-    attrs = {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1, "decoupled": decoupled}
-    ins, attrs = build("adam_step", args, attrs)
+    (u,) = updates_from_torch(opt, [tp])
+    args = [p, g, m0, v0, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0])]
+    ins, attrs = build("adam_step", args, u.attrs)
     for d in ("numpy", "torch"):
         _, (np_, nm, nv) = run_kernel(ins, attrs, args, d)
         np.testing.assert_allclose(as_f64(np_), tp.detach().numpy(), rtol=1e-10, atol=1e-12)
@@ -275,6 +281,14 @@ def _aten_ops(fn) -> set[str]:
     return {e.name for e in prof.events()}
 
 
+def _hyper(op: str, hp: dict) -> tuple[torch.Tensor, dict]:
+    """The update op's ``hyper`` operand and its attributes, from keyword hyperparameters."""
+    from remat.ir.ops.optim import HYPER
+
+    return (torch.tensor([hp[k] for k in HYPER[op]], dtype=torch.float64),
+            {k: v for k, v in hp.items() if k not in HYPER[op]})
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("step", [1, 3])
 @pytest.mark.parametrize("variant", ["plain", "decay", "nesterov", "maximize", "dampening"])
@@ -288,7 +302,8 @@ def test_fused_sgd_kernel_is_the_single_tensor_update(dt, step, variant):
     p, grad, buf = (torch.randn(1031, generator=g, dtype=dt) for _ in range(3))
     fused, single = (p.clone(), buf.clone()), (p.clone(), buf.clone())
     s = torch.tensor(step)
-    assert "aten::_fused_sgd_" in _aten_ops(lambda: tk.sgd_step(fused[0], grad, fused[1], s, **hp))
+    hyper, flags = _hyper("sgd_step", hp)
+    assert "aten::_fused_sgd_" in _aten_ops(lambda: tk.sgd_step(fused[0], grad, fused[1], s, hyper, **flags))
     assert "aten::_fused_sgd_" not in _aten_ops(lambda: tk.sgd_single(single[0], grad, single[1], s, **hp))
     eps = torch.finfo(dt).eps
     for a, b in zip(fused, single):
@@ -296,7 +311,7 @@ def test_fused_sgd_kernel_is_the_single_tensor_update(dt, step, variant):
     half = p.to(torch.bfloat16)  # no fused path in low precision: the single-tensor update, exactly
     h1, h2, gh, bh = half.clone(), half.clone(), grad.to(torch.bfloat16), buf.to(torch.bfloat16)
     b1, b2 = bh.clone(), bh.clone()
-    tk.sgd_step(h1, gh, b1, s, **hp)
+    tk.sgd_step(h1, gh, b1, s, hyper, **flags)
     tk.sgd_single(h2, gh, b2, s, **hp)
     assert torch.equal(h1, h2) and torch.equal(b1, b2)
 
@@ -314,7 +329,8 @@ def test_fused_adam_kernel_is_the_single_tensor_update(dt, step, decoupled, weig
     fused, single = (p.clone(), m.clone(), v.clone()), (p.clone(), m.clone(), v.clone())
     s = torch.tensor(step)
     name = "aten::_fused_adamw_" if decoupled else "aten::_fused_adam_"
-    assert name in _aten_ops(lambda: tk.adam_step(*fused[:1], grad, *fused[1:], s, **hp))
+    hyper, flags = _hyper("adam_step", hp)
+    assert name in _aten_ops(lambda: tk.adam_step(*fused[:1], grad, *fused[1:], s, hyper, **flags))
     tk.adam_single(*single[:1], grad, *single[1:], s, **hp)
     assert int(s) == step  # the step count is read, not advanced
     eps = torch.finfo(dt).eps
@@ -393,7 +409,7 @@ def test_inplace_kernels_give_the_out_of_place_bits(name, dt):
     rng = np.random.default_rng(sum(map(ord, name)) + 1)
     tried = 0
     for si, s in enumerate(OPS[name].sample(rng)):
-        args = cast_sample(s.args, dt)
+        args = cast_sample(s.args, dt, name)
         ins, attrs = build(name, args, s.attrs)
         for dialect in ("numpy", "torch", "numba"):
             try:

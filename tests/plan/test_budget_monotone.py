@@ -115,7 +115,7 @@ def test_near_the_floor_the_milp_searches_the_greedys_neighbourhood_and_the_plan
     notes = "\n".join(c.notes)
     assert "MILP on its neighbourhood" in notes and f"won: {c.solver}" in notes
     assert any(f"status {s}" in notes for s in ("optimal", "time_limit", "infeasible")), notes
-    args = step._step_args(step._example, copy=True, step=1)
+    args = step.binding.step_args(step.signature.example, copy=True, step=1)
 
     def run(program):
         return VM(Module([program]), dialects=step.dialects).run(program.name, *[a.clone() for a in args])

@@ -116,7 +116,7 @@ def test_chain_planner_differentiates_the_forward_the_unconstrained_step_does():
     assert "broadcast" not in _ops(chain.program)  # no repeated key/value heads
 
     def run(fn):
-        args = step._step_args(tuple(inputs.values()), copy=True, step=1)
+        args = step.binding.step_args(tuple(inputs.values()), copy=True, step=1)
         return VM(Module([fn.clone()])).run(fn.name, *args, outputs="torch")[0]
     free, chained = run(step.compilation.problem.unconstrained), run(chain.program)
     assert len(free) == len(chained)

@@ -126,20 +126,20 @@ def test_dropout_is_replayed_when_recomputed_under_a_budget():
     assert not torch.equal(base(*inputs), l0)
 
 
-def test_changed_learning_rate_is_refused_without_side_effects(mlp_step):
-    """The learning rate is compiled into the update ops: a schedule that changes it must be
-    reported, not silently ignored, and the refused step must not touch the model."""
+@pytest.mark.parametrize("change", ["amsgrad", "moved-parameter"])
+def test_a_changed_form_of_update_is_refused_without_side_effects(mlp_step, change):
+    """What shapes the compiled update (amsgrad here, a parameter's param group) cannot change
+    after compile: the step says so and leaves the model and optimizer untouched."""
     model, (x, y), opt, step = mlp_step
-    lr = opt.param_groups[0]["lr"]
-    opt.param_groups[0]["lr"] = lr / 10
-    try:
-        before = snapshot(model, opt)
-        with pytest.raises(RuntimeError, match="learning rate"):
-            step(x, y)
-        assert_snapshot_equal(snapshot(model, opt), before)
-    finally:
-        opt.param_groups[0]["lr"] = lr
-    step(x, y)
+    if change == "amsgrad":
+        opt.param_groups[0]["amsgrad"] = True
+    else:
+        first = opt.param_groups[0]["params"].pop(0)
+        opt.add_param_group({"params": [first]})
+    before = snapshot(model, opt)
+    with pytest.raises(RuntimeError, match="compile the step again"):
+        step(x, y)
+    assert_snapshot_equal(snapshot(model, opt), before)
 
 
 # ---------------------------------------------------------------- bad indices: an error, and nothing changes

@@ -788,11 +788,13 @@ def _write(dst: np.ndarray, value: np.ndarray) -> None:
 
 
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
+def sgd_step(param, grad, buf, step, hyper, *, nesterov, maximize):
     """torch.optim.SGD's single-tensor update; param and buf are updated in place and returned.
 
     ``step`` is 1-based; at step 1 the momentum buffer is initialised to the first update direction.
+    ``hyper``: [lr, momentum, dampening, weight_decay].
     """
+    lr, momentum, dampening, weight_decay = np.asarray(hyper).tolist()
     p, g = _up(param), _up(grad)
     d = -g if maximize else g
     if weight_decay != 0:
@@ -807,8 +809,10 @@ def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, n
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
-    """torch.optim.Adam (AdamW when ``decoupled``), single-tensor form; updates param, m, v in place."""
+def adam_step(param, grad, m, v, step, hyper, *, decoupled, maximize):
+    """torch.optim.Adam (AdamW when ``decoupled``), single-tensor form; updates param, m, v in place.
+    ``hyper``: [lr, beta1, beta2, eps, weight_decay]."""
+    lr, beta1, beta2, eps, weight_decay = np.asarray(hyper).tolist()
     p, g = _up(param), _up(grad)
     if maximize:
         g = -g

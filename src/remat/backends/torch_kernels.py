@@ -746,9 +746,11 @@ def sgd_single(param, grad, buf, step, *, lr, momentum, dampening, weight_decay,
 
 
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, *, lr, momentum, dampening, weight_decay, nesterov, maximize):
-    """torch.optim.SGD's update, in place on param and buf (step is 1-based): with momentum ATen's
-    fused kernel, else (or in another dtype) :func:`sgd_single`."""
+def sgd_step(param, grad, buf, step, hyper, *, nesterov, maximize):
+    """torch.optim.SGD's update, in place on param and buf (step is 1-based; ``hyper`` = [lr,
+    momentum, dampening, weight_decay]): with momentum ATen's fused kernel, else (or in another
+    dtype) :func:`sgd_single`."""
+    lr, momentum, dampening, weight_decay = hyper.tolist()
     if momentum != 0 and _fusable(param, grad, buf):
         torch._fused_sgd_([param], [grad], [buf], weight_decay=weight_decay, momentum=momentum, lr=lr,
                           dampening=dampening, nesterov=nesterov, maximize=maximize,
@@ -777,9 +779,11 @@ def adam_single(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay,
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, decoupled, maximize):
+def adam_step(param, grad, m, v, step, hyper, *, decoupled, maximize):
     """torch.optim.Adam / AdamW's update, in place on param, m, v (step is 1-based, an integer tensor
-    the fused kernel reads as it is): ATen's fused kernel, else :func:`adam_single`."""
+    the fused kernel reads as it is; ``hyper`` = [lr, beta1, beta2, eps, weight_decay]): ATen's fused
+    kernel, else :func:`adam_single`."""
+    lr, beta1, beta2, eps, weight_decay = hyper.tolist()
     if _fusable(param, grad, m, v):
         (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
             [param], [grad], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,

@@ -20,7 +20,7 @@ concatenated batch only when every rank's shard of the batch has the same size.
 from __future__ import annotations
 
 from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..step.optim import STEP_TYPE, ParamUpdate, emit_update
+from ..step.optim import ParamUpdate, UpdateArgs, emit_update, update_param_types
 from ..step.program import Layout, update_points
 from .group import DataParallel, Shard
 
@@ -51,10 +51,12 @@ def _my_shard(b: Builder, v: Value, sh: Shard) -> Value:
 def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdate],
                        state_types: list[list[TensorType]], dp: DataParallel, name: str = "train_step",
                        check: bool = True) -> Function:
-    """One rank's step: ``(joint args..., optimizer state (sharded under ZeRO)..., step) -> (loss, buffers...)``."""
+    """One rank's step: ``(joint args..., optimizer state (sharded under ZeRO)..., step, hyper...) -> (loss,
+    buffers...)``."""
     n_out = layout.first_grad
     flat_state = [t for ts in state_types for t in ts]
-    fn = Function(name, list(joint.param_types) + flat_state + [STEP_TYPE], list(joint.result_types[:n_out]))
+    fn = Function(name, list(joint.param_types) + flat_state + update_param_types(updates),
+                  list(joint.result_types[:n_out]))
     b = Builder(fn.entry)
     vmap: dict[Value, Value] = dict(zip(joint.params, fn.params))
     body, ret = joint.entry.instrs[:-1], joint.entry.instrs[-1]
@@ -63,7 +65,7 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
     for ts in state_types:
         state_vals.append(list(fn.params[off:off + len(ts)]))
         off += len(ts)
-    step = fn.params[-1]
+    uargs = UpdateArgs.of(fn.params[off:], updates)
     shards = [dp.shard(p.type.numel) for p in joint.params[:layout.n_params]]
 
     at: dict[int, list[int]] = {}
@@ -84,12 +86,12 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
         reduced = [reduced] if isinstance(reduced, Value) else list(reduced)
         if dp.mode == "ddp":
             for k, p, g in zip(bucket, params, reduced):
-                emit_update(b, updates[k], p, g, state_vals[k], step)
+                emit_update(b, updates[k], p, g, state_vals[k], uargs)
             return
         new_shards = []
         for k, p, g in zip(bucket, params, reduced):
             g_sh = g if dp.mode == "zero2" else _my_shard(b, g, shards[k])
-            new_shards.append(emit_update(b, updates[k], _my_shard(b, p, shards[k]), g_sh, state_vals[k], step)[0])
+            new_shards.append(emit_update(b, updates[k], _my_shard(b, p, shards[k]), g_sh, state_vals[k], uargs)[0])
         gathered = b.op("all_gather", *new_shards, world=dp.world)
         gathered = [gathered] if isinstance(gathered, Value) else list(gathered)
         for p, full in zip(params, gathered):

@@ -4,8 +4,8 @@ optimizer updates generated in it, laid out as one function ``(params, state, in
 ``remat.train`` compiles and runs such a step for a user's model; ``remat.distributed`` rewrites
 it for data parallelism.
 """
-from .optim import STEP_TYPE, ParamUpdate, emit_update
+from .optim import STEP_TYPE, ParamUpdate, UpdateArgs, emit_update, update_param_types
 from .program import Layout, cleanup, prepare_joint, step_program, training_forward, training_graph, update_points
 
-__all__ = ["Layout", "ParamUpdate", "STEP_TYPE", "cleanup", "emit_update", "prepare_joint", "step_program",
+__all__ = ["Layout", "ParamUpdate", "STEP_TYPE", "UpdateArgs", "cleanup", "emit_update", "update_param_types", "prepare_joint", "step_program",
            "training_forward", "training_graph", "update_points"]

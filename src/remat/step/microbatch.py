@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..ir import Builder, Function, Module, TensorType, Value, verify
 from ..ir.build import clone_into
-from .optim import STEP_TYPE, ParamUpdate, emit_update
+from .optim import ParamUpdate, UpdateArgs, emit_update, update_param_types
 from .program import Layout, update_points
 
 MICRO_SEED_SALT = 0x5EED_0000
@@ -71,7 +71,7 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
     full_in = [t.with_shape((t.shape[0] * k,) + tuple(t.shape[1:])) for t in micro_in]
     ptypes = list(joint.param_types[:n_s]) + full_in + list(joint.param_types[n_s + n_in:])
     flat_state = [t for ts in state_types for t in ts] if updates else []
-    ptypes += flat_state + ([STEP_TYPE] if updates else [])
+    ptypes += flat_state + (update_param_types(updates) if updates else [])
     grad_types = list(joint.result_types[1:])
     fn = Function(name, ptypes, [joint.result_types[0]] + (grad_types if keep_grads else []))
     b = Builder(fn.entry)
@@ -92,7 +92,7 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
         for ts in state_types:
             state_vals.append(fn.params[off:off + len(ts)])
             off += len(ts)
-        step = fn.params[-1]
+        uargs = UpdateArgs.of(fn.params[off:], updates)
     weight = 1.0 / k if reduction == "mean" else 1.0
     scales: dict[object, Value] = {}
 
@@ -122,7 +122,7 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
                 acc[j] = g if acc[j] is None else b.op("add", acc[j], g)
             if last:
                 for j in upd_at.get(pos, []):
-                    emit_update(b, updates[j], state_args[j], scaled(acc[j]), list(state_vals[j]), step)
+                    emit_update(b, updates[j], state_args[j], scaled(acc[j]), list(state_vals[j]), uargs)
 
         at(-1)
         for pos, ins in enumerate(body):

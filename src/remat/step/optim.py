@@ -7,22 +7,32 @@ switch between remat and eager PyTorch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import numpy as np
 
 from ..ir import Builder, DType, TensorType, Value, get_op
 from ..ir.opdef import REQUIRED
+from ..ir.ops.optim import HYPER, hyper_type
+
+STEP_TYPE = TensorType(DType.i64, ())
+"""The step count operand of the updates (1-based)."""
 
 
 @dataclass
 class ParamUpdate:
-    """How one parameter is updated: the IR op, its attributes, and the state slots it uses."""
+    """How one parameter is updated: the IR op, its attributes (what changes the update's form),
+    the state slots it uses, and the index of its param group, whose hyperparameters (learning rate,
+    momentum, betas, eps, weight decay) the step reads at every call (:func:`hyper_values`)."""
 
     op: str                 # "sgd_step" | "adam_step"
     attrs: dict[str, Any]
     state_keys: tuple[str, ...]  # names in torch's optimizer.state[p]
+    group: int = 0          # index in optimizer.param_groups
 
 
-def _attrs_from_group(op: str, group, **given: Any) -> dict[str, Any]:
+def _group_settings(op: str, group, **given: Any) -> dict[str, Any]:
     """The update op's attributes from a torch param group: ``given`` first, then the group's
     entry of the same name, then the op's declared default (the one place defaults live)."""
     out = {}
@@ -34,37 +44,41 @@ def _attrs_from_group(op: str, group, **given: Any) -> dict[str, Any]:
     return out
 
 
-def _sgd(group) -> ParamUpdate:
-    attrs = _attrs_from_group("sgd_step", group)
-    return ParamUpdate("sgd_step", attrs, ("momentum_buffer",) if attrs["momentum"] != 0 else ())
+def _sgd(group, gi: int) -> ParamUpdate:
+    attrs = _group_settings("sgd_step", group)
+    return ParamUpdate("sgd_step", attrs, ("momentum_buffer",) if group.get("momentum", 0) != 0 else (), gi)
 
 
-def _adam(group, decoupled: bool) -> ParamUpdate:
+def _adam(group, gi: int, decoupled: bool) -> ParamUpdate:
     if group.get("amsgrad", False):
         raise ValueError("remat supports Adam/AdamW without amsgrad; set amsgrad=False")
-    b1, b2 = group["betas"]
-    attrs = _attrs_from_group("adam_step", group, beta1=float(b1), beta2=float(b2), decoupled=decoupled)
-    return ParamUpdate("adam_step", attrs, ("exp_avg", "exp_avg_sq"))
+    return ParamUpdate("adam_step", _group_settings("adam_step", group, decoupled=decoupled), ("exp_avg", "exp_avg_sq"),
+                       gi)
 
 
-def updates_from_torch(optimizer, params: list) -> list[ParamUpdate]:
-    """One :class:`ParamUpdate` per parameter in ``params`` (the model's, in import order).
-
-    Raises ValueError naming the optimizer or parameter when something is unsupported.
-    """
+def _make_update(optimizer) -> Callable[[dict, int], ParamUpdate]:
     import torch
 
-    kinds = {torch.optim.SGD: lambda g: _sgd(g), torch.optim.Adam: lambda g: _adam(g, False),
-             torch.optim.AdamW: lambda g: _adam(g, True)}
+    kinds = {torch.optim.SGD: _sgd, torch.optim.Adam: partial(_adam, decoupled=False),
+             torch.optim.AdamW: partial(_adam, decoupled=True)}
     make = kinds.get(type(optimizer))
     if make is None:
         raise ValueError(f"optimizer {type(optimizer).__name__} is not supported; remat generates SGD (with momentum), "
                          "Adam and AdamW updates in the IR")
+    return make
+
+
+def updates_from_torch(optimizer, params: list) -> list[ParamUpdate]:
+    """One :class:`ParamUpdate` per parameter in ``params`` (the model's trainable ones, in import
+    order), each with its param group's index.
+
+    Raises ValueError naming the optimizer or parameter when something is unsupported.
+    """
+    make = _make_update(optimizer)
     by_id = {}
     for gi, group in enumerate(optimizer.param_groups):
-        if torch.is_tensor(group["lr"]):
-            raise ValueError(f"param group {gi}: a tensor learning rate is not supported; use a float")
-        u = make(group)
+        u = make(group, gi)
+        hyper_values(u, group)  # fails now on values the step cannot take
         for p in group["params"]:
             by_id[id(p)] = u
     out = []
@@ -74,6 +88,93 @@ def updates_from_torch(optimizer, params: list) -> list[ParamUpdate]:
                              "pass an optimizer built from model.parameters()")
         out.append(by_id[id(p)])
     return out
+
+
+def hyper_values(u: ParamUpdate, group) -> np.ndarray:
+    """The ``hyper`` operand of ``u``'s update for the param group ``group`` as it is now (float64,
+    in the order of :data:`remat.ir.ops.optim.HYPER`). Raises ValueError for a value the update
+    cannot take (a tensor learning rate, betas outside [0, 1), nesterov without momentum)."""
+    import torch
+
+    values = dict(group)
+    if u.op == "adam_step":
+        values["beta1"], values["beta2"] = group["betas"]
+    for name in HYPER[u.op]:
+        v = values.get(name, 0.0)
+        if torch.is_tensor(v):
+            if v.numel() != 1:
+                raise ValueError(f"param group {u.group}: {name} must be a number, got a tensor of shape {list(v.shape)}")
+            values[name] = v.item()
+    if u.op == "adam_step":
+        for k in ("beta1", "beta2"):
+            if not 0.0 <= values[k] < 1.0:
+                raise ValueError(f"param group {u.group}: {k} must be in [0, 1), got {values[k]}")
+    elif u.attrs["nesterov"] and (values["momentum"] <= 0 or values["dampening"] != 0):
+        raise ValueError(f"param group {u.group}: nesterov needs momentum > 0 and dampening = 0 (as torch.optim.SGD)")
+    return np.array([float(values.get(k, 0.0)) for k in HYPER[u.op]], dtype=np.float64)
+
+
+def check_updates(optimizer, params: list, updates: list[ParamUpdate]) -> None:
+    """RuntimeError when the optimizer changed what the compiled updates cannot follow: a parameter
+    moved to another param group, a group's ``nesterov``, ``maximize``, ``amsgrad`` or momentum on
+    or off (the form of the update and its state). Values of the hyperparameters may change freely
+    (:func:`hyper_values` reads them at every step). Runs at every step: once per group, and one
+    lookup per parameter."""
+    groups = optimizer.param_groups
+    make = _make_update(optimizer)
+    for u in update_groups(updates):
+        gi = u.group
+        try:
+            now = make(groups[gi], gi) if gi < len(groups) else None
+        except ValueError as e:
+            raise RuntimeError(f"param group {gi} changed after remat.compile: {e}; compile the step again") from e
+        if now is None or (now.attrs, now.state_keys) != (u.attrs, u.state_keys):
+            raise RuntimeError(f"param group {gi} changed after remat.compile from {u.attrs} (state "
+                               f"{list(u.state_keys)}) to {'nothing' if now is None else now.attrs} (state "
+                               f"{[] if now is None else list(now.state_keys)}); these settings shape the compiled "
+                               "update: compile the step again")
+    group_of = {id(p): gi for gi, g in enumerate(groups) for p in g["params"]}
+    for k, (p, u) in enumerate(zip(params, updates)):
+        gi = group_of.get(id(p))
+        if gi != u.group:
+            raise RuntimeError(f"parameter {k} (shape {list(p.shape)}) moved from param group {u.group} to "
+                               f"{'none' if gi is None else gi} after remat.compile; compile the step again")
+
+
+def update_groups(updates: list[ParamUpdate]) -> list[ParamUpdate]:
+    """One update per param group the updates use (its first), in group order: the step program
+    takes one ``hyper`` operand each."""
+    first: dict[int, ParamUpdate] = {}
+    for u in updates:
+        first.setdefault(u.group, u)
+    return [first[g] for g in sorted(first)]
+
+
+def update_param_types(updates: list[ParamUpdate]) -> list[TensorType]:
+    """The step program's trailing parameters for its updates: the step count, then each param
+    group's ``hyper`` vector (:func:`update_groups`)."""
+    return [STEP_TYPE] + [hyper_type(u.op) for u in update_groups(updates)]
+
+
+@dataclass
+class UpdateArgs:
+    """The step program's values of :func:`update_param_types`: the step count, and the ``hyper``
+    vector of each param group."""
+
+    step: Value
+    hyper: dict[int, Value]
+
+    @staticmethod
+    def of(values: Sequence[Value], updates: list[ParamUpdate]) -> "UpdateArgs":
+        """From the program's parameters that :func:`update_param_types` declared."""
+        return UpdateArgs(values[0], {u.group: v for u, v in zip(update_groups(updates), values[1:])})
+
+
+def update_arguments(optimizer, updates: list[ParamUpdate], step: int) -> list[np.ndarray]:
+    """The values of :func:`update_param_types` for the next step: the step count ``step`` and the
+    param groups' hyperparameters as they are now."""
+    return [np.array(step, dtype=np.int64)] + [hyper_values(u, optimizer.param_groups[u.group])
+                                                 for u in update_groups(updates)]
 
 
 def init_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
@@ -155,14 +256,36 @@ def advance_steps(optimizer, params: list, updates: list[ParamUpdate]) -> None:
                 st["step"] += 1
 
 
-def emit_update(b: Builder, u: ParamUpdate, param: Value, grad: Value, state: list[Value], step: Value) -> list[Value]:
+def clip_by_global_norm(b: Builder, grads: Sequence[Value], max_norm: float) -> list[Value]:
+    """The gradients scaled as ``torch.nn.utils.clip_grad_norm_(..., max_norm)`` scales them: by
+    ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the 2-norm of all of them together (each
+    gradient's squares summed in its own dtype, the sums in float32)."""
+    f32 = DType.f32
+    total = None
+    for g in grads:
+        sq = b.op("reduce_sum", b.op("mul", g, g), axes=tuple(range(g.type.rank)), keepdims=False)
+        sq = sq if sq.type.dtype == f32 else b.op("cast", sq, dtype=f32)
+        total = sq if total is None else b.op("add", total, sq)
+    norm = b.op("add", b.op("sqrt", total), b.op("constant", value=1e-6, shape=(), dtype=f32))
+    coef = b.op("minimum", b.op("div", b.op("constant", value=float(max_norm), shape=(), dtype=f32), norm),
+                b.op("constant", value=1.0, shape=(), dtype=f32))
+    coefs: dict[DType, Value] = {f32: coef}
+    out = []
+    for g in grads:
+        dt = g.type.dtype
+        if dt not in coefs:
+            coefs[dt] = b.op("cast", coef, dtype=dt)
+        out.append(b.op("mul", g, coefs[dt]))
+    return out
+
+
+def emit_update(b: Builder, u: ParamUpdate, param: Value, grad: Value, state: list[Value], args: UpdateArgs) -> list[Value]:
     """Emit the in-place update; returns the new SSA values of (param, *state)."""
+    hyper = args.hyper[u.group]
     if u.op == "sgd_step":
         buf = state[0] if state else param  # momentum 0: no buffer; the kernel leaves this operand alone
-        p2, buf2 = b.op("sgd_step", param, grad, buf, step, **u.attrs)
+        p2, buf2 = b.op("sgd_step", param, grad, buf, args.step, hyper, **u.attrs)
         return [p2] + ([buf2] if state else [])
-    p2, m2, v2 = b.op("adam_step", param, grad, state[0], state[1], step, **u.attrs)
+    p2, m2, v2 = b.op("adam_step", param, grad, state[0], state[1], args.step, hyper, **u.attrs)
     return [p2, m2, v2]
 
-
-STEP_TYPE = TensorType(DType.i64, ())

@@ -15,7 +15,7 @@ from ..autodiff import joint
 from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from ..ir.build import clone_into
 from ..pipeline import run_pipeline
-from .optim import STEP_TYPE, ParamUpdate, emit_update
+from .optim import ParamUpdate, UpdateArgs, clip_by_global_norm, emit_update, update_param_types
 
 
 @dataclass
@@ -135,15 +135,18 @@ def last_new_index_check(body: list[Instruction]) -> int:
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
-                 check: bool = True) -> Function:
-    """The whole training step: ``(joint args..., optimizer state..., step) -> (loss, buffers...[, grads...])``.
+                 check: bool = True, max_grad_norm: float | None = None) -> Function:
+    """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
+    buffers...[, grads...])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
     ``joint`` is a straight-line joint (possibly rematerialised, with frees). Updates are in place
-    (the results alias the parameter and state buffers).
+    (the results alias the parameter and state buffers). With ``max_grad_norm`` the gradients are
+    clipped by their global norm first (:func:`~.optim.clip_by_global_norm`), so every update
+    follows the last gradient: all of them are kept until the norm is known.
     """
     ptypes = list(joint.param_types)
     flat_state = [t for ts in state_types for t in ts] if updates else []
-    ptypes += flat_state + ([STEP_TYPE] if updates else [])
+    ptypes += flat_state + (update_param_types(updates) if updates else [])
     n_out = layout.first_grad
     grad_types = list(joint.result_types[n_out:])
     rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else [])
@@ -154,25 +157,28 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     ret = joint.entry.instrs[-1]
     grads = ret.operands[n_out:]
     at: dict[int, list[int]] = {}
+    clip = updates and max_grad_norm is not None
     if updates:
-        where = [len(body) - 1] * layout.n_params if keep_grads else update_points(joint, layout)
+        where = [len(body) - 1] * layout.n_params if keep_grads or clip else update_points(joint, layout)
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
         for ts in state_types:
             state_vals.append(fn.params[off:off + len(ts)])
             off += len(ts)
-        step = fn.params[-1]
+        uargs = UpdateArgs.of(fn.params[off:], updates)
 
-    def emit(k: int) -> None:
-        emit_update(b, updates[k], vmap[joint.params[k]], vmap[grads[k]], list(state_vals[k]), step)
+    def emit(ks: list[int]) -> None:
+        gs = [vmap[grads[k]] for k in ks]
+        if clip and ks:
+            gs = clip_by_global_norm(b, gs, max_grad_norm)
+        for k, g in zip(ks, gs):
+            emit_update(b, updates[k], vmap[joint.params[k]], g, list(state_vals[k]), uargs)
 
-    for k in at.get(-1, []):
-        emit(k)
+    emit(at.get(-1, []))
     for i, ins in enumerate(body):
         clone_into(b, ins, vmap)
-        for k in at.get(i, []):
-            emit(k)
+        emit(at.get(i, []))
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
     b.ret(*outs)
     if check:

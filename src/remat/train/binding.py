@@ -10,7 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..step.optim import bind_state, init_state, steps_taken, updates_from_torch
+from ..step.optim import (bind_state, check_updates, init_state, steps_taken, update_arguments, update_param_types,
+                          updates_from_torch)
 from ..step.program import Layout
 
 
@@ -62,7 +63,8 @@ class Binding:
 
     def extra_bytes(self) -> int:
         """Bytes the step adds to the joint: optimizer state and the step counter."""
-        return sum(t.nbytes for ts in self.state_types for t in ts) + (8 if self.updates else 0)
+        return (sum(t.nbytes for ts in self.state_types for t in ts)
+                + (sum(t.nbytes for t in update_param_types(self.updates)) if self.updates else 0))
 
     def optimizer_steps(self) -> int:
         """Optimizer steps taken so far (the count the next step's update continues from)."""
@@ -71,11 +73,9 @@ class Binding:
         return steps_taken(self.optimizer, self.params, self.updates) if self.updates else 0
 
     def check_optimizer(self) -> None:
-        lrs = {id(p): g["lr"] for g in self.optimizer.param_groups for p in g["params"]}
-        for p, u in zip(self.params, self.updates):
-            if lrs[id(p)] != u.attrs["lr"]:
-                raise RuntimeError(f"the optimizer's learning rate changed from {u.attrs['lr']} to {lrs[id(p)]} after "
-                                   "remat.compile; learning-rate schedules need a recompile (not supported yet)")
+        """RuntimeError when the optimizer changed what the compiled updates cannot follow
+        (``remat.step.optim.check_updates``); its hyperparameters' values are read at every step."""
+        check_updates(self.optimizer, self.params, self.updates)
 
     # ------------------------------------------------------------------ arguments
     def joint_args(self, inputs: Sequence, copy: bool) -> list:
@@ -86,8 +86,9 @@ class Binding:
         return args
 
     def step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
-        """The step program's arguments: the joint's, then the optimizer state and the step count
-        ``step`` (the optimizer step this one takes) when the step updates the parameters."""
+        """The step program's arguments: the joint's, then, when the step updates the parameters, the
+        optimizer state, the step count ``step`` (the optimizer step this one takes) and each param
+        group's hyperparameters as they are now (a learning-rate schedule's current value)."""
         args = self.joint_args(inputs, copy)
         if self.updates:
             ohwi = self.ohwi
@@ -98,7 +99,7 @@ class Binding:
                     args += [ohwi_copy(t) if copy else ohwi_view(t) for t in ts]
                 else:
                     args += [t.detach().clone() if copy else t.detach() for t in ts]
-            args.append(np.array(step, dtype=np.int64))
+            args += update_arguments(self.optimizer, self.updates, step)
         return args
 
     # ------------------------------------------------------------------ results

@@ -79,6 +79,7 @@ class CompileOptions:
     micro_batches: int | str = 1
     loss_reduction: str | None = None
     layout: str = "auto"
+    max_grad_norm: float | None = None
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
     @staticmethod
@@ -102,6 +103,9 @@ class CompileOptions:
             raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUT_OPTIONS))}, got {self.layout!r}")
         if self.solver not in SOLVER_OPTIONS:
             raise ValueError(f"unknown solver {self.solver!r}; valid: {', '.join(SOLVER_OPTIONS)}")
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
+                                                   and self.max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
         unknown = self.shown - set(STAGE_NAMES)
         if unknown:
             raise ValueError(f"print_after: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGE_NAMES)}")
@@ -187,7 +191,8 @@ class Compilation:
             return microbatch_step(joint, b.layout, b.updates, b.state_types, self.keep_grads, self.micro_batches,
                                    self.loss_reduction, check=check)
         if self.dp is None:
-            return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check)
+            return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
+                                max_grad_norm=self.options.max_grad_norm)
         from ..distributed.passes import data_parallel_step
 
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check)
@@ -283,7 +288,8 @@ def plan(c: Compilation) -> Compilation:
                           o.milp_time_limit,
                           c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
                           c.dialects)
-    if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1:
+    clipped = c.binding.updates and o.max_grad_norm is not None  # every gradient is kept until the norm is known
+    if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not clipped:
         g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
         problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
     counted = c.budget is not None and o.count_workspaces
@@ -299,10 +305,16 @@ def plan(c: Compilation) -> Compilation:
     if counted:
         bound = allocator_bound(chosen.program, c.workspaces(chosen.program))
     cost = CostModel(c.costs)
+    notes = tuple(chosen.notes)
+    if clipped:
+        grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
+        notes += (f"gradient clipping (max_grad_norm={o.max_grad_norm:g}): every gradient ({format_bytes(grad_bytes)}) "
+                  f"is kept until their global norm is known, then each update runs; a second backward instead "
+                  f"is not implemented",)
     # The problem is kept so that other budgets can be planned on the same capture (remat.train.curve).
     return replace(c, problem=problem, plan=chosen, workspace_bytes=margin or 0, predicted_allocator_peak=bound,
                    predicted_seconds=cost.program_cost(chosen.program),
-                   unconstrained_predicted_seconds=cost.program_cost(c.unconstrained), notes=tuple(chosen.notes))
+                   unconstrained_predicted_seconds=cost.program_cost(c.unconstrained), notes=notes)
 
 
 def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
@@ -447,6 +459,11 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
     if dp is not None and (optimizer is None or o.keep_grads):
         raise ValueError(f"data_parallel={o.data_parallel!r} needs an optimizer and keep_grads off: the reduced "
                          "gradients are consumed by the (sharded) optimizer updates inside the step")
+    if o.max_grad_norm is not None and (optimizer is None or o.keep_grads or dp is not None
+                                        or o.micro_batches not in (1, "auto")):
+        raise ValueError("max_grad_norm clips the gradients inside the step's optimizer update: it needs optimizer=, "
+                         "keep_grads off, one process and micro_batches=1 (without optimizer=, the step leaves the "
+                         "gradients in .grad: call torch.nn.utils.clip_grad_norm_ on them as usual)")
     compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
     names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
     k = check_micro_batches(o.micro_batches, example, dp is not None)

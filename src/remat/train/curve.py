@@ -67,7 +67,7 @@ def budget_sweep(step, budgets: Sequence[int], repeats: int = 3,
 def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, int], None] | None) -> list[SweepRow]:
     from ..runtime.vm import VM
 
-    args = step._step_args(step._example, copy=True, step=1)
+    args = step.binding.step_args(step.signature.example, copy=True, step=1)
     base = step.compilation.problem.unconstrained
     base_vm = VM(Module([base]), dialects=step.dialects)
 

@@ -2,8 +2,11 @@
 
 Each update overwrites the parameter and its state buffers: results alias those operands
 (``aliases``), so memory accounting counts them once, and the operands must not be used after
-the update (the verifier checks this). ``step`` is the 1-based step count as an i64[] operand.
-The formulas follow torch.optim's single-tensor implementations exactly.
+the update (the verifier checks this). ``step`` is the 1-based step count as an i64[] operand;
+``hyper`` the param group's hyperparameters as an f64 vector operand (``SGD_HYPER``,
+``ADAM_HYPER``: read at every step, so learning-rate schedules and changed settings need no
+recompile); what changes the update's form (``nesterov``, ``maximize``, ``decoupled``) is an
+attribute. The formulas follow torch.optim's single-tensor implementations exactly.
 """
 from __future__ import annotations
 
@@ -15,6 +18,17 @@ from ._util import expect_float, max_numel, per_output, rand
 
 STEP = TensorType(DType.i64, ())
 
+SGD_HYPER = ("lr", "momentum", "dampening", "weight_decay")
+"""``sgd_step``'s ``hyper`` operand, in order (torch.optim.SGD's param-group entries)."""
+ADAM_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+"""``adam_step``'s ``hyper`` operand, in order (``betas`` is two entries)."""
+HYPER = {"sgd_step": SGD_HYPER, "adam_step": ADAM_HYPER}
+
+
+def hyper_type(op: str) -> TensorType:
+    """The type of the ``hyper`` operand of the update op ``op``."""
+    return TensorType(DType.f64, (len(HYPER[op]),))
+
 
 def _same(name, types, n):
     p = types[0]
@@ -24,47 +38,43 @@ def _same(name, types, n):
             raise TypeError(f"'{name}': parameter, gradient and state must share one type, got {', '.join(map(str, types[:n]))}")
     if types[n] != STEP:
         raise TypeError(f"'{name}': step must be i64[], got {types[n]}")
+    if types[n + 1] != hyper_type(name):
+        raise TypeError(f"'{name}': hyper must be {hyper_type(name)} ({', '.join(HYPER[name])}), got {types[n + 1]}")
     return p
 
 
-def _sgd_infer(types, attrs):
-    p = _same("sgd_step", types, 3)
-    if attrs["nesterov"] and (attrs["momentum"] <= 0 or attrs["dampening"] != 0):
-        raise TypeError("'sgd_step': nesterov needs momentum > 0 and dampening = 0 (as in torch.optim.SGD)")
-    return (p, p)
+def _hyper(op: str, **values: float) -> np.ndarray:
+    return np.array([values[k] for k in HYPER[op]], dtype=np.float64)
 
 
 declare(OpDef(
-    "sgd_step", 4,
-    (Attr("lr", "float"), Attr("momentum", "float", 0.0), Attr("dampening", "float", 0.0),
-     Attr("weight_decay", "float", 0.0), Attr("nesterov", "bool", False), Attr("maximize", "bool", False)),
-    _sgd_infer, frozenset({"inplace", "effect"}), num_results=2, aliases={0: 0, 1: 2}, nondiff=True,
-    doc="SGD with momentum on (param, grad, momentum_buffer, step): updates param and buffer in place", flops=max_numel,
-    sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4), rand(r, 3, 4), np.array(3, dtype=np.int64)],
-                             {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
-                      Sample([rand(r, 5), rand(r, 5), np.zeros(5), np.array(1, dtype=np.int64)],
-                             {"lr": 0.05, "momentum": 0.9, "dampening": 0.1})]))
-
-
-def _adam_infer(types, attrs):
-    p = _same("adam_step", types, 4)
-    for k in ("beta1", "beta2"):
-        if not 0.0 <= attrs[k] < 1.0:
-            raise TypeError(f"'adam_step': {k} must be in [0, 1), got {attrs[k]}")
-    return (p, p, p)
+    "sgd_step", 5, (Attr("nesterov", "bool", False), Attr("maximize", "bool", False)),
+    lambda types, attrs: (_same("sgd_step", types, 3),) * 2, frozenset({"inplace", "effect"}), num_results=2,
+    aliases={0: 0, 1: 2}, nondiff=True,
+    doc="SGD with momentum on (param, grad, momentum_buffer, step, hyper = [lr, momentum, dampening, "
+        "weight_decay]): updates param and buffer in place", flops=max_numel,
+    sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4), rand(r, 3, 4), np.array(3, dtype=np.int64),
+                              _hyper("sgd_step", lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01)]),
+                      Sample([rand(r, 5), rand(r, 5), np.zeros(5), np.array(1, dtype=np.int64),
+                              _hyper("sgd_step", lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.0)]),
+                      Sample([rand(r, 5), rand(r, 5), rand(r, 5), np.array(2, dtype=np.int64),
+                              _hyper("sgd_step", lr=0.05, momentum=0.9, dampening=0.0, weight_decay=0.0)],
+                             {"nesterov": True})]))
 
 
 declare(OpDef(
-    "adam_step", 5,
-    (Attr("lr", "float"), Attr("beta1", "float", 0.9), Attr("beta2", "float", 0.999), Attr("eps", "float", 1e-08),
-     Attr("weight_decay", "float", 0.0), Attr("decoupled", "bool", False), Attr("maximize", "bool", False)),
-    _adam_infer, frozenset({"inplace", "effect"}), num_results=3, aliases={0: 0, 1: 2, 2: 3}, nondiff=True,
-    doc="Adam (decoupled=false) or AdamW (decoupled=true) on (param, grad, exp_avg, exp_avg_sq, step), in place",
+    "adam_step", 6, (Attr("decoupled", "bool", False), Attr("maximize", "bool", False)),
+    lambda types, attrs: (_same("adam_step", types, 4),) * 3, frozenset({"inplace", "effect"}), num_results=3,
+    aliases={0: 0, 1: 2, 2: 3}, nondiff=True,
+    doc="Adam (decoupled=false) or AdamW (decoupled=true) on (param, grad, exp_avg, exp_avg_sq, step, hyper = "
+        "[lr, beta1, beta2, eps, weight_decay]), in place",
     flops=per_output(8.0),
     sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 3, 4), rand(r, 3, 4) * 0.1, rand(r, 3, 4, low=0.0, high=0.1),
-                              np.array(2, dtype=np.int64)], {"lr": 0.01, "weight_decay": 0.01, "decoupled": True}),
-                      Sample([rand(r, 4), rand(r, 4), np.zeros(4), np.zeros(4), np.array(1, dtype=np.int64)],
-                             {"lr": 0.001, "weight_decay": 0.1})]))
+                              np.array(2, dtype=np.int64),
+                              _hyper("adam_step", lr=0.01, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)],
+                             {"decoupled": True}),
+                      Sample([rand(r, 4), rand(r, 4), np.zeros(4), np.zeros(4), np.array(1, dtype=np.int64),
+                              _hyper("adam_step", lr=0.001, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.1)])]))
 
 
 def _assign_infer(types, attrs):
