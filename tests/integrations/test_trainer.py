@@ -43,13 +43,13 @@ def _args(tmp_path, name, **kw):
     return TrainingArguments(**{**base, **kw})
 
 
-def _train(cls, make_model, data, tmp_path, name, collator=None, resume=None, **kw):
+def _train(cls, make_model, data, tmp_path, name, collator=None, resume=None, eval_data=None, **kw):
     """A fresh seeded model trained by ``cls``; (trainer, logged losses, final parameters)."""
     remat_kw = {k: kw.pop(k) for k in ("budget", "remat_options") if k in kw}
     torch.manual_seed(0)
     model = make_model()
     trainer = cls(model=model, args=_args(tmp_path, name, **kw), train_dataset=data, data_collator=collator,
-                  **remat_kw)
+                  eval_dataset=eval_data, **remat_kw)
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, losses, {k: p.detach().clone() for k, p in model.named_parameters()}
@@ -92,11 +92,15 @@ def _llama():
 
 
 def test_causal_lm_matches_plain_trainer(tmp_path):
-    """Qwen2 (the model normalises its loss by the accumulated batch's tokens, num_items_in_batch)."""
-    data = TokenData(32)
-    plain = _train(Trainer, _qwen2, data, tmp_path, "plain")
-    ours = _train(RematTrainer, _qwen2, data, tmp_path, "remat", budget="92%")
+    """Qwen2 (the model normalises its loss by the accumulated batch's tokens, num_items_in_batch),
+    with the Trainer's evaluation every 2 steps."""
+    data, held_out = TokenData(32), TokenData(8)
+    evaluate = dict(eval_data=held_out, eval_strategy="steps", eval_steps=2)
+    plain = _train(Trainer, _qwen2, data, tmp_path, "plain", **evaluate)
+    ours = _train(RematTrainer, _qwen2, data, tmp_path, "remat", budget="92%", **evaluate)
     _close(plain, ours)
+    eval_losses = [[h["eval_loss"] for h in t.state.log_history if "eval_loss" in h] for t in (plain[0], ours[0])]
+    assert len(eval_losses[0]) == 2 and eval_losses[0] == pytest.approx(eval_losses[1], rel=1e-5)
     r = _within_budget(ours[0])
     assert r.recomputed_instructions > 0  # the budget made it recompute
     grad_norms = [[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h] for t in (plain[0], ours[0])]
