@@ -185,3 +185,9 @@ def test_optimizer_in_remat_options_is_refused(tmp_path):
     with pytest.raises(TypeError, match="optimizer="):
         RematTrainer(model=_llama(), args=_args(tmp_path, "o"), train_dataset=TokenData(4),
                      remat_options=dict(optimizer=None))
+
+
+def test_custom_loss_is_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="label_smoothing_factor"):
+        RematTrainer(model=_llama(), args=_args(tmp_path, "ls", label_smoothing_factor=0.1),
+                     train_dataset=TokenData(4))

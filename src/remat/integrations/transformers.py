@@ -66,11 +66,13 @@ class RematTrainer(Trainer):
     padding that is one compile per distinct padded length, so pad to a few lengths: a data
     collator with ``pad_to_multiple_of=`` (64, say) compiles at most ``max_length / 64`` steps,
     ``padding="max_length"`` one. A smaller last batch adds one more (or set
-    ``dataloader_drop_last=True``).
+    ``dataloader_drop_last=True``). Every shape gets the same budget in bytes: a relative one
+    (``"60%"``) is resolved against the first batch's unconstrained peak, so when lengths vary give
+    it in bytes (a longer batch that cannot fit raises ``remat.BudgetTooSmall``).
 
     Dropout runs remat's own seeded masks (replayed exactly when recomputed), not the masks of
     PyTorch's generator, so with dropout the losses are statistically, not bitwise, the plain
-    Trainer's. Not supported (refused when the Trainer is built): ``bf16`` / ``fp16`` mixed
+    Trainer's. Not supported (refused with ``NotImplementedError`` when the Trainer is built): ``bf16`` / ``fp16`` mixed
     precision, ``gradient_checkpointing``, a ``compute_loss_func``, label smoothing and an
     overridden ``compute_loss``; a run on more than one process or device.
     """
@@ -85,6 +87,7 @@ class RematTrainer(Trainer):
             _check_args(training_args)
         super().__init__(*args, **kwargs)
         _check_args(self.args)
+        self._check_supported()
         self.budget, self.remat_options = budget, options
         self._remat_step: TrainStep | None = None
 
@@ -106,12 +109,11 @@ class RematTrainer(Trainer):
         """Forward and backward of one batch as a remat step; returns the loss as the Trainer's
         ``training_step`` does (divided by the accumulation steps unless the model normalised it
         by ``num_items_in_batch``), and leaves its gradient added into each parameter's ``.grad``."""
-        self._check_loss()
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = dict(self._prepare_inputs(inputs))
-        scale = 1.0
+        scale = 1.0  # the factor the Trainer's training_step applies to compute_loss's loss
         scaled_for_ga = self.loss_is_scaled_for_ga
         if scaled_for_ga is None:
             scaled_for_ga = self.model_accepts_loss_kwargs and num_items_in_batch is not None
@@ -120,8 +122,6 @@ class RematTrainer(Trainer):
                 num_items_in_batch = torch.tensor(num_items_in_batch)
             # as a float: loss / count divides in float32 either way, and float counts are one dtype
             inputs["num_items_in_batch"] = num_items_in_batch.to(self.args.device, torch.float32)
-            if self.args.average_tokens_across_devices:
-                scale *= self.accelerator.num_processes // self.get_tp_size()
         if not scaled_for_ga:
             scale /= self.current_gradient_accumulation_steps
         inputs["loss_scale"] = torch.tensor(scale, dtype=torch.float32, device=self.args.device)
@@ -138,8 +138,9 @@ class RematTrainer(Trainer):
         step.binding.calls = self.state.global_step * self.args.gradient_accumulation_steps
         return step
 
-    def _check_loss(self) -> None:
-        """NotImplementedError for losses the step cannot take from the model's own ``loss``."""
+    def _check_supported(self) -> None:
+        """NotImplementedError for a run on several processes or devices, and for losses other than
+        the model's own ``loss`` (with one process, the Trainer's multi-process loss factors are 1)."""
         if self.args.n_gpu > 1 or self.accelerator.num_processes > 1:
             raise NotImplementedError("RematTrainer runs on one process and one device; remat's data parallelism "
                                       "is remat.compile(..., data_parallel=...) in your own loop")
