@@ -1158,7 +1158,17 @@ def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
 
 def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training, momentum, eps):
     """One ``batch_norm`` op (native kernel and backward). Training: (y, mean, invstd, new running
-    mean, new running var), the last two None without running statistics; eval: (y, None, None)."""
+    mean, new running var), the last two None without running statistics; eval: (y, None, None).
+
+    A half-precision input with float32 weights or statistics (under ``torch.autocast``, which
+    leaves batch norm to ATen's mixed-dtype kernel) is normalised in float32 and rounded back, as
+    that kernel computes it; the running statistics stay float32 (the saved mean and invstd are given
+    in the input's dtype, as ATen's are; the backward reads its own float32 ones)."""
+    wide = next((v.type.dtype for v in (weight, bias, running_mean, running_var)
+                 if v is not None and v.type.dtype != x.type.dtype), None)
+    if wide is not None:
+        outs = _batch_norm(L, L.cast(x, wide), weight, bias, running_mean, running_var, training, momentum, eps)
+        return tuple(None if v is None else L.cast(v, x.type.dtype) for v in outs[:3]) + tuple(outs[3:])
     C, dt = x.type.shape[1], x.type.dtype
     affine = weight is not None or bias is not None
     aff = []
@@ -1180,7 +1190,7 @@ def _bn_functional(L: Lowerer, x, weight, bias, running_mean, running_var, train
     out = _batch_norm(L, x, weight, bias, running_mean, running_var, training, momentum, eps)
     if not training:  # same five outputs: running statistics unchanged
         return out[0], out[1], out[2], running_mean, running_var
-    if running_mean is not None and x.type.dtype in (DType.f16, DType.bf16):
+    if running_mean is not None and x.type.dtype in (DType.f16, DType.bf16) and out[3].type.dtype != DType.f32:
         # PyTorch's functional form updates the running statistics in f32 for a half-precision input
         # (its statistics are f32); the model's copy into its buffers rounds them back.
         return out[:3] + tuple(L.cast(v, DType.f32) for v in out[3:])

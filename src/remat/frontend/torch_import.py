@@ -255,15 +255,24 @@ class _WithLoss(torch.nn.Module):
     ``ModelOutput`` or dict output gives its ``loss`` (no ``loss_fn``) or its ``logits`` (to ``loss_fn``)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None, n_inputs: int,
-                 input_names: Sequence[str] | None = None, options: Mapping[str, Any] | None = None):
+                 input_names: Sequence[str] | None = None, options: Mapping[str, Any] | None = None,
+                 autocast: torch.dtype | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.n_inputs = n_inputs
         self.input_names = None if input_names is None else tuple(input_names)[:n_inputs]
         self.options = dict(options or {})  # keyword options (keyword_options), passed as they are
+        self.autocast = autocast  # the forward and loss run under torch.autocast in this dtype (None: not)
 
     def forward(self, *args: torch.Tensor) -> Any:
+        if self.autocast is None:
+            return self._forward(*args)
+        device = next(iter(self.model.parameters()), torch.empty(0)).device.type
+        with torch.autocast(device, dtype=self.autocast):
+            return self._forward(*args)
+
+    def _forward(self, *args: torch.Tensor) -> Any:
         model_args = args[:self.n_inputs]
         if self.input_names is None:
             out = self.model(*model_args)
@@ -443,7 +452,8 @@ def _loc(node: torch.fx.Node) -> Loc:
 
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                   loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool = True,
-                  num_targets: int | None = None, name: str = "forward", cache: bool | None = None) -> ImportedModel:
+                  num_targets: int | None = None, name: str = "forward", cache: bool | None = None,
+                  autocast: torch.dtype | None = None) -> ImportedModel:
     """Translate ``model`` (and ``loss_fn`` if given) into a remat module.
 
     ``example_inputs`` are the model's inputs followed, when ``loss_fn`` is given, by its targets:
@@ -456,6 +466,8 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     Raises :class:`UnsupportedOpError` naming the op, the submodule and the source line when an op
     has no translation. ``cache``: reuse (and fill) the on-disk cache of captures
     (:mod:`remat.frontend.capture_cache`); None: as ``$REMAT_CAPTURE_CACHE`` says (default on).
+    ``autocast``: capture the forward and the loss under ``torch.autocast`` in this dtype (mixed
+    precision as torch.autocast's op lists decide it: the casts are instructions of the IR).
     """
     options = keyword_options(example_inputs)
     input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
@@ -465,7 +477,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     n_inputs = len(example_inputs) - n_targets
     if n_inputs < 0:
         raise TypeError(f"the loss function takes {n_targets} target(s) but only {len(example_inputs)} example inputs were given")
-    wrapper = _WithLoss(model, loss_fn, n_inputs, input_names, options)
+    wrapper = _WithLoss(model, loss_fn, n_inputs, input_names, options, autocast)
     was_training = [m.training for m in model.modules()]
     wrapper.train(train)
     key = None
@@ -474,7 +486,8 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
             try:
                 key = capture_cache.capture_key(wrapper, tuple(example_inputs), {
                     "train": train, "n_inputs": n_inputs, "n_targets": n_targets, "has_loss": loss_fn is not None,
-                    "input_names": input_names, "name": name, "options": sorted(options.items())})
+                    "input_names": input_names, "name": name, "options": sorted(options.items()),
+                    "autocast": str(autocast)})
             except capture_cache.Uncacheable:
                 key = None
             entry = None if key is None else capture_cache.load(key)

@@ -20,7 +20,7 @@ from ..errors import BudgetTooSmall, format_bytes
 from ..step.optim import advance_steps, current_state
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size
-from .report import Report
+from .report import Report, precision_summary
 
 
 class TrainStep:
@@ -181,7 +181,8 @@ class TrainStep:
             shapes_cached=self.shapes_cached(), algorithms=list(c.plan.algorithms), micro_batches=c.micro_batches,
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
-            capture_cached=c.imported.from_cache, channels_last=c.channels_last)
+            capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
+            **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the peak: measured by
@@ -263,6 +264,14 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     that fits; ``report()`` lists each count tried). Refused (``MicroBatchingRefused``) for models
     with batch statistics or buffer updates, and for losses that are neither a mean nor a sum over
     samples (checked eagerly; ``loss_reduction="mean"|"sum"`` overrides the check).
+    ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
+    ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
+    group's hyperparameters at every call, so learning-rate schedules work unchanged.
+    ``precision`` ("fp32", the default, or "bf16"): "bf16" captures the forward and the loss under
+    ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16; norms, softmax and
+    losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner
+    counts, and the budget counts bf16 activations at their real size. "fp16" (which needs loss
+    scaling) is not available yet.
     """
     opts = CompileOptions.of(options)
     if opts.micro_batches == "auto":

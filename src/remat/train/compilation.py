@@ -57,6 +57,15 @@ LAYOUT_OPTIONS = ("auto", "NCHW")
 captured."""
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""``precision=``: "fp32" computes in the parameters' dtype; "bf16" captures the forward and the loss
+under ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16, reductions, norms
+and losses in fp32, as torch.autocast's op lists decide; parameters stay fp32 master weights and the
+casts are instructions the planner sees). "fp16" is refused until dynamic loss scaling exists."""
+
+_AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
+
+
 @dataclass(frozen=True)
 class CompileOptions:
     """The options of ``remat.compile`` (documented there), checked before the seconds-long capture."""
@@ -80,6 +89,7 @@ class CompileOptions:
     loss_reduction: str | None = None
     layout: str = "auto"
     max_grad_norm: float | None = None
+    precision: str = "fp32"
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
     @staticmethod
@@ -106,9 +116,22 @@ class CompileOptions:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
+        if self.precision == "fp16":
+            raise NotImplementedError("precision='fp16' needs dynamic loss scaling (GradScaler's semantics), which is "
+                                      "not implemented yet; use precision='bf16' (no loss scaling needed) or 'fp32'")
         unknown = self.shown - set(STAGE_NAMES)
         if unknown:
             raise ValueError(f"print_after: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGE_NAMES)}")
+
+    @property
+    def autocast(self):
+        """The torch dtype the capture runs ``torch.autocast`` in (``precision``), None for fp32."""
+        import torch
+
+        name = _AUTOCAST.get(self.precision)
+        return None if name is None else getattr(torch, name)
 
     @property
     def shown(self) -> set[str]:
@@ -218,7 +241,8 @@ def capture(c: Compilation) -> Compilation:
     from ..frontend.torch_import import import_module
 
     return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
-                                             train=c.model.training, num_targets=c.num_targets))
+                                             train=c.model.training, num_targets=c.num_targets,
+                                             autocast=c.options.autocast))
 
 
 def layout(c: Compilation) -> Compilation:

@@ -113,7 +113,8 @@ def whole_batch_peak(c: "Compilation") -> int:
     from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
     imp = with_layout(import_module(c.model, c.signature.keywords(c.signature.example), c.loss_fn,
-                                    train=c.model.training, num_targets=c.num_targets), c.options.layout)
+                                    train=c.model.training, num_targets=c.num_targets, autocast=c.options.autocast),
+                      c.options.layout)
     joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), c.dialects)
     b = c.binding
     return predict_peak(step_program(joint, b.layout, b.updates, b.state_types, c.keep_grads))

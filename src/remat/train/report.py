@@ -58,6 +58,10 @@ class Report:
     micro_batch_choice: list[str] = field(default_factory=list)  # each micro-batch count tried and why one won
     capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
     channels_last: bool = False  # the convolutions run channels-last (NHWC; the ``layout`` option)
+    precision: str = "fp32"      # the ``precision`` option
+    low_precision_ops: dict[str, int] = field(default_factory=dict)  # op -> instructions computing in bf16/f16
+    casts: int = 0               # dtype casts in the program (mixed precision), and the bytes they produce
+    cast_bytes: int = 0
 
     def __str__(self) -> str:
         def b(v):
@@ -74,6 +78,10 @@ class Report:
             ("peak / unconstrained", f"{self.predicted_peak / self.unconstrained_peak:.1%}"),
             ("solver", self.solver),
             ("layout", "channels-last (NHWC)" if self.channels_last else "as captured"),
+            ("precision", self.precision if self.precision == "fp32" else
+             f"{self.precision} (torch.autocast's op lists; fp32 master weights): "
+             + (", ".join(f"{op} {n}" for op, n in self.low_precision_ops.items()) or "no op")
+             + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
@@ -106,3 +114,21 @@ class Report:
         lines += [f"  algorithm: {a}" for a in self.algorithms]
         lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
         return "\n".join(lines)
+
+
+COMPUTE_OPS = ("matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad", "conv2d_grads", "attention",
+               "attention_grad")
+"""The op classes whose precision the report lists (those torch.autocast runs in low precision)."""
+
+
+def precision_summary(fn: Function) -> tuple[dict[str, int], int, int]:
+    """(op -> instructions of :data:`COMPUTE_OPS` computing in bf16/f16, casts, bytes the casts produce)."""
+    low: dict[str, int] = {}
+    casts = cast_bytes = 0
+    for ins in fn.instructions():
+        if ins.op.name == "cast":
+            casts += 1
+            cast_bytes += ins.results[0].type.nbytes
+        elif ins.op.name in COMPUTE_OPS and ins.results and ins.results[0].type.dtype.name in ("bf16", "f16"):
+            low[ins.op.name] = low.get(ins.op.name, 0) + 1
+    return low, casts, cast_bytes
