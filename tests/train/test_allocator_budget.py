@@ -220,8 +220,8 @@ def test_first_step_inside_a_callers_profiler_measures_nothing_then_the_next_ste
     assert step.report().measured_allocator_peak is not None
 
 
-SGD_STEP = """func @f(%0: f32[64,32], %1: f32[64,32], %2: f32[64,32], %3: i64[]) -> f32[64,32] {
-  %4, %5 = sgd_step %0, %1, %2, %3 {lr=0.1, momentum=0.9} : f32[64,32], f32[64,32]
+SGD_STEP = """func @f(%0: f32[64,32], %1: f32[64,32], %2: f32[64,32], %3: i64[], %6: f64[4]) -> f32[64,32] {
+  %4, %5 = sgd_step %0, %1, %2, %3, %6 : f32[64,32], f32[64,32]
   return %4
 }
 """
@@ -241,8 +241,8 @@ def test_an_optimizer_update_is_measured_in_its_steady_state(tmp_path, monkeypat
         ws = allocator.kernel_workspace(ins, ("torch",))
         p, g, buf = (torch.zeros(64, 32) for _ in range(3))
         two = torch.tensor(2)
-        later = max(profiler_peak(lambda: torch_kernels.sgd_step(p, g, buf, two, lr=0.1, momentum=0.9,
-                                                                  dampening=0.0, weight_decay=0.0, nesterov=False,
+        hyper = torch.full((4,), 0.5, dtype=torch.float64)  # lr, momentum, dampening, weight decay: all on
+        later = max(profiler_peak(lambda: torch_kernels.sgd_step(p, g, buf, two, hyper, nesterov=False,
                                                                   maximize=False)) for _ in range(2))
         assert ws == later
         assert allocator.cache_file().name.startswith(f"v{allocator.CACHE_VERSION}-")

@@ -81,16 +81,20 @@ def _zeros(t) -> Any:
 
 
 STEADY_STEP_OPS = ("sgd_step", "adam_step")
-"""Optimizer updates whose last operand is the 1-based step count: measured at step 2, their
-steady state (SGD's first step only copies the gradient into the momentum buffer and allocates
-nothing; every later step's ``mul_(momentum)`` allocates scalar temporaries)."""
+"""Optimizer updates whose operands end with the 1-based step count and the hyperparameters: measured
+at step 2, their steady state (SGD's first step only copies the gradient into the momentum buffer and
+allocates nothing; every later step's ``mul_(momentum)`` allocates scalar temporaries), with every
+hyperparameter non-zero (momentum, dampening and weight decay on: the costliest form, since a
+schedule may change them at run time)."""
 
 
 def _operands(ins: Instruction) -> list:
-    """The operands a kernel's workspace is measured on: zeros, but an optimizer's step count 2."""
+    """The operands a kernel's workspace is measured on: zeros, but an optimizer's step count 2 and
+    hyperparameters 0.5."""
     args = [_zeros(v.type) for v in ins.operands]
     if ins.op.name in STEADY_STEP_OPS:
-        args[-1].fill_(2)
+        args[-2].fill_(2)
+        args[-1].fill_(0.5)
     return args
 
 
@@ -106,9 +110,10 @@ _disk_loaded = False
 _dirty = False
 
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0; 3: keys name
-the implementation), so that workspaces cached by an older remat are measured again."""
+the implementation; 4: optimizer updates take their hyperparameters as an operand), so that
+workspaces cached by an older remat are measured again."""
 
 
 def _kernels_digest() -> str:
