@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ def _train(model, data, make_opt, steps: int, compiled: bool, loss_fn, budget=No
                 remat.compile(probe, data[0], loss_fn, optimizer=make_opt(probe), budget=1, max_grad_norm=max_grad_norm)
             budget = e.value.minimum
         step = remat.compile(model, data[0], loss_fn, optimizer=opt, budget=budget, max_grad_norm=max_grad_norm)
+    warnings.simplefilter("error", UserWarning)  # e.g. "lr_scheduler.step() before optimizer.step()"
     for k in range(steps):
         if change is not None:
             change(opt, k)

@@ -95,6 +95,8 @@ class TrainStep:
             self.dp.steps += 1
         elif self.updates:
             advance_steps(self.optimizer, b.params, self.updates)
+        if self.updates:
+            self.optimizer._opt_called = True  # as optimizer.step() records it: LR schedulers see the step taken
         return outs[0]
 
     def _run_measuring_allocator(self, args: list, by_kind: bool = False) -> tuple:
