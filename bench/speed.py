@@ -13,7 +13,12 @@ loss, ``remat.compile(model, inputs, optimizer=...)`` with no ``loss_fn``), SGD-
 Every method gets its own fresh copy of the model built from the same seed (same weights, inputs,
 targets). ``--optimizer adamw`` trains them with ``AdamW(lr=1e-3, weight_decay=0.01)`` instead and adds
 ``eager-fused`` (eager with ``AdamW(fused=True)``, torch.optim's fused kernels), writing
-``speed_adamw.json``.
+``speed_adamw.json``. ``--precision bf16`` (issue 42) benches mixed precision as users write it: the
+baseline ``eager`` runs the forward and the loss under ``torch.autocast("cpu", dtype=torch.bfloat16)``
+(backward and optimizer step outside it, fp32 master weights), ``compile`` runs ``torch.compile(model)``
+under the same autocast, the remat methods compile with ``precision="bf16"``, and ``eager-fp32`` (plain
+fp32 eager) is added to show what bf16 buys; every ratio is to eager bf16, and the results go to
+``speed_bf16.json``.
 
 Methods, per model:
 
@@ -23,7 +28,8 @@ Methods, per model:
                     (``BudgetTooSmall``) is recorded with the minimum feasible budget it names;
 * ``remat@25%``     likewise;
 * ``compile``       ``torch.compile(model)`` (default Inductor, a fresh on-disk cache so the compile is
-                    cold; loss and optimizer step eager); ``--no-compile`` skips it.
+                    cold; loss and optimizer step eager); ``--no-compile`` skips it;
+* ``eager-fp32``    (``--precision bf16`` only) eager without autocast, all fp32.
 
 Step time: after set-up and warm-up, ``--rounds`` rounds (default 7) run one step of every method in
 turn, in one process (the start of the order rotates each round). Each model gets a fresh Python
@@ -48,14 +54,19 @@ timing, summing the self time of the matrix-product, convolution and fused-atten
 (:data:`KERNEL_OPS`); eager's, divided by its step time, is the share of its step that no method
 running the same kernels can remove (``kernel_share``: a lower bound on any such method's ratio to
 eager, the yardstick for the stretch target). The issue's targets are computed as pass/fail
-lines; they are reported, never asserted.
+lines; they are reported, never asserted. With ``--precision bf16`` they are issue 42's instead
+(:data:`BF16_TARGETS`): unconstrained remat <= 0.95x eager bf16 and remat@50% <= 1.10x on GPT medium,
+the zoo GPT and the U-Net, and remat's predicted peak == its measured peak <= the budget.
 
 Run:  PYTHONPATH=src .venv/bin/python bench/speed.py [--processes 3] [--no-compile] [--models gpt,gpt-medium] [--quick]
-Writes bench/results/speed.json and speed.csv (speed_quick.* with --quick) and prints the table.
+                                                     [--optimizer adamw] [--precision bf16]
+Writes bench/results/speed.json and speed.csv (speed_quick.* with --quick; speed_adamw.*, speed_bf16.*
+with those options) and prints the table.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -258,6 +269,19 @@ def make_optimizer(kind: str | None, params, fused: bool | None = None) -> torch
     raise ValueError(f"unknown optimizer {kind!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+def autocast(precision: str) -> contextlib.AbstractContextManager:
+    """The context a user's forward and loss run in at ``precision``: ``torch.autocast`` on the CPU in
+    bfloat16 for "bf16", nothing for "fp32"."""
+    if precision == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+
+
 def model_specs(quick: bool, optimizer: str = "sgd") -> dict[str, ModelSpec]:
     """The five models of the issue and the Hugging Face ones, trained with ``optimizer`` (but
     gpt-medium, gradients only); with ``quick`` the same at size tiny (gpt-medium becomes a
@@ -334,8 +358,10 @@ class _Method:
 
 
 # ---------------------------------------------------------------- set-up
-def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor") -> _Method:
-    """eager, or torch.compile'd forward (loss, backward and optimizer step stay eager)."""
+def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor", precision: str = "fp32") -> _Method:
+    """eager, or torch.compile'd forward (loss, backward and optimizer step stay eager). At ``precision``
+    "bf16" the forward and the loss run under autocast (backward and optimizer step outside it, as
+    users write it), except for ``eager-fp32``."""
     model, xs, ts, loss_fn = spec.make()
     t0 = time.perf_counter()
     fwd: Callable = model
@@ -345,8 +371,11 @@ def _eager_like(spec: ModelSpec, method: str, backend: str = "inductor") -> _Met
     wrap = time.perf_counter() - t0
     opt = spec.make_optimizer(model.parameters(), fused=True if method == "eager-fused" else None)
 
+    precision = "fp32" if method == "eager-fp32" else precision
+
     def step() -> torch.Tensor:
-        loss = spec.loss(fwd, xs, ts, loss_fn)
+        with autocast(precision):
+            loss = spec.loss(fwd, xs, ts, loss_fn)
         loss.backward()
         if opt is not None:
             opt.step()
@@ -384,13 +413,14 @@ def report_stages(rep: Any) -> dict[str, float] | None:
 
 
 def timed_remat_compile(model: torch.nn.Module, inputs: tuple, loss_fn: Callable,
-                        optimizer: torch.optim.Optimizer | None, budget: str | None) -> tuple[Any, float, dict]:
+                        optimizer: torch.optim.Optimizer | None, budget: str | None,
+                        precision: str = "fp32") -> tuple[Any, float, dict]:
     """``remat.compile`` with its wall time and the stage split its ``progress`` callback gives."""
     import remat
 
     marks: list[tuple[str, float]] = []
     t0 = time.perf_counter()
-    compiled = remat.compile(model, inputs, loss_fn, optimizer=optimizer, budget=budget,
+    compiled = remat.compile(model, inputs, loss_fn, optimizer=optimizer, budget=budget, precision=precision,
                              progress=lambda msg: marks.append((str(msg), time.perf_counter())))
     end = time.perf_counter()
     if marks and marks[0][1] - t0 > 1e-3:  # argument checks before the first named stage
@@ -398,7 +428,7 @@ def timed_remat_compile(model: torch.nn.Module, inputs: tuple, loss_fn: Callable
     return compiled, end - t0, _stage_split(marks, end)
 
 
-def _remat(spec: ModelSpec, method: str) -> _Method:
+def _remat(spec: ModelSpec, method: str, precision: str = "fp32") -> _Method:
     """remat.compile at the method's budget; BudgetTooSmall gives an ``infeasible`` row with the minimum."""
     from remat import BudgetTooSmall
 
@@ -407,7 +437,8 @@ def _remat(spec: ModelSpec, method: str) -> _Method:
     opt = spec.make_optimizer(model.parameters())
     inputs = xs[0] if spec.hf else xs + ts
     try:
-        compiled, row.setup_s, progress = timed_remat_compile(model, inputs, loss_fn, opt, remat_budget(method))
+        compiled, row.setup_s, progress = timed_remat_compile(model, inputs, loss_fn, opt, remat_budget(method),
+                                                              precision)
     except BudgetTooSmall as e:
         row.status, row.error = "infeasible", _err(e)
         row.budget_bytes, row.minimum_budget_bytes = int(e.budget), int(e.minimum)
@@ -451,19 +482,19 @@ sys.path.insert(0, spec["bench"])
 from speed import make_optimizer
 opt = make_optimizer(spec["optimizer"], model.parameters())
 t0 = time.perf_counter()
-remat.compile(model, inputs, loss_fn, optimizer=opt, budget=None)
+remat.compile(model, inputs, loss_fn, optimizer=opt, budget=None, precision=spec["precision"])
 print(json.dumps({"setup_s": time.perf_counter() - t0, "threads": torch.get_num_threads()}))
 """
 
 
-def fresh_process_setup(spec: ModelSpec, timeout: float = 600.0) -> float:
+def fresh_process_setup(spec: ModelSpec, precision: str = "fp32", timeout: float = 600.0) -> float:
     """Wall time of ``remat.compile`` (budget None) of ``spec``'s model in a new Python process: only
     on-disk caches survive, as for a user running the same script again. Imports are not counted."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     arg = json.dumps({"zoo_name": spec.zoo_name, "size": spec.size, "kwargs": dict(spec.kwargs),
                       "optimizer": spec.optimizer_kind if spec.optimizer else None,
-                      "bench": str(Path(__file__).resolve().parent),
+                      "bench": str(Path(__file__).resolve().parent), "precision": precision,
                       "threads": torch.get_num_threads()})
     p = subprocess.run([sys.executable, "-c", _FRESH_PROCESS, arg], capture_output=True, text=True, env=env,
                        timeout=timeout)
@@ -524,17 +555,21 @@ def _fail(m: _Method, e: BaseException, verbose: bool) -> None:
 def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], None]) -> list[SpeedRow]:
     """Set up every method for one model, warm up, measure each one's peak, then time ``args.rounds``
     alternating rounds. Returns one row per method (eager first)."""
-    names = (["eager"] + (["eager-fused"] if spec.optimizer and spec.optimizer_kind == "adamw" else [])
+    names = (["eager"] + (["eager-fp32"] if args.precision == "bf16" else [])
+             + (["eager-fused"] if spec.optimizer and spec.optimizer_kind == "adamw" else [])
              + ["remat", *(f"remat@{b}" for b in args.budgets)] + ([] if args.no_compile else ["compile"]))
     # one untimed eager step of a throwaway copy: process-wide one-time costs land on nobody
     model, xs, ts, loss_fn = spec.make()
-    spec.loss(model, xs, ts, loss_fn).backward()
-    del model
+    with autocast(args.precision):
+        loss = spec.loss(model, xs, ts, loss_fn)
+    loss.backward()
+    del model, loss
     methods: list[_Method] = []
     for name in names:
         t = time.perf_counter()
         try:
-            methods.append(_remat(spec, name) if _is_remat(name) else _eager_like(spec, name, args.compile_backend))
+            methods.append(_remat(spec, name, args.precision) if _is_remat(name)
+                           else _eager_like(spec, name, args.compile_backend, args.precision))
         except Exception as e:
             m = _Method(SpeedRow(spec.name, name), torch.nn.Module(), None, (), lambda: torch.zeros(()))
             _fail(m, e, args.verbose)
@@ -595,11 +630,11 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
             try:
                 # the same model object, compiled again (no optimizer state is touched by compiling)
                 _, r.setup2_s, stages = timed_remat_compile(first.model, first.inputs, first.loss_fn,
-                                                            first.optimizer, None)
+                                                            first.optimizer, None, args.precision)
                 r.extra["setup2_stages_progress"] = stages
                 log(f"{spec.name}: second remat.compile in process {r.setup2_s:.1f} s")
                 if not args.no_fresh_process:
-                    r.setup2_fresh_process_s = fresh_process_setup(spec)
+                    r.setup2_fresh_process_s = fresh_process_setup(spec, args.precision)
                     log(f"{spec.name}: remat.compile in a fresh process {r.setup2_fresh_process_s:.1f} s")
             except Exception as e:
                 r.extra["setup2_error"] = _err(e)
@@ -636,9 +671,16 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
 
 
 # ---------------------------------------------------------------- targets and output
-def targets(rows: list[SpeedRow]) -> list[dict]:
+BF16_TARGETS = {"remat": 0.95, "remat@50%": 1.10}
+"""Issue 42's step-time targets with ``--precision bf16``: a remat method's limit on its ratio to eager
+bf16 autocast, on :data:`BF16_MODELS`."""
+BF16_MODELS = ("gpt-medium", "gpt", "unet")
+
+
+def targets(rows: list[SpeedRow], precision: str = "fp32") -> list[dict]:
     """The issue's targets as pass/fail lines ``{model, target, value, met, note}`` (met None: not
-    measured). Reported, not asserted."""
+    measured). Reported, not asserted. ``precision`` "bf16": issue 42's (:data:`BF16_TARGETS`) instead
+    of issue 8's; the cross-checks of remat's accounting either way."""
     by = {(r.model, r.method): r for r in rows}
     out: list[dict] = []
 
@@ -646,12 +688,37 @@ def targets(rows: list[SpeedRow]) -> list[dict]:
         out.append({"model": model, "target": target, "value": value,
                     "met": None if value is None or limit is None else value <= limit, "note": note})
 
-    models = list(dict.fromkeys(r.model for r in rows))
-    for name in models:
-        r = by.get((name, "remat"))
+    def step_target(name: str, method: str, target: str, limit: float) -> None:
+        r = by.get((name, method))
+        if r is not None and r.status == "infeasible":
+            out.append({"model": name, "target": target, "value": None, "met": False,
+                        "note": f"infeasible: minimum budget {r.minimum_budget_bytes} B"})
+            return
         ok = r is not None and r.status == "ok"
-        add(name, "remat unconstrained step / eager <= 1.0", r.x_eager if ok else None, 1.0,
-            "" if ok else (r.error if r else "not run"))
+        add(name, target, r.x_eager if ok else None, limit, "" if ok else (r.error if r else "not run"))
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    if precision == "bf16":
+        for method, limit in BF16_TARGETS.items():
+            for name in (m for m in BF16_MODELS if m in models):
+                label = "remat unconstrained" if method == "remat" else method
+                step_target(name, method, f"{label} step / eager bf16 <= {limit:.2f}", limit)
+    else:
+        _fp32_targets(models, by, add, step_target)
+    # cross-checks of remat's accounting: predicted == VM-measured peak, peak within budget
+    for r in rows:
+        if _is_remat(r.method) and r.status == "ok" and r.predicted_peak is not None:
+            out.append({"model": r.model, "target": f"{r.method} predicted peak == VM-measured peak",
+                        "value": r.vm_peak, "met": r.vm_peak == r.predicted_peak, "note": f"predicted {r.predicted_peak}"})
+            if r.budget_bytes is not None:
+                add(r.model, f"{r.method} VM peak / budget <= 1", _ratio(r.vm_peak, r.budget_bytes), 1.0)
+    return out
+
+
+def _fp32_targets(models: list[str], by: dict, add: Callable, step_target: Callable) -> None:
+    """Issue 8's targets (step time, allocator peak and setup, against fp32 eager)."""
+    for name in models:
+        step_target(name, "remat", "remat unconstrained step / eager <= 1.0", 1.0)
     for name in models:
         r = by.get((name, "remat"))
         e = by.get((name, "eager"))
@@ -659,14 +726,8 @@ def targets(rows: list[SpeedRow]) -> list[dict]:
         add(name, "remat unconstrained step / eager <= 0.85 (stretch)", r.x_eager if r else None, 0.85,
             "" if share is None else f"eager's step is {share:.2f} matrix-product/convolution/attention kernels")
     for name in ("gpt-medium", "unet"):
-        if name not in models:
-            continue
-        r = by.get((name, "remat@50%"))
-        if r is not None and r.status == "infeasible":
-            out.append({"model": name, "target": "remat@50% step / eager <= 1.15", "value": None, "met": False,
-                        "note": f"infeasible: minimum budget {r.minimum_budget_bytes} B"})
-        else:
-            add(name, "remat@50% step / eager <= 1.15", r.x_eager if r else None, 1.15, r.error if r else "not run")
+        if name in models:
+            step_target(name, "remat@50%", "remat@50% step / eager <= 1.15", 1.15)
     for name in models:
         r = by.get((name, "remat"))
         add(name, "remat unconstrained allocator peak / eager's <= 1", r.peak_x_eager if r else None, 1.0)
@@ -676,14 +737,6 @@ def targets(rows: list[SpeedRow]) -> list[dict]:
         add("gpt-medium", "setup, second remat.compile (same process) <= 3 s", r.setup2_s if r else None, 3.0)
         add("gpt-medium", "setup, second remat.compile (fresh process) <= 3 s",
             r.setup2_fresh_process_s if r else None, 3.0)
-    # cross-checks of remat's accounting: predicted == VM-measured peak, peak within budget
-    for r in rows:
-        if _is_remat(r.method) and r.status == "ok" and r.predicted_peak is not None:
-            out.append({"model": r.model, "target": f"{r.method} predicted peak == VM-measured peak",
-                        "value": r.vm_peak, "met": r.vm_peak == r.predicted_peak, "note": f"predicted {r.predicted_peak}"})
-            if r.budget_bytes is not None:
-                add(r.model, f"{r.method} VM peak / budget <= 1", _ratio(r.vm_peak, r.budget_bytes), 1.0)
-    return out
 
 
 def _f(x: float | None, spec: str) -> str:
@@ -755,6 +808,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                    help="the models' optimizer (default sgd: SGD momentum 0.9; adamw: AdamW, with eager also run "
                         "with torch.optim's fused kernels as 'eager-fused'); results go to speed_adamw.* then")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="fp32 (default) or bf16: eager and torch.compile run their forward and loss under "
+                        "torch.autocast('cpu', dtype=torch.bfloat16), remat compiles with precision='bf16', "
+                        "'eager-fp32' is added, ratios are to eager bf16; results go to speed_bf16.* then")
     p.add_argument("--no-second-compile", action="store_true", help="skip GPT medium's second remat.compile")
     p.add_argument("--no-fresh-process", action="store_true",
                    help="skip the second remat.compile in a fresh subprocess (the in-process one still runs)")
@@ -811,7 +868,7 @@ def _child_argv(args: argparse.Namespace, name: str, rows_json: Path, first: boo
     """The command line of a fresh process that benches ``name`` alone with this run's settings
     (not ``first``: without torch.compile and the second remat.compile, measured once per model)."""
     argv = ["--models", name, "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
-            "--optimizer", args.optimizer,
+            "--optimizer", args.optimizer, "--precision", args.precision,
             "--budgets", ",".join(args.budgets), "--compile-backend", args.compile_backend, "--rows-json", str(rows_json)]
     flags = {"--quick": args.quick, "--no-compile": args.no_compile or not first,
              "--no-second-compile": args.no_second_compile or not first,
@@ -886,7 +943,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
         return {"rows": rows}
     specs = model_specs(args.quick, args.optimizer)
-    comps = targets(rows)
+    comps = targets(rows, args.precision)
     config = {"quick": args.quick, "models": {n: dataclasses.asdict(specs[n]) for n in args.models},
               "rounds": args.rounds, "warmup": args.warmup, "compile": not args.no_compile,
               "compile_backend": args.compile_backend, "cold_compile_cache": _fresh_inductor_cache(args),
@@ -896,14 +953,20 @@ def main(argv: list[str] | None = None) -> dict:
               "optimizer": (f"SGD(lr={LR}, momentum={MOMENTUM})" if args.optimizer == "sgd" else
                             f"AdamW(lr={ADAMW_LR}, weight_decay={ADAMW_WEIGHT_DECAY}), eager-fused with fused=True")
               + " (gpt-medium: none, gradients only)",
+              "precision": args.precision,
+              "baseline": ("eager, forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)"
+                           if args.precision == "bf16" else "eager fp32"),
               "transformers": _transformers_version(),
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
               # CPU time of this process and the models' processes (a fresh-process compile only as a model's)
               "cpu_s": time.process_time() - cpu_start
               + resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - child_cpu0}
     print()
+    if args.precision != "fp32":
+        print(f"precision {args.precision}: every 'x eager' is a ratio to {config['baseline']}\n")
     print_table(rows, comps)
-    stem = "speed" + ("" if args.optimizer == "sgd" else f"_{args.optimizer}") + ("_quick" if args.quick else "")
+    stem = ("speed" + ("" if args.optimizer == "sgd" else f"_{args.optimizer}")
+            + ("" if args.precision == "fp32" else f"_{args.precision}") + ("_quick" if args.quick else ""))
     jp, cp = write_results(rows, comps, config, args.out, stem)
     print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s wall, {config['cpu_s']:.0f} s CPU, "
           f"{config['threads']} threads)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 import sys
@@ -155,6 +156,13 @@ def test_targets_by_hand() -> None:
     assert t[("gpt-medium", "setup, second remat.compile (same process) <= 3 s")]["met"] is False
     assert t[("gpt-medium", "setup, second remat.compile (fresh process) <= 3 s")]["met"] is True
     assert t[("gpt-medium", "remat unconstrained allocator peak / eager's <= 1")]["met"] is None  # not measured
+    # --precision bf16: issue 42's targets against eager bf16 instead of issue 8's; the cross-checks stay
+    b = {(c["model"], c["target"]): c for c in speed.targets(rows, "bf16")}
+    assert b[("unet", "remat unconstrained step / eager bf16 <= 0.95")]["met"] is True
+    assert b[("unet", "remat@50% step / eager bf16 <= 1.10")]["met"] is False
+    assert "minimum budget 70 B" in b[("gpt-medium", "remat@50% step / eager bf16 <= 1.10")]["note"]
+    assert b[("unet", "remat@50% VM peak / budget <= 1")]["met"] is True
+    assert not any("<= 1.0" in target or "setup" in target for _, target in b)
 
 
 def test_stage_helpers() -> None:
@@ -168,12 +176,14 @@ def test_stage_helpers() -> None:
 
 def test_child_argv_repeats_the_settings(tmp_path: Path) -> None:
     a = speed.parse_args(["--models", "mlp,unet", "--rounds", "4", "--warmup", "3", "--threads", "1", "--budgets", "60%",
-                          "--no-compile", "--no-fresh-process", "--quick", "--process-per-model", "--optimizer", "adamw"])
+                          "--no-compile", "--no-fresh-process", "--quick", "--process-per-model", "--optimizer", "adamw",
+                          "--precision", "bf16"])
     c = speed.parse_args(speed._child_argv(a, "unet", tmp_path / "rows.json"))
     assert c.models == ["unet"] and c.rows_json == tmp_path / "rows.json" and c.one_process
     later = speed.parse_args(speed._child_argv(speed.parse_args(["--models", "unet"]), "unet", tmp_path / "r", first=False))
     assert later.no_compile and later.no_second_compile  # measured in a model's first process only
-    for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "optimizer", "no_compile", "no_second_compile",
+    for k in ("rounds", "warmup", "threads", "budgets", "compile_backend", "quick", "optimizer", "precision", "no_compile",
+              "no_second_compile",
               "no_fresh_process", "warm_remat_cache"):
         assert getattr(c, k) == getattr(a, k), k
 
@@ -245,3 +255,22 @@ def test_adamw_run(tmp_path: Path) -> None:
     assert list(rows) == ["eager", "eager-fused", "remat", "remat@95%"]
     for m in ("eager", "eager-fused", "remat"):
         assert rows[m]["status"] == "ok" and rows[m]["loss0"] == pytest.approx(rows["eager"]["loss0"], rel=1e-5)
+
+
+def test_bf16_run(tmp_path: Path) -> None:
+    """--precision bf16: eager (the baseline) and remat in bf16, eager-fp32 beside them, every ratio to eager bf16."""
+    speed.main(["--quick", "--precision", "bf16", "--models", "gpt-medium", "--no-compile", "--no-second-compile",
+                "--rounds", "2", "--budgets", "95%", "--threads", "1", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "speed_bf16_quick.json").read_text())
+    assert doc["config"]["precision"] == "bf16" and "torch.autocast" in doc["config"]["baseline"]
+    rows = {r["method"]: r for r in doc["rows"]}
+    assert list(rows) == ["eager", "eager-fp32", "remat", "remat@95%"]
+    for m, r in rows.items():
+        assert r["status"] == "ok", (m, r["error"])
+        assert math.isfinite(r["x_eager"]) and r["x_eager"] > 0 and math.isfinite(r["peak_x_eager"])
+        assert r["loss0"] == pytest.approx(rows["eager"]["loss0"], rel=2e-2)  # bf16 rounding, same weights and data
+    assert rows["eager"]["x_eager"] == 1.0
+    assert rows["remat"]["extra"]["report"]["precision"] == rows["remat@95%"]["extra"]["report"]["precision"] == "bf16"
+    t = {c["target"]: c for c in doc["comparisons"]}
+    assert t["remat unconstrained step / eager bf16 <= 0.95"]["value"] == rows["remat"]["x_eager"]
+    assert t["remat predicted peak == VM-measured peak"]["met"] is True
