@@ -59,7 +59,7 @@ from transformers.trainer_callback import PrinterCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure_peak, mib as _mib, resident_bytes  # noqa: E402
-from speed import HF_MODELS, _hf_text, _transformers_version  # noqa: E402
+from speed import HF_MODELS, _f, _hf_text, _transformers_version  # noqa: E402
 from train_bench import _err, _num, _ratio, _report_dict, write_results  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -319,10 +319,6 @@ def targets(rows: list[Row]) -> list[dict]:
     return out
 
 
-def _f(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def print_table(rows: list[Row], comps: list[dict]) -> None:
     hdr = (f"{'model':11} {'method':14} {'peak MiB':>9} {'x eager':>7} {'step ms':>8} {'x eager':>7} {'x ckpt':>7} "
            f"{'setup s':>7} {'loss diff':>9}")
@@ -352,7 +348,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="alternating timed rounds (default 5; 2 with --quick)")
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps per train() call (default 5; 2 with --quick)")
-    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, as train_bench.py)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1, as train_bench.py; "
+                   "0 keeps torch's default)")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (trainer.json/.csv; trainer_quick.* "
                    "with --quick)")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failing methods")
@@ -361,9 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.steps = a.steps if a.steps is not None else (2 if a.quick else 5)
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
     a.budgets = tuple(b.strip() for b in a.budgets.split(",") if b.strip())
-    for m in a.models:
-        if m not in MODELS:
-            p.error(f"unknown model {m!r}; valid: {', '.join(MODELS)}")
+    unknown = [m for m in a.models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown models {', '.join(unknown)}; valid: {', '.join(MODELS)}")
     if not a.budgets or any(not b.endswith("%") for b in a.budgets):
         p.error("--budgets: percentages such as 80%,60%")
     if a.rounds < 1 or a.steps < 1:
@@ -373,9 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()  # one notice per model built: noise in the bench's output
+    torch.set_num_threads(args.threads or torch.get_num_threads())
     t_start = time.perf_counter()
 
     def log(msg: str) -> None:
