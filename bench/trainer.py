@@ -60,7 +60,7 @@ from transformers.trainer_callback import PrinterCallback
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure_peak, mib as _mib, resident_bytes  # noqa: E402
 from speed import HF_MODELS, _f, _hf_text, _transformers_version  # noqa: E402
-from train_bench import _err, _num, _ratio, _report_dict, write_results  # noqa: E402
+from train_bench import _err, _num, _ratio, _report_dict, show_and_write  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CANDIDATE_BUDGETS = ("90%", "80%", "70%", "60%", "50%", "40%")
@@ -388,11 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
               "layers": 2 if args.quick else 4, "optimizer": f"AdamW (adamw_torch, lr={LR})",
               "schedule": f"cosine, warmup {WARMUP_RATIO:.0%} of each run's steps", "max_grad_norm": 1.0,
               "transformers": _transformers_version(), "wall_s": time.perf_counter() - t_start}
-    print()
-    print_table(rows, comps)
-    jp, cp = write_results(rows, comps, config, args.out, "trainer_quick" if args.quick else "trainer")
-    print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s)")
-    return {"rows": rows, "comparisons": comps, "config": config}
+    return show_and_write(rows, comps, config, args.out, "trainer_quick" if args.quick else "trainer", print_table)
 
 
 if __name__ == "__main__":
