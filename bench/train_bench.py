@@ -361,6 +361,17 @@ def write_results(rows: list[Row], comps: list[dict], config: dict, out_dir: Pat
     return jp, cp
 
 
+def show_and_write(rows: list, comps: list[dict], config: dict, out_dir: Path, stem: str,
+                   print_table: Callable[[list, list[dict]], None]) -> dict:
+    """A run's end: ``print_table(rows, comps)``, ``<stem>.json``/``.csv`` written (:func:`write_results`),
+    and the run as ``{"rows", "comparisons", "config"}``."""
+    print()
+    print_table(rows, comps)
+    jp, cp = write_results(rows, comps, config, out_dir, stem)
+    print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s)")
+    return {"rows": rows, "comparisons": comps, "config": config}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
@@ -438,11 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
               "compile_budgets": list(args.compile_budgets), "remat": not args.no_remat,
               "remat_budgets": list(REMAT_BUDGETS), "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM})",
               "wall_s": time.perf_counter() - t_start}
-    print()
-    print_table(rows, comps)
-    jp, cp = write_results(rows, comps, config, args.out, "train_bench_quick" if args.quick else "train_bench")
-    print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s)")
-    return {"rows": rows, "comparisons": comps, "config": config}
+    return show_and_write(rows, comps, config, args.out, "train_bench_quick" if args.quick else "train_bench",
+                          print_table)
 
 
 if __name__ == "__main__":
