@@ -38,12 +38,19 @@ def _fraction_of(budget) -> float | None:
             if not 0 < frac <= 1:
                 raise ValueError(f"a fractional memory budget must be in (0, 1], got {frac}")
             return frac
+        if _POINT_NUMBER.fullmatch(budget.strip()):  # a number with a point: what the float it spells means
+            return _fraction_of(float(budget))
     return None
+
+
+_POINT_NUMBER = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")
 
 
 def parse_budget(budget, reference: int | None = None) -> int:
     """Bytes from an int, a size string ('1.5GiB', '800 MB', '12345'), a percentage string
-    ('40%') or a float fraction in (0, 1] of ``reference`` (e.g. the unconstrained peak).
+    ('40%') or a float fraction in (0, 1] of ``reference`` (e.g. the unconstrained peak). A string
+    spelling a number means that number ('0.5' is 0.5: half the reference; '1000' is 1000 bytes); a
+    whole float above 1 is bytes (``100.0`` is 100 bytes, where ``1.0`` is the whole reference).
 
     Raises ValueError saying what was wrong and what is valid.
     """
@@ -51,6 +58,8 @@ def parse_budget(budget, reference: int | None = None) -> int:
              "or a fraction in (0, 1] of the unconstrained peak")
     if isinstance(budget, bool):
         raise ValueError(f"memory budget {budget!r} is not valid; give {valid}")
+    if isinstance(budget, str) and _POINT_NUMBER.fullmatch(budget.strip()):
+        budget = float(budget)  # '0.5' means 0.5 (half the reference), '2.5' what 2.5 means (not valid)
     if isinstance(budget, int) or (hasattr(budget, "__index__") and not isinstance(budget, float)):
         b = int(budget)
         if b <= 0:

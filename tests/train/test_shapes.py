@@ -46,7 +46,7 @@ def test_new_shapes_compile_and_cache_a_plan_under_the_same_budget():
     assert len(news) == 2 and "[5, 24]" in news[0] and "[16, 9]" in news[1], messages
     rep = step.report()
     assert rep.shapes_cached == 3 and "input shapes cached" in str(rep)
-    for sub in step._shape_steps.values():  # each shape's plan: within the first shapes' byte budget
+    for sub in step._variants.values():  # each shape's plan: within the first shapes' byte budget
         r = sub.report()
         assert r.budget == budget and r.measured_peak == r.predicted_peak <= budget
 
@@ -77,6 +77,6 @@ def test_shapes_the_model_cannot_take_are_a_type_error_naming_them():
     step = remat.compile(model, _batch(4, 6), _ce, keep_grads=True, progress=lambda m: None)
     x, y = _batch(4, 6)
     with pytest.raises(TypeError, match=r"argument 0: expected torch.int64\[4, 6\] \(as compiled\), got torch.int64"
-                                        r"\[3, 6\]\) and compiling a plan for them failed"):
+                                        r"\[3, 6\]\) and compiling a step for it failed"):
         step(x[:3], y)  # inputs and targets disagree on the batch
     assert step.report().shapes_cached == 1

@@ -59,7 +59,8 @@ def _adam(group, gi: int, decoupled: bool) -> ParamUpdate:
 def _make_update(optimizer) -> Callable[[dict, int], ParamUpdate]:
     import torch
 
-    kinds = {torch.optim.SGD: _sgd, torch.optim.Adam: partial(_adam, decoupled=False),
+    # Adam(decoupled_weight_decay=True) is AdamW (its param groups say so; AdamW's too).
+    kinds = {torch.optim.SGD: _sgd, torch.optim.Adam: lambda g, gi: _adam(g, gi, g.get("decoupled_weight_decay", False)),
              torch.optim.AdamW: partial(_adam, decoupled=True)}
     make = kinds.get(type(optimizer))
     if make is None:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import BudgetTooSmall, format_bytes
 from ..step.optim import advance_steps, current_state
+from .against import Against
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size
 from .report import Report, precision_summary
@@ -46,13 +47,17 @@ class TrainStep:
         # program and so the split are the same at every step).
         self.kind_stats = None
         self.last_seconds: float | None = None
-        self._shape_steps: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes
+        self._variants: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes or model states
+        self._against = Against.now(c.model, c.options.precision)  # what this step was compiled against
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs, **keyword_inputs):
         """One training step on ``inputs`` (model inputs then targets, or the keywords compiled
         with); returns the loss (a 0-d tensor). Other sizes of the same dtypes and ranks compile
-        (once) a plan of their own under the same budget.
+        (once) a plan of their own under the same budget, and so does a model changed since compile
+        (``model.eval()``, a replaced, frozen or unfrozen parameter, another dtype, a caller's
+        ``torch.autocast``: :class:`~remat.train.against.Against`), announced once: a step never
+        runs stale.
 
         Atomic for bad arguments and out-of-range indices (class targets, token ids): they raise
         before anything is written, so parameters, gradients, buffers and ``optimizer.state_dict()``
@@ -60,12 +65,16 @@ class TrainStep:
         after a step succeeded). The program places no in-place update before the first check of
         each index value (``step.program.last_new_index_check``); a kernel failing after the first
         update (out of memory in the backward, say) is the one case that leaves updates applied."""
+        inputs = self.signature.positional(inputs, keyword_inputs)
+        now = Against.now(self.model, self.compilation.options.precision)
+        if now != self._against or self.signature.other_shapes(inputs):
+            return self._call_variant(inputs, now)
+        return self._run(inputs)
+
+    def _run(self, inputs: tuple):
         import torch
 
         b = self.binding
-        inputs = self.signature.positional(inputs, keyword_inputs)
-        if self.signature.other_shapes(inputs):
-            return self._call_other_shapes(inputs)
         self.signature.check(inputs)
         opt_step, state = b.calls, None
         if self.updates:
@@ -80,9 +89,11 @@ class TrainStep:
         if (self.measured_allocator_peak is None and self.budget is not None and self.compilation.options.measure_allocator
                 and not torch._C._autograd._profiler_enabled()):  # a profiler of the caller's: not nested
             outs, stats = self._run_measuring_allocator(args, by_kind)
+        elif torch.is_autocast_enabled("cpu"):  # the precision is the program's: the caller's autocast is off in it
+            with torch.autocast("cpu", enabled=False):
+                outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
         else:
-            outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak",
-                                                  by_kind=by_kind)
+            outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
         if state is not None:  # the step succeeded: now the optimizer owns the state it updated
             b.bind_state(state)
         self.last_seconds = time.perf_counter() - t0
@@ -112,39 +123,46 @@ class TrainStep:
         self.measured_allocator_peak = sum(p.type.nbytes for p in self.program.params) + peak_of_trace(events)[0]
         return outs, stats
 
-    def _call_other_shapes(self, inputs: Sequence):
-        """One step on inputs of other shapes: with the plan cached for them, compiled on first
-        sight under the same byte budget (the model, optimizer and options are this step's)."""
-        key = tuple(tuple(t.shape) for t in inputs)
-        sub = self._shape_steps.get(key)
+    def _call_variant(self, inputs: tuple, now: Against):
+        """One step on inputs of other shapes, or on a model changed since compile: with the step
+        cached for them, compiled on first sight under the same byte budget (the model, optimizer and
+        options are this step's; the precision the caller's autocast asks for)."""
+        key = (tuple(tuple(t.shape) for t in inputs), now)
+        sub = self._variants.get(key)
         if sub is None:
+            changed = self._against.changes(now, self.model)
+            if self.signature.other_shapes(inputs):
+                changed.insert(0, "new input shapes " + ", ".join(str(list(k)) for k in key[0]))
+            what = "; ".join(changed)
             if self.dp is not None:
-                raise TypeError(f"a data-parallel step runs one compiled shape "
-                                f"({[list(s) for s, _ in self.signature.types]}); got {[list(k) for k in key]}: "
-                                "compile a step per shape (all ranks alike)")
+                raise TypeError(f"a data-parallel step runs as compiled ({[list(s) for s, _ in self.signature.types]}"
+                                f" and the model as it was); got {what}: compile a step for it (all ranks alike)")
             budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
-            announce = self.compilation.options.progress or _announce
-            announce(f"remat: new input shapes {', '.join(str(list(k)) for k in key)}: compiling a plan for "
-                     f"them ({budget}, as for the first shapes); {len(self._shape_steps) + 1} shape(s) cached so far")
             c = self.compilation
+            (c.options.progress or _announce)(f"remat: {what}: compiling a step for it ({budget}, as before); "
+                                              f"{len(self._variants) + 2} step(s) cached so far")
             try:
                 sub = TrainStep(compile_step(self.model, self.signature.keywords(tuple(inputs)), c.loss_fn,
-                                             self.optimizer, self.budget, replace(c.options, full_batch_peak=None)))
+                                             self.optimizer, self.budget,
+                                             replace(c.options, full_batch_peak=None, precision=now.precision)))
             except BudgetTooSmall:
                 raise
             except Exception as e:  # noqa: BLE001  shapes the model cannot take (e.g. inputs and targets disagree)
                 first = (str(e).strip().splitlines() or [""])[0]
-                raise TypeError(f"the training step got other shapes ({self.signature.differences(inputs)}) and "
-                                f"compiling a plan for them failed: {type(e).__name__}: {first}") from e
-            self._shape_steps[key] = sub
-        sub.binding.calls = self.binding.calls  # one step count (and dropout seed sequence) across shapes
-        loss = sub(*inputs) if self.signature.names is None else sub(**self.signature.keywords(tuple(inputs)))
-        self.binding.calls = sub.binding.calls
-        return loss
+                differ = self.signature.differences(inputs)
+                raise TypeError(f"the training step got {what}{f' ({differ})' if differ else ''} and compiling a "
+                                f"step for it failed: {type(e).__name__}: {first}") from e
+            self._variants[key] = sub
+        sub.binding.calls = self.binding.calls  # one step count (and dropout seed sequence) across variants
+        try:
+            return sub._run(inputs)
+        finally:
+            self.binding.calls = sub.binding.calls
 
     def shapes_cached(self) -> int:
-        """How many input shapes have a compiled plan: the example's, and each other one met."""
-        return 1 + len(self._shape_steps)
+        """How many compiled steps this one holds: the example's, and one for each other input
+        shape or model state met."""
+        return 1 + len(self._variants)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

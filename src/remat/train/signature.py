@@ -54,6 +54,10 @@ class Signature:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
                 raise TypeError(f"{self.arg_name(k)} of the training step: expected {dtype}{list(shape)} (as "
                                 f"compiled; other sizes of the same dtype and rank get a plan of their own), got {got}")
+            if getattr(t, "requires_grad", False):
+                raise TypeError(f"{self.arg_name(k)} of the training step requires grad, but the step computes the "
+                                "gradients of the model's parameters only (an input gets none): pass it detached "
+                                "(x.detach()), or make it a parameter of the model")
 
     def other_shapes(self, inputs: Sequence) -> bool:
         """Whether ``inputs`` are the compiled tensors with other shapes (a new batch size or

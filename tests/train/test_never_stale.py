@@ -1,0 +1,162 @@
+"""A step never runs stale: what it was compiled against (training mode, parameters, their
+``requires_grad`` and dtype, the precision) is checked at every call, and a change is followed by
+a step compiled for it, as eager PyTorch would follow it."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from _train_util import eager_loss, make, rel_err
+
+
+def _sgd(model):
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def _eager_step(model, opt, inputs, loss_fn):
+    opt.zero_grad()
+    loss = eager_loss(model, inputs, loss_fn)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def _assert_models_close(a, b, tol=1e-5):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert rel_err(p, q) <= tol, f"{n}: {rel_err(p, q):.2e}"
+    for (n, x), y in zip(a.named_buffers(), b.buffers()):
+        assert torch.equal(x, y) if not x.is_floating_point() else rel_err(x, y) <= tol, n
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt"])
+def test_eval_after_compile_runs_in_eval_mode_like_eager(name):
+    """A ResNet in eval mode normalises with its running statistics and leaves them alone; a GPT
+    in eval drops no activations."""
+    kw = {"dropout": 0.1} if name == "gpt" else {}
+    model, inputs, loss_fn = make(name, **kw)
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    messages = []
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=_sgd(m_r), progress=messages.append)
+    o_e = _sgd(m_e)
+    step(*inputs)
+    with torch.no_grad():  # dropout: same parameters after a first step in train mode, by construction
+        for p, q in zip(m_e.parameters(), m_r.parameters()):
+            p.copy_(q)
+        for x, y in zip(m_e.buffers(), m_r.buffers()):
+            x.copy_(y)
+    o_e.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))  # its own buffers, not remat's
+    m_r.eval(), m_e.eval()
+    got = step(*inputs)
+    want = _eager_step(m_e, o_e, inputs, loss_fn)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    _assert_models_close(m_r, m_e)
+    assert any("model.eval() was called" in m for m in messages)
+    m_r.train()
+    step(*inputs)  # back to the first step: no new compile
+    assert step.shapes_cached() == 2
+
+
+def test_a_replaced_parameter_is_used():
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    step = remat.compile(m_r, inputs, loss_fn)  # gradients into .grad
+    step(*inputs)
+    name, old = list(m_r.named_parameters())[0]
+    new = torch.nn.Parameter(torch.randn_like(old))
+    owner = m_r.get_submodule(name.rsplit(".", 1)[0]) if "." in name else m_r
+    setattr(owner, name.rsplit(".", 1)[-1], new)
+    setattr(m_e.get_submodule(name.rsplit(".", 1)[0]) if "." in name else m_e, name.rsplit(".", 1)[-1],
+            torch.nn.Parameter(new.detach().clone()))
+    for p in [old, *m_r.parameters()]:
+        p.grad = None
+    step(*inputs)
+    eager_loss(m_e, inputs, loss_fn).backward()
+    assert new.grad is not None and old.grad is None  # the new parameter gets its gradient, the orphan none
+    for (n, p), q in zip(m_r.named_parameters(), m_e.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, n
+
+
+def test_a_replaced_parameter_not_in_the_optimizer_is_a_clear_error():
+    model, inputs, loss_fn = make("mlp")
+    step = remat.compile(model, inputs, loss_fn, optimizer=_sgd(model))
+    step(*inputs)
+    name = list(model.named_parameters())[0][0]
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    setattr(owner, name.rsplit(".", 1)[-1], torch.nn.Parameter(torch.zeros_like(getattr(owner, name.rsplit(".", 1)[-1]))))
+    with pytest.raises(TypeError, match=f"parameter {name} was replaced.*not in the optimizer"):
+        step(*inputs)
+
+
+def test_freezing_and_unfreezing_after_compile_follow_eager():
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    o_r, o_e = _sgd(m_r), _sgd(m_e)
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=o_r)
+    step(*inputs), _eager_step(m_e, o_e, inputs, loss_fn)
+    head_r, head_e = list(m_r.parameters())[-1], list(m_e.parameters())[-1]
+    head_r.requires_grad_(False), head_e.requires_grad_(False)  # frozen: no update any more
+    step(*inputs), _eager_step(m_e, o_e, inputs, loss_fn)
+    _assert_models_close(m_r, m_e)
+    head_r.requires_grad_(True), head_e.requires_grad_(True)  # trainable again: updated again
+    step(*inputs), _eager_step(m_e, o_e, inputs, loss_fn)
+    _assert_models_close(m_r, m_e)
+
+
+def test_a_model_cast_to_another_dtype_gets_its_own_step():
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    step = remat.compile(m_r, inputs, loss_fn)
+    step(*inputs)
+    m_r.double(), m_e.double()
+    x = tuple(t.double() if t.is_floating_point() else t for t in inputs)
+    for p in m_r.parameters():
+        p.grad = None
+    step(*x)
+    eager_loss(m_e, x, loss_fn).backward()
+    for (n, p), q in zip(m_r.named_parameters(), m_e.parameters()):
+        assert p.grad.dtype == torch.float64 and rel_err(p.grad, q.grad) <= 1e-10, n
+
+
+def test_a_step_called_under_autocast_computes_in_bf16_like_eager_autocast():
+    model, inputs, loss_fn = make("gpt")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    step = remat.compile(m_r, inputs, loss_fn)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = step(*inputs)
+        want = eager_loss(m_e, inputs, loss_fn)
+    want.backward()
+    assert abs(float(got) - float(want)) < 1e-2 * abs(float(want))
+    num = sum(((p.grad - q.grad) ** 2).sum() for p, q in zip(m_r.parameters(), m_e.parameters())) ** 0.5
+    assert float(num / sum((q.grad ** 2).sum() for q in m_e.parameters()) ** 0.5) < 2e-2
+    assert step.shapes_cached() == 2 and all(p.dtype == torch.float32 for p in m_r.parameters())
+
+
+def test_an_input_that_requires_grad_is_a_clear_error():
+    model, inputs, loss_fn = make("mlp")
+    step = remat.compile(model, inputs, loss_fn)
+    x = inputs[0].clone().requires_grad_(True)
+    with pytest.raises(TypeError, match="requires grad.*x.detach()"):
+        step(x, *inputs[1:])
+
+
+def test_adam_with_decoupled_weight_decay_is_adamw():
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    o_r = torch.optim.Adam(m_r.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    o_e = torch.optim.Adam(m_e.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=o_r)
+    for _ in range(3):
+        step(*inputs), _eager_step(m_e, o_e, inputs, loss_fn)
+    _assert_models_close(m_r, m_e, tol=1e-5)
+
+
+@pytest.mark.parametrize("given,fraction", [("0.5", 0.5), ("1.0", 1.0), (".25", 0.25)])
+def test_a_numeric_string_budget_means_the_number_it_spells(given, fraction):
+    from remat.budget import Budget
+
+    assert Budget.of(given) == Budget.of(float(given)) == Budget(fraction=fraction)
+    with pytest.raises(ValueError, match="not valid"):
+        Budget.of("2.5")
