@@ -160,3 +160,29 @@ def test_a_numeric_string_budget_means_the_number_it_spells(given, fraction):
     assert Budget.of(given) == Budget.of(float(given)) == Budget(fraction=fraction)
     with pytest.raises(ValueError, match="not valid"):
         Budget.of("2.5")
+
+
+def test_first_calls_from_two_threads_do_not_crash():
+    """The first call of a budgeted step measures the allocator under torch.profiler, which must not
+    be started from two threads at once (it crashed the process): other threads run unmeasured."""
+    import threading
+
+    model, inputs, loss_fn = make("mlp")
+    steps = [remat.compile(copy.deepcopy(model), inputs, loss_fn, budget="100%") for _ in range(2)]
+    losses, errors = [], []
+
+    def call(step):
+        try:
+            losses.append(float(step(*inputs)))
+        except Exception as e:  # noqa: BLE001  reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in steps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(losses) == 2 and losses[0] == losses[1]
+    assert all(s.report().measured_allocator_peak is None for s in steps)  # measured later, on the main thread
+    steps[0](*inputs)
+    assert steps[0].report().measured_allocator_peak is not None

@@ -12,6 +12,7 @@ is what runs the result.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
@@ -22,6 +23,9 @@ from .against import Against
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size
 from .report import Report, precision_summary
+
+
+_PROFILING = threading.Lock()  # one allocator measurement (torch.profiler session) at a time
 
 
 class TrainStep:
@@ -87,8 +91,13 @@ class TrainStep:
         t0 = time.perf_counter()
         by_kind = self.kind_stats is None
         if (self.measured_allocator_peak is None and self.budget is not None and self.compilation.options.measure_allocator
-                and not torch._C._autograd._profiler_enabled()):  # a profiler of the caller's: not nested
-            outs, stats = self._run_measuring_allocator(args, by_kind)
+                and threading.current_thread() is threading.main_thread()  # torch.profiler: one thread, the main one
+                and not torch._C._autograd._profiler_enabled()  # a profiler of the caller's: not nested
+                and _PROFILING.acquire(blocking=False)):
+            try:
+                outs, stats = self._run_measuring_allocator(args, by_kind)
+            finally:
+                _PROFILING.release()
         elif torch.is_autocast_enabled("cpu"):  # the precision is the program's: the caller's autocast is off in it
             with torch.autocast("cpu", enabled=False):
                 outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
@@ -114,7 +123,8 @@ class TrainStep:
         """One run of the step under torch.profiler's memory events: the allocator's measured
         peak (arguments counted as the VM counts them) for ``report()``. Budgeted steps do this on
         their first call only (``measure_allocator=False``: never), and not inside a profiler the
-        caller runs (the next call measures then)."""
+        caller runs, nor from a thread other than the main one (torch.profiler crashes when threads
+        start it concurrently): the next call on the main thread measures then."""
         from ..runtime.allocator import allocation_trace, peak_of_trace
 
         vm = self.vm
