@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import functools
 import hashlib
+import io
 import json
 import os
 import sys
@@ -42,10 +43,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache import cache_root
+from ..cache import cache_root, read_entry, warn_bad_entry, write_entry
 
-FORMAT = 1
-"""The entry format; part of the key."""
+FORMAT = 2
+"""The entry format (2: a header with a version and checksum, :mod:`remat.cache`); part of the key."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _REMAT_DIR = Path(__file__).resolve().parents[1]
@@ -364,37 +365,66 @@ def _paths(key: str) -> tuple[Path, Path]:
     return d / f"{key}.json", d / f"{key}.pt"
 
 
+_WHAT = "capture cache"
+
+
 def load(key: str) -> Entry | None:
-    """The entry of ``key`` if there is one and every source it read is unchanged."""
+    """The entry of ``key`` if there is one, whole (:func:`remat.cache.read_entry`: a damaged one is
+    ignored with a warning naming its file, and removed), and every source it read is unchanged."""
+    meta_path, tensors_path = _paths(key)
+    payload = read_entry(meta_path, f"capture:{key}", FORMAT, _WHAT)
+    if payload is None:
+        return None
+    try:
+        meta = json.loads(payload)
+        state, sources_ = meta["state"], meta["sources"]
+        entry = Entry(meta["ir"], meta["function"], state, meta["fields"], {})
+        tensors_digest = meta["tensors"]
+    except (ValueError, KeyError, TypeError) as e:  # a whole entry of this format always parses: a foreign writer
+        warn_bad_entry(meta_path, _WHAT, f"it does not hold a capture ({type(e).__name__}: {e})")
+        return None
+    if not _sources_unchanged(sources_):
+        return None
+    if tensors_digest is not None:
+        blob = read_entry(tensors_path, f"capture-tensors:{key}", FORMAT, _WHAT)
+        if blob is None or hashlib.sha256(blob).hexdigest() != tensors_digest:
+            if blob is not None:
+                warn_bad_entry(tensors_path, _WHAT, "its tensors are not those its capture was written with")
+            return None
+        try:
+            entry.constants = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as e:  # noqa: BLE001  checked bytes that torch cannot read: a foreign writer
+            warn_bad_entry(tensors_path, _WHAT, f"torch.load failed ({type(e).__name__}: {e})")
+            return None
+    return entry
+
+
+def discard(key: str, why: str) -> None:
+    """Remove the entry of ``key``, warning that it is not used and why."""
     meta_path, tensors_path = _paths(key)
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if meta.get("format") != FORMAT or meta.get("key") != key or not _sources_unchanged(meta["sources"]):
-        return None
-    constants: dict[str, torch.Tensor] = {}
-    if meta["state"] and any(k == "constant" for k, _ in meta["state"]):
-        try:
-            constants = torch.load(tensors_path, weights_only=True)
-        except Exception:  # noqa: BLE001  a missing or partly written tensor file: no entry
-            return None
-    return Entry(meta["ir"], meta["function"], meta["state"], meta["fields"], constants)
+        tensors_path.unlink()
+    except OSError:
+        pass
+    warn_bad_entry(meta_path, _WHAT, why)
 
 
 def store(key: str, entry: Entry, files: set[str]) -> None:
-    """Write ``entry`` under ``key`` (atomically; a failure to write leaves no entry and is not an error)."""
+    """Write ``entry`` under ``key`` (:func:`remat.cache.write_entry`: atomic, versioned, with a
+    checksum; the tensors first, their digest in the capture's file). A failure to write leaves no
+    entry and is not an error."""
     meta_path, tensors_path = _paths(key)
-    meta = {"format": FORMAT, "key": key, "ir": entry.ir, "function": entry.function, "state": entry.state,
-            "fields": entry.fields, "sources": sources(files)}
+    blob = None
+    if entry.constants:
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in entry.constants.items()}, buf)
+        blob = buf.getvalue()
+    meta = {"key": key, "ir": entry.ir, "function": entry.function, "state": entry.state,
+            "fields": entry.fields, "sources": sources(files),
+            "tensors": None if blob is None else hashlib.sha256(blob).hexdigest()}
     try:
-        meta_path.parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp{os.getpid()}"
-        if entry.constants:
-            torch.save({k: v.detach().cpu() for k, v in entry.constants.items()}, str(tensors_path) + tag)
-            os.replace(str(tensors_path) + tag, tensors_path)
-        tmp = Path(str(meta_path) + tag)
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_path)
+        if blob is not None:
+            write_entry(tensors_path, f"capture-tensors:{key}", FORMAT, blob)
+        write_entry(meta_path, f"capture:{key}", FORMAT, json.dumps(meta).encode())
     except OSError:
         pass

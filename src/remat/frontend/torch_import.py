@@ -492,8 +492,12 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                 key = None
             entry = None if key is None else capture_cache.load(key)
             if entry is not None:
-                with cyclic_gc_paused():
-                    imported = _from_entry(entry, wrapper)
+                try:
+                    with cyclic_gc_paused():
+                        imported = _from_entry(entry, wrapper)
+                except Exception as e:  # noqa: BLE001  an entry remat cannot read back: captured again
+                    capture_cache.discard(key, f"it cannot be read back ({type(e).__name__}: {e})")
+                    imported = None
                 if imported is not None:
                     imported.input_names = input_names
                     return imported
