@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 _MAGIC = b"#remat-cache "
+_replace = os.replace  # the rename that publishes an entry (a test stops a writer here)
 
 
 def cache_root() -> Path:
@@ -51,7 +52,7 @@ def write_entry(path: str | os.PathLike, tag: str, version: int, payload: bytes)
         with open(tmp, "wb") as f:
             f.write(header(tag, version, payload))
             f.write(payload)
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except BaseException:
         try:
             tmp.unlink()

@@ -327,15 +327,23 @@ def load_kernel(p: Pattern, out_dtypes: tuple[DType, ...]) -> Callable:
             return fn
         path = cache_dir() / f"k_{key}.py"
         tag = f"kernel:{key}"
-        if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
-            source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
-            write_entry(path, tag, _GEN_VERSION, source.encode())
-        name = f"remat_kernels.k_{key}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        fn = njit_cached(mod.kernel, mod.SIGNATURE, error_model="numpy", nogil=True)
+        try:
+            if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
+                source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
+                write_entry(path, tag, _GEN_VERSION, source.encode())
+        except OSError:  # a cache that cannot be written: compiled in memory, for this process only
+            import numba
+
+            ns: dict[str, Any] = {}
+            exec(compile(generate(p, out_dtypes), f"<remat kernel {key}>", "exec"), ns)  # noqa: S102
+            fn = numba.njit(ns["SIGNATURE"], error_model="numpy", nogil=True)(ns["kernel"])
+        else:
+            name = f"remat_kernels.k_{key}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            fn = njit_cached(mod.kernel, mod.SIGNATURE, error_model="numpy", nogil=True)
         if sum(fn.stats.cache_misses.values()):
             _compiled += 1
         _kernels[key] = fn
