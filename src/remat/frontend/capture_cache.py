@@ -399,14 +399,16 @@ def load(key: str) -> Entry | None:
     return entry
 
 
-def discard(key: str, why: str) -> None:
-    """Remove the entry of ``key``, warning that it is not used and why."""
+def discard(key: str, why: str, keep_quiet: bool = False) -> None:
+    """Remove the entry of ``key``, warning that it is not used and why (``keep_quiet``: without a word)."""
     meta_path, tensors_path = _paths(key)
-    try:
-        tensors_path.unlink()
-    except OSError:
-        pass
-    warn_bad_entry(meta_path, _WHAT, why)
+    for p in (tensors_path, meta_path):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    if not keep_quiet:
+        warn_bad_entry(meta_path, _WHAT, why, remove=False)
 
 
 def store(key: str, entry: Entry, files: set[str]) -> None:
