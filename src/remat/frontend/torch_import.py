@@ -14,6 +14,7 @@ updates (batch-norm running statistics in training mode), in the order of ``outp
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import os
@@ -594,32 +595,30 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
     ``randn``: the program's ``uniform``) cannot be compared this way: it gives :data:`_UNCHECKED`
     and is captured again (the cache does not help it).
 
-    Cost: one eager forward and one VM forward, about a capture's forward pass, small beside
-    ``torch.export`` (the second compile of the zoo GPT medium: see ``bench/setup_time.py``)."""
+    Cost: one eager forward and one VM forward without gradients. On one thread, the second
+    compile of the zoo GPT small takes 0.06 s more (0.02 s each forward), of the GPT medium of
+    ``bench/speed.py`` 2.2 s more (eager 1.5 s, VM 0.8 s; the cached compile otherwise ~0.1 s,
+    a fresh capture a few seconds more). ``REMAT_CAPTURE_CHECK=0`` skips the check and trusts the
+    key (:func:`remat.frontend.capture_cache.checked`)."""
     from ..runtime.vm import run
 
+    if not capture_cache.checked():
+        return None
     fn = imported.function
-    if any(ins.op.name == "uniform" for ins in fn.instructions()):
+    ops = {ins.op.name for ins in fn.instructions()}
+    if "uniform" in ops:
         return _UNCHECKED
-    if any(ins.op.name == "bernoulli" for ins in fn.instructions()):
+    random = "bernoulli" in ops
+    if random:
         fn = fn.clone()
         for ins in fn.instructions():
             if ins.op.name == "bernoulli":
                 ins.attrs["p"] = 1.0
         Module([fn])
-    buffers = [(b, b.detach().clone()) for b in wrapper.buffers()]
-    rng = torch.get_rng_state()
-    keep = _KeepAll()
-    try:
-        with torch.no_grad(), keep:
-            eager = wrapper(*example_inputs)
-    except Exception as e:  # noqa: BLE001  the capture afresh reports the model's own error
-        return f"the eager forward raised {type(e).__name__}"
-    finally:
-        torch.set_rng_state(rng)
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+    keep = _KeepAll()  # only where the program draws: the mode slows a large forward down
+    eager, error = _run_eagerly(wrapper, example_inputs, keep if random else contextlib.nullcontext())
+    if error is not None:  # the capture afresh reports the model's own error
+        return f"the eager forward raised {error}"
     if keep.unforced:
         return _UNCHECKED
     want = [t for t in torch.utils._pytree.tree_leaves(eager) if isinstance(t, torch.Tensor)]
@@ -686,14 +685,19 @@ def _eager_error(wrapper: torch.nn.Module, example_inputs: tuple) -> str | None:
     runs: tells a model that fails by itself from one that ``torch.export`` cannot trace. Run without
     gradients; its buffers (batch norm's running statistics) and the RNG state are put back, so the
     check leaves the model as it was."""
+    return _run_eagerly(wrapper, example_inputs)[1]
+
+
+def _run_eagerly(wrapper: torch.nn.Module, example_inputs: tuple, mode: Any = None) -> tuple[Any, str | None]:
+    """``(output, None)`` of the model run eagerly on the example inputs (inside ``mode`` if given),
+    or ``(None, its error's first line)``; without gradients, buffers and the RNG state put back."""
     buffers = [(b, b.detach().clone()) for b in wrapper.buffers()]
     rng = torch.get_rng_state()
     try:
-        with torch.no_grad():
-            wrapper(*example_inputs)
-        return None
+        with torch.no_grad(), (mode or contextlib.nullcontext()):
+            return wrapper(*example_inputs), None
     except Exception as e:  # noqa: BLE001  the model's own error, reported with the capture's
-        return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        return None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():
