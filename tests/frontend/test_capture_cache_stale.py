@@ -129,3 +129,13 @@ def test_a_model_drawing_other_random_numbers_is_captured_again_quietly():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not import_module(model, ex, nn.functional.mse_loss, cache=True).from_cache
+
+
+def test_the_check_can_be_skipped(monkeypatch):
+    """``REMAT_CAPTURE_CHECK=0`` trusts the key (the check costs two forwards): the documented trade-off."""
+    monkeypatch.setenv("REMAT_CAPTURE_CHECK", "0")
+    torch.manual_seed(0)
+    ex = (torch.randn(3, 4), torch.randn(3, 2))
+    import_module(ByDict(), ex, nn.functional.mse_loss, cache=True)
+    SETTINGS["act"] = "tanh"
+    assert import_module(ByDict(), ex, nn.functional.mse_loss, cache=True).from_cache  # not checked
