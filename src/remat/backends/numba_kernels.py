@@ -25,13 +25,14 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from ..cache import cache_root  # noqa: F401  (also remat.backends.numba_kernels.cache_root)
+from ..cache import cache_root, read_entry, write_entry  # noqa: F401  (also remat.backends.numba_kernels.cache_root)
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, parse_body
 from ..ir.types import DType
@@ -164,7 +165,7 @@ class Pattern:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-_GEN_VERSION = 3  # bump when the generated code changes
+_GEN_VERSION = 4  # bump when the generated code changes (4: a checked header; compiled by load_kernel)
 
 
 def collapse(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
@@ -220,10 +221,10 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     own = [k for k in range(n_in) if k != p.over]  # operands passed as arguments of their own
     if p.over >= 0:
         ins[p.over] = outs[0]
-    lines = ["import math", "import numpy as np", "import numba", ""]
+    lines = ["import math", "import numpy as np", ""]
     sig = ", ".join(f"{_NB_TYPE[t]}[{', '.join([':'] * (rank - 1) + ['::1'])}]"
                     for t in list(out_dtypes) + [p.in_dtypes[k] for k in own])
-    lines += [f'@numba.njit("void(int64, int64, {sig})", cache=True, error_model="numpy", nogil=True)',
+    lines += [f'SIGNATURE = "void(int64, int64, {sig})"  # compiled by load_kernel: Numba, cache=True', "",
               f"def kernel({', '.join(['lo', 'hi'] + outs + [ins[k] for k in own])}):"]
     consts = {}
     for k, n in enumerate(body.nodes):
@@ -309,7 +310,12 @@ def compile_count() -> int:
 
 
 def load_kernel(p: Pattern, out_dtypes: tuple[DType, ...]) -> Callable:
-    """The compiled kernel of a pattern: from this process, else from the disk cache, else compiled."""
+    """The compiled kernel of a pattern: from this process, else from the disk cache, else compiled.
+
+    The source file is a cache entry (:func:`remat.cache.write_entry`: a header with the version
+    and a checksum, written atomically); one that is damaged is rewritten, with a warning naming
+    it. It is written only when missing or damaged: Numba's index of its compiled code is keyed on
+    the file's timestamp."""
     global _compiled
     key = p.key()
     fn = _kernels.get(key)
@@ -319,23 +325,78 @@ def load_kernel(p: Pattern, out_dtypes: tuple[DType, ...]) -> Callable:
         fn = _kernels.get(key)
         if fn is not None:
             return fn
-        d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / f"k_{key}.py"
-        if not path.exists():  # write once: Numba's cache index is keyed on the file's timestamp
-            tmp = d / f".k_{key}.{os.getpid()}.tmp"
-            tmp.write_text(f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes))
-            os.replace(tmp, path)
-        name = f"remat_kernels.k_{key}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)  # compiles eagerly (explicit signature) or loads from the cache
-        fn = mod.kernel
+        path = cache_dir() / f"k_{key}.py"
+        tag = f"kernel:{key}"
+        try:
+            if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
+                source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
+                write_entry(path, tag, _GEN_VERSION, source.encode())
+        except OSError:  # a cache that cannot be written: compiled in memory, for this process only
+            import numba
+
+            ns: dict[str, Any] = {}
+            exec(compile(generate(p, out_dtypes), f"<remat kernel {key}>", "exec"), ns)  # noqa: S102
+            fn = numba.njit(ns["SIGNATURE"], error_model="numpy", nogil=True)(ns["kernel"])
+        else:
+            name = f"remat_kernels.k_{key}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+            fn = njit_cached(mod.kernel, mod.SIGNATURE, error_model="numpy", nogil=True)
         if sum(fn.stats.cache_misses.values()):
             _compiled += 1
         _kernels[key] = fn
         return fn
+
+
+def njit_cached(py_func: Callable, sigs: Any = None, callees: tuple = (), **options: Any) -> Callable:
+    """``numba.njit(sigs, cache=True, **options)(py_func)`` (compiled now when ``sigs`` are given, or
+    loaded from Numba's on-disk cache), made safe against a damaged cache: when loading fails with
+    Numba's cache files of ``py_func`` present (a truncated or corrupted index or data file raises
+    ``UnpicklingError``, ``EOFError``, ...), those files are removed, a ``RuntimeWarning`` names
+    their directory, and the function is compiled again (``callees``: the Numba functions it calls,
+    whose cached code is loaded while it compiles, are repaired with it). Numba writes its cache files atomically
+    itself and ignores an index of another Numba version or of another source file."""
+    import numba
+
+    def build() -> Callable:
+        jit = numba.njit(cache=True, **options) if sigs is None else numba.njit(sigs, cache=True, **options)
+        return jit(py_func)
+
+    try:
+        return build()
+    except Exception as e:  # noqa: BLE001  a damaged cache, or a real compile error (raised again below)
+        files = _numba_cache_files(py_func, options)
+        for callee in callees:
+            files += _numba_cache_files(getattr(callee, "py_func", callee), {})
+        if not files:
+            raise
+        removed = []
+        for f in files:
+            try:
+                f.unlink()
+                removed.append(f.name)
+            except OSError:
+                pass
+        warnings.warn(f"remat: Numba's cached code of {py_func.__qualname__} in {files[0].parent} could not be "
+                      f"loaded ({type(e).__name__}: {str(e).strip()[:200]}); removed {', '.join(removed) or 'nothing'} "
+                      "and compiled it again", RuntimeWarning, stacklevel=2)
+        return build()
+
+
+def _numba_cache_files(py_func: Callable, options: dict[str, Any]) -> list[Path]:
+    """The index and data files of ``py_func`` in Numba's cache (where Numba's locator puts them)."""
+    import numba
+
+    try:
+        cache = numba.njit(cache=True, **options)(py_func)._cache  # lazy: compiles and loads nothing
+        d = Path(cache._cache_path)
+        index = cache._cache_file._index_name
+    except Exception:  # noqa: BLE001  Numba's internals moved: nothing to repair
+        return []
+    base = index[:-len(".nbi")]
+    return sorted(f for f in [d / index, *d.glob(f"{base}.*.nbc")] if f.exists())
 
 
 # ---------------------------------------------------------------- the kernel
@@ -452,11 +513,9 @@ def _mask_kernel() -> Callable:
     """The compiled mask loop (compiled on first use, then loaded from Numba's on-disk cache)."""
     global _mask_fn, _compiled
     if _mask_fn is None:
-        import numba
-
         with _lock:
             if _mask_fn is None:
-                fn = numba.njit("void(uint64, uint32, boolean[::1])", cache=True, nogil=True)(_mask_py)
+                fn = njit_cached(_mask_py, "void(uint64, uint32, boolean[::1])", nogil=True)
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
                 _mask_fn = fn
@@ -594,15 +653,14 @@ def _pool_kernel(which: str) -> Callable:
     global _compiled, _winner, _max_pool_winners
     fn = _pool_fns.get(which)
     if fn is None:
-        import numba
-
         with _lock:
             fn = _pool_fns.get(which)
             if fn is None:
                 if _winner is _winner_py:  # the helpers the kernels call, compiled first (numba binds globals)
-                    _winner = numba.njit(cache=True, nogil=True, error_model="numpy")(_winner_py)
-                    _max_pool_winners = numba.njit(cache=True, nogil=True, error_model="numpy")(_max_pool_winners_py)
-                fn = numba.njit(_pool_sigs(which), cache=True, nogil=True, error_model="numpy")(_POOL_PY[which])
+                    _winner = njit_cached(_winner_py, nogil=True, error_model="numpy")
+                    _max_pool_winners = njit_cached(_max_pool_winners_py, nogil=True, error_model="numpy")
+                fn = njit_cached(_POOL_PY[which], _pool_sigs(which), callees=(_winner, _max_pool_winners), nogil=True,
+                                 error_model="numpy")
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
                 _pool_fns[which] = fn
@@ -719,15 +777,13 @@ def _bn_stats_kernel() -> Callable:
     batch's statistics are the same bits."""
     global _bn_stats_fn, _compiled
     if _bn_stats_fn is None:
-        import numba
-
         with _lock:
             if _bn_stats_fn is None:
                 sigs = []
                 for t in ("float32", "float64"):
                     v = f"{t}[::1]"
                     sigs.append(f"void(int64, int64, {t}[:, :, ::1], {', '.join([v] * 6)}, float64, float64, boolean)")
-                fn = numba.njit(sigs, cache=True, nogil=True, error_model="numpy", fastmath={"reassoc"})(_bn_stats_py)
+                fn = njit_cached(_bn_stats_py, sigs, nogil=True, error_model="numpy", fastmath={"reassoc"})
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
                 _bn_stats_fn = fn

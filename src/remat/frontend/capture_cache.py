@@ -20,17 +20,25 @@ used only if everything the trace read is unchanged:
 
 What is not described exactly (an object of an unknown kind among the attributes, a global hook,
 a non-tensor example input) makes the model uncacheable: it is captured as before. A value the
-trace reads that none of the above describes (a global of another type changed at run time, an
-environment variable read by the forward) is not seen: ``REMAT_CAPTURE_CACHE=0`` (or
-``import_module(..., cache=False)``) turns the cache off. Entries live in
-``$REMAT_CACHE_DIR/captures`` (default ``~/.cache/remat``), one JSON file per key (plus the
-tensors the trace lifted as constants), written atomically.
+trace reads that none of the above describes (a dict or list global, a class attribute, an
+environment variable read by the forward) is caught by the check on use
+(``torch_import.stale_capture``): the cached program's output on the example inputs must match
+the model's eager output, else the entry is dropped with a warning and the model captured again.
+The check costs one eager and one VM forward (GPT medium on one thread: 2.2 s on a ~0.1 s cached
+compile); ``REMAT_CAPTURE_CHECK=0`` skips it, ``REMAT_CAPTURE_CACHE=0`` (or
+``import_module(..., cache=False)``) turns the cache off.
+
+Entries live in ``$REMAT_CACHE_DIR/captures`` (default ``~/.cache/remat``), one JSON file per key
+(plus the tensors the trace lifted as constants), each written atomically with a header holding
+the format version and a SHA-256 of the content (:mod:`remat.cache`): a truncated, corrupted,
+foreign or other-version file is ignored with a warning naming it, removed and written again.
 """
 from __future__ import annotations
 
 import enum
 import functools
 import hashlib
+import io
 import json
 import os
 import sys
@@ -42,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache import cache_root
+from ..cache import cache_root, read_entry, warn_bad_entry, write_entry
 
-FORMAT = 1
-"""The entry format; part of the key."""
+FORMAT = 2
+"""The entry format (2: a header with a version and checksum, :mod:`remat.cache`); part of the key."""
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _REMAT_DIR = Path(__file__).resolve().parents[1]
@@ -61,6 +69,12 @@ def enabled(cache: bool | None = None) -> bool:
     if cache is not None:
         return bool(cache)
     return os.environ.get("REMAT_CAPTURE_CACHE", "1") not in ("0", "false", "off", "")
+
+
+def checked() -> bool:
+    """Whether a capture taken from the cache is checked against the model's eager output before use
+    (``torch_import.stale_capture``): ``$REMAT_CAPTURE_CHECK`` (default on; "0" trusts the key)."""
+    return os.environ.get("REMAT_CAPTURE_CHECK", "1") not in ("0", "false", "off", "")
 
 
 def cache_dir() -> Path:
@@ -364,37 +378,68 @@ def _paths(key: str) -> tuple[Path, Path]:
     return d / f"{key}.json", d / f"{key}.pt"
 
 
+_WHAT = "capture cache"
+
+
 def load(key: str) -> Entry | None:
-    """The entry of ``key`` if there is one and every source it read is unchanged."""
+    """The entry of ``key`` if there is one, whole (:func:`remat.cache.read_entry`: a damaged one is
+    ignored with a warning naming its file, and removed), and every source it read is unchanged."""
     meta_path, tensors_path = _paths(key)
+    payload = read_entry(meta_path, f"capture:{key}", FORMAT, _WHAT)
+    if payload is None:
+        return None
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError):
+        meta = json.loads(payload)
+        state, sources_ = meta["state"], meta["sources"]
+        entry = Entry(meta["ir"], meta["function"], state, meta["fields"], {})
+        tensors_digest = meta["tensors"]
+    except (ValueError, KeyError, TypeError) as e:  # a whole entry of this format always parses: a foreign writer
+        warn_bad_entry(meta_path, _WHAT, f"it does not hold a capture ({type(e).__name__}: {e})")
         return None
-    if meta.get("format") != FORMAT or meta.get("key") != key or not _sources_unchanged(meta["sources"]):
+    if not _sources_unchanged(sources_):
         return None
-    constants: dict[str, torch.Tensor] = {}
-    if meta["state"] and any(k == "constant" for k, _ in meta["state"]):
-        try:
-            constants = torch.load(tensors_path, weights_only=True)
-        except Exception:  # noqa: BLE001  a missing or partly written tensor file: no entry
+    if tensors_digest is not None:
+        blob = read_entry(tensors_path, f"capture-tensors:{key}", FORMAT, _WHAT)
+        if blob is None or hashlib.sha256(blob).hexdigest() != tensors_digest:
+            if blob is not None:
+                warn_bad_entry(tensors_path, _WHAT, "its tensors are not those its capture was written with")
             return None
-    return Entry(meta["ir"], meta["function"], meta["state"], meta["fields"], constants)
+        try:
+            entry.constants = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as e:  # noqa: BLE001  checked bytes that torch cannot read: a foreign writer
+            warn_bad_entry(tensors_path, _WHAT, f"torch.load failed ({type(e).__name__}: {e})")
+            return None
+    return entry
+
+
+def discard(key: str, why: str, keep_quiet: bool = False) -> None:
+    """Remove the entry of ``key``, warning that it is not used and why (``keep_quiet``: without a word)."""
+    meta_path, tensors_path = _paths(key)
+    for p in (tensors_path, meta_path):
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    if not keep_quiet:
+        warn_bad_entry(meta_path, _WHAT, why, remove=False)
 
 
 def store(key: str, entry: Entry, files: set[str]) -> None:
-    """Write ``entry`` under ``key`` (atomically; a failure to write leaves no entry and is not an error)."""
+    """Write ``entry`` under ``key`` (:func:`remat.cache.write_entry`: atomic, versioned, with a
+    checksum; the tensors first, their digest in the capture's file). A failure to write leaves no
+    entry and is not an error."""
     meta_path, tensors_path = _paths(key)
-    meta = {"format": FORMAT, "key": key, "ir": entry.ir, "function": entry.function, "state": entry.state,
-            "fields": entry.fields, "sources": sources(files)}
+    blob = None
+    if entry.constants:
+        buf = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in entry.constants.items()}, buf)
+        blob = buf.getvalue()
+    meta = {"key": key, "ir": entry.ir, "function": entry.function, "state": entry.state,
+            "fields": entry.fields, "sources": sources(files),
+            "tensors": None if blob is None else hashlib.sha256(blob).hexdigest()}
     try:
-        meta_path.parent.mkdir(parents=True, exist_ok=True)
-        tag = f".tmp{os.getpid()}"
-        if entry.constants:
-            torch.save({k: v.detach().cpu() for k, v in entry.constants.items()}, str(tensors_path) + tag)
-            os.replace(str(tensors_path) + tag, tensors_path)
-        tmp = Path(str(meta_path) + tag)
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, meta_path)
+        if blob is not None:
+            write_entry(tensors_path, f"capture-tensors:{key}", FORMAT, blob)
+        write_entry(meta_path, f"capture:{key}", FORMAT, json.dumps(meta).encode())
     except OSError:
         pass

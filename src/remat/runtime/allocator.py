@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import warnings
 from pathlib import Path
@@ -110,9 +109,10 @@ _disk_loaded = False
 _dirty = False
 
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 """Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0; 3: keys name
-the implementation; 4: optimizer updates take their hyperparameters as an operand), so that
+the implementation; 4: optimizer updates take their hyperparameters as an operand) or how it is
+stored (5: a header with the version and a checksum, :mod:`remat.cache`), so that
 workspaces cached by an older remat are measured again."""
 
 
@@ -136,39 +136,47 @@ def cache_file() -> Path:
                                           f"-{_kernels_digest()}.json")
 
 
+def _read_disk() -> dict[str, int]:
+    """The on-disk cache's measurements ({} when there is none; a damaged file is ignored with a
+    warning naming it, and removed: :func:`remat.cache.read_entry`)."""
+    from ..cache import read_entry, warn_bad_entry
+
+    path = cache_file()
+    payload = read_entry(path, "workspaces", CACHE_VERSION, "workspace cache")
+    if payload is None:
+        return {}
+    try:
+        data = json.loads(payload)
+    except ValueError as e:
+        data = e
+    if not isinstance(data, dict) or not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in data.items()):
+        warn_bad_entry(path, "workspace cache", "it does not hold workspaces")
+        return {}
+    return data
+
+
 def _load() -> None:
-    """Merge the on-disk cache into the process cache (once; a missing or unreadable file is empty)."""
+    """Merge the on-disk cache into the process cache (once; a missing or damaged file is empty)."""
     global _disk_loaded
     if _disk_loaded:
         return
     _disk_loaded = True
-    try:
-        data = json.loads(cache_file().read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(data, dict):
-        for k, v in data.items():
-            if isinstance(k, str) and isinstance(v, int) and v >= 0:
-                _CACHE.setdefault(k, v)
+    for k, v in _read_disk().items():
+        _CACHE.setdefault(k, v)
 
 
 def save_cache() -> None:
-    """Write the process cache to disk (atomically; merged with what other processes wrote)."""
+    """Write the process cache to disk (atomically, with a version and checksum:
+    :func:`remat.cache.write_entry`; merged with what other processes wrote)."""
     global _dirty
     if not _dirty:
         return
-    path = cache_file()
+    from ..cache import write_entry
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            data = json.loads(path.read_text())
-            data = data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
-            data = {}
+        data = _read_disk()
         data.update(_CACHE)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, sort_keys=True))
-        os.replace(tmp, path)
+        write_entry(cache_file(), "workspaces", CACHE_VERSION, json.dumps(data, sort_keys=True).encode())
         _dirty = False
     except OSError:  # a read-only home: measurements stay cached for this process only
         pass
