@@ -80,6 +80,22 @@ def _run(rank: int, mode: str, budget, out: str) -> None:
                f"{out}/{mode}-{budget}-{rank}.pt")
 
 
+def _nonfinite(rank: int, mode: str, out: str) -> None:
+    """The 5 batches with a bad one after the second, NaN in rank 1's shard only: every rank skips it
+    (the guard's flag is agreed by all ranks), so training ends as the reference's."""
+    m = model()
+    step = compile_step(mode, None, m)
+    data = batches()
+    bad_x = data[0][0].clone()
+    bad_x[PER_RANK + 3, 2] = float("nan")
+    for i, (x, y) in enumerate(data):
+        step(_shard(x, rank), _shard(y, rank))
+        if i == 1:
+            loss = step(_shard(bad_x, rank), _shard(data[0][1], rank))
+    torch.save({"params": [p.detach().clone() for p in m.parameters()], "skipped": step.report().skipped_steps,
+                "loss": float(loss)}, f"{out}/nonfinite-{mode}-{rank}.pt")
+
+
 def _first_half(rank: int, mode: str, out: str) -> None:
     """3 steps, then this rank's checkpoint."""
     step = compile_step(mode, None, model())
@@ -119,6 +135,7 @@ def train_all(rank: int, port: int, out: str) -> None:
                 _run(rank, mode, budget, out)
             if mode in RESUMED:
                 _first_half(rank, mode, out)
+            _nonfinite(rank, mode, out)
         _refusals(rank, out)
     finally:
         dist.destroy_process_group()
