@@ -27,6 +27,24 @@ class BudgetTooSmall(ValueError):
         return _restore, (type(self), str(self), self.__dict__)
 
 
+class NonFiniteStep(FloatingPointError):
+    """A training step compiled with ``on_nonfinite="raise"`` met a NaN or infinite loss or gradient.
+    Nothing was updated: parameters, optimizer state and step counts are as before the step.
+    ``step``: the optimizer step it would have taken (1-based); ``call``: the step's call number
+    (1-based); ``loss``: the step's loss."""
+
+    def __init__(self, step: int, call: int, loss: float):
+        self.step, self.call, self.loss = step, call, loss
+        what = f"the loss is {loss}" if loss != loss or loss in (float("inf"), float("-inf")) else \
+            f"the loss is finite ({loss:.6g}) but a gradient has a NaN or infinite element"
+        super().__init__(f"training step {call} (optimizer step {step}): {what}; nothing was updated (parameters, "
+                         "optimizer state and step counts are as before the step). Compile with "
+                         "on_nonfinite='skip' to skip such steps and count them in report().skipped_steps")
+
+    def __reduce__(self):
+        return _restore, (type(self), str(self), self.__dict__)
+
+
 def _restore(cls: type, message: str, state: dict) -> Exception:
     e = cls.__new__(cls)
     Exception.__init__(e, message)

@@ -36,7 +36,7 @@ def build(name: str, args: list[np.ndarray], attrs: dict):
 def cast_sample(args, dt: DType, name: str = ""):
     """The sample's float arguments in ``dt``, but for operands whose dtype the op fixes (an
     optimizer update's f64 hyperparameters)."""
-    fixed = {len(args) - 1} if name in HYPER else set()
+    fixed = {len(args) - 2} if name in HYPER else set()
     return [a.astype(dt.numpy) if a.dtype.kind == "f" and k not in fixed else a.copy() for k, a in enumerate(args)]
 
 
@@ -239,7 +239,7 @@ def test_sgd_step_matches_torch_optim(nesterov, maximize, step):
     tp.grad = torch.tensor(g)
     opt.step()
     (u,) = updates_from_torch(opt, [tp])  # the op's operands and attributes from torch's param group
-    args = [p, g, buf, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0])]
+    args = [p, g, buf, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0]), np.array(False)]
     ins, attrs = build("sgd_step", args, u.attrs)
     for d in ("numpy", "torch"):
         _, (np_, nbuf) = run_kernel(ins, attrs, args, d)
@@ -264,13 +264,16 @@ def test_adam_step_matches_torch_optim(decoupled, step):
     tp.grad = torch.tensor(g)
     opt.step()
     (u,) = updates_from_torch(opt, [tp])
-    args = [p, g, m0, v0, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0])]
+    args = [p, g, m0, v0, np.array(step, dtype=np.int64), hyper_values(u, opt.param_groups[0]), np.array(False)]
     ins, attrs = build("adam_step", args, u.attrs)
     for d in ("numpy", "torch"):
         _, (np_, nm, nv) = run_kernel(ins, attrs, args, d)
         np.testing.assert_allclose(as_f64(np_), tp.detach().numpy(), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(as_f64(nm), opt.state[tp]["exp_avg"].numpy(), rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(as_f64(nv), opt.state[tp]["exp_avg_sq"].numpy(), rtol=1e-10, atol=1e-12)
+
+
+NO = torch.tensor(False)  # the updates' skip operand: not skipped
 
 
 def _aten_ops(fn) -> set[str]:
@@ -303,7 +306,7 @@ def test_fused_sgd_kernel_is_the_single_tensor_update(dt, step, variant):
     fused, single = (p.clone(), buf.clone()), (p.clone(), buf.clone())
     s = torch.tensor(step)
     hyper, flags = _hyper("sgd_step", hp)
-    assert "aten::_fused_sgd_" in _aten_ops(lambda: tk.sgd_step(fused[0], grad, fused[1], s, hyper, **flags))
+    assert "aten::_fused_sgd_" in _aten_ops(lambda: tk.sgd_step(fused[0], grad, fused[1], s, hyper, NO, **flags))
     assert "aten::_fused_sgd_" not in _aten_ops(lambda: tk.sgd_single(single[0], grad, single[1], s, **hp))
     eps = torch.finfo(dt).eps
     for a, b in zip(fused, single):
@@ -311,7 +314,7 @@ def test_fused_sgd_kernel_is_the_single_tensor_update(dt, step, variant):
     half = p.to(torch.bfloat16)  # no fused path in low precision: the single-tensor update, exactly
     h1, h2, gh, bh = half.clone(), half.clone(), grad.to(torch.bfloat16), buf.to(torch.bfloat16)
     b1, b2 = bh.clone(), bh.clone()
-    tk.sgd_step(h1, gh, b1, s, hyper, **flags)
+    tk.sgd_step(h1, gh, b1, s, hyper, NO, **flags)
     tk.sgd_single(h2, gh, b2, s, **hp)
     assert torch.equal(h1, h2) and torch.equal(b1, b2)
 
@@ -330,7 +333,7 @@ def test_fused_adam_kernel_is_the_single_tensor_update(dt, step, decoupled, weig
     s = torch.tensor(step)
     name = "aten::_fused_adamw_" if decoupled else "aten::_fused_adam_"
     hyper, flags = _hyper("adam_step", hp)
-    assert name in _aten_ops(lambda: tk.adam_step(*fused[:1], grad, *fused[1:], s, hyper, **flags))
+    assert name in _aten_ops(lambda: tk.adam_step(*fused[:1], grad, *fused[1:], s, hyper, NO, **flags))
     tk.adam_single(*single[:1], grad, *single[1:], s, **hp)
     assert int(s) == step  # the step count is read, not advanced
     eps = torch.finfo(dt).eps
@@ -434,3 +437,36 @@ def test_inplace_kernels_give_the_out_of_place_bits(name, dt):
                 tried += 1
     if not tried:
         pytest.skip(f"no sample of {name} has an operand of its result's type")
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["sgd_step", "adam_step"])
+def test_a_skipped_update_changes_nothing(dt, op):
+    """skip true (the step's loss or a gradient was not finite): parameter, state and the step count
+    stay bit-identical, in the fused kernels (found_inf) and the single-tensor ones (bf16)."""
+    g = torch.Generator().manual_seed(3)
+    p, grad, m, v = (torch.randn(257, generator=g).to(dt) for _ in range(4))
+    grad[5] = float("nan")
+    grad[9] = float("inf")
+    s = torch.tensor(2)
+    before = [t.clone() for t in (p, m, v, s)]
+    if op == "sgd_step":
+        hyper, flags = _hyper(op, {"lr": 0.1, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.01,
+                                   "nesterov": False, "maximize": False})
+        tk.sgd_step(p, grad, m, s, hyper, torch.tensor(True), **flags)
+    else:
+        hyper, flags = _hyper(op, {"lr": 0.01, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1,
+                                   "decoupled": True, "maximize": False})
+        tk.adam_step(p, grad, m, v, s, hyper, torch.tensor(True), **flags)
+    for a, b in zip((p, m, v, s), before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_nonfinite_finds_nan_and_inf_and_nothing_else(dt):
+    big = torch.full((3, 4), torch.finfo(dt).max, dtype=dt)  # finite, however large
+    assert not bool(tk.nonfinite(big, torch.zeros(0, dtype=dt), torch.tensor(-0.0, dtype=dt)))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = big.clone()
+        x[2, 1] = bad
+        assert bool(tk.nonfinite(torch.ones(2, dtype=dt), x))

@@ -48,11 +48,12 @@ def _shard(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t[rank * PER_RANK:(rank + 1) * PER_RANK]
 
 
-def compile_step(mode: str, budget, m: torch.nn.Module):
+def compile_step(mode: str, budget, m: torch.nn.Module, on_nonfinite=None):
     x, y = batches()[0]
     return remat.compile(m, (_shard(x, 0), _shard(y, 0)), torch.nn.functional.mse_loss,
                          optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2), budget=budget, data_parallel=mode,
-                         bucket_bytes=1500, dialects=("torch", "numpy"))  # no numba: no kernel compilation
+                         bucket_bytes=1500, dialects=("torch", "numpy"),  # no numba: no kernel compilation
+                         on_nonfinite=on_nonfinite)
 
 
 def _init(rank: int, port: int) -> None:
@@ -78,6 +79,22 @@ def _run(rank: int, mode: str, budget, out: str) -> None:
                 "arg_bytes": step.last_stats.argument_bytes, "report": str(step.report()),
                 "program": print_function(step.program), "notes": list(step.compilation.notes)},
                f"{out}/{mode}-{budget}-{rank}.pt")
+
+
+def _nonfinite(rank: int, mode: str, out: str) -> None:
+    """The 5 batches with a bad one after the second, NaN in rank 1's shard only: every rank skips it
+    (the guard's flag is agreed by all ranks), so training ends as the reference's."""
+    m = model()
+    step = compile_step(mode, None, m, on_nonfinite="skip")
+    data = batches()
+    bad_x = data[0][0].clone()
+    bad_x[PER_RANK + 3, 2] = float("nan")
+    for i, (x, y) in enumerate(data):
+        step(_shard(x, rank), _shard(y, rank))
+        if i == 1:
+            loss = step(_shard(bad_x, rank), _shard(data[0][1], rank))
+    torch.save({"params": [p.detach().clone() for p in m.parameters()], "skipped": step.report().skipped_steps,
+                "loss": float(loss)}, f"{out}/nonfinite-{mode}-{rank}.pt")
 
 
 def _first_half(rank: int, mode: str, out: str) -> None:
@@ -119,6 +136,7 @@ def train_all(rank: int, port: int, out: str) -> None:
                 _run(rank, mode, budget, out)
             if mode in RESUMED:
                 _first_half(rank, mode, out)
+            _nonfinite(rank, mode, out)
         _refusals(rank, out)
     finally:
         dist.destroy_process_group()

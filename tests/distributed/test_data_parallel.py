@@ -36,6 +36,17 @@ def runs(tmp_path_factory):
     return results, w.reference(), out
 
 
+@pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2"])
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(runs, mode):
+    _, ref, out = runs
+    for r in range(w.WORLD):
+        res = torch.load(out / f"nonfinite-{mode}-{r}.pt", weights_only=False)
+        assert res["skipped"] == 1
+        assert (res["loss"] != res["loss"]) == (r == 1)  # only rank 1's own loss is NaN
+        for p, q in zip(res["params"], ref):
+            assert torch.allclose(p, q, rtol=0, atol=1e-10), (p - q).abs().max()
+
+
 @pytest.mark.parametrize("budget", [None, "70%"])
 @pytest.mark.parametrize("mode", ["ddp", "zero1", "zero2"])
 def test_same_training_as_one_process(runs, mode, budget):

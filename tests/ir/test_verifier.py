@@ -130,12 +130,12 @@ TEXT_CASES = [
      ["operand 0 is used after it was freed"],
      None),
     ("use after an in-place update",
-     "func @f(%0: f32[2], %1: f32[2], %2: f32[2], %3: i64[], %4: f64[4]) -> f32[2] {\n"
-     "  %5, %6 = sgd_step %0, %1, %2, %3, %4 : f32[2], f32[2]\n"
-     "  %7 = neg %0 : f32[2]\n  return %7\n}\n",
+     "func @f(%0: f32[2], %1: f32[2], %2: f32[2], %3: i64[], %4: f64[4], %5: bool[]) -> f32[2] {\n"
+     "  %6, %7 = sgd_step %0, %1, %2, %3, %4, %5 : f32[2], f32[2]\n"
+     "  %8 = neg %0 : f32[2]\n  return %8\n}\n",
      "in @f, entry block, instruction 'neg'",
      ["operand 0 is used after 'sgd_step' overwrote it in place", "use that instruction's result instead"],
-     "%7 = neg %0 : f32[2]"),
+     "%8 = neg %0 : f32[2]"),
     ("gradient of an unknown function",
      "func @f(%0: f32[2]) -> f32[2] {\n  return %0\n}\nfunc @g = gradient @h wrt 0\n",
      "in @g", ["gradient of unknown function @h", "the module has @f, @g"],

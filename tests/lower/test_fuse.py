@@ -107,9 +107,9 @@ def test_peak_is_kept_when_fusion_lowers_it() -> None:
 
 def test_inplace_update_splits_the_group() -> None:
     """A member reads %1, which sgd_step then overwrites: the fused instruction cannot move past it."""
-    src = """func @f(%0: f32[8], %1: f32[8], %2: f32[8], %3: i64[], %20: f64[4]) -> (f32[8], f32[8], f32[8]) {
+    src = """func @f(%0: f32[8], %1: f32[8], %2: f32[8], %3: i64[], %20: f64[4], %21: bool[]) -> (f32[8], f32[8], f32[8]) {
   %4 = mul %0, %1 : f32[8]
-  %5, %6 = sgd_step %1, %0, %2, %3, %20 : f32[8], f32[8]
+  %5, %6 = sgd_step %1, %0, %2, %3, %20, %21 : f32[8], f32[8]
   %7 = add %4, %0 : f32[8]
   %8 = neg %7 : f32[8]
   return %8, %5, %6
@@ -124,11 +124,11 @@ def test_inplace_update_splits_the_group() -> None:
 
 def test_inplace_update_through_a_view_splits_the_group() -> None:
     """A member reads a view of %1 (reshape), and sgd_step then overwrites %1 itself: same rule."""
-    src = """func @f(%0: f32[8], %1: f32[8], %2: f32[8], %3: i64[], %20: f64[4]) -> (f32[2,4], f32[8], f32[8]) {
+    src = """func @f(%0: f32[8], %1: f32[8], %2: f32[8], %3: i64[], %20: f64[4], %21: bool[]) -> (f32[2,4], f32[8], f32[8]) {
   %4 = reshape %1 {shape=[2, 4]} : f32[2,4]
   %5 = reshape %0 {shape=[2, 4]} : f32[2,4]
   %6 = mul %5, %4 : f32[2,4]
-  %7, %8 = sgd_step %1, %0, %2, %3, %20 : f32[8], f32[8]
+  %7, %8 = sgd_step %1, %0, %2, %3, %20, %21 : f32[8], f32[8]
   %9 = add %6, %5 : f32[2,4]
   %10 = neg %9 : f32[2,4]
   return %10, %7, %8

@@ -128,9 +128,9 @@ def test_two_late_merges_reading_one_input_free_it_once_after_both() -> None:
 def test_no_late_merge_past_an_in_place_update_of_the_first_members_operand() -> None:
     """The weight %1 (read by the input gradient) is updated in place before the weight gradient:
     merged there, the input gradient would read the updated weight, so the pair is not merged late."""
-    src = """func @f(%0: f32[2,3,6,6], %1: f32[4,3,3,3], %2: f32[2,4,6,6], %9: f32[4,3,3,3], %10: f32[4,3,3,3], %11: i64[], %12: f64[4]) -> (f32[2,3,6,6], f32[4,3,3,3], f32[4,3,3,3], f32[4,3,3,3]) {
+    src = """func @f(%0: f32[2,3,6,6], %1: f32[4,3,3,3], %2: f32[2,4,6,6], %9: f32[4,3,3,3], %10: f32[4,3,3,3], %11: i64[], %12: f64[4], %13: bool[]) -> (f32[2,3,6,6], f32[4,3,3,3], f32[4,3,3,3], f32[4,3,3,3]) {
   %3 = conv2d_input_grad %2, %1 {input_shape=[2,3,6,6], padding=[1,1]} : f32[2,3,6,6]
-  %5, %6 = sgd_step %1, %9, %10, %11, %12 : f32[4,3,3,3], f32[4,3,3,3]
+  %5, %6 = sgd_step %1, %9, %10, %11, %12, %13 : f32[4,3,3,3], f32[4,3,3,3]
   %4 = conv2d_weight_grad %0, %2 {weight_shape=[4,3,3,3], padding=[1,1]} : f32[4,3,3,3]
   return %3, %4, %5, %6
 }

@@ -164,6 +164,7 @@ def random_program(rng: np.random.Generator, n_instr: int) -> Function:
     pool = list(f.params)  # values that may still be used
     step = b.op("constant", value=1, dtype=DType.i64)
     hyper = b.op("constant", value=0.1, shape=(4,), dtype=DType.f64)  # lr, momentum, dampening, weight decay
+    skip = b.op("constant", value=False, dtype=DType.bool)
 
     def pick(pred=lambda v: True):
         cands = [v for v in pool if pred(v)]
@@ -203,7 +204,7 @@ def random_program(rng: np.random.Generator, n_instr: int) -> Function:
                 p, g, m = params[:3]
                 for v in (p, m):  # in-place: these operands must not be used again
                     pool.remove(v)
-                np_, nm = b.op("sgd_step", p, g, m, step, hyper)
+                np_, nm = b.op("sgd_step", p, g, m, step, hyper, skip)
                 pool += [np_, nm]
     k = int(rng.integers(1, 4))
     outs = [pool[int(i)] for i in rng.choice(len(pool), size=min(k, len(pool)), replace=False)]

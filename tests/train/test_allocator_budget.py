@@ -220,8 +220,8 @@ def test_first_step_inside_a_callers_profiler_measures_nothing_then_the_next_ste
     assert step.report().measured_allocator_peak is not None
 
 
-SGD_STEP = """func @f(%0: f32[64,32], %1: f32[64,32], %2: f32[64,32], %3: i64[], %6: f64[4]) -> f32[64,32] {
-  %4, %5 = sgd_step %0, %1, %2, %3, %6 : f32[64,32], f32[64,32]
+SGD_STEP = """func @f(%0: f32[64,32], %1: f32[64,32], %2: f32[64,32], %3: i64[], %6: f64[4], %7: bool[]) -> f32[64,32] {
+  %4, %5 = sgd_step %0, %1, %2, %3, %6, %7 : f32[64,32], f32[64,32]
   return %4
 }
 """
@@ -242,7 +242,8 @@ def test_an_optimizer_update_is_measured_in_its_steady_state(tmp_path, monkeypat
         p, g, buf = (torch.zeros(64, 32) for _ in range(3))
         two = torch.tensor(2)
         hyper = torch.full((4,), 0.5, dtype=torch.float64)  # lr, momentum, dampening, weight decay: all on
-        later = max(profiler_peak(lambda: torch_kernels.sgd_step(p, g, buf, two, hyper, nesterov=False,
+        no = torch.tensor(False)  # not skipped
+        later = max(profiler_peak(lambda: torch_kernels.sgd_step(p, g, buf, two, hyper, no, nesterov=False,
                                                                   maximize=False)) for _ in range(2))
         assert ws == later
         assert allocator.cache_file().name.startswith(f"v{allocator.CACHE_VERSION}-")
@@ -259,9 +260,12 @@ def test_a_chain_refusal_names_a_minimum_the_chain_meets():
     model = torch.nn.Sequential(*[m for _ in range(30) for m in (torch.nn.Linear(32, 32), torch.nn.ReLU())])
     x, y = torch.randn(16, 32), torch.randn(16, 32)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    # Unguarded: each update right after its gradient (guarded, every gradient is kept to the end, and
+    # this parameter-heavy step's minimum is its unconstrained peak: nothing for the chain to plan).
     with pytest.raises(remat.BudgetTooSmall) as info:
-        remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=0.5)
-    step = remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=info.value.minimum)
+        remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=0.5, on_nonfinite=None)
+    step = remat.compile(model, (x, y), torch.nn.functional.mse_loss, optimizer=opt, budget=info.value.minimum,
+                         on_nonfinite=None)
     assert step.compilation.plan.solver.startswith("chain DP")
     r = step.report()
     assert r.predicted_peak <= r.predicted_allocator_peak <= info.value.minimum

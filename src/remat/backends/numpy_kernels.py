@@ -787,13 +787,21 @@ def _write(dst: np.ndarray, value: np.ndarray) -> None:
     dst[...] = value.astype(dst.dtype, copy=False)
 
 
+@k("nonfinite")
+def nonfinite(*xs):
+    """True when an element of an operand is NaN or infinite."""
+    return np.array(not all(np.isfinite(x).all() for x in xs))
+
+
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, hyper, *, nesterov, maximize):
+def sgd_step(param, grad, buf, step, hyper, skip, *, nesterov, maximize):
     """torch.optim.SGD's single-tensor update; param and buf are updated in place and returned.
 
     ``step`` is 1-based; at step 1 the momentum buffer is initialised to the first update direction.
-    ``hyper``: [lr, momentum, dampening, weight_decay].
+    ``hyper``: [lr, momentum, dampening, weight_decay]; ``skip`` true: nothing changes.
     """
+    if bool(skip):
+        return param, buf
     lr, momentum, dampening, weight_decay = np.asarray(hyper).tolist()
     p, g = _up(param), _up(grad)
     d = -g if maximize else g
@@ -809,9 +817,11 @@ def sgd_step(param, grad, buf, step, hyper, *, nesterov, maximize):
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, hyper, *, decoupled, maximize):
+def adam_step(param, grad, m, v, step, hyper, skip, *, decoupled, maximize):
     """torch.optim.Adam (AdamW when ``decoupled``), single-tensor form; updates param, m, v in place.
-    ``hyper``: [lr, beta1, beta2, eps, weight_decay]."""
+    ``hyper``: [lr, beta1, beta2, eps, weight_decay]; ``skip`` true: nothing changes."""
+    if bool(skip):
+        return param, m, v
     lr, beta1, beta2, eps, weight_decay = np.asarray(hyper).tolist()
     p, g = _up(param), _up(grad)
     if maximize:

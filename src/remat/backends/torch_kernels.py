@@ -745,16 +745,24 @@ def sgd_single(param, grad, buf, step, *, lr, momentum, dampening, weight_decay,
     return param, buf
 
 
+def _found_inf(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The fused kernels' ``found_inf`` (1.0: change nothing) from the ``skip`` operand, on the
+    parameter's device: read by the kernel itself, so no host synchronisation."""
+    return skip.to(device=like.device, dtype=torch.float32)
+
+
 @k("sgd_step")
-def sgd_step(param, grad, buf, step, hyper, *, nesterov, maximize):
+def sgd_step(param, grad, buf, step, hyper, skip, *, nesterov, maximize):
     """torch.optim.SGD's update, in place on param and buf (step is 1-based; ``hyper`` = [lr,
-    momentum, dampening, weight_decay]): with momentum ATen's fused kernel, else (or in another
-    dtype) :func:`sgd_single`."""
+    momentum, dampening, weight_decay]; ``skip`` true: nothing changes): with momentum ATen's fused
+    kernel, else (or in another dtype) :func:`sgd_single`."""
     lr, momentum, dampening, weight_decay = hyper.tolist()
     if momentum != 0 and _fusable(param, grad, buf):
         torch._fused_sgd_([param], [grad], [buf], weight_decay=weight_decay, momentum=momentum, lr=lr,
                           dampening=dampening, nesterov=nesterov, maximize=maximize,
-                          is_first_step=int(step.item()) <= 1)
+                          is_first_step=int(step.item()) <= 1, found_inf=_found_inf(skip, param))
+        return param, buf
+    if bool(skip):
         return param, buf
     return sgd_single(param, grad, buf, step, lr=lr, momentum=momentum, dampening=dampening,
                       weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
@@ -779,18 +787,30 @@ def adam_single(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay,
 
 
 @k("adam_step")
-def adam_step(param, grad, m, v, step, hyper, *, decoupled, maximize):
+def adam_step(param, grad, m, v, step, hyper, skip, *, decoupled, maximize):
     """torch.optim.Adam / AdamW's update, in place on param, m, v (step is 1-based, an integer tensor
-    the fused kernel reads as it is; ``hyper`` = [lr, beta1, beta2, eps, weight_decay]): ATen's fused
-    kernel, else :func:`adam_single`."""
+    the fused kernel reads as it is; ``hyper`` = [lr, beta1, beta2, eps, weight_decay]; ``skip`` true:
+    nothing changes): ATen's fused kernel, else :func:`adam_single`."""
     lr, beta1, beta2, eps, weight_decay = hyper.tolist()
     if _fusable(param, grad, m, v):
         (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
             [param], [grad], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-            eps=eps, amsgrad=False, maximize=maximize)
+            eps=eps, amsgrad=False, maximize=maximize, found_inf=_found_inf(skip, param))
+        return param, m, v
+    if bool(skip):
         return param, m, v
     return adam_single(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
+
+
+@k("nonfinite")
+def nonfinite(*xs):
+    """True when an element of an operand is NaN or infinite: each operand's minimum and maximum
+    (one pass, no temporary; NaN propagates through both), then one check of those few scalars."""
+    ends = [e for x in xs if x.numel() for e in torch.aminmax(x.reshape(-1))]
+    if not ends:
+        return torch.zeros((), dtype=torch.bool)
+    return torch.logical_not(torch.isfinite(torch.stack(ends)).all())
 
 
 # ---------------------------------------------------------------- collectives (torch.distributed)

@@ -15,11 +15,21 @@ KINDS = ("parameters", "gradients", "reduced gradients", "optimizer state", "act
 """``gradients``: the backward's (this rank's batch); ``reduced gradients``: what the collectives
 return (all of them under ``ddp``/``zero1``, this rank's shards under ``zero2``) and their shards;
 ``communication``: buffers
-that exist only to be communicated (padded or sharded parameters, all-gathered parameters);
+that exist only to be communicated (padded or sharded parameters, all-gathered parameters, the
+non-finite guard's scalar flag);
 ``inputs``: the batch, buffers, constants, seed and step counter."""
 
 _COMM = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 _MOVES = frozenset({"reshape", "pad", "slice"})
+
+
+def _guard_flag(operands) -> bool:
+    """The operands of the non-finite guard's all_reduce: one scalar selected by a ``nonfinite`` flag."""
+    if len(operands) != 1 or operands[0].type.rank != 0:
+        return False
+    sel = getattr(operands[0], "instr", None)
+    cond = getattr(sel.operands[0], "instr", None) if sel is not None and sel.op.name == "select" else None
+    return cond is not None and cond.op.name == "nonfinite"
 
 
 def kinds(fn: Function, n_params: int, state_args: range) -> dict:
@@ -31,8 +41,11 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
     # Gradients: what flows (through reshape/pad/slice) into a gradient collective or an update's
     # gradient operand, found backwards; then everything downstream of a collective's result.
     grad: set = set()
+    flags = {ins for ins in instrs if ins.op.name == "all_reduce" and _guard_flag(ins.operands)}
     for ins in reversed(instrs):
         name = ins.op.name
+        if ins in flags:  # the non-finite guard agreeing on its flag (distributed.passes._agreed_flag)
+            continue
         if name in ("all_reduce", "reduce_scatter"):
             grad.update(ins.operands)
         elif name in ("sgd_step", "adam_step"):
@@ -45,6 +58,8 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
             src = ins.operands[ins.op.aliases[k]] if k in ins.op.aliases else None
             if src is not None and src in out:
                 out[r] = out[src]  # views and in-place results share their operand's storage
+            elif ins in flags:
+                out[r] = "communication"
             elif name in ("all_reduce", "reduce_scatter") or (
                     name in _MOVES and any(out.get(o) == "reduced gradients" for o in ins.operands)):
                 out[r] = "reduced gradients"

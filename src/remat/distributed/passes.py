@@ -19,8 +19,9 @@ concatenated batch only when every rank's shard of the batch has the same size.
 """
 from __future__ import annotations
 
-from ..ir import Builder, Function, Module, TensorType, Value, verify
-from ..step.optim import ParamUpdate, UpdateArgs, emit_update, update_param_types
+from ..ir import Builder, DType, Function, Module, TensorType, Value, verify
+from ..ir.ops.optim import SKIP
+from ..step.optim import ParamUpdate, UpdateArgs, emit_update, nonfinite_flag, update_param_types
 from ..step.program import Layout, update_points
 from .group import DataParallel, Shard
 
@@ -48,15 +49,29 @@ def _my_shard(b: Builder, v: Value, sh: Shard) -> Value:
     return part if sh.valid == sh.size else b.op("pad", part, low=(0,), high=(sh.size - sh.valid,))
 
 
+def _agreed_flag(b: Builder, local: Value, world: int) -> Value:
+    """True on every rank when ``local`` is true on any: one all_reduce of a scalar that is NaN where
+    the flag is set (0 elsewhere), so every rank skips the same steps."""
+    f32 = DType.f32
+    mark = b.op("select", local, b.op("constant", value=float("nan"), shape=(), dtype=f32),
+                b.op("constant", value=0.0, shape=(), dtype=f32))
+    return b.op("nonfinite", b.op("all_reduce", mark, world=world, op="sum"))
+
+
 def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdate],
                        state_types: list[list[TensorType]], dp: DataParallel, name: str = "train_step",
-                       check: bool = True) -> Function:
+                       check: bool = True, guard: bool = False) -> Function:
     """One rank's step: ``(joint args..., optimizer state (sharded under ZeRO)..., step, hyper...) -> (loss,
-    buffers...)``."""
+    buffers...[, skipped])``.
+
+    ``guard``: the non-finite guard (``step.program.step_program``): the buckets are communicated as
+    they complete, but every update waits for one flag, true when this rank's loss or any reduced
+    gradient (its shards under ZeRO-2) on any rank is not finite (agreed by one scalar all_reduce),
+    so every reduced gradient is kept until the last bucket."""
     n_out = layout.first_grad
     flat_state = [t for ts in state_types for t in ts]
     fn = Function(name, list(joint.param_types) + flat_state + update_param_types(updates),
-                  list(joint.result_types[:n_out]))
+                  list(joint.result_types[:n_out]) + ([SKIP] if guard else []))
     b = Builder(fn.entry)
     vmap: dict[Value, Value] = dict(zip(joint.params, fn.params))
     body, ret = joint.entry.instrs[:-1], joint.entry.instrs[-1]
@@ -72,8 +87,11 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
     for k, w in enumerate(update_points(joint, layout)):
         at.setdefault(w, []).append(k)
 
+    pending: list[tuple[list[int], list[Value], list[Value]]] = []  # guard: reduced buckets awaiting the flag
+
     def flush(bucket: list[int]) -> None:
-        """Communicate one complete bucket, then run its updates (and, under ZeRO, gather them back)."""
+        """Communicate one complete bucket, then run its updates (and, under ZeRO, gather them back);
+        with the guard, the updates wait for :func:`apply`."""
         if not bucket:
             return
         gs = [vmap[grads[k]] for k in bucket]
@@ -84,6 +102,12 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
         else:
             reduced = b.op("all_reduce", *gs, world=dp.world)
         reduced = [reduced] if isinstance(reduced, Value) else list(reduced)
+        if guard:
+            pending.append((bucket, params, reduced))
+            return
+        apply(bucket, params, reduced)
+
+    def apply(bucket: list[int], params: list[Value], reduced: list[Value]) -> None:
         if dp.mode == "ddp":
             for k, p, g in zip(bucket, params, reduced):
                 emit_update(b, updates[k], p, g, state_vals[k], uargs)
@@ -117,7 +141,14 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
             vmap[r] = nr
         ready(at.get(i, []))
     flush(bucket)
-    b.ret(*[vmap[v] for v in ret.operands[:n_out]])
+    outs = [vmap[v] for v in ret.operands[:n_out]]
+    if guard:
+        local = nonfinite_flag(b, vmap[ret.operands[0]], [g for _, _, gs in pending for g in gs])
+        uargs.skip = _agreed_flag(b, local, dp.world)
+        for item in pending:
+            apply(*item)
+        outs.append(uargs.skip)
+    b.ret(*outs)
     if check:
         verify(Module([fn]))
     return fn

@@ -80,7 +80,8 @@ def _zeros(t) -> Any:
 
 
 STEADY_STEP_OPS = ("sgd_step", "adam_step")
-"""Optimizer updates whose operands end with the 1-based step count and the hyperparameters: measured
+"""Optimizer updates whose operands end with the 1-based step count, the hyperparameters and the skip
+flag: measured (not skipped)
 at step 2, their steady state (SGD's first step only copies the gradient into the momentum buffer and
 allocates nothing; every later step's ``mul_(momentum)`` allocates scalar temporaries), with every
 hyperparameter non-zero (momentum, dampening and weight decay on: the costliest form, since a
@@ -92,8 +93,8 @@ def _operands(ins: Instruction) -> list:
     hyperparameters 0.5."""
     args = [_zeros(v.type) for v in ins.operands]
     if ins.op.name in STEADY_STEP_OPS:
-        args[-2].fill_(2)
-        args[-1].fill_(0.5)
+        args[-3].fill_(2)
+        args[-2].fill_(0.5)  # args[-1], skip: false
     return args
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ..ir import Builder, Function, Module, TensorType, Value, verify
 from ..ir.build import clone_into
-from .optim import ParamUpdate, UpdateArgs, emit_update, update_param_types
+from ..ir.ops.optim import SKIP
+from .optim import ParamUpdate, UpdateArgs, emit_update, nonfinite_flag, update_param_types
 from .program import Layout, update_points
 
 MICRO_SEED_SALT = 0x5EED_0000
@@ -54,13 +55,15 @@ def micro_input_types(full: list[TensorType], k: int) -> list[TensorType]:
 
 def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                     state_types: list[list[TensorType]], keep_grads: bool, k: int, reduction: str = "mean",
-                    name: str = "train_step", check: bool = True) -> Function:
+                    name: str = "train_step", check: bool = True, guard: bool = False) -> Function:
     """The step over ``k`` micro-batches of ``joint`` (a straight-line micro-batch joint, possibly
     rematerialised): ``(state..., whole-batch inputs...[, seed], optimizer state..., step) ->
-    (loss[, grads...])``, the same signature as :func:`.program.step_program` of the whole batch.
+    (loss[, grads...][, skipped])``, the same signature as :func:`.program.step_program` of the whole batch.
 
     ``reduction``: "mean" (the loss is a mean over the batch's samples: micro-batch losses and
-    gradients are weighted by ``1/k``) or "sum" (weight 1)."""
+    gradients are weighted by ``1/k``) or "sum" (weight 1). ``guard``: the non-finite guard of
+    :func:`.program.step_program`, on the summed loss and the accumulated gradients; every update
+    then follows the last micro-batch."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if layout.n_buffers_out:
@@ -73,7 +76,8 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
     flat_state = [t for ts in state_types for t in ts] if updates else []
     ptypes += flat_state + (update_param_types(updates) if updates else [])
     grad_types = list(joint.result_types[1:])
-    fn = Function(name, ptypes, [joint.result_types[0]] + (grad_types if keep_grads else []))
+    guard = bool(updates) and guard and not keep_grads  # (keep_grads: this step applies no update)
+    fn = Function(name, ptypes, [joint.result_types[0]] + (grad_types if keep_grads else []) + ([SKIP] if guard else []))
     b = Builder(fn.entry)
     state_args, in_args = fn.params[:n_s], fn.params[n_s:n_s + n_in]
     seed_arg = fn.params[n_s + n_in] if layout.has_seed else None
@@ -86,8 +90,9 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
         acc_at.setdefault(pos_of.get(g, -1), []).append(j)
     upd_at: dict[int, list[int]] = {}
     if updates and not keep_grads:
-        for j, w in enumerate(update_points(joint, layout)):
-            upd_at.setdefault(w, []).append(j)
+        if not guard:
+            for j, w in enumerate(update_points(joint, layout)):
+                upd_at.setdefault(w, []).append(j)
         state_vals, off = [], n_s + n_in + int(layout.has_seed)
         for ts in state_types:
             state_vals.append(fn.params[off:off + len(ts)])
@@ -130,7 +135,12 @@ def microbatch_step(joint: Function, layout: Layout, updates: list[ParamUpdate] 
             at(pos)
         loss_i = vmap.get(loss_v, loss_v)
         loss_acc = loss_i if loss_acc is None else b.op("add", loss_acc, loss_i)
-    outs = [scaled(loss_acc)] + ([scaled(a) for a in acc] if keep_grads else [])
+    skip = None
+    if guard:  # every update after the last micro-batch, once the flag is known
+        uargs.skip = skip = nonfinite_flag(b, loss_acc, acc)
+        for j in range(len(grads)):
+            emit_update(b, updates[j], state_args[j], scaled(acc[j]), list(state_vals[j]), uargs)
+    outs = [scaled(loss_acc)] + ([scaled(a) for a in acc] if keep_grads else []) + ([skip] if guard else [])
     b.ret(*outs)
     if check:
         verify(Module([fn]))

@@ -160,10 +160,12 @@ def update_param_types(updates: list[ParamUpdate]) -> list[TensorType]:
 @dataclass
 class UpdateArgs:
     """The step program's values of :func:`update_param_types`: the step count, and the ``hyper``
-    vector of each param group."""
+    vector of each param group; ``skip``, the updates' skip flag (:func:`nonfinite_flag`; None:
+    never skipped, a constant false)."""
 
     step: Value
     hyper: dict[int, Value]
+    skip: Value | None = None
 
     @staticmethod
     def of(values: Sequence[Value], updates: list[ParamUpdate]) -> "UpdateArgs":
@@ -178,17 +180,70 @@ def update_arguments(optimizer, updates: list[ParamUpdate], step: int) -> list[n
                                                  for u in update_groups(updates)]
 
 
+def store_contiguous(t, what: str) -> None:
+    """Make ``t``, a tensor the step updates in place (a parameter, an optimizer state tensor),
+    contiguous, in place: the step's kernels take contiguous tensors, and the VM would otherwise
+    update a contiguous copy, leaving ``t`` as it was. A dense ``t`` alone in its storage (a
+    transposed or permuted layout, e.g. ``nn.Parameter(w.t().contiguous().t())``) keeps its object,
+    values, shape and storage; its bytes are reordered within its storage (as ``ohwi_view`` does for
+    channels-last weights). Raises ValueError naming ``what``, its shape and strides when ``t``
+    shares its storage with other tensors (a strided view of a larger one): reordering would
+    change them."""
+    import torch
+
+    if t.is_contiguous():
+        return
+    st = t.untyped_storage()
+    alone = t.storage_offset() == 0 and st.nbytes() == t.numel() * t.element_size()
+    if not (alone and _dense(t)):
+        raise ValueError(f"{what} (shape {list(t.shape)}, strides {list(t.stride())}, storage offset "
+                         f"{t.storage_offset()}, in a storage of {st.nbytes() // max(t.element_size(), 1)} elements) is "
+                         "not contiguous and shares its storage with other tensors (a strided view): remat updates it "
+                         "in place with kernels that need contiguous tensors and cannot reorder a shared storage. Give "
+                         "it a storage of its own before creating the optimizer, e.g. "
+                         "`module.weight = nn.Parameter(module.weight.detach().contiguous())`")
+    with torch.no_grad():
+        values = t.detach().clone()
+        t.set_(st, 0, t.shape, torch.empty(t.shape, device="meta").stride())
+        t.copy_(values)
+
+
+def _dense(t) -> bool:
+    """``t``'s elements fill a block of its storage without gaps or overlaps (some permutation of
+    its dimensions is contiguous)."""
+    expect = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def store_params_contiguous(params: list, names: list[str], skip=frozenset()) -> None:
+    """:func:`store_contiguous` for each parameter the step updates (but those of ``skip``: the
+    OHWI weights, stored channels-last by ``frontend.torch_import.ohwi_view``)."""
+    for i, (p, n) in enumerate(zip(params, names)):
+        if i not in skip:
+            store_contiguous(p, f"parameter '{n}'")
+
+
 def init_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
     """The state tensors per parameter as the first compiled step will see them: the optimizer's
     own where it has them, fresh zeros otherwise. The optimizer is not modified (a compile that
-    fails must leave it as it was; torch too creates its state at the first step)."""
+    fails must leave it as it was; torch too creates its state at the first step), but for the
+    layout of a state tensor the step would otherwise update a copy of (:func:`store_contiguous`:
+    one neither contiguous nor laid out as its parameter)."""
     import torch
 
     states = []
-    for p, u in zip(params, updates):
+    for i, (p, u) in enumerate(zip(params, updates)):
         st = optimizer.state.get(p, {})  # .get: indexing the defaultdict would add an entry
-        states.append([st[k] if st.get(k) is not None else torch.zeros_like(p, memory_format=torch.preserve_format)
-                       for k in u.state_keys])
+        ts = [st[k] if st.get(k) is not None else torch.zeros_like(p, memory_format=torch.preserve_format)
+              for k in u.state_keys]
+        for k, t in zip(u.state_keys, ts):
+            if t.stride() != p.stride():
+                store_contiguous(t, f"the optimizer's {k} of parameter {i} (shape {list(p.shape)})")
+        states.append(ts)
     return states
 
 
@@ -280,13 +335,27 @@ def clip_by_global_norm(b: Builder, grads: Sequence[Value], max_norm: float) -> 
     return out
 
 
+ON_NONFINITE = ("skip", "raise", None)
+"""``remat.compile(on_nonfinite=...)``: "skip" and "raise" guard the fused updates
+(:func:`nonfinite_flag`); None (the default) leaves them unguarded, each right after its gradient."""
+
+
+def nonfinite_flag(b: Builder, loss: Value, grads: Sequence[Value]) -> Value:
+    """The updates' ``skip`` operand: true when the loss or any gradient has a NaN or infinite
+    element (``torch.amp.GradScaler``'s ``found_inf``: then no update changes anything). Every
+    gradient must be complete, so the updates that take it run after the last gradient."""
+    return b.op("nonfinite", loss, *grads)
+
+
 def emit_update(b: Builder, u: ParamUpdate, param: Value, grad: Value, state: list[Value], args: UpdateArgs) -> list[Value]:
     """Emit the in-place update; returns the new SSA values of (param, *state)."""
     hyper = args.hyper[u.group]
+    if args.skip is None:
+        args.skip = b.op("constant", value=False, shape=(), dtype=DType.bool)
     if u.op == "sgd_step":
         buf = state[0] if state else param  # momentum 0: no buffer; the kernel leaves this operand alone
-        p2, buf2 = b.op("sgd_step", param, grad, buf, args.step, hyper, **u.attrs)
+        p2, buf2 = b.op("sgd_step", param, grad, buf, args.step, hyper, args.skip, **u.attrs)
         return [p2] + ([buf2] if state else [])
-    p2, m2, v2 = b.op("adam_step", param, grad, state[0], state[1], args.step, hyper, **u.attrs)
+    p2, m2, v2 = b.op("adam_step", param, grad, state[0], state[1], args.step, hyper, args.skip, **u.attrs)
     return [p2, m2, v2]
 

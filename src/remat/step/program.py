@@ -15,7 +15,8 @@ from ..autodiff import joint
 from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from ..ir.build import clone_into
 from ..pipeline import run_pipeline
-from .optim import ParamUpdate, UpdateArgs, clip_by_global_norm, emit_update, update_param_types
+from ..ir.ops.optim import SKIP
+from .optim import ParamUpdate, UpdateArgs, clip_by_global_norm, emit_update, nonfinite_flag, update_param_types
 
 
 @dataclass
@@ -135,21 +136,29 @@ def last_new_index_check(body: list[Instruction]) -> int:
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
-                 check: bool = True, max_grad_norm: float | None = None) -> Function:
+                 check: bool = True, max_grad_norm: float | None = None, guard: bool = False) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
-    buffers...[, grads...])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
+    buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
     ``joint`` is a straight-line joint (possibly rematerialised, with frees). Updates are in place
     (the results alias the parameter and state buffers). With ``max_grad_norm`` the gradients are
     clipped by their global norm first (:func:`~.optim.clip_by_global_norm`), so every update
     follows the last gradient: all of them are kept until the norm is known.
+
+    ``guard`` (the non-finite guard, ``remat.compile(on_nonfinite=...)``): every update takes one
+    ``skip`` flag, true when the loss or any gradient has a NaN or infinite element
+    (:func:`~.optim.nonfinite_flag`), and the flag is the last result; as with clipping, every
+    update follows the last gradient, all of them kept until the flag is known. A skipped step
+    changes no parameter and no optimizer state, as ``torch.amp.GradScaler`` skips one. Without
+    it each update follows its own gradient (``update_points``) and a NaN reaches the parameters.
     """
+    guard = bool(updates) and guard
     ptypes = list(joint.param_types)
     flat_state = [t for ts in state_types for t in ts] if updates else []
     ptypes += flat_state + (update_param_types(updates) if updates else [])
     n_out = layout.first_grad
     grad_types = list(joint.result_types[n_out:])
-    rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else [])
+    rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else []) + ([SKIP] if guard else [])
     fn = Function(name, ptypes, rtypes)
     b = Builder(fn.entry)
     vmap: dict[Value, Value] = dict(zip(joint.params, fn.params))
@@ -159,7 +168,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     at: dict[int, list[int]] = {}
     clip = updates and max_grad_norm is not None
     if updates:
-        where = [len(body) - 1] * layout.n_params if keep_grads or clip else update_points(joint, layout)
+        late = keep_grads or clip or guard
+        where = [len(body) - 1] * layout.n_params if late else update_points(joint, layout)
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
@@ -170,6 +180,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
 
     def emit(ks: list[int]) -> None:
         gs = [vmap[grads[k]] for k in ks]
+        if guard and ks:  # all of them: every update follows the last gradient
+            uargs.skip = nonfinite_flag(b, vmap[ret.operands[0]], gs)
         if clip and ks:
             gs = clip_by_global_norm(b, gs, max_grad_norm)
         for k, g in zip(ks, gs):
@@ -180,6 +192,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         clone_into(b, ins, vmap)
         emit(at.get(i, []))
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
+    if guard:
+        outs.append(uargs.skip)
     b.ret(*outs)
     if check:
         verify(Module([fn]))

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import BudgetTooSmall, format_bytes
+from ..errors import BudgetTooSmall, NonFiniteStep, format_bytes
 from ..step.optim import advance_steps, current_state
 from .against import Against
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
@@ -53,6 +53,7 @@ class TrainStep:
         self.last_seconds: float | None = None
         self._variants: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes or model states
         self._against = Against.now(c.model, c.options.precision)  # what this step was compiled against
+        self.skipped_steps = 0  # steps the non-finite guard skipped (on_nonfinite="skip")
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs, **keyword_inputs):
@@ -68,7 +69,12 @@ class TrainStep:
         stay exactly as they were, also on the first call (the optimizer's state is registered only
         after a step succeeded). The program places no in-place update before the first check of
         each index value (``step.program.last_new_index_check``); a kernel failing after the first
-        update (out of memory in the backward, say) is the one case that leaves updates applied."""
+        update (out of memory in the backward, say) is the one case that leaves updates applied.
+
+        With ``on_nonfinite="skip"`` a NaN or infinite loss or gradient skips the step as
+        ``torch.amp.GradScaler`` does: no parameter, optimizer state, step count or buffer changes, the
+        loss is returned and ``report().skipped_steps`` counts it ("skip"), or ``NonFiniteStep`` is
+        raised ("raise")."""
         inputs = self.signature.positional(inputs, keyword_inputs)
         now = Against.now(self.model, self.compilation.options.precision)
         if now != self._against or self.signature.other_shapes(inputs):
@@ -103,13 +109,16 @@ class TrainStep:
                 outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
         else:
             outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
-        if state is not None:  # the step succeeded: now the optimizer owns the state it updated
+        skipped = self.compilation.guarded and bool(outs[-1])  # the guard's flag: nothing was updated
+        if state is not None and not skipped:  # the step succeeded: now the optimizer owns the state it updated
             b.bind_state(state)
         self.last_seconds = time.perf_counter() - t0
         self.last_stats = stats
         if stats.by_kind is not None:
             self.kind_stats = stats.by_kind
         b.calls += 1
+        if skipped:
+            return self._skipped(outs[0], opt_step + 1)
         b.put_results(outs, args, self.keep_grads)
         if self.dp is not None and self.dp.shards_state:
             self.dp.steps += 1
@@ -118,6 +127,14 @@ class TrainStep:
         if self.updates:
             self.optimizer._opt_called = True  # as optimizer.step() records it: LR schedulers see the step taken
         return outs[0]
+
+    def _skipped(self, loss, step: int):
+        """A step the non-finite guard skipped: counted and its loss returned, or NonFiniteStep raised.
+        Nothing is written back (buffers, ``.grad``), and the optimizer's step count stays."""
+        if self.compilation.options.on_nonfinite == "raise":
+            raise NonFiniteStep(step, self.binding.calls, float(loss))
+        self.skipped_steps += 1
+        return loss
 
     def _run_measuring_allocator(self, args: list, by_kind: bool = False) -> tuple:
         """One run of the step under torch.profiler's memory events: the allocator's measured
@@ -212,6 +229,8 @@ class TrainStep:
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
+            on_nonfinite=c.options.on_nonfinite if c.guarded else None,
+            skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
             **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
 
     def _memory(self) -> dict[str, int] | None:
@@ -294,6 +313,19 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     that fits; ``report()`` lists each count tried). Refused (``MicroBatchingRefused``) for models
     with batch statistics or buffer updates, and for losses that are neither a mean nor a sum over
     samples (checked eagerly; ``loss_reduction="mean"|"sum"`` overrides the check).
+    ``on_nonfinite`` (None, the default; "skip"; "raise"), with an optimizer: the non-finite guard. A
+    step whose loss or any gradient has a NaN or infinite element changes nothing, as
+    ``torch.amp.GradScaler`` skips it: parameters, optimizer state (``exp_avg``, ``exp_avg_sq``,
+    momentum buffers, ``step``), buffers and ``.grad`` stay bit-identical, and the next step trains as
+    if it had not happened. "skip" returns its loss and counts it in ``report().skipped_steps``;
+    "raise" raises ``remat.NonFiniteStep`` naming the step. Cost: the updates cannot follow each
+    gradient (a NaN in the last gradient must stop the first update), so every gradient is kept
+    until all are known finite (as ``max_grad_norm`` keeps them), one read of each gradient checks it,
+    and the flag is read once per step. Where activations dominate the peak this costs no memory
+    (GPT small: the same peak); a budget is planned with the gradients kept, so its floor can rise
+    (GPT small's minimum budget by 20%): that is why it is not the default, where each parameter is
+    updated right after its gradient, unguarded.
+    None: each parameter is updated right after its gradient (the least memory), unguarded.
     ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
     ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
     group's hyperparameters at every call, so learning-rate schedules work unchanged.

@@ -10,8 +10,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..step.optim import (bind_state, check_updates, init_state, steps_taken, update_arguments, update_param_types,
-                          updates_from_torch)
+from ..step.optim import (bind_state, check_updates, init_state, steps_taken, store_params_contiguous, update_arguments,
+                          update_param_types, updates_from_torch)
 from ..step.program import Layout
 
 
@@ -42,6 +42,8 @@ class Binding:
         self.layout = Layout(len(imp.param_names), imp.state_count, imp.input_count, imp.has_seed,
                              len(imp.output_names) - 1)
         self.updates = updates_from_torch(optimizer, self.params) if optimizer is not None else None
+        if self.updates:  # updated in place: contiguous (reordered in place) or refused, never a copy updated
+            store_params_contiguous(self.params, imp.param_names, self.ohwi)
         self.state = init_state(optimizer, self.params, self.updates) if self.updates else []
         if self.updates:
             steps_taken(optimizer, self.params, self.updates)  # parameters stepped unequally: fail now

@@ -38,6 +38,7 @@ from ..plan.problem import StepProblem
 from ..plan.record import Plan
 from ..plan.simulator import predict_peak
 from ..step.microbatch import microbatch_step
+from ..step.optim import ON_NONFINITE
 from ..step.program import prepare_joint, step_program, training_forward, training_graph
 from .binding import Binding
 from .microbatch import check_micro_batches, micro_batch_semantics, whole_batch_peak
@@ -89,6 +90,7 @@ class CompileOptions:
     loss_reduction: str | None = None
     layout: str = "auto"
     max_grad_norm: float | None = None
+    on_nonfinite: str | None = None
     precision: str = "fp32"
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
@@ -116,6 +118,9 @@ class CompileOptions:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
+        if self.on_nonfinite not in ON_NONFINITE:
+            raise ValueError(f"on_nonfinite must be 'skip' (skip a step whose loss or a gradient is not finite), "
+                             f"'raise' (raise instead) or None (no guard), got {self.on_nonfinite!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
         if self.precision == "fp16":
@@ -206,19 +211,26 @@ class Compilation:
             return self.graph
         return None if self.imported is None else self.imported.module
 
+    @property
+    def guarded(self) -> bool:
+        """The step's updates wait for the non-finite guard's flag (``on_nonfinite``, the program's last result)."""
+        return (bool(self.binding.updates) and self.options.on_nonfinite is not None
+                and not (self.keep_grads and self.micro_batches > 1))
+
     def step_program(self, joint: Function, check: bool) -> Function:
         """The step program of a joint: one process (micro-batched or not), or this rank's
         (``remat.distributed.passes``)."""
         b = self.binding
+        guard = self.guarded
         if self.micro_batches > 1:
             return microbatch_step(joint, b.layout, b.updates, b.state_types, self.keep_grads, self.micro_batches,
-                                   self.loss_reduction, check=check)
+                                   self.loss_reduction, check=check, guard=guard)
         if self.dp is None:
             return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
-                                max_grad_norm=self.options.max_grad_norm)
+                                max_grad_norm=self.options.max_grad_norm, guard=guard)
         from ..distributed.passes import data_parallel_step
 
-        return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check)
+        return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
 
     def workspaces(self, fn: Function) -> dict[Instruction, int]:
         """Kernels' own bytes per instruction of ``fn`` (measured once per kernel and shape, cached)."""
@@ -313,7 +325,8 @@ def plan(c: Compilation) -> Compilation:
                           c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
                           c.dialects)
     clipped = c.binding.updates and o.max_grad_norm is not None  # every gradient is kept until the norm is known
-    if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not clipped:
+    if (c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not clipped
+            and not c.guarded):  # the guard too keeps every gradient until its flag is known
         g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
         problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
     counted = c.budget is not None and o.count_workspaces
@@ -330,8 +343,13 @@ def plan(c: Compilation) -> Compilation:
         bound = allocator_bound(chosen.program, c.workspaces(chosen.program))
     cost = CostModel(c.costs)
     notes = tuple(chosen.notes)
+    grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
+    if c.guarded and not c.keep_grads:
+        notes += (f"non-finite guard (on_nonfinite={o.on_nonfinite!r}): every gradient ({format_bytes(grad_bytes)}) "
+                  f"is kept until the loss and all gradients are known finite, then each update runs (a step "
+                  f"with a NaN or infinity changes nothing); on_nonfinite=None updates each parameter right "
+                  f"after its gradient instead",)
     if clipped:
-        grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
         notes += (f"gradient clipping (max_grad_norm={o.max_grad_norm:g}): every gradient ({format_bytes(grad_bytes)}) "
                   f"is kept until their global norm is known, then each update runs; a second backward instead "
                   f"is not implemented",)

@@ -117,4 +117,5 @@ def whole_batch_peak(c: "Compilation") -> int:
                       c.options.layout)
     joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), c.dialects)
     b = c.binding
-    return predict_peak(step_program(joint, b.layout, b.updates, b.state_types, c.keep_grads))
+    return predict_peak(step_program(joint, b.layout, b.updates, b.state_types, c.keep_grads,
+                                     guard=c.options.on_nonfinite is not None))

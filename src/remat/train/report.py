@@ -62,6 +62,8 @@ class Report:
     low_precision_ops: dict[str, int] = field(default_factory=dict)  # op -> instructions computing in bf16/f16
     casts: int = 0               # dtype casts in the program (mixed precision), and the bytes they produce
     cast_bytes: int = 0
+    on_nonfinite: str | None = None  # the non-finite guard ("skip", "raise"; None: unguarded or no optimizer)
+    skipped_steps: int = 0       # steps the guard skipped (a NaN or infinite loss or gradient): nothing updated
 
     def __str__(self) -> str:
         def b(v):
@@ -82,6 +84,8 @@ class Report:
              f"{self.precision} (torch.autocast's op lists; fp32 master weights): "
              + (", ".join(f"{op} {n}" for op, n in self.low_precision_ops.items()) or "no op")
              + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
+            ("non-finite guard", "off" if self.on_nonfinite is None else
+             f"{self.on_nonfinite}: {self.skipped_steps} step(s) skipped (a NaN or infinite loss or gradient)"),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
