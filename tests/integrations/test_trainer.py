@@ -1,7 +1,7 @@
 """``remat.integrations.transformers.RematTrainer`` against the plain ``transformers.Trainer``:
 same seed, schedule (warmup + cosine), clipping and gradient accumulation give the same logged
 losses and parameters; LoRA (peft) leaves frozen parameters without gradients; a resumed run ends
-where an uninterrupted one does; mixed precision is refused by name."""
+where an uninterrupted one does; bf16 trains as the plain Trainer's bf16; fp16 is refused by name."""
 import pytest
 import torch
 
@@ -175,10 +175,24 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
         assert torch.equal(p, resumed[2][k]), k
 
 
-@pytest.mark.parametrize("flag", ["bf16", "fp16"])
-def test_mixed_precision_is_refused(tmp_path, flag):
-    with pytest.raises(NotImplementedError, match=f"mixed precision.*{flag}=True.*not available yet"):
-        RematTrainer(model=_llama(), args=_args(tmp_path, "mp", **{flag: True}), train_dataset=TokenData(4))
+def test_fp16_is_refused(tmp_path):
+    with pytest.raises(NotImplementedError, match="fp16=True.*not available yet"):
+        RematTrainer(model=_llama(), args=_args(tmp_path, "mp", fp16=True), train_dataset=TokenData(4))
+
+
+def test_bf16_trains_like_the_plain_trainer_under_bf16(tmp_path):
+    """bf16=True: the Trainer's bf16 autocast and remat's precision="bf16" compute alike (bf16
+    rounding apart: the kernels are not the same), the master weights stay fp32."""
+    data = TokenData(16)
+    plain = _train(Trainer, _llama, data, tmp_path, "plain-bf16", bf16=True)
+    remat = _train(RematTrainer, _llama, data, tmp_path, "remat-bf16", bf16=True, budget="95%")
+    (_, la, pa), (_, lb, pb) = plain, remat
+    assert len(la) == len(lb) >= 4 and all(abs(a - b) <= 1e-3 * abs(a) for a, b in zip(la, lb)), (la, lb)
+    for k in pa:  # AdamW normalises each element's step: compare whole tensors, not elements
+        assert float((pa[k] - pb[k]).norm() / pa[k].norm()) < 1e-2, k
+    r = _within_budget(remat[0])
+    assert r.precision == "bf16" and sum(r.low_precision_ops.values()) > 0
+    assert all(p.dtype == torch.float32 for p in remat[2].values())
 
 
 def test_optimizer_in_remat_options_is_refused(tmp_path):

@@ -26,8 +26,7 @@ from ..train import api
 from ..train.api import TrainStep
 
 _UNSUPPORTED_ARGS = {
-    "bf16": "mixed precision (bf16=True)",
-    "fp16": "mixed precision (fp16=True)",
+    "fp16": "mixed precision in float16 (fp16=True; bf16=True is supported)",
     "gradient_checkpointing": "gradient_checkpointing=True (remat plans what to recompute itself)",
 }
 
@@ -72,8 +71,10 @@ class RematTrainer(Trainer):
 
     Dropout runs remat's own seeded masks (replayed exactly when recomputed), not the masks of
     PyTorch's generator, so with dropout the losses are statistically, not bitwise, the plain
-    Trainer's. Not supported (refused with ``NotImplementedError`` when the Trainer is built): ``bf16`` / ``fp16`` mixed
-    precision, ``gradient_checkpointing``, a ``compute_loss_func``, label smoothing and an
+    Trainer's. ``bf16=True`` compiles the step with ``precision="bf16"`` (the forward and loss under
+    bf16 autocast, fp32 master weights), as the plain Trainer's autocast computes it. Not supported
+    (refused with ``NotImplementedError`` when the Trainer is built): ``fp16`` (it needs loss
+    scaling), ``gradient_checkpointing``, a ``compute_loss_func``, label smoothing and an
     overridden ``compute_loss``; a run on more than one process or device.
     """
 
@@ -133,7 +134,10 @@ class RematTrainer(Trainer):
     def _compile(self, model: torch.nn.Module, inputs: dict[str, Any]) -> TrainStep:
         """The remat step for this batch's keyword inputs (other shapes compile on first sight)."""
         unwrapped = self.accelerator.unwrap_model(model)
-        step = api.compile(_ScaledLoss(unwrapped), inputs, None, budget=self.budget, **self.remat_options)
+        options = dict(self.remat_options)
+        if self.args.bf16:  # the Trainer's bf16=True: remat's bf16 autocast, fp32 master weights
+            options.setdefault("precision", "bf16")
+        step = api.compile(_ScaledLoss(unwrapped), inputs, None, budget=self.budget, **options)
         # Dropout seeds follow the step count: a resumed run continues the uninterrupted run's sequence.
         step.binding.calls = self.state.global_step * self.args.gradient_accumulation_steps
         return step
@@ -157,5 +161,4 @@ def _check_args(args) -> None:
     for name, what in _UNSUPPORTED_ARGS.items():
         if getattr(args, name, False):
             raise NotImplementedError(
-                f"RematTrainer: {what} is not available yet in this integration: remat compiles the step in "
-                f"the model's parameter dtype (float32 here); set {name}=False")
+                f"RematTrainer: {what} is not available yet in this integration; set {name}=False")
