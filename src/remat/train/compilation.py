@@ -287,7 +287,7 @@ def prepare(c: Compilation) -> Compilation:
     """The joint as it will run (training batch norms split into statistics and element-wise
     normalisation, composites no chosen dialect has a kernel for expanded: ``prepare_joint``), the
     unconstrained step program, its peak (the whole batch's, also when micro-batched: the reference
-    of relative budgets), the budget in bytes, and static per-instruction costs."""
+    of relative budgets), the budget in bytes, and static per-instruction costs (``profile`` measures them instead)."""
     joint = prepare_joint(c.graph, c.dialects)
     unconstrained = c.step_program(joint, check=True)
     peak = predict_peak(unconstrained)
@@ -295,7 +295,7 @@ def prepare(c: Compilation) -> Compilation:
         peak = c.options.full_batch_peak if c.options.full_batch_peak is not None else whole_batch_peak(c)
     budget = None if c.budget_spec is None else c.budget_spec.resolve(peak)
     return replace(c, joint=joint, unconstrained=unconstrained, unconstrained_peak=peak, budget=budget,
-                   costs=static_costs(joint))
+                   costs=None if _profiled(c) else static_costs(joint))  # measured by ``profile`` instead
 
 
 def profile(c: Compilation) -> Compilation:
