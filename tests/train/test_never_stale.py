@@ -59,6 +59,47 @@ def test_eval_after_compile_runs_in_eval_mode_like_eager(name):
     assert step.shapes_cached() == 2
 
 
+def test_a_submodule_put_in_eval_after_compile_is_followed_like_eager():
+    """Only the stem in eval (a frozen, pretrained stem's batch norms): it normalises with its
+    running statistics and leaves them alone, while the other stages still train their own."""
+    model, inputs, loss_fn = make("resnet")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    messages = []
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=_sgd(m_r), progress=messages.append)
+    o_e = _sgd(m_e)
+    m_r.stem.eval(), m_e.stem.eval()
+    got = step(*inputs)
+    want = _eager_step(m_e, o_e, inputs, loss_fn)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    _assert_models_close(m_r, m_e)
+    assert any("the training mode of stem" in m for m in messages), messages
+
+
+def test_a_replaced_submodule_is_used():
+    """A new head module (the classifier swapped for fine-tuning) is trained, the old one left alone."""
+    model, inputs, loss_fn = make("resnet")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=_sgd(m_r), progress=lambda _: None)
+    step(*inputs)
+    _eager_step(m_e, _sgd(m_e), inputs, loss_fn)  # the same first step, eagerly
+    _assert_models_close(m_r, m_e)
+    old = m_r.fc
+    torch.manual_seed(3)
+    m_r.fc = torch.nn.Linear(old.in_features, old.out_features)
+    torch.manual_seed(3)
+    m_e.fc = torch.nn.Linear(old.in_features, old.out_features)
+    kept = old.weight.detach().clone()
+    step.optimizer.add_param_group({"params": list(m_r.fc.parameters())})
+    o_e = torch.optim.SGD(m_e.parameters(), lr=0.1)  # plain SGD on both: no state to carry over
+    for g in step.optimizer.param_groups:
+        g["momentum"] = 0.0
+    got = step(*inputs)
+    want = _eager_step(m_e, o_e, inputs, loss_fn)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    assert torch.equal(old.weight, kept)
+    _assert_models_close(m_r, m_e)
+
+
 def test_a_replaced_parameter_is_used():
     model, inputs, loss_fn = make("mlp")
     m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)

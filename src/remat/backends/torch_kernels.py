@@ -745,10 +745,14 @@ def sgd_single(param, grad, buf, step, *, lr, momentum, dampening, weight_decay,
     return param, buf
 
 
-def _found_inf(skip: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The fused kernels' ``found_inf`` (1.0: change nothing) from the ``skip`` operand, on the
-    parameter's device: read by the kernel itself, so no host synchronisation."""
-    return skip.to(device=like.device, dtype=torch.float32)
+def _skip(skip: torch.Tensor, like: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """The ``skip`` operand for an update of ``like``: (skip it now, the fused kernels' ``found_inf``).
+    On the CPU the flag is read here (no synchronisation to avoid) and the kernel gets no
+    ``found_inf``; on an accelerator the kernel reads it itself (1.0: change nothing), so the host
+    never waits for it."""
+    if skip.device.type == "cpu" and like.device.type == "cpu":
+        return bool(skip), None
+    return False, skip.to(device=like.device, dtype=torch.float32)
 
 
 @k("sgd_step")
@@ -757,12 +761,15 @@ def sgd_step(param, grad, buf, step, hyper, skip, *, nesterov, maximize):
     momentum, dampening, weight_decay]; ``skip`` true: nothing changes): with momentum ATen's fused
     kernel, else (or in another dtype) :func:`sgd_single`."""
     lr, momentum, dampening, weight_decay = hyper.tolist()
+    skip_now, found_inf = _skip(skip, param)
+    if skip_now:
+        return param, buf
     if momentum != 0 and _fusable(param, grad, buf):
         torch._fused_sgd_([param], [grad], [buf], weight_decay=weight_decay, momentum=momentum, lr=lr,
                           dampening=dampening, nesterov=nesterov, maximize=maximize,
-                          is_first_step=int(step.item()) <= 1, found_inf=_found_inf(skip, param))
+                          is_first_step=int(step.item()) <= 1, found_inf=found_inf)
         return param, buf
-    if bool(skip):
+    if found_inf is not None and bool(skip):  # the single-tensor update: the flag read on the host
         return param, buf
     return sgd_single(param, grad, buf, step, lr=lr, momentum=momentum, dampening=dampening,
                       weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
@@ -792,12 +799,15 @@ def adam_step(param, grad, m, v, step, hyper, skip, *, decoupled, maximize):
     the fused kernel reads as it is; ``hyper`` = [lr, beta1, beta2, eps, weight_decay]; ``skip`` true:
     nothing changes): ATen's fused kernel, else :func:`adam_single`."""
     lr, beta1, beta2, eps, weight_decay = hyper.tolist()
+    skip_now, found_inf = _skip(skip, param)
+    if skip_now:
+        return param, m, v
     if _fusable(param, grad, m, v):
         (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
             [param], [grad], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-            eps=eps, amsgrad=False, maximize=maximize, found_inf=_found_inf(skip, param))
+            eps=eps, amsgrad=False, maximize=maximize, found_inf=found_inf)
         return param, m, v
-    if bool(skip):
+    if found_inf is not None and bool(skip):  # the single-tensor update: the flag read on the host
         return param, m, v
     return adam_single(param, grad, m, v, step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                        weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)

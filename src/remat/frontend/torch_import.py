@@ -453,7 +453,7 @@ def _loc(node: torch.fx.Node) -> Loc:
 
 
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
-                  loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool = True,
+                  loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool | None = True,
                   num_targets: int | None = None, name: str = "forward", cache: bool | None = None,
                   autocast: torch.dtype | None = None) -> ImportedModel:
     """Translate ``model`` (and ``loss_fn`` if given) into a remat module.
@@ -464,7 +464,8 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     A mapping passes the model's inputs as keywords (:func:`keyword_inputs`); a model returning a
     ``ModelOutput`` or dict contributes its ``loss`` (no ``loss_fn``) or its ``logits`` (to ``loss_fn``).
     ``train`` selects training-mode semantics (batch statistics and running-stat updates in batch
-    norm, active dropout) or eval mode. Shapes are static: those of ``example_inputs``.
+    norm, active dropout) or eval mode for every submodule; None: each submodule's own mode, as
+    eager PyTorch runs it (a frozen, pretrained part in eval inside a model in training). Shapes are static: those of ``example_inputs``.
     Raises :class:`UnsupportedOpError` naming the op, the submodule and the source line when an op
     has no translation. ``cache``: reuse (and fill) the on-disk cache of captures
     (:mod:`remat.frontend.capture_cache`); None: as ``$REMAT_CAPTURE_CACHE`` says (default on).
@@ -481,7 +482,10 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
         raise TypeError(f"the loss function takes {n_targets} target(s) but only {len(example_inputs)} example inputs were given")
     wrapper = _WithLoss(model, loss_fn, n_inputs, input_names, options, autocast)
     was_training = [m.training for m in model.modules()]
-    wrapper.train(train)
+    if train is None:
+        wrapper.training = model.training
+    else:
+        wrapper.train(train)
     key = None
     try:
         if capture_cache.enabled(cache):

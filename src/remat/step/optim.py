@@ -227,12 +227,13 @@ def store_params_contiguous(params: list, names: list[str], skip=frozenset()) ->
             store_contiguous(p, f"parameter '{n}'")
 
 
-def init_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
+def init_state(optimizer, params: list, updates: list[ParamUpdate], known: list[list] | None = None) -> list[list]:
     """The state tensors per parameter as the first compiled step will see them: the optimizer's
     own where it has them, fresh zeros otherwise. The optimizer is not modified (a compile that
     fails must leave it as it was; torch too creates its state at the first step), but for the
     layout of a state tensor the step would otherwise update a copy of (:func:`store_contiguous`:
-    one neither contiguous nor laid out as its parameter)."""
+    one neither contiguous nor laid out as its parameter). ``known``: the state last bound
+    (:func:`bind_state`), whose tensors were checked then and are not checked again."""
     import torch
 
     states = []
@@ -240,11 +241,16 @@ def init_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list
         st = optimizer.state.get(p, {})  # .get: indexing the defaultdict would add an entry
         ts = [st[k] if st.get(k) is not None else torch.zeros_like(p, memory_format=torch.preserve_format)
               for k in u.state_keys]
-        for k, t in zip(u.state_keys, ts):
-            if t.stride() != p.stride():
-                store_contiguous(t, f"the optimizer's {k} of parameter {i} (shape {list(p.shape)})")
+        if known is None or i >= len(known) or not _same_tensors(ts, known[i]):
+            for k, t in zip(u.state_keys, ts):
+                if t.stride() != p.stride():
+                    store_contiguous(t, f"the optimizer's {k} of parameter {i} (shape {list(p.shape)})")
         states.append(ts)
     return states
+
+
+def _same_tensors(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
@@ -272,12 +278,13 @@ def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
     return next(iter(counts.values()), 0)
 
 
-def current_state(optimizer, params: list, updates: list[ParamUpdate]) -> list[list]:
+def current_state(optimizer, params: list, updates: list[ParamUpdate], known: list[list] | None = None) -> list[list]:
     """The state tensors the next step updates in place: the optimizer's own, and fresh zeros
     for those it has not created yet. Nothing is registered in the optimizer: a step that fails
     must leave ``optimizer.state_dict()`` as it was; :func:`bind_state` registers them after
-    the step succeeded (torch too creates its state during the first step)."""
-    return init_state(optimizer, params, updates)
+    the step succeeded (torch too creates its state during the first step). ``known``: as
+    :func:`init_state`'s."""
+    return init_state(optimizer, params, updates, known)
 
 
 def bind_state(optimizer, params: list, updates: list[ParamUpdate], fallback: list[list]) -> list[list]:

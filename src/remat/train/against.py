@@ -1,9 +1,11 @@
 """What a compiled step was compiled against that a user can change between calls.
 
-A step captures the model as it was: its training mode, which tensors are its parameters and
-which of them train, their dtypes, and the precision it computes in. :class:`Against` records that
-cheaply (one pass over ``model.parameters()``), so that each call can tell whether the model has
-changed since (``model.eval()``, a replaced or frozen parameter, ``model.double()``, a caller's
+A step captures the model as it was: the training mode of each of its modules, which tensors are
+its parameters and which of them train, their dtypes, and the precision it computes in.
+:class:`Against` records that, and :class:`Watch` reads it again at each call cheaply (the modules
+and parameter slots found at compile, re-walked only when the module tree changed), so that each call
+can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
+replaced, frozen or unfrozen parameter, a replaced submodule, ``model.double()``, a caller's
 ``torch.autocast``) and follow the change with a step compiled for it, instead of running stale.
 """
 from __future__ import annotations
@@ -15,33 +17,29 @@ _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 @dataclass(frozen=True)
 class Against:
-    """The model's training mode, its parameters (identity, ``requires_grad``, dtype; in
-    ``model.parameters()`` order) and the precision the step computes in."""
+    """Each module's training mode and each parameter slot's tensor (identity, ``requires_grad``,
+    dtype), in ``model.named_modules()`` order, and the precision the step computes in."""
 
-    training: bool
+    training: tuple[bool, ...]
     params: tuple[tuple[int, bool, object], ...]
     precision: str
 
-    @staticmethod
-    def now(model, precision: str) -> "Against":
-        """The model as it is now; ``precision``: the step's own, unless the caller runs it under
-        ``torch.autocast`` (then the autocast's dtype: "bf16" or "fp16")."""
-        import torch
-
-        if torch.is_autocast_enabled("cpu"):
-            dtype = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
-            precision = _AUTOCAST_PRECISION.get(dtype, dtype)
-        return Against(model.training, tuple((id(p), p.requires_grad, p.dtype) for p in model.parameters()),
-                       precision)
-
-    def changes(self, now: "Against", model) -> list[str]:
-        """What differs in ``now``, in words (the parameters by name)."""
+    def changes(self, now: "Against", watch: "Watch") -> list[str]:
+        """What differs in ``now``, in words (modules and parameters by name)."""
         out = []
         if now.training != self.training:
-            out.append(f"model.{'train' if now.training else 'eval'}() was called")
-        names = [n for n, _ in model.named_parameters()]
+            names = watch.module_names
+            if len(now.training) == len(self.training):
+                flipped = [names[i] for i, (a, b) in enumerate(zip(self.training, now.training)) if a != b]
+                if flipped == [""] or len(flipped) == len(names):
+                    out.append(f"model.{'train' if now.training[0] else 'eval'}() was called")
+                else:
+                    shown = ", ".join(flipped[:3]) + (f" and {len(flipped) - 3} more" if len(flipped) > 3 else "")
+                    out.append(f"the training mode of {shown} changed")
+            else:
+                out.append(f"the model has {len(now.training)} modules, was {len(self.training)}")
         was = {i: (rg, dt) for i, rg, dt in self.params}
-        for name, (i, rg, dt) in zip(names, now.params):
+        for name, (i, rg, dt) in zip(watch.slot_names, now.params):
             if i not in was:
                 out.append(f"parameter {name} was replaced")
             elif was[i][0] != rg:
@@ -53,3 +51,42 @@ class Against:
         if now.precision != self.precision:
             out.append(f"it is called in {now.precision} (torch.autocast), was compiled for {self.precision}")
         return out
+
+
+class Watch:
+    """The model's module tree as last walked: its modules, the edges between them and the parameter
+    slots (module, name). :meth:`now` reads modes and parameters through them (a few attribute reads
+    per module: cheap enough for every call) and walks the tree again only when a submodule was
+    replaced, added or removed, or a parameter slot added or removed."""
+
+    def __init__(self, model):
+        self.model = model
+        self._walk()
+
+    def _walk(self) -> None:
+        named = list(self.model.named_modules())
+        self.modules = [m for _, m in named]
+        self.module_names = [n for n, _ in named]
+        self.edges = [(m, k, c) for m in self.modules for k, c in m._modules.items()]
+        self.counts = [(len(m._modules), len(m._parameters)) for m in self.modules]
+        self.slots = [(m, k) for m in self.modules for k, p in m._parameters.items() if p is not None]
+        self.slot_names = [f"{n}.{k}" if n else k for n, m in named for k, p in m._parameters.items() if p is not None]
+
+    def _intact(self) -> bool:
+        return (all(m._modules.get(k) is c for m, k, c in self.edges)
+                and all((len(m._modules), len(m._parameters)) == n for m, n in zip(self.modules, self.counts))
+                and all(m._parameters.get(k) is not None for m, k in self.slots))
+
+    def now(self, precision: str) -> Against:
+        """The model as it is now; ``precision``: the step's own, unless the caller runs it under
+        ``torch.autocast`` (then the autocast's dtype: "bf16" or "fp16")."""
+        import torch
+
+        if torch.is_autocast_enabled("cpu"):
+            dtype = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+            precision = _AUTOCAST_PRECISION.get(dtype, dtype)
+        if not self._intact():
+            self._walk()
+        params = [m._parameters[k] for m, k in self.slots]
+        return Against(tuple(m.training for m in self.modules),
+                       tuple((id(p), p.requires_grad, p.dtype) for p in params), precision)

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import BudgetTooSmall, NonFiniteStep, format_bytes
 from ..step.optim import advance_steps, current_state
-from .against import Against
+from .against import Against, Watch
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size
 from .report import Report, precision_summary
@@ -52,7 +52,8 @@ class TrainStep:
         self.kind_stats = None
         self.last_seconds: float | None = None
         self._variants: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes or model states
-        self._against = Against.now(c.model, c.options.precision)  # what this step was compiled against
+        self._watch = Watch(c.model)
+        self._against = self._watch.now(c.options.precision)  # what this step was compiled against
         self.skipped_steps = 0  # steps the non-finite guard skipped (on_nonfinite="skip")
 
     # ------------------------------------------------------------------ run
@@ -76,7 +77,7 @@ class TrainStep:
         loss is returned and ``report().skipped_steps`` counts it ("skip"), or ``NonFiniteStep`` is
         raised ("raise")."""
         inputs = self.signature.positional(inputs, keyword_inputs)
-        now = Against.now(self.model, self.compilation.options.precision)
+        now = self._watch.now(self.compilation.options.precision)
         if now != self._against or self.signature.other_shapes(inputs):
             return self._call_variant(inputs, now)
         return self._run(inputs)
@@ -92,7 +93,7 @@ class TrainStep:
             # The optimizer's own step count and state (it may also have been stepped eagerly).
             opt_step = b.optimizer_steps()
             if self.dp is None or not self.dp.shards_state:
-                state = current_state(self.optimizer, b.params, self.updates)
+                state = current_state(self.optimizer, b.params, self.updates, b.state)
         args = b.step_args(inputs, copy=False, step=opt_step + 1, state=state)
         t0 = time.perf_counter()
         by_kind = self.kind_stats is None
@@ -157,7 +158,7 @@ class TrainStep:
         key = (tuple(tuple(t.shape) for t in inputs), now)
         sub = self._variants.get(key)
         if sub is None:
-            changed = self._against.changes(now, self.model)
+            changed = self._against.changes(now, self._watch)
             if self.signature.other_shapes(inputs):
                 changed.insert(0, "new input shapes " + ", ".join(str(list(k)) for k in key[0]))
             what = "; ".join(changed)

@@ -253,7 +253,7 @@ def capture(c: Compilation) -> Compilation:
     from ..frontend.torch_import import import_module
 
     return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
-                                             train=c.model.training, num_targets=c.num_targets,
+                                             train=None, num_targets=c.num_targets,
                                              autocast=c.options.autocast))
 
 

@@ -113,7 +113,7 @@ def whole_batch_peak(c: "Compilation") -> int:
     from ..step.program import prepare_joint, step_program, training_forward, training_graph
 
     imp = with_layout(import_module(c.model, c.signature.keywords(c.signature.example), c.loss_fn,
-                                    train=c.model.training, num_targets=c.num_targets, autocast=c.options.autocast),
+                                    train=None, num_targets=c.num_targets, autocast=c.options.autocast),
                       c.options.layout)
     joint = prepare_joint(training_graph(training_forward(imp.function), len(imp.param_names)), c.dialects)
     b = c.binding

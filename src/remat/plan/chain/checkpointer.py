@@ -75,7 +75,7 @@ class SequentialCheckpointer:
             if key in cache:
                 imp, stage = cache[key]
             else:
-                imp = import_module(m, (x,), train=m.training)
+                imp = import_module(m, (x,), train=None)
                 if len(imp.output_names) > 1 or imp.has_seed:
                     what = ", ".join(imp.output_names[1:]) or "dropout"
                     raise ValueError(f"module {k} ({type(m).__name__}) updates buffers or draws random numbers "
