@@ -95,3 +95,13 @@ def test_no_development_history_in_the_text():
         for m in HISTORY.finditer(text):
             found.append(f"{p.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}")
     assert not found, "development history in the project's text:\n" + "\n".join(found[:20])
+
+
+def test_torch_requirement_is_a_range():
+    """The package installs beside the user's torch; only the Makefile pins this machine's build."""
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["dependencies"]
+    (torch_req,) = [d for d in deps if re.match(r"torch\b", d)]
+    assert "==" not in torch_req and ">=" in torch_req, torch_req
+    assert "torch==" in (ROOT / "Makefile").read_text(encoding="utf-8")
