@@ -208,6 +208,67 @@ def trainer_section() -> str:
     return "\n".join(out)
 
 
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def floor_section() -> str:
+    data = load("floor")
+    at = data["config"]["measured_at"]
+    sgd, grads, mb = data["gpt_sgd"], data["gpt"], data["max_batch"]
+    a25 = sgd["at_25"]
+    out = [
+        "## Memory floor", "",
+        "`python bench/floor.py` → `bench/results/floor.json` (torch "
+        f"{data['config']['torch']}; each part records the revision it was measured at: "
+        + ", ".join(f"{k} `{v}`" for k, v in at.items()) + "). The smallest budget each step plans at "
+        "(the `BudgetTooSmall` minimum of a compile at 1 byte, itself a feasible budget), as a share of "
+        "its unconstrained peak; every step run there measured its predicted peak.",
+        "",
+        "| step | unconstrained peak | minimum budget | share | notes |",
+        "|---|---:|---:|---:|---|",
+        f"| GPT medium, `{sgd['optimizer']}` | {_mib(sgd['unconstrained_peak'])} | {_mib(sgd['minimum']['budget'])} "
+        f"| {_pct(sgd['minimum']['fraction'])} | {sgd['minimum']['solver']}; at 25% the step takes "
+        f"{_ratio(a25['time_ratio_median'])} the unconstrained step's time |",
+        f"| GPT medium, {grads['optimizer']} | {_mib(grads['unconstrained_peak'])} | {_mib(grads['minimum']['budget'])} "
+        f"| {_pct(grads['minimum']['fraction'])} | parameters and gradients alone are "
+        f"{_pct(2 * grads['parameters_fraction'])} of the peak |",
+    ]
+    for z in data["zoo"]:
+        t = next(t for t in z["tried"] if t["batch"] == z["best_batch"])
+        out.append(f"| {z['model']}, batch {z['best_batch']}, {z['optimizer']} "
+                   f"| {_mib(t['unconstrained_peak'])} | {_mib(t['minimum'])} | {_pct(z['best_fraction'])} "
+                   f"| {'whole batch' if z['best_micro_batches'] == 1 else str(z['best_micro_batches']) + ' micro-batches'} |")
+    for h in data["hf"]:
+        out.append(f"| {h['model'].replace('hf ', '')} (HF), batch {h['batch']} | {_mib(h['unconstrained_peak'])} "
+                   f"| {_mib(h['minimum_auto'])} | {_pct(h['fraction_auto'])} "
+                   f"| {_pct(h['fraction_reference'])} with the reference algorithms only |")
+    out += [
+        "",
+        f"Largest batch of {mb['model']} with `{mb['optimizer']}` under {_mib(mb['budget'])} (parameters, gradients "
+        f"and optimizer state included): remat {mb['remat_batch']}, eager PyTorch {mb['eager_batch']} "
+        f"({_ratio(mb['ratio'])}); remat's step at it measured its predicted peak "
+        f"({'yes' if mb['remat_run']['measured_eq_predicted'] else 'no'}).",
+    ]
+    return "\n".join(out)
+
+
+def setup_and_solver_section() -> str:
+    st, ch = load("setup_time"), load("chain_solver")
+    h = ch["headline"]
+    return "\n".join([
+        "## Compile caches and the chain solver", "",
+        f"`python bench/setup_time.py` → `bench/results/setup_time.json`: `remat.compile` of GPT medium takes "
+        f"{st['first']['setup_s']:.1f} s from empty caches (capture, Numba kernels and kernel workspaces all made), {st['second_in_process']['setup_s']:.2f} s "
+        f"again in the same process, and {st['fresh_cached']['median_s']:.2f} s in a fresh process with the capture cache "
+        f"warm ({st['fresh_uncached']['median_s']:.1f} s with it off).",
+        "",
+        f"`python bench/chain_solver.py` → `bench/results/chain_solver.json`: the chain DP solves a 100-stage "
+        f"heterogeneous chain with its budget in {h['units']:,} memory units in {h['time_s']:.1f} s; bucketing loses "
+        f"{100 * h['cost_lost_vs_exact']:.3f}% of compute against exact mode.",
+    ])
+
+
 def render_doc() -> str:
     parts = [
         "# Results",
@@ -238,6 +299,10 @@ def render_doc() -> str:
         trainer_section(),
         "",
         setup_section(),
+        "",
+        floor_section(),
+        "",
+        setup_and_solver_section(),
         "",
     ]
     return "\n".join(parts)
