@@ -277,7 +277,7 @@ def render_doc() -> str:
         "",
         "Every number here is read from the JSON the benchmarks commit under `bench/results/`; "
         "`python docs/gen_results.py` regenerates this page (and README's table) and "
-        "`tests/test_docs.py` checks that the committed page is the generated one. What each benchmark "
+        "`tests/test_documentation.py` checks that the committed page is the generated one. What each benchmark "
         "measures and how: [bench/README.md](../bench/README.md). Timings are of the machine named "
         "in each section; on another CPU the ratios differ.",
         "",
