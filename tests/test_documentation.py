@@ -67,6 +67,32 @@ def test_api_page_has_one_entry_per_public_name():
     assert sorted(entries) == sorted(remat.__all__), "docs/api.md and remat.__all__ list different names"
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page):
+    """Every relative link of a page names a file of the repository, and its #anchor a heading there."""
+    broken = []
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", dest.read_text(encoding="utf-8"), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{page.name}: broken links {broken}"
+
+
 def test_readme_is_short():
     assert (ROOT / "README.md").stat().st_size <= 12 * 1024, "README.md is over 12 KiB: move reference material to docs/"
 
