@@ -131,3 +131,44 @@ def test_torch_requirement_is_a_range():
     (torch_req,) = [d for d in deps if re.match(r"torch\b", d)]
     assert "==" not in torch_req and ">=" in torch_req, torch_req
     assert "torch==" in (ROOT / "Makefile").read_text(encoding="utf-8")
+
+
+def _commands(prefix: str) -> list[str]:
+    """Commands quoted in README.md and docs/ (inline code or lines of ```sh blocks) starting with ``prefix``."""
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        quoted = re.findall(r"`([^`\n]+)`", text)
+        for block in re.findall(r"^```(?:sh|bash)\n(.*?)^```", text, flags=re.S | re.M):
+            quoted += [line.split("  #")[0] for line in block.splitlines()]
+        for q in quoted:
+            q = re.sub(r"^(?:[A-Z_]+=\S+ )*(?:\.venv/bin/)?", "", q.strip())
+            if q.startswith(prefix):
+                found.append(q.replace("\\|", "|"))
+    return sorted(set(found))
+
+
+def test_quoted_cli_commands_parse():
+    """Every `remat <command> ...` the docs quote is accepted by the CLI's parser (optional parts in
+    brackets are tried with their first alternative)."""
+    from remat.cli import build_parser
+
+    commands = [c for c in _commands("remat ") if not c.startswith("remat opt") and c.split()[1] != "<command>"]
+    assert any(c.startswith("remat train") for c in commands)
+    for c in commands:
+        c = re.sub(r"\[([^\]|]+?)(?:\|[^\]]*)?\]", r"\1", c)     # [--data-parallel ddp|zero1] -> its first form
+        c = re.sub(r"(\S+)\|\S+", r"\1", c)                       # ddp|zero1|zero2 -> ddp
+        args = c.split()[1:]
+        if args[-1] == "--help":
+            continue
+        build_parser().parse_args(args)
+
+
+def test_quoted_scripts_and_make_targets_exist():
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for c in _commands("make "):
+        assert re.search(rf"^{re.escape(c.split()[1])}:", makefile, flags=re.M), f"no Makefile target for `{c}`"
+    scripts = [c.split()[1] for c in _commands("python ") if c.split()[1].endswith(".py")]
+    assert "docs/gen_results.py" in scripts and "bench/speed.py" in scripts
+    for s in scripts:
+        assert (ROOT / s).is_file(), f"the docs run `python {s}`, which does not exist"
