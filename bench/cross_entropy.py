@@ -1,4 +1,4 @@
-"""remat's ``cross_entropy`` kernels against the ``log_softmax -> nll_loss`` pair they replaced (stop 34),
+"""remat's ``cross_entropy`` kernels against the ``log_softmax -> nll_loss`` pair they replaced,
 as the VM runs them in the torch dialect.
 
 Per head shape ``[N, C]`` (GPT medium's, a 32k vocabulary's, the zoo MLP's): median milliseconds

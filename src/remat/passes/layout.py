@@ -48,7 +48,7 @@ from ._rewrite import keeps_order, use_counts, view_root
 
 OHWI_WEIGHTS = os.environ.get("REMAT_OHWI_WEIGHTS", "1") != "0"
 """Whether :func:`channels_last` stores the weights of NHWC convolutions OHWI by default
-(``REMAT_OHWI_WEIGHTS=0``: no, they stay OIHW, the layout of stops 26-35; ``bench/conv_layout.py``
+(``REMAT_OHWI_WEIGHTS=0``: no, they stay OIHW; ``bench/conv_layout.py``
 compares the two)."""
 
 _INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
@@ -71,7 +71,7 @@ def _activation_bound(ins: Instruction) -> bool:
     pays there (ResNet/U-Net's early and middle layers: 0.7-0.9x the time). Deep layers with small maps
     and large weights stay NCHW: oneDNN is no faster channels-last there, and its channels-last
     weight gradient holds three weight-sized buffers where NCHW holds one (zoo ResNet small's last
-    stage: 1.8 against 0.6 MiB, at the step's peak). Also with OHWI weights (stop 36): taking them
+    stage: 1.8 against 0.6 MiB, at the step's peak). Also with OHWI weights: taking them
     NHWC then dropped the stage's transposes (zoo ResNet small's step 0-4% faster, its unconstrained
     peak 1.3% lower), but raised the minimum budgets by the same weight-gradient workspaces (zoo
     ResNet small 8.02 -> 8.65 MiB, U-Net 8.53 -> 9.07 MiB)."""
