@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .errors import BudgetTooSmall, NonFiniteStep, format_bytes
+from .errors import BudgetTooSmall, NonFiniteStep, StepFailed, format_bytes
 from .ir import (DType, Function, Module, ParseError, TensorType, VerificationError, parse, verify)
 from .ir.types import DType as _D, _TypeMaker
 
@@ -63,5 +63,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'remat' has no attribute '{name}'")
 
 
-__all__ = ["BudgetTooSmall", "NonFiniteStep", "DType", "Function", "Module", "ParseError", "TensorType", "VerificationError",
+__all__ = ["BudgetTooSmall", "NonFiniteStep", "StepFailed", "DType", "Function", "Module", "ParseError", "TensorType", "VerificationError",
            "bf16", "bool_", "f16", "f32", "f64", "format_bytes", "i32", "i64", "parse", "verify", *_LAZY]

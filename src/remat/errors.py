@@ -45,6 +45,29 @@ class NonFiniteStep(FloatingPointError):
         return _restore, (type(self), str(self), self.__dict__)
 
 
+class StepFailed(RuntimeError):
+    """A kernel failed during a training step (out of memory, a backend error). ``updated``: the
+    parameters (by name) whose in-place update had already run, with their optimizer state; every
+    other parameter and its state, the optimizer's step counts, buffers, ``.grad`` and torch's random
+    state are as before the step. ``instruction``: the step program's instruction that failed; the
+    original error is the ``__cause__``."""
+
+    def __init__(self, call: int, instruction: int, what: str, updated: list[str], total: int):
+        self.call, self.instruction, self.updated = call, instruction, list(updated)
+        if updated:
+            shown = ", ".join(updated[:8]) + (f" and {len(updated) - 8} more" if len(updated) > 8 else "")
+            state = (f"{len(updated)} of {total} parameter(s) were already updated, with their optimizer state: "
+                     f"{shown}; the others, the optimizer's step counts, buffers, .grad and torch's random state "
+                     "are as before the step (restore the updated ones from a checkpoint, or retry from one)")
+        else:
+            state = ("nothing was updated: parameters, optimizer state and step counts, buffers, .grad and torch's "
+                     "random state are as before the step")
+        super().__init__(f"training step {call} failed at instruction {instruction}: {what}\n{state}")
+
+    def __reduce__(self):
+        return _restore, (type(self), str(self), self.__dict__)
+
+
 def _restore(cls: type, message: str, state: dict) -> Exception:
     e = cls.__new__(cls)
     Exception.__init__(e, message)

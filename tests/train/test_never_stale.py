@@ -227,3 +227,47 @@ def test_first_calls_from_two_threads_do_not_crash():
     assert all(s.report().measured_allocator_peak is None for s in steps)  # measured later, on the main thread
     steps[0](*inputs)
     assert steps[0].report().measured_allocator_peak is not None
+
+
+def test_dropout_follows_torch_manual_seed_across_recompiles_and_resumes():
+    """Each step draws its dropout seed from torch's global generator, as eager dropout does: two
+    seeds give two masks, the same seed the same step, a new compile continues the sequence, and a
+    resume that restores the model, the optimizer and ``torch.get_rng_state()`` continues the run."""
+    model, inputs, loss_fn = make("gpt", dropout=0.2)
+    start = copy.deepcopy(model)
+    step = remat.compile(model, inputs, loss_fn, progress=lambda _: None)  # no optimizer: the model stays
+    torch.manual_seed(1)
+    a = float(step(*inputs))
+    torch.manual_seed(2)
+    b = float(step(*inputs))
+    torch.manual_seed(1)
+    assert float(step(*inputs)) == a != b
+    again = remat.compile(model, inputs, loss_fn, progress=lambda _: None)
+    torch.manual_seed(1)
+    assert float(again(*inputs)) == a  # the sequence is torch's, not the compile's
+
+    m1 = copy.deepcopy(start)
+    s1 = remat.compile(m1, inputs, loss_fn, optimizer=_sgd(m1), progress=lambda _: None)
+    torch.manual_seed(5)
+    s1(*inputs), s1(*inputs)
+    saved = copy.deepcopy(m1.state_dict()), copy.deepcopy(s1.optimizer.state_dict()), torch.get_rng_state()
+    want = float(s1(*inputs))
+    m2 = copy.deepcopy(start)
+    m2.load_state_dict(saved[0])
+    o2 = _sgd(m2)
+    o2.load_state_dict(saved[1])
+    s2 = remat.compile(m2, inputs, loss_fn, optimizer=o2, progress=lambda _: None)
+    torch.set_rng_state(saved[2])
+    assert float(s2(*inputs)) == want
+    _assert_models_close(m1, m2, tol=0.0)
+
+
+def test_a_fixed_seed_ignores_torch_generator():
+    """``seed=``: the step's own sequence (``seed + calls``), whatever torch's generator says."""
+    model, inputs, loss_fn = make("gpt", dropout=0.2)
+    step = remat.compile(model, inputs, loss_fn, seed=3, progress=lambda _: None)
+    torch.manual_seed(1)
+    a = float(step(*inputs))
+    other = remat.compile(copy.deepcopy(model), inputs, loss_fn, seed=3, progress=lambda _: None)
+    torch.manual_seed(2)
+    assert float(other(*inputs)) == a

@@ -85,8 +85,8 @@ def test_an_infinite_gradient_with_a_finite_loss_skips_every_update(opt_name):
     model, ref_model = SqrtNet(), SqrtNet()
     opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref_model.parameters())
     x, y = _sqrt_batch(0)
-    step = remat.compile(model, (x, y), F.mse_loss, optimizer=opt, on_nonfinite="skip")
-    ref = remat.compile(ref_model, (x, y), F.mse_loss, optimizer=ref_opt, on_nonfinite="skip")
+    step = remat.compile(model, (x, y), F.mse_loss, optimizer=opt, on_nonfinite="skip", check_gradients=True)
+    ref = remat.compile(ref_model, (x, y), F.mse_loss, optimizer=ref_opt, on_nonfinite="skip", check_gradients=True)
     for k in range(2):
         step(*_sqrt_batch(k))
         ref(*_sqrt_batch(k))
@@ -140,7 +140,7 @@ def test_raise_on_a_gradient_says_the_loss_was_finite():
     model = SqrtNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _sqrt_batch(0)
-    step = remat.compile(model, (x, y), F.mse_loss, optimizer=opt, on_nonfinite="raise")
+    step = remat.compile(model, (x, y), F.mse_loss, optimizer=opt, on_nonfinite="raise", check_gradients=True)
     step(x, y)
     before = snapshot(model, opt)
     bx, by = _sqrt_batch(1)
@@ -155,10 +155,10 @@ def test_guarded_under_a_budget_measured_equals_predicted():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     twin = copy.deepcopy(model)
     base = remat.compile(twin, (x, y), loss_fn, optimizer=torch.optim.AdamW(twin.parameters()),
-                         on_nonfinite="skip")
+                         on_nonfinite="skip", check_gradients=True)
     budget = int(base.report().unconstrained_peak * 0.6)
     step = remat.compile(model, (x, y), loss_fn, optimizer=opt, budget=budget, measure_allocator=False,
-                         on_nonfinite="skip")
+                         on_nonfinite="skip", check_gradients=True)  # (the loss stays finite here: ReLU)
     assert step.compilation.recomputes
     step(x, y)
     before = snapshot(model, opt)
@@ -194,6 +194,31 @@ def test_off_updates_follow_their_gradients_and_a_nan_reaches_the_parameters():
     step(_nan_input(x), y)
     assert step.report().on_nonfinite is None and step.report().skipped_steps == 0
     assert any(torch.isnan(p).any() for p in model.parameters())
+
+
+def test_the_default_checks_the_loss_at_no_cost_and_warns_once():
+    """The default guard checks the loss only, known before the first gradient: each update still
+    follows its own gradient and the peak is the unguarded step's; a bad batch is skipped, with one
+    warning. A NaN only in a gradient passes (check_gradients=True stops it)."""
+    model, x, y, loss_fn = _mlp()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = remat.compile(model, (x, y), loss_fn, optimizer=opt)
+    off = remat.compile(twin, (x, y), loss_fn, optimizer=torch.optim.AdamW(twin.parameters(), lr=1e-2),
+                        on_nonfinite=None)
+    names = [i.op.name for i in step.program.entry.instrs]
+    assert names.count("nonfinite") == 1 and names.index("adam_step") < len(names) - 1 - names.count("adam_step")
+    assert step.predicted_peak == off.predicted_peak
+    step(x, y)
+    before = snapshot(model, opt)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        step(_nan_input(x), y)
+    assert_snapshot_equal(snapshot(model, opt), before)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(_nan_input(x), y)  # counted, not warned again
+    assert step.report().skipped_steps == 2 and step.report().on_nonfinite == "skip"
 
 
 def test_invalid_option_is_refused():

@@ -60,14 +60,15 @@ def _agreed_flag(b: Builder, local: Value, world: int) -> Value:
 
 def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdate],
                        state_types: list[list[TensorType]], dp: DataParallel, name: str = "train_step",
-                       check: bool = True, guard: bool = False) -> Function:
+                       check: bool = True, guard: str | None = None) -> Function:
     """One rank's step: ``(joint args..., optimizer state (sharded under ZeRO)..., step, hyper...) -> (loss,
     buffers...[, skipped])``.
 
-    ``guard``: the non-finite guard (``step.program.step_program``): the buckets are communicated as
-    they complete, but every update waits for one flag, true when this rank's loss or any reduced
-    gradient (its shards under ZeRO-2) on any rank is not finite (agreed by one scalar all_reduce),
-    so every reduced gradient is kept until the last bucket."""
+    ``guard``: the non-finite guard (``step.program.step_program``), one flag agreed by all ranks (one
+    scalar all_reduce): "loss", true when a rank's loss is not finite, agreed before the first
+    bucket's updates, which still follow their buckets; "all", true when a rank's loss or any reduced
+    gradient (its shards under ZeRO-2) is not finite: the buckets are communicated as they complete,
+    but every update waits for the flag, so every reduced gradient is kept until the last bucket."""
     n_out = layout.first_grad
     flat_state = [t for ts in state_types for t in ts]
     fn = Function(name, list(joint.param_types) + flat_state + update_param_types(updates),
@@ -84,7 +85,11 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
     shards = [dp.shard(p.type.numel) for p in joint.params[:layout.n_params]]
 
     at: dict[int, list[int]] = {}
-    for k, w in enumerate(update_points(joint, layout)):
+    where = update_points(joint, layout)
+    if guard == "loss":  # no bucket before the loss is known
+        loss_at = next((i for i, ins in enumerate(body) if ret.operands[0] in ins.results), -1)
+        where = [max(w, loss_at) for w in where]
+    for k, w in enumerate(where):
         at.setdefault(w, []).append(k)
 
     pending: list[tuple[list[int], list[Value], list[Value]]] = []  # guard: reduced buckets awaiting the flag
@@ -102,9 +107,11 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
         else:
             reduced = b.op("all_reduce", *gs, world=dp.world)
         reduced = [reduced] if isinstance(reduced, Value) else list(reduced)
-        if guard:
+        if guard == "all":
             pending.append((bucket, params, reduced))
             return
+        if guard == "loss" and uargs.skip is None:
+            uargs.skip = _agreed_flag(b, nonfinite_flag(b, vmap[ret.operands[0]], []), dp.world)
         apply(bucket, params, reduced)
 
     def apply(bucket: list[int], params: list[Value], reduced: list[Value]) -> None:
@@ -142,11 +149,12 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
         ready(at.get(i, []))
     flush(bucket)
     outs = [vmap[v] for v in ret.operands[:n_out]]
-    if guard:
+    if guard == "all":
         local = nonfinite_flag(b, vmap[ret.operands[0]], [g for _, _, gs in pending for g in gs])
         uargs.skip = _agreed_flag(b, local, dp.world)
         for item in pending:
             apply(*item)
+    if guard:
         outs.append(uargs.skip)
     b.ret(*outs)
     if check:

@@ -353,6 +353,17 @@ class VM:
             p.blocks.append(bp)
         return p
 
+    def instructions(self, fn: str | Function) -> tuple:
+        """The instructions of ``fn`` as this VM runs them, by index: the index of
+        ``RunStats.peak_at`` and of the ``remat_instruction`` attribute a failed run's exception
+        carries (the top-level instruction that was running when it failed)."""
+        return self._plans[fn.name if isinstance(fn, Function) else fn].instrs
+
+    def function(self, fn: str | Function) -> Function:
+        """``fn`` as this VM runs it (its own copy, with dialects assigned): the function whose
+        parameters the operands of :meth:`instructions` refer to."""
+        return self._plans[fn.name if isinstance(fn, Function) else fn].fn
+
     def set_kinds(self, fn: str | Function, kind_of: dict) -> None:
         """Label the values of ``fn`` with kinds (names such as "parameters", "gradients") for
         ``run(..., by_kind=True)``. ``kind_of`` maps values of ``fn`` (the function given to the VM
@@ -550,8 +561,10 @@ class VM:
                         # An out-of-range index is the caller's data, not a kernel bug: it stays an
                         # IndexError (as in eager PyTorch), with the instruction as context.
                         kind = IndexError if isinstance(e, IndexError) else RuntimeError
-                        raise kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
-                                   f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}") from e
+                        err = kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
+                                   f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}")
+                        err.remat_instruction = st.index  # the caller's frames rewrite it: the top level's
+                        raise err from e
                     if st.post is not None:
                         out = st.post(out) if st.single else tuple(map(st.post, out))
                     if st.fast:
@@ -602,7 +615,11 @@ class VM:
                     xs_ = [frame[s] for s in st.ins_slots]
                     if cconv is not None:  # callee parameters are of its argument dialect (see _plan)
                         xs_ = [cconv(x) for x in xs_]
-                    outs, okeys = self._exec(callee, xs_, None, tracker, True, None, [keys[s] for s in st.ins_slots])
+                    try:
+                        outs, okeys = self._exec(callee, xs_, None, tracker, True, None, [keys[s] for s in st.ins_slots])
+                    except Exception as e:
+                        e.remat_instruction = st.index  # where it failed, as the top level numbers it
+                        raise
                     for s, o, k in zip(st.out_slots, outs, okeys):
                         frame[s] = o
                         keys[s] = k  # the callee took this reference on our behalf

@@ -136,7 +136,7 @@ def last_new_index_check(body: list[Instruction]) -> int:
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
-                 check: bool = True, max_grad_norm: float | None = None, guard: bool = False) -> Function:
+                 check: bool = True, max_grad_norm: float | None = None, guard: str | None = None) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
     buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
@@ -146,13 +146,14 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     follows the last gradient: all of them are kept until the norm is known.
 
     ``guard`` (the non-finite guard, ``remat.compile(on_nonfinite=...)``): every update takes one
-    ``skip`` flag, true when the loss or any gradient has a NaN or infinite element
-    (:func:`~.optim.nonfinite_flag`), and the flag is the last result; as with clipping, every
-    update follows the last gradient, all of them kept until the flag is known. A skipped step
-    changes no parameter and no optimizer state, as ``torch.amp.GradScaler`` skips one. Without
-    it each update follows its own gradient (``update_points``) and a NaN reaches the parameters.
+    ``skip`` flag, the program's last result, true when the loss ("loss") or the loss or any
+    gradient ("all") has a NaN or infinite element (:func:`~.optim.nonfinite_flag`). "loss" costs
+    nothing: the loss is known before the first gradient, so each update still follows its own
+    gradient (``update_points``; one that needs no gradient waits for the loss). With "all", as with
+    clipping, every update follows the last gradient, all of them kept until the flag is known. A
+    skipped step changes no parameter and no optimizer state, as ``torch.amp.GradScaler`` skips one.
     """
-    guard = bool(updates) and guard
+    guard = guard if updates else None
     ptypes = list(joint.param_types)
     flat_state = [t for ts in state_types for t in ts] if updates else []
     ptypes += flat_state + (update_param_types(updates) if updates else [])
@@ -168,8 +169,11 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     at: dict[int, list[int]] = {}
     clip = updates and max_grad_norm is not None
     if updates:
-        late = keep_grads or clip or guard
+        late = keep_grads or clip or guard == "all"
         where = [len(body) - 1] * layout.n_params if late else update_points(joint, layout)
+        if guard == "loss":  # no update before the loss is known
+            loss_at = next((i for i, ins in enumerate(body) if ret.operands[0] in ins.results), -1)
+            where = [max(w, loss_at) for w in where]
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
@@ -180,8 +184,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
 
     def emit(ks: list[int]) -> None:
         gs = [vmap[grads[k]] for k in ks]
-        if guard and ks:  # all of them: every update follows the last gradient
-            uargs.skip = nonfinite_flag(b, vmap[ret.operands[0]], gs)
+        if guard and ks and uargs.skip is None:  # "all": ks are all of them, after the last gradient
+            uargs.skip = nonfinite_flag(b, vmap[ret.operands[0]], gs if guard == "all" else [])
         if clip and ks:
             gs = clip_by_global_norm(b, gs, max_grad_norm)
         for k, g in zip(ks, gs):

@@ -13,12 +13,13 @@ is what runs the result.
 from __future__ import annotations
 
 import threading
+import warnings
 import time
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import BudgetTooSmall, NonFiniteStep, format_bytes
-from ..step.optim import advance_steps, current_state
+from ..errors import BudgetTooSmall, NonFiniteStep, StepFailed, format_bytes
+from ..step.optim import UPDATE_OPS, advance_steps, current_state
 from .against import Against, Watch
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size
@@ -94,7 +95,8 @@ class TrainStep:
             opt_step = b.optimizer_steps()
             if self.dp is None or not self.dp.shards_state:
                 state = current_state(self.optimizer, b.params, self.updates, b.state)
-        args = b.step_args(inputs, copy=False, step=opt_step + 1, state=state)
+        rng = torch.get_rng_state() if b.imported.has_seed and b.seed is None else None
+        args = b.step_args(inputs, copy=False, step=opt_step + 1, state=state, seed=b.next_seed())
         t0 = time.perf_counter()
         by_kind = self.kind_stats is None
         if (self.measured_allocator_peak is None and self.budget is not None and self.compilation.options.measure_allocator
@@ -105,11 +107,21 @@ class TrainStep:
                 outs, stats = self._run_measuring_allocator(args, by_kind)
             finally:
                 _PROFILING.release()
-        elif torch.is_autocast_enabled("cpu"):  # the precision is the program's: the caller's autocast is off in it
-            with torch.autocast("cpu", enabled=False):
-                outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
         else:
-            outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
+            try:
+                if torch.is_autocast_enabled("cpu"):  # the precision is the program's: the caller's autocast is off in it
+                    with torch.autocast("cpu", enabled=False):
+                        outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak",
+                                                  by_kind=by_kind)
+                else:
+                    outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)
+            except BaseException as e:
+                if rng is not None:  # a failed step draws nothing: torch's generator as before
+                    torch.set_rng_state(rng)
+                failed = self._failed(e) if isinstance(e, Exception) else None
+                if failed is None:
+                    raise
+                raise failed from e
         skipped = self.compilation.guarded and bool(outs[-1])  # the guard's flag: nothing was updated
         if state is not None and not skipped:  # the step succeeded: now the optimizer owns the state it updated
             b.bind_state(state)
@@ -129,11 +141,38 @@ class TrainStep:
             self.optimizer._opt_called = True  # as optimizer.step() records it: LR schedulers see the step taken
         return outs[0]
 
+    def _failed(self, e: Exception) -> StepFailed | None:
+        """``e``, raised by a kernel during the step, as a :class:`StepFailed` naming the parameters
+        whose in-place update had already run (None: keep ``e`` as it is: an index out of range
+        before any update, the caller's data as in eager PyTorch, or a run that did not say where
+        it failed)."""
+        at = getattr(e, "remat_instruction", None)
+        if at is None or (self.dp is not None and self.dp.shards_state):
+            return None
+        instrs = self.vm.instructions(self.program.name)
+        position = {id(p): k for k, p in enumerate(self.vm.function(self.program.name).params)}
+        names = self.binding.imported.param_names
+        updated = []
+        for ins in instrs[:at + 1]:  # the failing one too when it is an update: it may have written part
+            if ins.op.name in UPDATE_OPS:
+                k = position.get(id(ins.operands[0]))
+                updated.append(names[k] if k is not None and k < len(names) else f"(operand {ins.operands[0]})")
+        if not updated and isinstance(e, IndexError):
+            return None
+        first = (str(e).strip().splitlines() or [""])[0]
+        return StepFailed(self.binding.calls + 1, at, f"{type(e).__name__}: {first}", updated,
+                          len(self.updates or ()))
+
     def _skipped(self, loss, step: int):
         """A step the non-finite guard skipped: counted and its loss returned, or NonFiniteStep raised.
         Nothing is written back (buffers, ``.grad``), and the optimizer's step count stays."""
         if self.compilation.options.on_nonfinite == "raise":
             raise NonFiniteStep(step, self.binding.calls, float(loss))
+        if not self.skipped_steps:
+            warnings.warn(f"remat: training step {self.binding.calls} skipped: its loss ({float(loss)}) or a gradient "
+                          "is not finite, so nothing was updated (as torch.amp.GradScaler skips a step); "
+                          "report().skipped_steps counts such steps, on_nonfinite='raise' raises instead",
+                          RuntimeWarning, stacklevel=3)
         self.skipped_steps += 1
         return loss
 
@@ -286,7 +325,8 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     Options: ``cost_model`` ("static": deterministic estimates, the default; "profiled": measured
     per-instruction times), ``solver`` ("auto", "greedy", "milp"; "greedy" plans deterministically: no
     time-limited MILP, neither the whole one nor the one on the greedy's neighbourhood near the floor),
-    ``dialects``, ``seed``, ``keep_grads``, ``num_targets``, ``milp_time_limit`` (seconds; also caps the
+    ``dialects``, ``seed`` (None: each step draws its dropout seed from torch's global generator, as
+    eager dropout does; an int: the step's own sequence ``seed + calls``), ``keep_grads``, ``num_targets``, ``milp_time_limit`` (seconds; also caps the
     neighbourhood MILP's 3 s), ``progress`` (a callable receiving stage names),
     ``print_after`` (a stage name of ``STAGES``, or several: print the IR after it; "plan" prints
     the planned step). ``step.report()`` gives each stage's seconds.
@@ -314,19 +354,18 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     that fits; ``report()`` lists each count tried). Refused (``MicroBatchingRefused``) for models
     with batch statistics or buffer updates, and for losses that are neither a mean nor a sum over
     samples (checked eagerly; ``loss_reduction="mean"|"sum"`` overrides the check).
-    ``on_nonfinite`` (None, the default; "skip"; "raise"), with an optimizer: the non-finite guard. A
-    step whose loss or any gradient has a NaN or infinite element changes nothing, as
-    ``torch.amp.GradScaler`` skips it: parameters, optimizer state (``exp_avg``, ``exp_avg_sq``,
-    momentum buffers, ``step``), buffers and ``.grad`` stay bit-identical, and the next step trains as
-    if it had not happened. "skip" returns its loss and counts it in ``report().skipped_steps``;
-    "raise" raises ``remat.NonFiniteStep`` naming the step. Cost: the updates cannot follow each
-    gradient (a NaN in the last gradient must stop the first update), so every gradient is kept
-    until all are known finite (as ``max_grad_norm`` keeps them), one read of each gradient checks it,
-    and the flag is read once per step. Where activations dominate the peak this costs no memory
-    (GPT small: the same peak); a budget is planned with the gradients kept, so its floor can rise
-    (GPT small's minimum budget by 20%): that is why it is not the default, where each parameter is
-    updated right after its gradient, unguarded.
-    None: each parameter is updated right after its gradient (the least memory), unguarded.
+    ``on_nonfinite`` ("skip", the default; "raise"; None), with an optimizer: the non-finite guard. A
+    step whose loss has a NaN or infinite element changes nothing, as ``torch.amp.GradScaler`` skips
+    it: parameters, optimizer state (``exp_avg``, ``exp_avg_sq``, momentum buffers, ``step``),
+    buffers and ``.grad`` stay bit-identical, and the next step trains as if it had not happened.
+    "skip" returns its loss, counts it in ``report().skipped_steps`` and warns once; "raise" raises
+    ``remat.NonFiniteStep`` naming the step; None does not check. Checking the loss costs nothing
+    (it is known before the first gradient). ``check_gradients=True`` checks every gradient too:
+    then no update can follow its own gradient (a NaN in the last gradient must stop the first
+    update), so every gradient is kept until all are known finite, which can raise the budget's floor
+    (GPT small's minimum budget by 20%); None (the default) checks them only where they are all kept
+    anyway (``max_grad_norm``, micro-batches). Data-parallel ranks agree on the flag (one scalar
+    all_reduce): all skip, or none.
     ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
     ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
     group's hyperparameters at every call, so learning-rate schedules work unchanged.

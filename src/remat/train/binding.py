@@ -27,9 +27,11 @@ class Binding:
 
     ``state``: each trainable parameter's optimizer state tensors (``updates[i].state_keys``), the
     optimizer's own (bound on the first successful step) or, under ZeRO, this rank's shards.
-    ``calls``: steps run so far (the dropout seed of a step is ``seed + calls``)."""
+    ``calls``: steps run so far. ``seed``: None, each step's dropout seed is drawn from torch's
+    global generator (:meth:`next_seed`, as eager dropout draws from it); an int, the seed of a
+    step is ``seed + calls``, whatever torch's generator says."""
 
-    def __init__(self, model, optimizer, imp, dp, seed: int):
+    def __init__(self, model, optimizer, imp, dp, seed: int | None):
         self.model, self.optimizer, self.imported, self.dp, self.seed = model, optimizer, imp, dp, seed
         self.calls = 0
         named = dict(model.named_parameters())
@@ -80,18 +82,34 @@ class Binding:
         check_updates(self.optimizer, self.params, self.updates)
 
     # ------------------------------------------------------------------ arguments
-    def joint_args(self, inputs: Sequence, copy: bool) -> list:
-        """The training joint's arguments: state (parameters, buffers, constants), inputs[, seed]."""
+    def next_seed(self) -> int | None:
+        """The dropout seed of the step about to run (None: the step draws nothing): drawn from
+        torch's global generator, so ``torch.manual_seed`` governs it, a recompile continues the
+        sequence and a resume that restores ``torch.get_rng_state()`` continues it; with a fixed
+        ``seed``, ``seed + calls``. Recomputed random ops replay their own draws from it."""
+        if not self.imported.has_seed:
+            return None
+        if self.seed is None:
+            import torch
+
+            return int(torch.randint(0, 2 ** 62, (), dtype=torch.int64))
+        return self.seed + self.calls
+
+    def joint_args(self, inputs: Sequence, copy: bool, seed: int | None = None) -> list:
+        """The training joint's arguments: state (parameters, buffers, constants), inputs[, seed]
+        (``seed``: the step's, :meth:`next_seed`; None: a fixed one that leaves torch's generator
+        alone, for runs on copies such as profiling)."""
         args = self.imported.param_tensors(copy=copy) + [t.detach() if hasattr(t, "detach") else t for t in inputs]
         if self.imported.has_seed:
-            args.append(np.array(self.seed + self.calls, dtype=np.int64))
+            args.append(np.array((self.seed or 0) + self.calls if seed is None else seed, dtype=np.int64))
         return args
 
-    def step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None) -> list:
+    def step_args(self, inputs: Sequence, copy: bool, step: int, state: list[list] | None = None,
+                  seed: int | None = None) -> list:
         """The step program's arguments: the joint's, then, when the step updates the parameters, the
         optimizer state, the step count ``step`` (the optimizer step this one takes) and each param
         group's hyperparameters as they are now (a learning-rate schedule's current value)."""
-        args = self.joint_args(inputs, copy)
+        args = self.joint_args(inputs, copy, seed)
         if self.updates:
             ohwi = self.ohwi
             if ohwi:

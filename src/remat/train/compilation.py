@@ -74,7 +74,7 @@ class CompileOptions:
     num_targets: int | None = None
     solver: str = "auto"
     dialects: Sequence[str] | None = None
-    seed: int = 0
+    seed: int | None = None
     keep_grads: bool | None = None
     profile_repeats: int = 2
     cost_model: str = "static"
@@ -90,7 +90,8 @@ class CompileOptions:
     loss_reduction: str | None = None
     layout: str = "auto"
     max_grad_norm: float | None = None
-    on_nonfinite: str | None = None
+    on_nonfinite: str | None = "skip"
+    check_gradients: bool | None = None
     precision: str = "fp32"
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
@@ -119,8 +120,11 @@ class CompileOptions:
                                                    and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
         if self.on_nonfinite not in ON_NONFINITE:
-            raise ValueError(f"on_nonfinite must be 'skip' (skip a step whose loss or a gradient is not finite), "
+            raise ValueError(f"on_nonfinite must be 'skip' (skip a step whose loss or a gradient is not finite, the default), "
                              f"'raise' (raise instead) or None (no guard), got {self.on_nonfinite!r}")
+        if self.check_gradients not in (None, True, False):
+            raise ValueError(f"check_gradients must be None (the gradients too where they are all kept anyway), True "
+                             f"or False, got {self.check_gradients!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
         if self.precision == "fp16":
@@ -212,16 +216,30 @@ class Compilation:
         return None if self.imported is None else self.imported.module
 
     @property
+    def guard(self) -> str | None:
+        """What the non-finite guard (``on_nonfinite``; its flag is the program's last result)
+        checks before any update: "loss" (the loss, known before the first gradient: no update
+        waits), "all" (the loss and every gradient: every update waits for the last gradient; the
+        choice where the gradients are all kept anyway, with ``max_grad_norm`` or micro-batches, or
+        asked with ``check_gradients=True``) or None (no update, or ``on_nonfinite=None``)."""
+        o = self.options
+        if not self.binding.updates or o.on_nonfinite is None or (self.keep_grads and self.micro_batches > 1):
+            return None
+        every = o.check_gradients
+        if every is None:
+            every = o.max_grad_norm is not None or self.micro_batches > 1 or self.keep_grads
+        return "all" if every else "loss"
+
+    @property
     def guarded(self) -> bool:
-        """The step's updates wait for the non-finite guard's flag (``on_nonfinite``, the program's last result)."""
-        return (bool(self.binding.updates) and self.options.on_nonfinite is not None
-                and not (self.keep_grads and self.micro_batches > 1))
+        """The step has a non-finite guard (:attr:`guard`)."""
+        return self.guard is not None
 
     def step_program(self, joint: Function, check: bool) -> Function:
         """The step program of a joint: one process (micro-batched or not), or this rank's
         (``remat.distributed.passes``)."""
         b = self.binding
-        guard = self.guarded
+        guard = self.guard
         if self.micro_batches > 1:
             return microbatch_step(joint, b.layout, b.updates, b.state_types, self.keep_grads, self.micro_batches,
                                    self.loss_reduction, check=check, guard=guard)
@@ -326,7 +344,7 @@ def plan(c: Compilation) -> Compilation:
                           c.dialects)
     clipped = c.binding.updates and o.max_grad_norm is not None  # every gradient is kept until the norm is known
     if (c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not clipped
-            and not c.guarded):  # the guard too keeps every gradient until its flag is known
+            and c.guard != "all"):  # that guard too keeps every gradient until its flag is known
         g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
         problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
     counted = c.budget is not None and o.count_workspaces
@@ -344,11 +362,11 @@ def plan(c: Compilation) -> Compilation:
     cost = CostModel(c.costs)
     notes = tuple(chosen.notes)
     grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
-    if c.guarded and not c.keep_grads:
-        notes += (f"non-finite guard (on_nonfinite={o.on_nonfinite!r}): every gradient ({format_bytes(grad_bytes)}) "
-                  f"is kept until the loss and all gradients are known finite, then each update runs (a step "
-                  f"with a NaN or infinity changes nothing); on_nonfinite=None updates each parameter right "
-                  f"after its gradient instead",)
+    if c.guard == "all" and not c.keep_grads and not clipped and c.micro_batches == 1:
+        notes += (f"non-finite guard (on_nonfinite={o.on_nonfinite!r}, check_gradients=True): every gradient "
+                  f"({format_bytes(grad_bytes)}) is kept until the loss and all gradients are known finite, then "
+                  f"each update runs (a step with a NaN or infinity changes nothing); check_gradients=None checks "
+                  f"the loss only and updates each parameter right after its gradient",)
     if clipped:
         notes += (f"gradient clipping (max_grad_norm={o.max_grad_norm:g}): every gradient ({format_bytes(grad_bytes)}) "
                   f"is kept until their global norm is known, then each update runs; a second backward instead "
