@@ -100,6 +100,26 @@ def test_a_replaced_submodule_is_used():
     _assert_models_close(m_r, m_e)
 
 
+def test_a_replaced_buffer_is_read_and_updated():
+    """``bn.running_mean = torch.full(...)`` (or ``load_state_dict(assign=True)``): the step reads the
+    new buffer and updates it, as eager does, instead of the orphaned old one."""
+    model, inputs, loss_fn = make("resnet")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    messages = []
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=_sgd(m_r), progress=messages.append)
+    o_e = _sgd(m_e)
+    step(*inputs)
+    _eager_step(m_e, o_e, inputs, loss_fn)
+    for m in (m_r, m_e):
+        m.stem[1].running_mean = torch.full_like(m.stem[1].running_mean, 0.5)
+        m.stem[1].running_var = torch.full_like(m.stem[1].running_var, 2.0)
+    got = step(*inputs)
+    want = _eager_step(m_e, o_e, inputs, loss_fn)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    _assert_models_close(m_r, m_e)
+    assert any("buffer stem.1.running_mean was replaced" in m for m in messages), messages
+
+
 def test_a_replaced_parameter_is_used():
     model, inputs, loss_fn = make("mlp")
     m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)

@@ -1,11 +1,11 @@
 """What a compiled step was compiled against that a user can change between calls.
 
 A step captures the model as it was: the training mode of each of its modules, which tensors are
-its parameters and which of them train, their dtypes, and the precision it computes in.
+its parameters and buffers, which parameters train, their dtypes, and the precision it computes in.
 :class:`Against` records that, and :class:`Watch` reads it again at each call cheaply (the modules
 and parameter slots found at compile, re-walked only when the module tree changed), so that each call
 can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
-replaced, frozen or unfrozen parameter, a replaced submodule, ``model.double()``, a caller's
+replaced, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a caller's
 ``torch.autocast``) and follow the change with a step compiled for it, instead of running stale.
 """
 from __future__ import annotations
@@ -17,12 +17,14 @@ _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 @dataclass(frozen=True)
 class Against:
-    """Each module's training mode and each parameter slot's tensor (identity, ``requires_grad``,
-    dtype), in ``model.named_modules()`` order, and the precision the step computes in."""
+    """Each module's training mode, each parameter slot's tensor (identity, ``requires_grad``,
+    dtype) and each buffer slot's tensor (identity), in ``model.named_modules()`` order, and the
+    precision the step computes in."""
 
     training: tuple[bool, ...]
     params: tuple[tuple[int, bool, object], ...]
     precision: str
+    buffers: tuple[int, ...] = ()
 
     def changes(self, now: "Against", watch: "Watch") -> list[str]:
         """What differs in ``now``, in words (modules and parameters by name)."""
@@ -46,6 +48,9 @@ class Against:
                 out.append(f"parameter {name} is {'trainable' if rg else 'frozen'} now")
             elif was[i][1] != dt:
                 out.append(f"parameter {name} is {dt} now, was {was[i][1]}")
+        if now.buffers != self.buffers:
+            was_b = set(self.buffers)
+            out += [f"buffer {name} was replaced" for name, i in zip(watch.buffer_names, now.buffers) if i not in was_b]
         if len(now.params) != len(self.params) and not out:
             out.append(f"the model has {len(now.params)} parameters, was {len(self.params)}")
         if now.precision != self.precision:
@@ -68,14 +73,18 @@ class Watch:
         self.modules = [m for _, m in named]
         self.module_names = [n for n, _ in named]
         self.edges = [(m, k, c) for m in self.modules for k, c in m._modules.items()]
-        self.counts = [(len(m._modules), len(m._parameters)) for m in self.modules]
+        self.counts = [(len(m._modules), len(m._parameters), len(m._buffers)) for m in self.modules]
         self.slots = [(m, k) for m in self.modules for k, p in m._parameters.items() if p is not None]
         self.slot_names = [f"{n}.{k}" if n else k for n, m in named for k, p in m._parameters.items() if p is not None]
+        self.buffer_slots = [(m, k) for m in self.modules for k, t in m._buffers.items() if t is not None]
+        self.buffer_names = [f"{n}.{k}" if n else k for n, m in named for k, t in m._buffers.items() if t is not None]
 
     def _intact(self) -> bool:
         return (all(m._modules.get(k) is c for m, k, c in self.edges)
-                and all((len(m._modules), len(m._parameters)) == n for m, n in zip(self.modules, self.counts))
-                and all(m._parameters.get(k) is not None for m, k in self.slots))
+                and all((len(m._modules), len(m._parameters), len(m._buffers)) == n
+                        for m, n in zip(self.modules, self.counts))
+                and all(m._parameters.get(k) is not None for m, k in self.slots)
+                and all(m._buffers.get(k) is not None for m, k in self.buffer_slots))
 
     def now(self, precision: str) -> Against:
         """The model as it is now; ``precision``: the step's own, unless the caller runs it under
@@ -89,4 +98,5 @@ class Watch:
             self._walk()
         params = [m._parameters[k] for m, k in self.slots]
         return Against(tuple(m.training for m in self.modules),
-                       tuple((id(p), p.requires_grad, p.dtype) for p in params), precision)
+                       tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
+                       tuple(id(m._buffers[k]) for m, k in self.buffer_slots))
