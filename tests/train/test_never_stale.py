@@ -291,3 +291,19 @@ def test_a_fixed_seed_ignores_torch_generator():
     other = remat.compile(copy.deepcopy(model), inputs, loss_fn, seed=3, progress=lambda _: None)
     torch.manual_seed(2)
     assert float(other(*inputs)) == a
+
+
+def test_backward_hooks_are_refused_not_ignored():
+    """A gradient hook (a mask on a parameter's gradient, a module's backward hook) would change
+    eager's gradients; remat cannot run one, so it refuses it by name, at compile or at the next call."""
+    model, inputs, loss_fn = make("gpt")
+    handle = model.blocks[0].attn.register_full_backward_hook(lambda m, gi, go: None) if hasattr(
+        model.blocks[0], "attn") else model.blocks[0].register_full_backward_hook(lambda m, gi, go: None)
+    with pytest.raises(TypeError, match="remat cannot run backward hooks.*module blocks.0"):
+        remat.compile(model, inputs, loss_fn)
+    handle.remove()
+    step = remat.compile(model, inputs, loss_fn, progress=lambda _: None)
+    step(*inputs)
+    model.ln_f.weight.register_hook(lambda g: g * 0)
+    with pytest.raises(TypeError, match="parameter ln_f.weight"):
+        step(*inputs)

@@ -25,6 +25,7 @@ class Against:
     params: tuple[tuple[int, bool, object], ...]
     precision: str
     buffers: tuple[int, ...] = ()
+    hooks: int = 0  # backward hooks on the modules and parameters (refused: :func:`refuse_backward_hooks`)
 
     def changes(self, now: "Against", watch: "Watch") -> list[str]:
         """What differs in ``now``, in words (modules and parameters by name)."""
@@ -48,6 +49,8 @@ class Against:
                 out.append(f"parameter {name} is {'trainable' if rg else 'frozen'} now")
             elif was[i][1] != dt:
                 out.append(f"parameter {name} is {dt} now, was {was[i][1]}")
+        if now.hooks != self.hooks:
+            out.append("a backward hook was registered or removed")
         if now.buffers != self.buffers:
             was_b = set(self.buffers)
             out += [f"buffer {name} was replaced" for name, i in zip(watch.buffer_names, now.buffers) if i not in was_b]
@@ -97,6 +100,29 @@ class Watch:
         if not self._intact():
             self._walk()
         params = [m._parameters[k] for m, k in self.slots]
+        hooks = (sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in self.modules)
+                 + sum(1 for p in params if p._backward_hooks or p._post_accumulate_grad_hooks))
         return Against(tuple(m.training for m in self.modules),
                        tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
-                       tuple(id(m._buffers[k]) for m, k in self.buffer_slots))
+                       tuple(id(m._buffers[k]) for m, k in self.buffer_slots), hooks)
+
+
+def refuse_backward_hooks(model) -> None:
+    """TypeError naming each backward hook of ``model``: a module's (``register_full_backward_hook``,
+    ``register_full_backward_pre_hook``, or a global one), a parameter's (``register_hook``,
+    ``register_post_accumulate_grad_hook``). remat computes the gradients in its own program, so it
+    could not call them, and ignoring them would give other gradients than eager PyTorch's."""
+    import torch.nn.modules.module as tmm
+
+    found = [f"module {n or '(the model)'}" for n, m in model.named_modules()
+             if m._backward_hooks or m._backward_pre_hooks]
+    found += [f"parameter {n}" for n, p in model.named_parameters()
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if getattr(tmm, "_global_backward_hooks", None) or getattr(tmm, "_global_backward_pre_hooks", None):
+        found.append("a global module backward hook (torch.nn.modules.module.register_module_full_backward_hook)")
+    if found:
+        shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+        raise TypeError(f"remat cannot run backward hooks, and ignoring them would change the gradients: {shown} "
+                        "has one. remat computes gradients in its own program; remove the hook (handle.remove()) "
+                        "or apply its effect otherwise (a gradient mask in the forward, or on .grad after a step "
+                        "compiled without optimizer=)")

@@ -269,7 +269,9 @@ class Compilation:
 def capture(c: Compilation) -> Compilation:
     """The model (with its loss) captured by torch.export and translated to IR (``remat.frontend``)."""
     from ..frontend.torch_import import import_module
+    from .against import refuse_backward_hooks
 
+    refuse_backward_hooks(c.model)
     return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
                                              train=None, num_targets=c.num_targets,
                                              autocast=c.options.autocast))
