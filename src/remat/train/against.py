@@ -83,11 +83,12 @@ class Watch:
         self.buffer_names = [f"{n}.{k}" if n else k for n, m in named for k, t in m._buffers.items() if t is not None]
 
     def _intact(self) -> bool:
-        return (all(m._modules.get(k) is c for m, k, c in self.edges)
-                and all((len(m._modules), len(m._parameters), len(m._buffers)) == n
-                        for m, n in zip(self.modules, self.counts))
-                and all(m._parameters.get(k) is not None for m, k in self.slots)
-                and all(m._buffers.get(k) is not None for m, k in self.buffer_slots))
+        if [(len(m._modules), len(m._parameters), len(m._buffers)) for m in self.modules] != self.counts:
+            return False
+        for m, k, c in self.edges:
+            if m._modules.get(k) is not c:
+                return False
+        return True
 
     def now(self, precision: str) -> Against:
         """The model as it is now; ``precision``: the step's own, unless the caller runs it under
@@ -99,12 +100,17 @@ class Watch:
             precision = _AUTOCAST_PRECISION.get(dtype, dtype)
         if not self._intact():
             self._walk()
-        params = [m._parameters[k] for m, k in self.slots]
+        params = [m._parameters.get(k) for m, k in self.slots]
+        buffers = [m._buffers.get(k) for m, k in self.buffer_slots]
+        if any(t is None for t in params) or any(t is None for t in buffers):  # a slot emptied (``module.bias = None``): walk again
+            self._walk()
+            params = [m._parameters[k] for m, k in self.slots]
+            buffers = [m._buffers[k] for m, k in self.buffer_slots]
         hooks = (sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in self.modules)
                  + sum(1 for p in params if p._backward_hooks or p._post_accumulate_grad_hooks))
         return Against(tuple(m.training for m in self.modules),
                        tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
-                       tuple(id(m._buffers[k]) for m, k in self.buffer_slots), hooks)
+                       tuple(map(id, buffers)), hooks)
 
 
 def refuse_backward_hooks(model) -> None:
