@@ -106,7 +106,8 @@ def _text_files():
     yield ROOT / "README.md"
     for d in TEXT_DIRS:
         for p in sorted((ROOT / d).rglob("*")):
-            if p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts:
+            if (p.is_file() and p.suffix in SUFFIXES and "__pycache__" not in p.parts
+                    and not any(part.endswith(".egg-info") for part in p.parts)):  # build output, not text
                 yield p
 
 

@@ -69,12 +69,12 @@ class RematTrainer(Trainer):
     (``"60%"``) is resolved against the first batch's unconstrained peak, so when lengths vary give
     it in bytes (a longer batch that cannot fit raises ``remat.BudgetTooSmall``).
 
-    Dropout runs remat's own seeded masks (replayed exactly when recomputed), not the masks of
-    PyTorch's generator, so with dropout the losses are statistically, not bitwise, the plain
-    Trainer's. ``bf16=True`` compiles the step with ``precision="bf16"`` (the forward and loss under
+    Dropout draws its seeds from PyTorch's generator (the Trainer's seed governs it), but its masks
+    are remat's own (replayed exactly when recomputed), so with dropout the losses are
+    statistically, not bitwise, the plain Trainer's. ``bf16=True`` compiles the step with ``precision="bf16"`` (the forward and loss under
     bf16 autocast, fp32 master weights), as the plain Trainer's autocast computes it. Not supported
-    (refused with ``NotImplementedError`` when the Trainer is built): ``fp16`` (it needs loss
-    scaling), ``gradient_checkpointing``, a ``compute_loss_func``, label smoothing and an
+    (refused with ``NotImplementedError`` when the Trainer is built): ``fp16`` (remat scales the loss inside
+    its fused optimizer step, and the Trainer owns its optimizer), ``gradient_checkpointing``, a ``compute_loss_func``, label smoothing and an
     overridden ``compute_loss``; a run on more than one process or device.
     """
 

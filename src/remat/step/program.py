@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..autodiff import joint
-from ..ir import Builder, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
+from ..ir import Builder, DType, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
 from ..ir.build import clone_into
 from ..pipeline import run_pipeline
 from ..ir.ops.optim import SKIP
@@ -136,7 +136,8 @@ def last_new_index_check(body: list[Instruction]) -> int:
 
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
-                 check: bool = True, max_grad_norm: float | None = None, guard: str | None = None) -> Function:
+                 check: bool = True, max_grad_norm: float | None = None, guard: str | None = None,
+                 loss_scaled: bool = False) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
     buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
@@ -152,6 +153,10 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     gradient (``update_points``; one that needs no gradient waits for the loss). With "all", as with
     clipping, every update follows the last gradient, all of them kept until the flag is known. A
     skipped step changes no parameter and no optimizer state, as ``torch.amp.GradScaler`` skips one.
+
+    ``loss_scaled`` (fp16, :mod:`remat.passes.loss_scale`): the joint's last input is the loss scale
+    ``S`` and its loss is scaled; each gradient is divided by ``S`` before the guard's check, the
+    clipping and the update (``GradScaler.unscale_``), and the loss is returned divided by ``S``.
     """
     guard = guard if updates else None
     ptypes = list(joint.param_types)
@@ -182,8 +187,21 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
             off += len(ts)
         uargs = UpdateArgs.of(fn.params[off:], updates)
 
+    inverse: dict[DType, Value] = {}
+
+    def unscaled(g: Value) -> Value:
+        dt = g.type.dtype
+        if not inverse:
+            scale = vmap[joint.params[layout.n_state + layout.n_inputs - 1]]
+            inverse[DType.f32] = b.op("div", b.op("constant", value=1.0, shape=(), dtype=DType.f32), scale)
+        if dt not in inverse:
+            inverse[dt] = b.op("cast", inverse[DType.f32], dtype=dt)
+        return b.op("mul", g, inverse[dt])
+
     def emit(ks: list[int]) -> None:
         gs = [vmap[grads[k]] for k in ks]
+        if loss_scaled:
+            gs = [unscaled(g) for g in gs]
         if guard and ks and uargs.skip is None:  # "all": ks are all of them, after the last gradient
             uargs.skip = nonfinite_flag(b, vmap[ret.operands[0]], gs if guard == "all" else [])
         if clip and ks:
@@ -196,6 +214,10 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         clone_into(b, ins, vmap)
         emit(at.get(i, []))
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
+    if loss_scaled:  # the loss as the model computed it (dividing by a power of two is exact)
+        scale = vmap[joint.params[layout.n_state + layout.n_inputs - 1]]
+        dt = outs[0].type.dtype
+        outs[0] = b.op("div", outs[0], scale if dt == DType.f32 else b.op("cast", scale, dtype=dt))
     if guard:
         outs.append(uargs.skip)
     b.ret(*outs)

@@ -123,6 +123,8 @@ class TrainStep:
                     raise
                 raise failed from e
         skipped = self.compilation.guarded and bool(outs[-1])  # the guard's flag: nothing was updated
+        if b.loss_scaled:  # fp16: GradScaler's backoff or growth
+            b.next_loss_scale(skipped)
         if state is not None and not skipped:  # the step succeeded: now the optimizer owns the state it updated
             b.bind_state(state)
         self.last_seconds = time.perf_counter() - t0
@@ -166,6 +168,9 @@ class TrainStep:
     def _skipped(self, loss, step: int):
         """A step the non-finite guard skipped: counted and its loss returned, or NonFiniteStep raised.
         Nothing is written back (buffers, ``.grad``), and the optimizer's step count stays."""
+        if self.binding.loss_scaled:  # fp16: an overflow at this scale, as GradScaler skips it (the scale is halved)
+            self.skipped_steps += 1
+            return loss
         if self.compilation.options.on_nonfinite == "raise":
             raise NonFiniteStep(step, self.binding.calls, float(loss))
         if not self.skipped_steps:
@@ -220,11 +225,32 @@ class TrainStep:
                 raise TypeError(f"the training step got {what}{f' ({differ})' if differ else ''} and compiling a "
                                 f"step for it failed: {type(e).__name__}: {first}") from e
             self._variants[key] = sub
-        sub.binding.calls = self.binding.calls  # one step count (and dropout seed sequence) across variants
+        # One step count (and dropout seed sequence) and one fp16 loss scale across variants.
+        sub.binding.calls = self.binding.calls
+        if sub.binding.loss_scaled and self.binding.loss_scaled:
+            sub.binding.loss_scale, sub.binding.growth_tracker = self.binding.loss_scale, self.binding.growth_tracker
         try:
             return sub._run(inputs)
         finally:
             self.binding.calls = sub.binding.calls
+            if sub.binding.loss_scaled and self.binding.loss_scaled:
+                self.binding.loss_scale, self.binding.growth_tracker = sub.binding.loss_scale, sub.binding.growth_tracker
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the dynamic loss scale the next step uses (``torch.amp.GradScaler``'s: 2**16 at first,
+        halved after a step whose gradients overflowed, which is skipped, doubled after 2000 steps in a
+        row that did not); None in other precisions. Settable (a scaler's ``init_scale``, a resume)."""
+        return self.binding.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if self.binding.loss_scale is None:
+            raise ValueError("loss_scale: only a step compiled with precision='fp16' scales its loss")
+        if not (isinstance(value, (int, float)) and value > 0 and value != float("inf")):
+            raise ValueError(f"loss_scale must be a positive finite number, got {value!r}")
+        self.binding.loss_scale = float(value)
+        self.binding.growth_tracker = 0
 
     def shapes_cached(self) -> int:
         """How many compiled steps this one holds: the example's, and one for each other input
@@ -269,7 +295,7 @@ class TrainStep:
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
-            on_nonfinite=c.options.on_nonfinite if c.guarded else None,
+            on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
             skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
             **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
 

@@ -6,6 +6,8 @@ parameters, buffers, optimizer state and step counters out in the order of the c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Sequence
 
 import numpy as np
@@ -22,6 +24,19 @@ def tensor_type(t):
     return tensor_type_of(t.detach())
 
 
+@dataclass(frozen=True)
+class LossScaling:
+    """``torch.amp.GradScaler``'s defaults: the initial scale, and its growth, backoff and interval."""
+
+    init: float = 2.0 ** 16
+    growth: float = 2.0
+    backoff: float = 0.5
+    interval: int = 2000
+
+
+LOSS_SCALE = LossScaling()
+
+
 class Binding:
     """Parameters, buffers and optimizer state of ``model`` in the order of the imported IR ``imp``.
 
@@ -31,8 +46,12 @@ class Binding:
     global generator (:meth:`next_seed`, as eager dropout draws from it); an int, the seed of a
     step is ``seed + calls``, whatever torch's generator says."""
 
-    def __init__(self, model, optimizer, imp, dp, seed: int | None):
+    def __init__(self, model, optimizer, imp, dp, seed: int | None, loss_scaled: bool = False):
         self.model, self.optimizer, self.imported, self.dp, self.seed = model, optimizer, imp, dp, seed
+        # fp16: the loss scale, the forward's last input (remat.passes.loss_scale), and GradScaler's
+        # count of steps since it last changed.
+        self.loss_scaled = loss_scaled
+        self.loss_scale, self.growth_tracker = (LOSS_SCALE.init if loss_scaled else None), 0
         self.calls = 0
         named = dict(model.named_parameters())
         self.params = [named[n] for n in imp.param_names]
@@ -100,6 +119,8 @@ class Binding:
         (``seed``: the step's, :meth:`next_seed`; None: a fixed one that leaves torch's generator
         alone, for runs on copies such as profiling)."""
         args = self.imported.param_tensors(copy=copy) + [t.detach() if hasattr(t, "detach") else t for t in inputs]
+        if self.loss_scaled:
+            args.append(np.array(self.loss_scale, dtype=np.float32))
         if self.imported.has_seed:
             args.append(np.array((self.seed or 0) + self.calls if seed is None else seed, dtype=np.int64))
         return args
@@ -123,6 +144,18 @@ class Binding:
         return args
 
     # ------------------------------------------------------------------ results
+    def next_loss_scale(self, skipped: bool) -> None:
+        """GradScaler's update after a step: halve the scale when the step overflowed (skipped), double
+        it after ``LOSS_SCALE.interval`` steps in a row that did not."""
+        if skipped:
+            self.loss_scale *= LOSS_SCALE.backoff
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == LOSS_SCALE.interval:
+            self.loss_scale *= LOSS_SCALE.growth
+            self.growth_tracker = 0
+
     def bind_state(self, state: list[list]) -> None:
         """After a successful step: the optimizer owns the state the step updated."""
         self.state = bind_state(self.optimizer, self.params, self.updates, state)

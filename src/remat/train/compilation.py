@@ -62,7 +62,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 """``precision=``: "fp32" computes in the parameters' dtype; "bf16" captures the forward and the loss
 under ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16, reductions, norms
 and losses in fp32, as torch.autocast's op lists decide; parameters stay fp32 master weights and the
-casts are instructions the planner sees). "fp16" is refused until dynamic loss scaling exists."""
+casts are instructions the planner sees). "fp16": the same in float16, with dynamic loss scaling as
+``torch.amp.GradScaler`` does it (:mod:`remat.passes.loss_scale`; fused optimizer mode only)."""
 
 _AUTOCAST = {"bf16": "bfloat16", "fp16": "float16"}
 
@@ -127,9 +128,6 @@ class CompileOptions:
                              f"or False, got {self.check_gradients!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
-        if self.precision == "fp16":
-            raise NotImplementedError("precision='fp16' needs dynamic loss scaling (GradScaler's semantics), which is "
-                                      "not implemented yet; use precision='bf16' (no loss scaling needed) or 'fp32'")
         unknown = self.shown - set(STAGE_NAMES)
         if unknown:
             raise ValueError(f"print_after: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGE_NAMES)}")
@@ -223,6 +221,8 @@ class Compilation:
         choice where the gradients are all kept anyway, with ``max_grad_norm`` or micro-batches, or
         asked with ``check_gradients=True``) or None (no update, or ``on_nonfinite=None``)."""
         o = self.options
+        if self.binding.updates and self.binding.loss_scaled:  # an overflowed gradient must skip the update
+            return "all"
         if not self.binding.updates or o.on_nonfinite is None or (self.keep_grads and self.micro_batches > 1):
             return None
         every = o.check_gradients
@@ -245,7 +245,7 @@ class Compilation:
                                    self.loss_reduction, check=check, guard=guard)
         if self.dp is None:
             return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
-                                max_grad_norm=self.options.max_grad_norm, guard=guard)
+                                max_grad_norm=self.options.max_grad_norm, guard=guard, loss_scaled=b.loss_scaled)
         from ..distributed.passes import data_parallel_step
 
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
@@ -286,10 +286,19 @@ def layout(c: Compilation) -> Compilation:
     return replace(c, imported=imported, channels_last=imported is not c.imported)
 
 
+def scale_loss(c: Compilation) -> Compilation:
+    """fp16: the loss scale as the forward's last input, multiplying the loss it returns
+    (:mod:`remat.passes.loss_scale`); the step program unscales the gradients."""
+    from ..passes.loss_scale import with_loss_scale
+
+    return replace(c, imported=with_loss_scale(c.imported))
+
+
 def bind(c: Compilation) -> Compilation:
     """The model's parameters, buffers and optimizer state bound to the program's arguments; with
     micro-batches, the loss's reduction (micro-batching refuses steps it would change)."""
-    binding = Binding(c.model, c.optimizer, c.imported, c.dp, c.options.seed)
+    binding = Binding(c.model, c.optimizer, c.imported, c.dp, c.options.seed,
+                      loss_scaled=c.options.precision == "fp16")
     c = replace(c, binding=binding)
     if c.micro_batches > 1:
         c = replace(c, loss_reduction=micro_batch_semantics(c, c.options.loss_reduction))
@@ -484,6 +493,10 @@ def _profiled(c: Compilation) -> bool:
     return c.options.cost_model == "profiled"
 
 
+def _fp16(c: Compilation) -> bool:
+    return c.options.precision == "fp16"
+
+
 def _numba(c: Compilation) -> bool:
     return "numba" in backends.resolve(c.dialects)
 
@@ -491,6 +504,7 @@ def _numba(c: Compilation) -> bool:
 STAGES: list[Stage] = [
     Stage("capture", capture, gc_paused=False),
     Stage("layout", layout),
+    Stage("scale loss", scale_loss, when=_fp16),
     Stage("bind", bind, gc_paused=False),
     Stage("training graph", differentiate),
     Stage("prepare", prepare),
@@ -526,6 +540,11 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
         raise ValueError("max_grad_norm clips the gradients inside the step's optimizer update: it needs optimizer=, "
                          "keep_grads off, one process and micro_batches=1 (without optimizer=, the step leaves the "
                          "gradients in .grad: call torch.nn.utils.clip_grad_norm_ on them as usual)")
+    if o.precision == "fp16" and (optimizer is None or o.keep_grads or dp is not None
+                                  or o.micro_batches not in (1, "auto")):
+        raise NotImplementedError("precision='fp16' scales the loss and unscales the gradients inside the step's "
+                                  "optimizer update (GradScaler's semantics): it needs optimizer=, keep_grads off, one "
+                                  "process and micro_batches=1 for now; precision='bf16' needs no loss scaling")
     compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
     names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
     k = check_micro_batches(o.micro_batches, example, dp is not None)

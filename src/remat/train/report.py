@@ -64,6 +64,7 @@ class Report:
     cast_bytes: int = 0
     on_nonfinite: str | None = None  # the non-finite guard ("skip", "raise"; None: unguarded or no optimizer)
     skipped_steps: int = 0       # steps the guard skipped (a NaN or infinite loss or gradient): nothing updated
+    loss_scale: float | None = None  # fp16: the dynamic loss scale the next step uses (GradScaler's)
 
     def __str__(self) -> str:
         def b(v):
@@ -86,6 +87,8 @@ class Report:
              + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
             ("non-finite guard", "off" if self.on_nonfinite is None else
              f"{self.on_nonfinite}: {self.skipped_steps} step(s) skipped (a NaN or infinite loss or gradient)"),
+            *([("loss scale", f"{self.loss_scale:g} (dynamic, as torch.amp.GradScaler; {self.skipped_steps} "
+                              "overflowed step(s) skipped)")] if self.loss_scale is not None else []),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
