@@ -70,3 +70,25 @@ def test_fp16_without_the_fused_optimizer_is_refused_clearly():
     step = remat.compile(model, inputs, loss_fn, optimizer=_sgd(model), progress=lambda _: None)
     with pytest.raises(ValueError, match="only a step compiled with precision='fp16'"):
         step.loss_scale = 1024.0
+
+
+def test_a_checkpoint_resumes_the_loss_scale_and_the_dropout_sequence():
+    """``step.state_dict()`` holds the fp16 scaler's state and torch's random state (the dropout
+    seeds' source): a fresh compile that loads it continues bit for bit."""
+    model, inputs, loss_fn = make("gpt", dropout=0.1)
+    start = copy.deepcopy(model)
+    step = remat.compile(model, inputs, loss_fn, optimizer=_sgd(model), precision="fp16", progress=lambda _: None)
+    step.loss_scale = 2.0 ** 24  # a few overflows first: the scale moves, then steps train
+    torch.manual_seed(3)
+    for _ in range(8):
+        step(*inputs)
+    assert 0 < step.report().skipped_steps < 8 and step.loss_scale < 2.0 ** 24
+    sd = copy.deepcopy(step.state_dict())
+    want = float(step(*inputs))
+    m2 = copy.deepcopy(start)
+    s2 = remat.compile(m2, inputs, loss_fn, optimizer=_sgd(m2), precision="fp16", progress=lambda _: None)
+    torch.manual_seed(99)  # overwritten by the checkpoint's random state
+    s2.load_state_dict(sd)
+    assert float(s2(*inputs)) == want and s2.loss_scale == step.loss_scale
+    for p, q in zip(model.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

@@ -9,7 +9,8 @@ FORMAT = "remat.TrainStep/1"
 
 def state_dict(step) -> dict[str, Any]:
     """This rank's training state: parameters, buffers, optimizer state (its shards under ZeRO),
-    the optimizer step count, the dropout seed counter, and the sharding metadata. Tensors are copies.
+    the optimizer step count, the dropout seed counter (and torch's random state when the step draws
+    its seeds from it), the fp16 loss scale, and the sharding metadata. Tensors are copies.
     ``step``: a compiled step's binding (``remat.train.binding.Binding``)."""
     import torch
 
@@ -23,6 +24,9 @@ def state_dict(step) -> dict[str, Any]:
         "rank": 0 if dp is None else dp.rank,
         "steps": opt_steps,
         "seed_step": step.calls,
+        # The dropout seeds' source when the step draws them from torch's generator (seed=None).
+        "rng_state": torch.get_rng_state() if step.imported.has_seed and step.seed is None else None,
+        "loss_scale": (step.loss_scale, step.growth_tracker) if step.loss_scaled else None,  # fp16: GradScaler's state
         "params": {n: p.detach().clone() for n, p in zip(names, step.params)},
         "buffers": {n: b.detach().clone() for n, b in step.model.named_buffers()},
         "optimizer_state": {},
@@ -78,6 +82,10 @@ def load_state_dict(step, sd: dict[str, Any]) -> None:
                                          f"step {list(t.shape)}")
                     t.copy_(src)
     step.calls = int(sd["seed_step"])
+    if sd.get("rng_state") is not None:
+        torch.set_rng_state(sd["rng_state"])
+    if step.loss_scaled and sd.get("loss_scale") is not None:
+        step.loss_scale, step.growth_tracker = float(sd["loss_scale"][0]), int(sd["loss_scale"][1])
 
 
 def reassemble(state_dicts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
