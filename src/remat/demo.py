@@ -221,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "('12MiB'); below the minimum feasible one, the demo trains at the minimum and says why")
     ap.add_argument("--lr", type=float, default=6e-3, help="AdamW learning rate (default: 6e-3)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the batches")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                    help="the step's precision (default fp32; bf16: bf16 autocast, fp32 master weights)")
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps (default: steps/10)")
     ap.add_argument("--quick", action="store_true", help="a tiny model for a run of seconds (tests)")
     ap.add_argument("--threads", type=int, default=1,
@@ -283,7 +285,8 @@ def _run(args: argparse.Namespace, steps: int, log_every: int) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     example = train_batches[0]
     try:
-        step, note = compile_step(model, example, lm_loss, optimizer, args.budget, fallback=True, seed=args.seed)
+        step, note = compile_step(model, example, lm_loss, optimizer, args.budget, fallback=True, seed=args.seed,
+                                  precision=args.precision)
     except BudgetTooSmall as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -301,7 +304,7 @@ def _run(args: argparse.Namespace, steps: int, log_every: int) -> int:
 
     _section("3. Reference: the same step without a budget, on a copy of the model")
     twin = unconstrained_twin(model, example, lm_loss, lambda m: torch.optim.AdamW(m.parameters(), lr=args.lr),
-                              seed=args.seed)
+                              seed=args.seed, precision=args.precision)
     every = 1 if args.quick else REFERENCE_EVERY
     print(f"  compiled; it runs after every {'' if every == 1 else f'{every}th '}training step on the same batch, to measure its "
           f"peak and to time both steps under the same CPU load")
