@@ -18,6 +18,7 @@ import torch
 
 from ..ir import Builder, DType, TensorType, Value
 from ..ir.ops.attention import repeat_kv
+from ..ir.ops.routing import flat_along
 from ..ir.types import broadcast_shapes
 
 _TORCH_TO_DTYPE = {
@@ -824,21 +825,12 @@ def _cumsum(L: Lowerer, x, dim, dtype=None):
 
 @lower("gather.default")
 def _gather_along(L: Lowerer, x, dim, index, sparse_grad=False):
-    """torch.gather (take_along_axis) as a one-hot selection: out[..., j, ...] = x[..., index[..., j, ...], ...]."""
-    rank = x.type.rank
-    dim = _axis(dim, rank)
-    n = x.type.shape[dim]
-    ishape = index.type.shape
-    if any(ishape[i] != x.type.shape[i] for i in range(rank) if i != dim):
-        x = L.op("slice", x, start=[0] * rank, stop=[ishape[i] if i != dim else n for i in range(rank)])
-    # onehot[..., j, c, ...] = index[..., j, ...] == c, the class axis c inserted after dim
-    oh_shape = ishape[:dim + 1] + (n,) + ishape[dim + 1:]
-    idx = L.reshape(index, ishape[:dim + 1] + (1,) + ishape[dim + 1:])
-    cls = L.op("iota", shape=oh_shape, axis=dim + 1, dtype=index.type.dtype)
-    onehot = L.op("eq", idx, cls)
-    xs = L.reshape(x, x.type.shape[:dim] + (1,) + x.type.shape[dim:])
-    picked = L.op("select", onehot, xs, L.const(0, x.type.dtype))
-    return L.op("reduce_sum", picked, axes=[dim + 1])
+    """torch.gather (take_along_axis; a masked autoencoder's kept patches): one ``gather`` of the
+    flattened x at the flat positions the index points at, ``out[..., j, ...] = x[..., index[..., j, ...], ...]``
+    (its gradient one ``scatter_add``, as PyTorch's backward)."""
+    dim = _axis(dim, x.type.rank)
+    flat = flat_along(L.b, index, x.type.shape, dim)
+    return L.reshape(L.op("gather", L.reshape(x, (x.type.numel,)), flat, axis=0), index.type.shape)
 
 
 # ---------------------------------------------------------------- reductions

@@ -195,6 +195,17 @@ def scatter_along(b, idx, g, shape, axis):
     ``idx`` of one shape, equal to ``shape`` off the axis): the transpose of take-along-axis, as one
     flat ``scatter_add``."""
     shape = tuple(shape)
+    n = math.prod(g.type.shape)
+    out = b.op("scatter_add", flat_along(b, idx, shape, axis), b.op("reshape", g, shape=(n,)),
+               shape=(math.prod(shape),), axis=0)
+    return b.op("reshape", out, shape=shape)
+
+
+def flat_along(b, idx, shape, axis):
+    """i64[idx.numel]: the flat positions in an array of ``shape`` that ``idx`` points at along
+    ``axis`` (the other coordinates: idx's own, each below ``shape``'s): take-along-axis as one
+    flat ``gather``, its transpose as one flat ``scatter_add``."""
+    shape = tuple(shape)
     ishape = idx.type.shape
     strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
     flat = None
@@ -207,10 +218,7 @@ def scatter_along(b, idx, g, shape, axis):
         if strides[d] != 1:
             term = b.op("mul", term, _const(b, strides[d], DType.i64))
         flat = term if flat is None else b.op("add", flat, term)
-    n = math.prod(ishape)
-    flat = b.op("reshape", flat, shape=(n,))
-    out = b.op("scatter_add", flat, b.op("reshape", g, shape=(n,)), shape=(math.prod(shape),), axis=0)
-    return b.op("reshape", out, shape=shape)
+    return b.op("reshape", flat, shape=(math.prod(ishape),))
 
 
 @def_vjp("sort", saves=Saves(results=(1,)))
