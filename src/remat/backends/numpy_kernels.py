@@ -1175,3 +1175,31 @@ def grouped_mm_weight_grad(x, g, offs, transpose_w=False):
             out[e] = g32[start:end].T @ x32[start:end] if transpose_w else x32[start:end].T @ g32[start:end]
         start = end
     return _fresh(out, x.dtype)
+
+
+# ---------------------------------------------------------------- group norm (remat.ir.ops.norm)
+@k("group_norm")
+@_channels_at_1(1)
+def group_norm(x, *affine, groups, eps=1e-5):
+    n = x.shape[0]
+    xhat, mean, rstd, _ = _norm_core(x.reshape(n, groups, -1), (2,), eps)
+    y = xhat.reshape(x.shape)
+    if affine:
+        y = y * _channel_np(affine[0], x.ndim) + _channel_np(affine[1], x.ndim)
+    return _fresh(y, x.dtype), _fresh(mean.reshape(n, groups), x.dtype), _fresh(rstd.reshape(n, groups), x.dtype)
+
+
+@k("group_norm_grad")
+@_channels_at_1(2)
+def group_norm_grad(gy, x, mean, rstd, *w, groups):
+    n, shape = x.shape[0], x.shape
+    gyu = _up(gy)
+    r = _up(rstd).reshape(n, groups, 1)
+    xhat = (_up(x).reshape(n, groups, -1) - _up(mean).reshape(n, groups, 1)) * r
+    gh = (gyu * _channel_np(w[0], x.ndim) if w else gyu).reshape(n, groups, -1)
+    gx = _fresh(_norm_backward(gh, xhat, r, None, (2,)).reshape(shape), x.dtype)
+    if not w:
+        return gx
+    axes = (0,) + tuple(range(2, x.ndim))
+    return (gx, _fresh(np.sum(gyu * xhat.reshape(shape), axis=axes), x.dtype),
+            _fresh(np.sum(gyu, axis=axes), x.dtype))

@@ -1462,3 +1462,23 @@ def grouped_mm_weight_grad(x, g, offs, transpose_w=False):
                 torch.mm(x[start:end].t(), g[start:end], out=out[e])
         start = end
     return out
+
+
+# ---------------------------------------------------------------- group norm (remat.ir.ops.norm)
+@k("group_norm")
+@_channels_at_1(1)
+def group_norm(x, *affine, groups, eps=1e-5, channels_last=False):
+    n, c = x.shape[:2]
+    w, b = (affine[0], affine[1]) if affine else (None, None)
+    y, mean, rstd = torch.ops.aten.native_group_norm(x, w, b, n, c, x[0, 0].numel(), groups, eps)
+    return _act(y, channels_last), _fresh(mean), _fresh(rstd)
+
+
+@k("group_norm_grad")
+@_channels_at_1(2)
+def group_norm_grad(gy, x, mean, rstd, *w, groups, channels_last=False):
+    n, c = x.shape[:2]
+    weight = w[0] if w else None
+    gx, gw, gb = torch.ops.aten.native_group_norm_backward(gy, x, mean, rstd, weight, n, c, x[0, 0].numel(), groups,
+                                                           [True, bool(w), bool(w)])
+    return (_act(gx, channels_last), _fresh(gw), _fresh(gb)) if w else _act(gx, channels_last)

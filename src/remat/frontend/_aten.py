@@ -1240,6 +1240,16 @@ def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
 
 @lower("native_group_norm.default")
 def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
+    """One ``group_norm`` op (native kernel and backward: it keeps x and the [N, groups] statistics,
+    not the centred or normalised x); parameters of another dtype than x's are normalised with
+    reductions instead."""
+    dt = x.type.dtype
+    if all(v is None or v.type.dtype == dt for v in (weight, bias)) and x.type.rank >= 2:
+        affine = []
+        if weight is not None or bias is not None:
+            c = x.type.shape[1]
+            affine = [weight if weight is not None else L.const(1, dt, (c,)), bias if bias is not None else L.const(0, dt, (c,))]
+        return L.op("group_norm", x, *affine, groups=int(group), eps=float(eps))
     shape = x.type.shape
     g = L.reshape(x, (N, group, (C // group) * HxW))
     y, mean, rstd, _ = _normalize(L, g, [2], eps)
