@@ -1433,8 +1433,16 @@ def histc(x, bins, min, max):
 def index_put(x, idx, upd, axis=0, accumulate=False):
     npk.check_indices("index_put", idx, x.shape[axis], f"index (axis {axis})")
     out = x.clone(memory_format=torch.contiguous_format)
-    um = upd.movedim(tuple(range(axis, axis + idx.dim())), tuple(range(idx.dim())))
-    out.movedim(axis, 0).index_put_((idx.to(torch.int64),), um, accumulate=accumulate)
+    flat = idx.reshape(-1).to(torch.int64)
+    um = upd.movedim(tuple(range(axis, axis + idx.dim())), tuple(range(idx.dim()))).reshape((-1,) + tuple(x.shape[:axis]) + tuple(x.shape[axis + 1:]))
+    if not accumulate and flat.numel() > 1:
+        # Of repeated indices the last one wins, as in the numpy dialect: ATen's order is unspecified.
+        pos = torch.arange(flat.numel(), device=flat.device)
+        last = torch.full((x.shape[axis],), -1, dtype=torch.int64, device=flat.device).scatter_reduce_(0, flat, pos, "amax")
+        keep = last[flat] == pos
+        if not bool(keep.all()):
+            flat, um = flat[keep], um[keep]
+    out.movedim(axis, 0).index_put_((flat,), um, accumulate=accumulate)
     return out
 
 
