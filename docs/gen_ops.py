@@ -28,6 +28,7 @@ SECTIONS = {
     "shape": "Data movement and constants",
     "random": "Random (deterministic functions of an explicit seed)",
     "optim": "Optimizer updates (in place)",
+    "routing": "Routing: sorting, top-k, histograms, index_put, grouped matmuls (mixture-of-experts dispatch)",
 }
 
 

@@ -48,7 +48,7 @@ def test_vjp_matches_finite_differences(name, k):
     args = [np.asarray(a) for a in s.args]
     if not float_indices(args):
         pytest.skip("no floating-point operand")
-    f = op_function("f", name, args, s.attrs, results=(0,) if name in ("attention", "dropout_attention", "linear_cross_entropy", "cross_entropy", "conv_bn_relu_pool") else None)  # logsumexp, statistics: not differentiable
+    f = op_function("f", name, args, s.attrs, results=(0,) if name in ("attention", "dropout_attention", "linear_cross_entropy", "cross_entropy", "conv_bn_relu_pool", "group_norm") else None)  # logsumexp, statistics: not differentiable
     out = f.result_types[0]
     rtol = 1e-6 if out.dtype.value == "f64" else 1e-3
     eps = 1e-6 if out.dtype.value == "f64" else 1e-3
@@ -57,7 +57,7 @@ def test_vjp_matches_finite_differences(name, k):
         with pytest.raises(DifferentiationError, match="non-overlapping windows"):
             check_vjp(f, args, rng)
         return
-    if name in ("layer_norm_grad", "batch_norm_grad", "attention_grad", "max_pool2d_index_grad",
+    if name in ("layer_norm_grad", "batch_norm_grad", "group_norm_grad", "attention_grad", "max_pool2d_index_grad",
                 "linear_cross_entropy_grad", "cross_entropy_grad", "dropout_attention_grad", "conv_bn_relu_pool_grad"):  # native backward kernels: first order only
         with pytest.raises(DifferentiationError, match="second-order differentiation through"):
             check_vjp(f, args, rng)

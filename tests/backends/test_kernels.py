@@ -470,3 +470,17 @@ def test_nonfinite_finds_nan_and_inf_and_nothing_else(dt):
         x = big.clone()
         x[2, 1] = bad
         assert bool(tk.nonfinite(torch.ones(2, dtype=dt), x))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_index_put_with_repeated_indices_keeps_the_last_in_every_dialect(axis):
+    """ATen leaves which of repeated indices wins unspecified; remat's dialects agree on the last,
+    so a recomputed ``index_put`` writes what the first computation wrote."""
+    x = np.zeros((6, 6))
+    idx = np.array([[1, 3], [1, 1]])
+    upd = np.arange(24.0).reshape((2, 2, 6) if axis == 0 else (6, 2, 2))
+    ins, attrs = build("index_put", [x, idx, upd], {"axis": axis})
+    outs = [as_f64(run_kernel(ins, attrs, [x, idx, upd], d)[1][0]) for d in ("numpy", "torch")]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    want = upd[1, 1] if axis == 0 else upd[:, 1, 1]
+    np.testing.assert_array_equal(np.take(outs[0], 1, axis=axis), want)

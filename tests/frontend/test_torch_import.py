@@ -238,12 +238,12 @@ def test_unsupported_op_names_op_module_and_source():
 
 
 def test_unsupported_variant_explains_why():
-    class Sorted(nn.Module):
+    class RunningMax(nn.Module):
         def forward(self, x):
-            return torch.sort(x).values
+            return torch.cummax(x, 1).values
 
-    with pytest.raises(UnsupportedOpError, match="aten.sort"):
-        import_module(Sorted(), (torch.randn(3, 5),))
+    with pytest.raises(UnsupportedOpError, match="aten.cummax"):
+        import_module(RunningMax(), (torch.randn(3, 5),))
 
     class BoolIndex(nn.Module):
         def forward(self, x):
@@ -315,11 +315,11 @@ def test_zoo_gradients_match_autograd(name):
 
 class _Sorter(nn.Module):
     def forward(self, x):
-        return torch.sort(x, dim=-1).values  # the second unsupported op
+        return torch.cummax(x, dim=-1).values  # the second unsupported op
 
 
 class _TwoProblems(nn.Module):
-    """flip in four submodules, sort in one more, each followed by supported ops."""
+    """flip in four submodules, cummax in one more, each followed by supported ops."""
 
     def __init__(self):
         super().__init__()
@@ -336,15 +336,15 @@ def test_every_unsupported_op_is_listed_in_one_error():
     with pytest.raises(UnsupportedOpError) as ei:
         import_module(_TwoProblems(), (torch.randn(2, 4),))
     e = ei.value
-    assert e.ops == ["aten.flip.default", "aten.sort.default"]
+    assert e.ops == ["aten.flip.default", "aten.cummax.default"]
     # one problem per untranslatable node; the supported ops computed from them are not reported
-    assert [p.op for p in e.problems] == ["aten.flip.default"] * 4 + ["aten.sort.default"]
+    assert [p.op for p in e.problems] == ["aten.flip.default"] * 4 + ["aten.cummax.default"]
     assert [p.module_path for p in e.problems] == [f"blocks.{i}" for i in range(4)] + ["head"]
     assert all("test_torch_import.py" in p.source for p in e.problems)
-    assert "torch.sort(x, dim=-1)" in e.problems[-1].source
+    assert "torch.cummax(x, dim=-1)" in e.problems[-1].source
     msg = str(e)
     assert "2 PyTorch ops that remat cannot translate, at 5 places" in msg
-    assert "aten.flip.default: 4 uses" in msg and "aten.sort.default: 1 use " in msg
+    assert "aten.flip.default: 4 uses" in msg and "aten.cummax.default: 1 use " in msg
     assert "in module 'blocks.0'" in msg and "in module 'head'" in msg
     assert "... and 1 more place\n" in msg  # at most MAX_PLACES places per op are spelled out
     assert e.op == "aten.flip.default" and e.module_path == "blocks.0"  # the first problem's

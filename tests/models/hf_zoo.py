@@ -99,6 +99,52 @@ def _segformer():
     return tf.SegformerForSemanticSegmentation(cfg), dict(pixel_values=torch.randn(4, 3, 64, 64), labels=labels)
 
 
+def _mixtral():
+    import transformers as tf
+
+    # Mixture of experts: each token's top-2 of 4 experts (topk), the token-expert pairs grouped by
+    # expert (sort, histc), one grouped matmul per projection, rows put back in token order (index_put).
+    cfg = tf.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, use_cache=False)
+    return tf.MixtralForCausalLM(cfg), dict(input_ids=_ids(256, 8, 32), labels=_ids(256, 8, 32))
+
+
+def _qwen2_moe():
+    import transformers as tf
+
+    # Mixture of experts with a shared expert beside the routed ones (and its sigmoid gate).
+    cfg = tf.Qwen2MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                            use_cache=False)
+    return tf.Qwen2MoeForCausalLM(cfg), dict(input_ids=_ids(256, 4, 32), labels=_ids(256, 4, 32))
+
+
+def _olmoe():
+    import transformers as tf
+
+    cfg = tf.OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64, use_cache=False, pad_token_id=0, bos_token_id=None,
+                         eos_token_id=None)
+    return tf.OlmoeForCausalLM(cfg), dict(input_ids=_ids(256, 4, 32), labels=_ids(256, 4, 32))
+
+
+def _vitmae():
+    import transformers as tf
+
+    # Masked autoencoder: 75% of the patches masked at random (argsort of noise, the kept patches
+    # gathered, the decoder's sequence restored by another gather). The noise is an input here so
+    # that eager PyTorch masks the same patches; without it remat draws the noise from its own seed
+    # (tests/models/test_routing.py).
+    cfg = tf.ViTMAEConfig(image_size=32, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, decoder_hidden_size=32,
+                          decoder_num_hidden_layers=1, decoder_num_attention_heads=4, decoder_intermediate_size=64,
+                          mask_ratio=0.75, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return tf.ViTMAEForPreTraining(cfg), dict(pixel_values=torch.randn(16, 3, 32, 32), noise=torch.rand(16, 64))
+
+
 def _seeded(make: Callable) -> Callable[[], tuple[torch.nn.Module, dict[str, torch.Tensor]]]:
     def build():
         torch.manual_seed(0)
@@ -116,4 +162,8 @@ MODELS: list[ZooModel] = [
     ZooModel("resnet", "ResNetForImageClassification", _seeded(_resnet)),
     ZooModel("convnext", "ConvNextForImageClassification", _seeded(_convnext)),
     ZooModel("segformer", "SegformerForSemanticSegmentation", _seeded(_segformer)),
+    ZooModel("mixtral", "MixtralForCausalLM", _seeded(_mixtral)),
+    ZooModel("qwen2_moe", "Qwen2MoeForCausalLM", _seeded(_qwen2_moe)),
+    ZooModel("olmoe", "OlmoeForCausalLM", _seeded(_olmoe)),
+    ZooModel("vitmae", "ViTMAEForPreTraining", _seeded(_vitmae)),
 ]

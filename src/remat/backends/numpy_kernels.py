@@ -1092,3 +1092,114 @@ def dropout_attention_grad(g, q, k, v, out, lse, seed, mask=None, *, scale, is_c
                                             _keep(seed, q, k, p), _f32_mask(mask), scale=scale,
                                             is_causal=is_causal, p=p)
     return tuple(_fresh(x, q.dtype) for x in grads)
+
+
+# ---------------------------------------------------------------- routing (remat.ir.ops.routing)
+def sort_order(x: np.ndarray, axis: int, descending: bool) -> np.ndarray:
+    """Indices of a stable sort along ``axis`` (NaN largest; equal values in order of position):
+    descending is the reversed ascending sort of the reversed array."""
+    x = _up(x)
+    if not descending:
+        return np.argsort(x, axis=axis, kind="stable")
+    n = x.shape[axis]
+    return (n - 1) - np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+
+
+@k("sort")
+def sort(x, axis=-1, descending=False):
+    idx = sort_order(x, axis, descending)
+    return _fresh(np.take_along_axis(x, idx, axis)), _fresh(idx, np.int64)
+
+
+@k("topk")
+def topk(x, k, axis=-1, largest=True):
+    idx = np.take(sort_order(x, axis, largest), np.arange(k), axis=axis)
+    return _fresh(np.take_along_axis(x, idx, axis)), _fresh(idx, np.int64)
+
+
+@k("histc")
+def histc(x, bins, min, max):
+    lo, hi = np.asarray(min, x.dtype), np.asarray(max, x.dtype)
+    v = x.reshape(-1)
+    v = v[(v >= lo) & (v <= hi)]
+    pos = np.floor((v - lo) * np.asarray(bins, x.dtype) / (hi - lo)).astype(np.int64)
+    pos[v == hi] = bins - 1
+    return _fresh(np.bincount(np.clip(pos, 0, bins - 1), minlength=bins), x.dtype)
+
+
+@k("index_put")
+def index_put(x, idx, upd, axis=0, accumulate=False):
+    check_indices("index_put", idx, x.shape[axis], f"index (axis {axis})")
+    out = _up(x).copy()
+    om = np.moveaxis(out, axis, 0)
+    um = np.moveaxis(_up(upd), tuple(range(axis, axis + idx.ndim)), tuple(range(idx.ndim)))
+    if accumulate:
+        np.add.at(om, idx, um)
+    else:
+        om[idx] = um
+    return _fresh(out, x.dtype)
+
+
+def check_offsets(op: str, offs, rows: int) -> list[int]:
+    """The group ends as Python ints; ValueError naming ``op`` unless nondecreasing within [0, rows]."""
+    ends = [int(v) for v in offs.tolist()]
+    prev = 0
+    for e, end in enumerate(ends):
+        if not prev <= end <= rows:
+            raise ValueError(f"'{op}': offsets must be nondecreasing within [0, {rows}] (the rows); offset {e} is "
+                             f"{end} after {prev}")
+        prev = end
+    return ends
+
+
+@k("grouped_mm")
+def grouped_mm(x, w, offs, transpose_w=False):
+    x32, w32 = _up(x), _up(w)
+    out = np.zeros((x.shape[0], w.shape[1] if transpose_w else w.shape[2]), x32.dtype)
+    start = 0
+    for e, end in enumerate(check_offsets("grouped_mm", offs, x.shape[0])):
+        if end > start:
+            out[start:end] = x32[start:end] @ (w32[e].T if transpose_w else w32[e])
+        start = end
+    return _fresh(out, x.dtype)
+
+
+@k("grouped_mm_weight_grad")
+def grouped_mm_weight_grad(x, g, offs, transpose_w=False):
+    x32, g32 = _up(x), _up(g)
+    k_, n = x.shape[1], g.shape[1]
+    out = np.zeros((len(offs), n, k_) if transpose_w else (len(offs), k_, n), x32.dtype)
+    start = 0
+    for e, end in enumerate(check_offsets("grouped_mm_weight_grad", offs, x.shape[0])):
+        if end > start:
+            out[e] = g32[start:end].T @ x32[start:end] if transpose_w else x32[start:end].T @ g32[start:end]
+        start = end
+    return _fresh(out, x.dtype)
+
+
+# ---------------------------------------------------------------- group norm (remat.ir.ops.norm)
+@k("group_norm")
+@_channels_at_1(1)
+def group_norm(x, *affine, groups, eps=1e-5):
+    n = x.shape[0]
+    xhat, mean, rstd, _ = _norm_core(x.reshape(n, groups, -1), (2,), eps)
+    y = xhat.reshape(x.shape)
+    if affine:
+        y = y * _channel_np(affine[0], x.ndim) + _channel_np(affine[1], x.ndim)
+    return _fresh(y, x.dtype), _fresh(mean.reshape(n, groups), x.dtype), _fresh(rstd.reshape(n, groups), x.dtype)
+
+
+@k("group_norm_grad")
+@_channels_at_1(2)
+def group_norm_grad(gy, x, mean, rstd, *w, groups):
+    n, shape = x.shape[0], x.shape
+    gyu = _up(gy)
+    r = _up(rstd).reshape(n, groups, 1)
+    xhat = (_up(x).reshape(n, groups, -1) - _up(mean).reshape(n, groups, 1)) * r
+    gh = (gyu * _channel_np(w[0], x.ndim) if w else gyu).reshape(n, groups, -1)
+    gx = _fresh(_norm_backward(gh, xhat, r, None, (2,)).reshape(shape), x.dtype)
+    if not w:
+        return gx
+    axes = (0,) + tuple(range(2, x.ndim))
+    return (gx, _fresh(np.sum(gyu * xhat.reshape(shape), axis=axes), x.dtype),
+            _fresh(np.sum(gyu, axis=axes), x.dtype))

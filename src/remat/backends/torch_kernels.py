@@ -1403,3 +1403,90 @@ def dropout_attention_grad(g, q, k, v, out, lse, seed, mask=None, *, scale, is_c
         torch.mm(ds.t(), q3[b], out=dk[b]).mul_(scale)
         del ds
     return tuple(_fresh(x.reshape(ref.shape).to(q.dtype).contiguous()) for x, ref in ((dq, q), (dk, k), (dv, v)))
+
+
+# ---------------------------------------------------------------- routing (remat.ir.ops.routing)
+# sort and topk sort stably (torch.topk's order among equal values is unspecified), so both dialects
+# and a recomputation pick the same indices.
+def _no_bool_or_half(instr) -> bool:
+    return all(v.type.dtype not in (DType.bool, DType.f16, DType.bf16) for v in instr.operands)
+
+
+@k("sort", checker=_no_bool_or_half)
+def sort(x, axis=-1, descending=False):
+    values, idx = torch.sort(x, dim=axis, descending=descending, stable=True)
+    return _fresh(values), _fresh(idx)
+
+
+@k("topk", checker=_no_bool_or_half)
+def topk(x, k, axis=-1, largest=True):
+    values, idx = torch.sort(x, dim=axis, descending=largest, stable=True)
+    return _fresh(values.narrow(axis, 0, k)), _fresh(idx.narrow(axis, 0, k))
+
+
+@k("histc", checker=_no_bool_or_half)
+def histc(x, bins, min, max):
+    return _fresh(torch.histc(x, bins=bins, min=min, max=max))
+
+
+@k("index_put")
+def index_put(x, idx, upd, axis=0, accumulate=False):
+    npk.check_indices("index_put", idx, x.shape[axis], f"index (axis {axis})")
+    out = x.clone(memory_format=torch.contiguous_format)
+    flat = idx.reshape(-1).to(torch.int64)
+    um = upd.movedim(tuple(range(axis, axis + idx.dim())), tuple(range(idx.dim()))).reshape((-1,) + tuple(x.shape[:axis]) + tuple(x.shape[axis + 1:]))
+    if not accumulate and flat.numel() > 1:
+        # Of repeated indices the last one wins, as in the numpy dialect: ATen's order is unspecified.
+        pos = torch.arange(flat.numel(), device=flat.device)
+        last = torch.full((x.shape[axis],), -1, dtype=torch.int64, device=flat.device).scatter_reduce_(0, flat, pos, "amax")
+        keep = last[flat] == pos
+        if not bool(keep.all()):
+            flat, um = flat[keep], um[keep]
+    out.movedim(axis, 0).index_put_((flat,), um, accumulate=accumulate)
+    return out
+
+
+@k("grouped_mm", checker=lambda ins: all(v.type.dtype.is_float for v in ins.operands[:2]))
+def grouped_mm(x, w, offs, transpose_w=False):
+    out = torch.zeros((x.shape[0], w.shape[1] if transpose_w else w.shape[2]), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(npk.check_offsets("grouped_mm", offs, x.shape[0])):
+        if end > start:
+            torch.mm(x[start:end], w[e].t() if transpose_w else w[e], out=out[start:end])
+        start = end
+    return out
+
+
+@k("grouped_mm_weight_grad", checker=lambda ins: all(v.type.dtype.is_float for v in ins.operands[:2]))
+def grouped_mm_weight_grad(x, g, offs, transpose_w=False):
+    k_, n = x.shape[1], g.shape[1]
+    out = torch.zeros((offs.shape[0], n, k_) if transpose_w else (offs.shape[0], k_, n), dtype=x.dtype, device=x.device)
+    start = 0
+    for e, end in enumerate(npk.check_offsets("grouped_mm_weight_grad", offs, x.shape[0])):
+        if end > start:
+            if transpose_w:
+                torch.mm(g[start:end].t(), x[start:end], out=out[e])
+            else:
+                torch.mm(x[start:end].t(), g[start:end], out=out[e])
+        start = end
+    return out
+
+
+# ---------------------------------------------------------------- group norm (remat.ir.ops.norm)
+@k("group_norm")
+@_channels_at_1(1)
+def group_norm(x, *affine, groups, eps=1e-5, channels_last=False):
+    n, c = x.shape[:2]
+    w, b = (affine[0], affine[1]) if affine else (None, None)
+    y, mean, rstd = torch.ops.aten.native_group_norm(x, w, b, n, c, x[0, 0].numel(), groups, eps)
+    return _act(y, channels_last), _fresh(mean), _fresh(rstd)
+
+
+@k("group_norm_grad")
+@_channels_at_1(2)
+def group_norm_grad(gy, x, mean, rstd, *w, groups, channels_last=False):
+    n, c = x.shape[:2]
+    weight = w[0] if w else None
+    gx, gw, gb = torch.ops.aten.native_group_norm_backward(gy, x, mean, rstd, weight, n, c, x[0, 0].numel(), groups,
+                                                           [True, bool(w), bool(w)])
+    return (_act(gx, channels_last), _fresh(gw), _fresh(gb)) if w else _act(gx, channels_last)

@@ -18,6 +18,7 @@ import torch
 
 from ..ir import Builder, DType, TensorType, Value
 from ..ir.ops.attention import repeat_kv
+from ..ir.ops.routing import flat_along
 from ..ir.types import broadcast_shapes
 
 _TORCH_TO_DTYPE = {
@@ -116,7 +117,8 @@ KEEP: set[str] = set()
 
 
 def lower(*names: str, keep: bool = False):
-    """Register a rule for ATen overloads given as ``"add.Tensor"`` (the ``aten.`` prefix implied).
+    """Register a rule for ATen overloads given as ``"add.Tensor"`` (the ``aten.`` prefix implied),
+    or for another library's op by its full name (``"transformers.grouped_mm_fallback.default"``).
 
     ``keep=True``: the overloads are removed from PyTorch's decomposition table, so the rule sees
     the composite op itself (e.g. ``linear``) rather than its decomposition.
@@ -685,24 +687,23 @@ def _index(L: Lowerer, x, indices):
     As in NumPy/PyTorch, the broadcast index axes take the place of adjacent indexed axes and come
     first when the indexed axes are separated; negative indices count from the end."""
     rank = x.type.rank
-    idx = list(indices) + [None] * (rank - len(indices))
+    idx = _index_tensors(indices, rank, "indexing")
     dims = [d for d, v in enumerate(idx) if v is not None]
     if not dims:
         return x
-    for d in dims:
-        dt = idx[d].type.dtype
-        if dt == DType.bool:
-            raise LoweringError("indexing with a boolean mask (x[mask]) gives a result whose size depends on the mask's "
-                                "values, and remat's shapes are static; use torch.where(mask, x, 0) or multiply by "
-                                "the mask instead")
-        if not dt.is_int:
-            raise LoweringError(f"index tensors must be integer or boolean, got {idx[d].type}")
     vals = [idx[d] for d in dims]
     if dims != list(range(dims[0], dims[-1] + 1)):  # separated: the indexed axes move to the front
         x = L.op("transpose", x, perm=dims + [d for d in range(rank) if d not in dims])
         dims = list(range(len(dims)))
     shape, first = x.type.shape, dims[0]
-    sizes = [shape[d] for d in dims]
+    flat, merged = _flat_index(L, vals, [shape[d] for d in dims])
+    x = L.reshape(x, shape[:first] + (merged,) + shape[first + len(dims):])
+    return L.reshape(L.op("gather", x, flat, axis=first), L.out_type().shape)
+
+
+def _flat_index(L: Lowerer, vals: list[Value], sizes: list[int]) -> tuple[Value, int]:
+    """(the flat index ``sum_k i_k * stride_k`` into the merged indexed axes, negative indices
+    counted from the end; the merged axis' size) for index tensors ``vals`` over axes of ``sizes``."""
     it = DType.i64 if len(vals) > 1 else vals[0].type.dtype
     flat = None
     for k, (v, n) in enumerate(zip(vals, sizes)):
@@ -711,9 +712,109 @@ def _index(L: Lowerer, x, indices):
         stride = math.prod(sizes[k + 1:])
         term = v if stride == 1 else L.op("mul", v, L.const(stride, it))
         flat = term if flat is None else L.op("add", flat, term)
-    if len(dims) > 1:
-        x = L.reshape(x, shape[:first] + (math.prod(sizes),) + shape[first + len(dims):])
-    return L.reshape(L.op("gather", x, flat, axis=first), L.out_type().shape)
+    return flat, math.prod(sizes)
+
+
+def _index_tensors(indices, rank: int, what: str) -> list:
+    """``indices`` padded with ``None`` to ``rank``, each integer (a boolean mask is refused)."""
+    idx = list(indices) + [None] * (rank - len(indices))
+    for v in idx:
+        if v is None:
+            continue
+        if v.type.dtype == DType.bool:
+            raise LoweringError(f"{what} with a boolean mask (x[mask]) involves a number of elements that depends on "
+                                "the mask's values, and remat's shapes are static; use torch.where(mask, ...) or "
+                                "multiply by the mask instead")
+        if not v.type.dtype.is_int:
+            raise LoweringError(f"index tensors must be integer or boolean, got {v.type}")
+    return idx
+
+
+@lower("index_put.default")
+def _index_put(L: Lowerer, x, indices, values, accumulate=False):
+    """``x[i0, i1, ...] = values`` (``+=`` with accumulate) with integer index tensors that broadcast
+    together: one ``index_put`` along the indexed axes merged into one, as ``index.Tensor``."""
+    rank = x.type.rank
+    idx = _index_tensors(indices, rank, "index_put")
+    dims = [d for d, v in enumerate(idx) if v is not None]
+    values = L.cast(values, x.type.dtype)
+    if not dims:
+        v = values if values.type.shape == x.type.shape else L.op("broadcast", values, shape=x.type.shape)
+        return L.op("add", x, v) if accumulate else v
+    perm = None
+    if dims != list(range(dims[0], dims[-1] + 1)):  # separated: the indexed axes move to the front
+        perm = dims + [d for d in range(rank) if d not in dims]
+        x = L.op("transpose", x, perm=perm)
+        dims = list(range(len(dims)))
+    vals = [idx[d] for d in ([d for d, v in enumerate(idx) if v is not None])]
+    shape, first, nd = x.type.shape, dims[0], len(dims)
+    bshape = broadcast_shapes(*(v.type.shape for v in vals))
+    flat, merged = _flat_index(L, vals, [shape[d] for d in dims])
+    if flat.type.shape != bshape:
+        flat = L.op("broadcast", flat, shape=bshape)
+    sub = shape[:first] + bshape + shape[first + nd:]
+    if values.type.shape != sub:
+        values = L.op("broadcast", values, shape=sub)
+    n = math.prod(bshape)
+    out = L.op("index_put", L.reshape(x, shape[:first] + (merged,) + shape[first + nd:]), L.reshape(flat, (n,)),
+               L.reshape(values, shape[:first] + (n,) + shape[first + nd:]), axis=first, accumulate=bool(accumulate))
+    out = L.reshape(out, shape)
+    if perm is not None:
+        inv = [0] * rank
+        for i, q in enumerate(perm):
+            inv[q] = i
+        out = L.op("transpose", out, perm=inv)
+    return out
+
+
+@lower("index_add.default", keep=True)
+def _index_add(L: Lowerer, x, dim, index, source, alpha=1):
+    """``x.index_add(dim, index, source)`` (a mixture-of-experts layer's combine): ``index_put``
+    with accumulate along ``dim``."""
+    ax = _axis(dim, x.type.rank)
+    src = L.cast(source, x.type.dtype)
+    if alpha != 1:
+        src = L.op("mul", src, L.const(alpha, x.type.dtype))
+    if index.type.rank == 0:
+        index = L.reshape(index, (1,))
+        src = L.reshape(src, x.type.shape[:ax] + (1,) + x.type.shape[ax + 1:])
+    return L.op("index_put", x, index, src, axis=ax, accumulate=True)
+
+
+@lower("sort.default", "sort.stable")
+def _sort(L: Lowerer, x, *args, **kwargs):
+    """``torch.sort`` / ``argsort``: always stable (a valid order for ``stable=False`` too), so a
+    recomputation and every dialect give the same indices."""
+    if L.node.target is torch.ops.aten.sort.stable:
+        dim, descending = kwargs.get("dim", -1), kwargs.get("descending", False)
+    else:
+        dim, descending = (list(args) + [-1, False][len(args):])[:2]
+        dim, descending = kwargs.get("dim", dim), kwargs.get("descending", descending)
+    x = L.cast(x, DType.i64) if x.type.dtype == DType.bool else x
+    values, indices = L.op("sort", x, axis=_axis(int(dim), max(x.type.rank, 1)), descending=bool(descending))
+    return L.cast(values, L.out_type(0).dtype), indices
+
+
+@lower("topk.default")
+def _topk(L: Lowerer, x, k, dim=-1, largest=True, sorted=True):
+    """``torch.topk`` (a router's choice of experts): always sorted, equal values in order of position."""
+    return L.op("topk", x, k=int(k), axis=_axis(int(dim), max(x.type.rank, 1)), largest=bool(largest))
+
+
+@lower("histc.default")
+def _histc(L: Lowerer, x, bins=100, min=0, max=0):
+    """``torch.histc`` over a fixed range (the tokens per expert of a mixture-of-experts layer)."""
+    if not min < max:
+        raise LoweringError(f"histc with min={min} and max={max} takes its range from the data; give a fixed range "
+                            "(min < max)")
+    return L.op("histc", x, bins=int(bins), min=float(min), max=float(max))
+
+
+@lower("transformers.grouped_mm_fallback.default")
+def _grouped_mm_fallback(L: Lowerer, x, w, offs):
+    """transformers' grouped matmul of its experts (``integrations/moe.py``): rows sorted by expert,
+    ``offs`` the cumulative rows per expert."""
+    return L.op("grouped_mm", x, w, offs)
 
 
 @lower("cumsum.default")
@@ -724,21 +825,12 @@ def _cumsum(L: Lowerer, x, dim, dtype=None):
 
 @lower("gather.default")
 def _gather_along(L: Lowerer, x, dim, index, sparse_grad=False):
-    """torch.gather (take_along_axis) as a one-hot selection: out[..., j, ...] = x[..., index[..., j, ...], ...]."""
-    rank = x.type.rank
-    dim = _axis(dim, rank)
-    n = x.type.shape[dim]
-    ishape = index.type.shape
-    if any(ishape[i] != x.type.shape[i] for i in range(rank) if i != dim):
-        x = L.op("slice", x, start=[0] * rank, stop=[ishape[i] if i != dim else n for i in range(rank)])
-    # onehot[..., j, c, ...] = index[..., j, ...] == c, the class axis c inserted after dim
-    oh_shape = ishape[:dim + 1] + (n,) + ishape[dim + 1:]
-    idx = L.reshape(index, ishape[:dim + 1] + (1,) + ishape[dim + 1:])
-    cls = L.op("iota", shape=oh_shape, axis=dim + 1, dtype=index.type.dtype)
-    onehot = L.op("eq", idx, cls)
-    xs = L.reshape(x, x.type.shape[:dim] + (1,) + x.type.shape[dim:])
-    picked = L.op("select", onehot, xs, L.const(0, x.type.dtype))
-    return L.op("reduce_sum", picked, axes=[dim + 1])
+    """torch.gather (take_along_axis; a masked autoencoder's kept patches): one ``gather`` of the
+    flattened x at the flat positions the index points at, ``out[..., j, ...] = x[..., index[..., j, ...], ...]``
+    (its gradient one ``scatter_add``, as PyTorch's backward)."""
+    dim = _axis(dim, x.type.rank)
+    flat = flat_along(L.b, index, x.type.shape, dim)
+    return L.reshape(L.op("gather", L.reshape(x, (x.type.numel,)), flat, axis=0), index.type.shape)
 
 
 # ---------------------------------------------------------------- reductions
@@ -1148,6 +1240,16 @@ def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
 
 @lower("native_group_norm.default")
 def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
+    """One ``group_norm`` op (native kernel and backward: it keeps x and the [N, groups] statistics,
+    not the centred or normalised x); parameters of another dtype than x's are normalised with
+    reductions instead."""
+    dt = x.type.dtype
+    if all(v is None or v.type.dtype == dt for v in (weight, bias)) and x.type.rank >= 2:
+        affine = []
+        if weight is not None or bias is not None:
+            c = x.type.shape[1]
+            affine = [weight if weight is not None else L.const(1, dt, (c,)), bias if bias is not None else L.const(0, dt, (c,))]
+        return L.op("group_norm", x, *affine, groups=int(group), eps=float(eps))
     shape = x.type.shape
     g = L.reshape(x, (N, group, (C // group) * HxW))
     y, mean, rstd, _ = _normalize(L, g, [2], eps)
@@ -1259,4 +1361,4 @@ def _dropout_rule(L: Lowerer, x, p, train):
     return _dropout(L, x, p, train)[0]
 
 
-SUPPORTED = tuple(sorted(f"aten.{n}" for n in LOWERINGS))
+SUPPORTED = tuple(sorted(n if n.count(".") > 1 else f"aten.{n}" for n in LOWERINGS))

@@ -847,7 +847,7 @@ def _translate(ep: "torch.export.ExportedProgram", wrapper: torch.nn.Module, n_u
             env[node] = v
             continue
         target = str(node.target)
-        rule = LOWERINGS.get(target.removeprefix("aten.")) if target.startswith("aten.") else None
+        rule = LOWERINGS.get(target.removeprefix("aten.") if target.startswith("aten.") else target)
         if rule is None:
             unsupported(node, target)
             continue

@@ -54,7 +54,8 @@ compares the two)."""
 _INV = TO_NCHW  # logical axis a sits at physical axis TO_NCHW[a] ((0, 3, 1, 2): C at 3, H at 1, W at 2)
 
 _SEEDS = ("conv2d", "conv2d_input_grad")  # converted whatever their input's layout
-_BATCH_NORM = {"batch_norm": (0,), "batch_norm_stats": (0,), "batch_norm_grad": (0, 1)}  # activation operands
+_BATCH_NORM = {"batch_norm": (0,), "batch_norm_stats": (0,), "batch_norm_grad": (0, 1),  # activation operands
+               "group_norm": (0,), "group_norm_grad": (0, 1)}
 _AXIS_OPS = ("concat",)  # not softmax: over a short last axis (a segmentation head's classes) ATen is slow
 _REDUCE_OPS = ("reduce_sum", "reduce_mean", "reduce_max")
 

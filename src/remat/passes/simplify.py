@@ -240,6 +240,17 @@ def matmul_transposed_operand(ins, b):
     return b.op("matmul", a, c, **at)
 
 
+def grouped_mm_transposed_weight(ins, b):
+    """grouped_mm(x, transpose(w), offs) -> grouped_mm(x, w, offs, transpose_w flipped) (transformers
+    transposes its experts' [E, out, in] weights before each grouped matmul): the weights are read
+    in place instead of copied every step."""
+    x, w, offs = ins.operands
+    src = _swapped_last_two(w)
+    if src is None:
+        return None
+    return b.op("grouped_mm", x, src, offs, transpose_w=not ins.attrs["transpose_w"])
+
+
 def matmul_broadcast_operand(ins, b):
     """matmul(a, broadcast(w)) -> matmul(a, w) when the broadcast only adds or expands batch axes
     (PyTorch's matmul decomposition: ``expand(weight, [b, in, out])`` + ``bmm``): the product
@@ -284,6 +295,7 @@ def elementwise_broadcast_operand(ins, b):
 
 RULES: dict[str, list[Rule]] = {
     "matmul": [matmul_transposed_operand, matmul_broadcast_operand],
+    "grouped_mm": [grouped_mm_transposed_weight],
     "mul": [_right_identity(1), _left_identity(1)],
     "add": [_right_identity(0), _left_identity(0), add_adjacent_pads],
     "sub": [_right_identity(0)],

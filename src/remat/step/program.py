@@ -111,14 +111,18 @@ def last_new_index_check(body: list[Instruction]) -> int:
     nll_loss, a recomputed gather) is not new, so updates still follow their gradients closely."""
     seen: set[tuple] = set()
     memo: dict[Value, object] = {}
+    ids: dict[tuple, int] = {}  # structural key -> a small number (hash-consing: keys stay shallow)
 
     def structural(v: Value) -> object:
         """The same key for a recomputed value as for the original (an index recomputed from
         the same inputs, e.g. positions from ``iota``, is checked already)."""
         if v not in memo:
             ins = getattr(v, "instr", None)
-            memo[v] = v if ins is None else (ins.op.name, repr(sorted(ins.attrs.items())), v.index,
-                                             tuple(structural(o) for o in ins.operands))
+            if ins is None:
+                memo[v] = v
+            else:
+                key = (ins.op.name, repr(sorted(ins.attrs.items())), v.index, tuple(structural(o) for o in ins.operands))
+                memo[v] = ids.setdefault(key, len(ids))
         return memo[v]
 
     last = -1

@@ -1,2 +1,2 @@
 """All op declarations. Importing this package registers every op in ``remat.ir.opdef.OPS``."""
-from . import attention, collective, control, convblock, crossentropy, elementwise, fused, nn, norm, optim, random, resize, shape  # noqa: F401
+from . import attention, collective, control, convblock, crossentropy, elementwise, fused, nn, norm, optim, random, resize, routing, shape  # noqa: F401

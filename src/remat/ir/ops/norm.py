@@ -262,6 +262,69 @@ declare(OpDef("batch_norm_grad_sums", 4, (_BN_AXIS,), _batch_norm_grad_sums_infe
                   "(ATen native_batch_norm_backward without grad_input)",
               sample=_bn_grad_sums_samples))
 
+# ---------------------------------------------------------------- group norm
+def _gn_check(name: str, x: TensorType, attrs) -> int:
+    c = _bn_x(name, x, attrs)
+    g = attrs["groups"]
+    if g < 1 or c % g:
+        raise TypeError(f"'{name}': {c} channels do not split into {g} groups")
+    return c
+
+
+def _group_norm_infer(types, attrs):
+    x, *affine = types
+    if len(affine) not in (0, 2):
+        raise TypeError(f"'group_norm' takes x, then optionally weight and bias (both); got {len(types)} operands")
+    c = _gn_check("group_norm", x, attrs)
+    _check_affine("group_norm", affine, (c,), x, "one per channel")
+    st = x.with_shape((x.shape[0], attrs["groups"]))
+    return x, st, st
+
+
+def _group_norm_grad_infer(types, attrs):
+    if len(types) not in (4, 5):
+        raise TypeError(f"'group_norm_grad' takes (grad_output, input, mean, rstd[, weight]), got {len(types)} operands")
+    gy, x, mean, rstd, *w = types
+    c = _gn_check("group_norm_grad", x, attrs)
+    st = x.with_shape((x.shape[0], attrs["groups"]))
+    if gy != x or mean != st or rstd != st:
+        raise TypeError(f"'group_norm_grad': grad_output {gy}, mean {mean} and rstd {rstd} must be {x} and {st}")
+    _check_affine("group_norm_grad", w, (c,), x, "one per channel")
+    return (x, *w, *w)
+
+
+def _gn_samples(r: np.random.Generator) -> list[Sample]:
+    return [Sample([rand(r, 2, 6, 3, 4), rand(r, 6, low=0.5, high=1.5), rand(r, 6)], {"groups": 3}),
+            Sample([rand(r, 3, 4, 5)], {"groups": 2, "eps": 1e-3}),
+            Sample([rand(r, 2, 3, 4, 6), rand(r, 6, low=0.5, high=1.5), rand(r, 6)], {"groups": 2, "axis": 3})]
+
+
+def _gn_grad_samples(r: np.random.Generator) -> list[Sample]:
+    out = []
+    for s in _gn_samples(r):
+        x, g, axis = s.args[0], s.attrs["groups"], s.attrs.get("axis", 1)
+        xc = np.moveaxis(x, axis, 1).reshape(x.shape[0], g, -1)
+        mean = xc.mean(axis=2)
+        rstd = 1.0 / np.sqrt(xc.var(axis=2) + s.attrs.get("eps", 1e-5))
+        out.append(Sample([rand(r, *x.shape), x, mean, rstd, *s.args[1:2]], {"groups": g, "axis": axis}))
+    return out
+
+
+_GN_AXIS = Attr("axis", "int", 1)
+"""The channel axis: 1 ([N, C, ...], PyTorch's), or the last one of a channels-last layout."""
+declare(OpDef("group_norm", None, (Attr("groups", "int"), Attr("eps", "float", 1e-5), _GN_AXIS), _group_norm_infer,
+              frozenset(), num_results=3, min_operands=1, flops=_norm_flops(8.0),
+              doc="group normalisation of x (channels on `axis`, split into `groups`), then per channel "
+                  "`* weight + bias` when given (operands x[, weight, bias]); results (y, mean, rstd), statistics "
+                  "[N, groups] (ATen native_group_norm); its backward keeps x and the statistics",
+              sample=_gn_samples))
+declare(OpDef("group_norm_grad", None, (Attr("groups", "int"), _GN_AXIS), _group_norm_grad_infer, frozenset(),
+              num_results=-1, min_operands=4, flops=_norm_flops(10.0),
+              doc="backward of group_norm from (grad_output, x, mean, rstd[, weight]): grad_x, and grad_weight, "
+                  "grad_bias when a weight is given (ATen native_group_norm_backward)",
+              sample=_gn_grad_samples))
+
+
 # ================================================================ VJP rules (reverse mode)
 # rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. The forward ops have several
 # results, so ``g`` is the list of their cotangents (None: zero).
@@ -390,6 +453,23 @@ def _no_second_order(name: str):
 
 def_vjp("layer_norm_grad", saves="none")(_no_second_order("layer_norm"))
 def_vjp("batch_norm_grad", saves="none")(_no_second_order("batch_norm"))
+
+
+@def_vjp("group_norm", saves=Saves(operands=(0, 1), results=(1, 2)))
+def _group_norm_vjp(b, p, g):
+    gy, g_mean, g_rstd = g
+    if g_mean is not None or g_rstd is not None:
+        raise NotImplementedError("the statistics (mean, rstd) of group_norm are not differentiable; "
+                                  "compute them from x with reductions instead")
+    if gy is None:
+        return [None] * len(p.in_types)
+    x, w = p.x[0], (p.x[1] if len(p.in_types) > 1 else None)
+    outs = b.op("group_norm_grad", gy, x, p.y[1], p.y[2], *([w] if w is not None else []),
+                groups=p.attrs["groups"], axis=p.attrs["axis"])
+    return [outs] if w is None else list(outs)
+
+
+def_vjp("group_norm_grad", saves="none")(_no_second_order("group_norm"))
 
 
 # ================================================================ decompositions (composites in primitives)
