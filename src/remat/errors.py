@@ -47,14 +47,20 @@ class NonFiniteStep(FloatingPointError):
 
 class StepFailed(RuntimeError):
     """A kernel failed during a training step (out of memory, a backend error). ``updated``: the
-    parameters (by name) whose in-place update had already run, with their optimizer state; every
+    parameters (by name) whose in-place update had already run, with their optimizer state (empty
+    with ``atomic=True``: ``restored`` names those rolled back from the step's backups); every
     other parameter and its state, the optimizer's step counts, buffers, ``.grad`` and torch's random
     state are as before the step. ``instruction``: the step program's instruction that failed; the
     original error is the ``__cause__``."""
 
-    def __init__(self, call: int, instruction: int, what: str, updated: list[str], total: int):
-        self.call, self.instruction, self.updated = call, instruction, list(updated)
-        if updated:
+    def __init__(self, call: int, instruction: int, what: str, updated: list[str], total: int,
+                 restored: list[str] = ()):
+        self.call, self.instruction, self.updated, self.restored = call, instruction, list(updated), list(restored)
+        if restored:
+            state = (f"{len(restored)} parameter(s) had been updated and were rolled back from the step's backups "
+                     "(atomic=True): parameters, optimizer state and step counts, buffers, .grad and torch's random "
+                     "state are as before the step")
+        elif updated:
             shown = ", ".join(updated[:8]) + (f" and {len(updated) - 8} more" if len(updated) > 8 else "")
             state = (f"{len(updated)} of {total} parameter(s) were already updated, with their optimizer state: "
                      f"{shown}; the others, the optimizer's step counts, buffers, .grad and torch's random state "

@@ -33,15 +33,19 @@ def _snapshot(model, opt):
             [None if p.grad is None else p.grad.clone() for p in model.parameters()], torch.get_rng_state())
 
 
-@pytest.mark.parametrize("name, make_opt", [
-    ("gpt", lambda ps: torch.optim.AdamW(ps, lr=1e-2)),
-    ("resnet", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+@pytest.mark.parametrize("name, make_opt, atomic", [
+    ("gpt", lambda ps: torch.optim.AdamW(ps, lr=1e-2), False),
+    ("resnet", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), False),
+    ("gpt", lambda ps: torch.optim.AdamW(ps, lr=1e-2), True),
+    ("resnet", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), True),
 ])
-def test_each_failing_instruction_leaves_exactly_what_the_error_says(name, make_opt):
+def test_each_failing_instruction_leaves_exactly_what_the_error_says(name, make_opt, atomic):
+    """Without ``atomic``: the error names exactly the parameters updated; with it, they are rolled
+    back and everything is as before the step."""
     kw = {"dropout": 0.1} if name == "gpt" else {}
     model, inputs, loss_fn = make(name, **kw)
     opt = make_opt(model.parameters())
-    step = remat.compile(model, inputs, loss_fn, optimizer=opt, progress=lambda _: None)
+    step = remat.compile(model, inputs, loss_fn, optimizer=opt, atomic=atomic, progress=lambda _: None)
     step(*inputs)  # the optimizer has its state: a failure must not touch it
     names = dict((id(p), n) for n, p in model.named_parameters())
     steps = _kernel_steps(step.vm, step.program.name)
@@ -67,8 +71,11 @@ def test_each_failing_instruction_leaves_exactly_what_the_error_says(name, make_
         changed = {n for n, p in model.state_dict().items() if not torch.equal(p, sd[n])}
         failing_update = instrs[index].op.name in ("sgd_step", "adam_step")
         listed = set(e.updated)
+        if atomic:
+            assert not changed and not listed, (index, changed)
+            assert set(e.restored) >= ({e.restored[-1]} if failing_update else set())
         assert changed <= listed, (index, instrs[index].op.name, changed - listed)
-        assert listed - changed <= ({e.updated[-1]} if failing_update else set()), (index, listed - changed)
+        assert listed - changed <= ({e.updated[-1]} if failing_update and listed else set()), (index, listed - changed)
         for (k, st_now), st_was in zip(opt.state_dict()["state"].items(), osd["state"].values()):
             pname = names[id(list(model.parameters())[k])]
             for key, v in st_now.items():

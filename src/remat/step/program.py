@@ -39,6 +39,15 @@ class Layout:
         return 1 + self.n_buffers_out
 
 
+def backup_types(param_types, state_types) -> list[TensorType]:
+    """The flat backup buffers of ``step_program(atomic=True)``: per parameter, its own, then one per
+    optimizer state tensor."""
+    out = []
+    for p, ts in zip(param_types, state_types):
+        out += [TensorType(t.dtype, (t.numel,)) for t in (p, *ts)]
+    return out
+
+
 def training_forward(forward: Function) -> Function:
     """``forward`` as every training program differentiates it (the "pre-differentiation" pipeline,
     :data:`remat.passes.PRE_DIFFERENTIATION`): the
@@ -141,7 +150,7 @@ def last_new_index_check(body: list[Instruction]) -> int:
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
                  check: bool = True, max_grad_norm: float | None = None, guard: str | None = None,
-                 loss_scaled: bool = False) -> Function:
+                 loss_scaled: bool = False, atomic: bool = False) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
     buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
@@ -161,11 +170,19 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     ``loss_scaled`` (fp16, :mod:`remat.passes.loss_scale`): the joint's last input is the loss scale
     ``S`` and its loss is scaled; each gradient is divided by ``S`` before the guard's check, the
     clipping and the update (``GradScaler.unscale_``), and the loss is returned divided by ``S``.
+
+    ``atomic``: after the update arguments, one flat backup buffer per parameter and per optimizer
+    state tensor (:func:`backup_types`); right before each update the parameter and its state are
+    copied into theirs (``assign``), so that a step failing midway can be rolled back
+    (``remat.compile(atomic=True)``). The backups are arguments: the plan counts their bytes.
     """
     guard = guard if updates else None
     ptypes = list(joint.param_types)
     flat_state = [t for ts in state_types for t in ts] if updates else []
     ptypes += flat_state + (update_param_types(updates) if updates else [])
+    atomic = bool(updates) and atomic
+    if atomic:
+        ptypes += backup_types(joint.param_types[:layout.n_params], state_types)
     n_out = layout.first_grad
     grad_types = list(joint.result_types[n_out:])
     rtypes = list(joint.result_types[:n_out]) + (grad_types if keep_grads else []) + ([SKIP] if guard else [])
@@ -189,7 +206,13 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         for ts in state_types:
             state_vals.append(fn.params[off:off + len(ts)])
             off += len(ts)
-        uargs = UpdateArgs.of(fn.params[off:], updates)
+        n_update = len(update_param_types(updates))
+        uargs = UpdateArgs.of(fn.params[off:off + n_update], updates)
+        backups, off = [], off + n_update
+        if atomic:
+            for ts in state_types:
+                backups.append(fn.params[off:off + 1 + len(ts)])
+                off += 1 + len(ts)
 
     inverse: dict[DType, Value] = {}
 
@@ -211,6 +234,9 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         if clip and ks:
             gs = clip_by_global_norm(b, gs, max_grad_norm)
         for k, g in zip(ks, gs):
+            if atomic:  # the values before the update, for a roll-back
+                for dst, src in zip(backups[k], [vmap[joint.params[k]], *state_vals[k]]):
+                    b.op("assign", dst, b.op("reshape", src, shape=(src.type.numel,)))
             emit_update(b, updates[k], vmap[joint.params[k]], g, list(state_vals[k]), uargs)
 
     emit(at.get(-1, []))

@@ -118,7 +118,7 @@ class TrainStep:
             except BaseException as e:
                 if rng is not None:  # a failed step draws nothing: torch's generator as before
                     torch.set_rng_state(rng)
-                failed = self._failed(e) if isinstance(e, Exception) else None
+                failed = self._failed(e, args) if isinstance(e, Exception) else None
                 if failed is None:
                     raise
                 raise failed from e
@@ -143,27 +143,32 @@ class TrainStep:
             self.optimizer._opt_called = True  # as optimizer.step() records it: LR schedulers see the step taken
         return outs[0]
 
-    def _failed(self, e: Exception) -> StepFailed | None:
+    def _failed(self, e: Exception, args: list) -> StepFailed | None:
         """``e``, raised by a kernel during the step, as a :class:`StepFailed` naming the parameters
-        whose in-place update had already run (None: keep ``e`` as it is: an index out of range
-        before any update, the caller's data as in eager PyTorch, or a run that did not say where
-        it failed)."""
+        whose in-place update had already run, or, compiled with ``atomic=True``, after rolling them
+        back from the step's backups (None: keep ``e`` as it is: an index out of range before any
+        update, the caller's data as in eager PyTorch, or a run that did not say where it failed)."""
         at = getattr(e, "remat_instruction", None)
         if at is None or (self.dp is not None and self.dp.shards_state):
             return None
         instrs = self.vm.instructions(self.program.name)
         position = {id(p): k for k, p in enumerate(self.vm.function(self.program.name).params)}
         names = self.binding.imported.param_names
-        updated = []
+        updated: list[int] = []
         for ins in instrs[:at + 1]:  # the failing one too when it is an update: it may have written part
             if ins.op.name in UPDATE_OPS:
                 k = position.get(id(ins.operands[0]))
-                updated.append(names[k] if k is not None and k < len(names) else f"(operand {ins.operands[0]})")
+                if k is not None and k < len(names):
+                    updated.append(k)
         if not updated and isinstance(e, IndexError):
             return None
+        restored = bool(self.binding.backups) and bool(updated)
+        if restored:
+            self.binding.restore(args, updated)
         first = (str(e).strip().splitlines() or [""])[0]
-        return StepFailed(self.binding.calls + 1, at, f"{type(e).__name__}: {first}", updated,
-                          len(self.updates or ()))
+        return StepFailed(self.binding.calls + 1, at, f"{type(e).__name__}: {first}",
+                          [] if restored else [names[k] for k in updated], len(self.updates or ()),
+                          restored=[names[k] for k in updated] if restored else [])
 
     def _skipped(self, loss, step: int):
         """A step the non-finite guard skipped: counted and its loss returned, or NonFiniteStep raised.
@@ -392,6 +397,10 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     (GPT small's minimum budget by 20%); None (the default) checks them only where they are all kept
     anyway (``max_grad_norm``, micro-batches). Data-parallel ranks agree on the flag (one scalar
     all_reduce): all skip, or none.
+    ``atomic`` (default False), with an optimizer: keep a backup of each parameter and its optimizer
+    state from just before its update (their bytes are program arguments: planned into the budget),
+    so that a kernel failing midway (``remat.StepFailed``) rolls the updated ones back and leaves
+    everything as before the step; without it the error names the parameters already updated.
     ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
     ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
     group's hyperparameters at every call, so learning-rate schedules work unchanged.

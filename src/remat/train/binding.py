@@ -46,7 +46,8 @@ class Binding:
     global generator (:meth:`next_seed`, as eager dropout draws from it); an int, the seed of a
     step is ``seed + calls``, whatever torch's generator says."""
 
-    def __init__(self, model, optimizer, imp, dp, seed: int | None, loss_scaled: bool = False):
+    def __init__(self, model, optimizer, imp, dp, seed: int | None, loss_scaled: bool = False,
+                 atomic: bool = False):
         self.model, self.optimizer, self.imported, self.dp, self.seed = model, optimizer, imp, dp, seed
         # fp16: the loss scale, the forward's last input (remat.passes.loss_scale), and GradScaler's
         # count of steps since it last changed.
@@ -72,6 +73,14 @@ class Binding:
             self.state = self._sharded_state()
         self.state_types = [[tensor_type(t.permute(0, 2, 3, 1) if i in self.ohwi else t) for t in ts]
                             for i, ts in enumerate(self.state)]
+        # atomic=True: flat copies of each parameter and its state from just before its update
+        # (step.program.backup_types), so that a step failing midway can be rolled back.
+        self.backups: list[list] = []
+        if atomic and self.updates:
+            import torch
+
+            self.backups = [[torch.empty(t.numel, dtype=p.dtype) for t in (tensor_type(p), *ts)]
+                            for p, ts in zip(self.params, self.state_types)]
 
     def _sharded_state(self) -> list[list]:
         """ZeRO: zeros for this rank's shard of every state tensor, kept by the step (not in
@@ -85,9 +94,11 @@ class Binding:
                 for p, u in zip(self.params, self.updates)]
 
     def extra_bytes(self) -> int:
-        """Bytes the step adds to the joint: optimizer state and the step counter."""
+        """Bytes the step adds to the joint: optimizer state, the step counter and hyperparameters,
+        and ``atomic=True``'s backups."""
         return (sum(t.nbytes for ts in self.state_types for t in ts)
-                + (sum(t.nbytes for t in update_param_types(self.updates)) if self.updates else 0))
+                + (sum(t.nbytes for t in update_param_types(self.updates)) if self.updates else 0)
+                + sum(t.numel() * t.element_size() for ts in self.backups for t in ts))
 
     def optimizer_steps(self) -> int:
         """Optimizer steps taken so far (the count the next step's update continues from)."""
@@ -141,9 +152,26 @@ class Binding:
                 else:
                     args += [t.detach().clone() if copy else t.detach() for t in ts]
             args += update_arguments(self.optimizer, self.updates, step)
+            args += [t for ts in self.backups for t in ts]
         return args
 
     # ------------------------------------------------------------------ results
+    def restore(self, args: list, updated: list[int]) -> None:
+        """``atomic=True``: parameters ``updated`` (indices) and their optimizer state back to the
+        values the step's backups hold (``args``: the step's arguments, whose views the update wrote)."""
+        import torch
+
+        n_joint = self.layout.n_args
+        offsets, off = [], n_joint
+        for ts in self.state:
+            offsets.append(off)
+            off += len(ts)
+        with torch.no_grad():
+            for k in updated:
+                targets = [args[k]] + [args[offsets[k] + j] for j in range(len(self.state[k]))]
+                for t, backup in zip(targets, self.backups[k]):
+                    t.view(-1).copy_(backup)
+
     def next_loss_scale(self, skipped: bool) -> None:
         """GradScaler's update after a step: halve the scale when the step overflowed (skipped), double
         it after ``LOSS_SCALE.interval`` steps in a row that did not."""

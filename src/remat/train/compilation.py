@@ -93,6 +93,7 @@ class CompileOptions:
     max_grad_norm: float | None = None
     on_nonfinite: str | None = "skip"
     check_gradients: bool | None = None
+    atomic: bool = False
     precision: str = "fp32"
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
@@ -245,7 +246,8 @@ class Compilation:
                                    self.loss_reduction, check=check, guard=guard)
         if self.dp is None:
             return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
-                                max_grad_norm=self.options.max_grad_norm, guard=guard, loss_scaled=b.loss_scaled)
+                                max_grad_norm=self.options.max_grad_norm, guard=guard, loss_scaled=b.loss_scaled,
+                                atomic=self.options.atomic)
         from ..distributed.passes import data_parallel_step
 
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
@@ -298,7 +300,7 @@ def bind(c: Compilation) -> Compilation:
     """The model's parameters, buffers and optimizer state bound to the program's arguments; with
     micro-batches, the loss's reduction (micro-batching refuses steps it would change)."""
     binding = Binding(c.model, c.optimizer, c.imported, c.dp, c.options.seed,
-                      loss_scaled=c.options.precision == "fp16")
+                      loss_scaled=c.options.precision == "fp16", atomic=c.options.atomic)
     c = replace(c, binding=binding)
     if c.micro_batches > 1:
         c = replace(c, loss_reduction=micro_batch_semantics(c, c.options.loss_reduction))
@@ -545,6 +547,9 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
         raise NotImplementedError("precision='fp16' scales the loss and unscales the gradients inside the step's "
                                   "optimizer update (GradScaler's semantics): it needs optimizer=, keep_grads off, one "
                                   "process and micro_batches=1 for now; precision='bf16' needs no loss scaling")
+    if o.atomic and (dp is not None or o.micro_batches not in (1, "auto")):
+        raise NotImplementedError("atomic=True keeps a backup of each parameter and its optimizer state from just "
+                                  "before its update; it is implemented for one process without micro-batches")
     compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
     names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
     k = check_micro_batches(o.micro_batches, example, dp is not None)
