@@ -334,8 +334,18 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner
     counts, and the budget counts bf16 activations at their real size. "fp16" (which needs loss
     scaling) is not available yet.
+    ``dry_run`` (default False): plan without running (``remat.train.dry_run``): the model, optimizer and
+    inputs may be on the ``meta`` device or fake tensors; the step is captured, differentiated, planned and
+    lowered as here, nothing is executed, and the result (a ``PlannedStep``) has ``report()`` but refuses
+    to be called. ``device`` (a name of ``remat.DEVICES``, a ``remat.DeviceSpec`` or a dict of its
+    fields): the static cost model prices instructions on that device (roofline), and without ``budget``
+    its memory is the budget.
     """
     opts = CompileOptions.of(options)
+    if opts.dry_run:
+        from .dry_run import PlannedStep
+
+        return PlannedStep(compile_step(model, example_inputs, loss_fn, optimizer, budget, opts))
     if opts.micro_batches == "auto":
         return compile_auto(model, example_inputs, loss_fn, optimizer, budget, opts)
     return TrainStep(compile_step(model, example_inputs, loss_fn, optimizer, budget, opts))

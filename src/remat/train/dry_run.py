@@ -1,0 +1,165 @@
+"""Planning without running: ``remat.compile(..., dry_run=True)``.
+
+A dry run takes a model, optimizer and inputs on the ``meta`` device (or fake tensors): nothing
+of their size is allocated, and nothing is executed. It runs the compile's stages that need no
+data (capture, differentiation, planning, lowering: :data:`remat.train.compilation.STAGES`) and
+skips those that do (measured costs, kernel compilation, the VM, the capture cache's check), so its
+plan is the plan ``remat.compile`` makes with real tensors under the static cost model, and its
+predicted peak the peak the VM would measure, to the byte (``tests/train/test_dry_run.py``).
+
+What cannot be known without running is said in the report's notes: kernel workspaces never
+measured on this machine (or on another device than this CPU) count as 0 bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from ..errors import BudgetTooSmall, format_bytes
+from ..ir import Function, Instruction
+from .api import TrainStep
+from .compilation import Compilation, CompileOptions, _plan_on_ranks
+
+
+class DryRunStep(RuntimeError):
+    """A step planned by a dry run was called (or asked for what only a run gives)."""
+
+
+def check_dry_run_options(o: CompileOptions) -> None:
+    """ValueError for options a dry run cannot honour, saying what would."""
+    if o.cost_model == "profiled":
+        raise ValueError("dry_run=True runs nothing, so it cannot measure costs (cost_model='profiled'): use the "
+                         "static cost model (the default), priced on a device with device=")
+    if o.data_parallel is not None:
+        raise ValueError("dry_run=True plans one process's step; data_parallel is not supported in a dry run")
+    if o.micro_batches != 1:
+        raise ValueError("dry_run=True plans the whole batch (micro_batches=1): micro-batching checks the loss's "
+                         "reduction by running the model")
+
+
+def dry_workspaces(c: Compilation, fn: Function) -> dict[Instruction, int]:
+    """A dry run's kernel workspaces: those measured before on this machine (the workspace cache),
+    0 for the others; all 0 for a device other than this CPU (its kernels cannot be measured here)."""
+    device = c.options.device_spec
+    if device is not None and device.name != "cpu":
+        return {}
+    from ..runtime.allocator import cached_workspaces
+
+    return cached_workspaces(fn, c.dialects)[0]
+
+
+def workspace_note(c: Compilation) -> str | None:
+    """What the dry run's plan assumed about kernel workspaces, when it counted them."""
+    if c.budget is None or not c.options.count_workspaces:
+        return None
+    device = c.options.device_spec
+    if device is not None and device.name != "cpu":
+        return (f"kernel workspaces: {device.name}'s kernels cannot be measured here; counted as 0 bytes (keep a "
+                f"margin for cuBLAS and attention workspaces)")
+    from ..runtime.allocator import cached_workspaces
+
+    _, missing = cached_workspaces(c.program, c.dialects)
+    if not missing:
+        return "kernel workspaces: every kernel's measured on this machine before (the workspace cache)"
+    return (f"kernel workspaces: {missing} kernel(s) never measured on this machine (a dry run runs nothing): "
+            "counted as 0 bytes; a compile with real tensors measures them")
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    """One budget of a dry run's trade-off curve. Bytes and seconds; overhead a fraction (0.1 = +10%)."""
+
+    budget: int
+    fits: bool
+    predicted_peak: int | None       # None when nothing fits
+    predicted_overhead: float | None
+    predicted_seconds: float | None  # the planned step on the cost model
+    solver: str                      # or, when nothing fits, the minimum it needs
+
+
+class PlannedStep(TrainStep):
+    """A training step planned by a dry run: ``report()`` (predicted peak by kind, budget, minimum
+    feasible budget, solver and notes, predicted recomputation time), :meth:`minimum_budget` and
+    :meth:`curve`; calling it raises :class:`DryRunStep`."""
+
+    def __init__(self, compilation: Compilation):
+        super().__init__(compilation)
+        self.device = compilation.options.device_spec
+        self._minimum: int | None = None
+        note = workspace_note(compilation)
+        if note is not None:
+            self.compilation = replace(compilation, notes=compilation.notes + (note,))
+
+    def _refuse(self, what: str):
+        raise DryRunStep(f"this step was planned by a dry run (dry_run=True, on meta or fake tensors): it cannot "
+                         f"{what}; compile the model with real tensors (the same options, dry_run=False) to train")
+
+    def __call__(self, *inputs, **keyword_inputs):
+        self._refuse("run")
+
+    def measure_allocator_peak(self, *inputs) -> int:
+        self._refuse("measure the allocator")
+
+    def state_dict(self):
+        self._refuse("hold a state")
+
+    def load_state_dict(self, sd) -> None:
+        self._refuse("hold a state")
+
+    def _priced(self):
+        from ..plan.costmodel import priced_on
+
+        return priced_on(self.device)
+
+    def minimum_budget(self) -> int:
+        """The smallest budget (bytes) a plan fits, as a refusal (``BudgetTooSmall.minimum``) reports
+        it: the bounded search over every solver and algorithm choice. Computed once."""
+        if self._minimum is None:
+            c = self.compilation
+            try:
+                with self._priced():
+                    _plan_on_ranks(c, replace(c.problem, budget=1))
+                self._minimum = 1
+            except BudgetTooSmall as e:
+                self._minimum = int(e.minimum)
+        return self._minimum
+
+    def curve(self, budgets: Sequence[int] | None = None, n_points: int = 10) -> list[CurvePoint]:
+        """The trade-off of budgets: each planned (nothing run), smallest first; by default
+        ``n_points`` budgets from the minimum to the unconstrained peak."""
+        import numpy as np
+
+        from ..plan.costmodel import CostModel
+        from ..plan.portfolio import plan_step
+
+        c = self.compilation
+        if budgets is None:
+            lo, hi = self.minimum_budget(), c.unconstrained_peak
+            budgets = sorted({int(round(x)) for x in np.linspace(lo, hi, n_points)})
+        out = []
+        with self._priced():
+            cost = CostModel(c.costs)
+            for b in sorted(int(b) for b in budgets):
+                try:
+                    plan = plan_step(replace(c.problem, budget=b))
+                except BudgetTooSmall as e:
+                    out.append(CurvePoint(b, False, None, None, None, f"needs {format_bytes(e.minimum)}"))
+                    continue
+                out.append(CurvePoint(b, True, plan.peak, plan.overhead, cost.program_cost(plan.program), plan.solver))
+        return out
+
+    def report(self):
+        """The plan as ``TrainStep.report()`` gives it, with nothing measured, and the minimum budget,
+        the device and the predicted recomputation seconds."""
+        from ..plan.simulator import simulate
+
+        c = self.compilation
+        r = super().report()
+        granule = self.device.granularity if self.device is not None else 1
+        return replace(r, dry_run=True, device=None if self.device is None else self.device.name,
+                       minimum_budget=self.minimum_budget(),
+                       predicted_recompute_seconds=max(0.0, c.predicted_seconds - c.unconstrained_predicted_seconds),
+                       device_peak=simulate(c.program, granularity=granule).peak_bytes)
+
+
+__all__ = ["CurvePoint", "DryRunStep", "PlannedStep", "check_dry_run_options", "dry_workspaces"]
