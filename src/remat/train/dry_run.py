@@ -37,6 +37,53 @@ def check_dry_run_options(o: CompileOptions) -> None:
                          "reduction by running the model")
 
 
+def _fake_cpu(t, mode):
+    """A fake tensor on the CPU of ``t``'s shape, strides and dtype (no data)."""
+    import torch
+
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
+def capture_autocast_on_meta(c: Compilation):
+    """The capture of a dry run under ``torch.autocast`` (``precision="bf16"``). Autocast has no
+    meta device (and CPU autocast skips meta tensors), so a model or inputs on ``meta`` are captured
+    as a copy whose tensors are fake CPU tensors (``FakeTensorMode``: no data), which CPU autocast
+    treats as it treats the real ones. Not cached (a capture cache entry keeps lifted constants).
+    The capture's tensors are then the model's own again, so the binding sees the user's tensors."""
+    import copy
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..frontend.torch_import import import_module, without_data
+
+    model, example = c.model, c.capture_example
+    ours = list(model.parameters()) + list(model.buffers())
+    if not without_data([*ours, *example]) or not any(t.is_meta for t in [*ours, *example]):
+        return import_module(model, c.signature.keywords(example), c.loss_fn, train=model.training,
+                             num_targets=c.num_targets, autocast=c.options.autocast)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    twin = copy.deepcopy(model)
+    made: dict[int, torch.Tensor] = {}  # tied weights stay tied
+    for mod in twin.modules():
+        for table, wrap in ((mod._parameters, True), (mod._buffers, False)):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                if id(t) not in made:
+                    f = _fake_cpu(t, mode) if t.is_meta else t
+                    made[id(t)] = torch.nn.Parameter(f, requires_grad=t.requires_grad) if wrap and t.is_meta else f
+                table[name] = made[id(t)]
+    example = tuple(_fake_cpu(t, mode) if isinstance(t, torch.Tensor) and t.is_meta else t for t in example)
+    imported = import_module(twin, c.signature.keywords(example), c.loss_fn, train=model.training,
+                             num_targets=c.num_targets, autocast=c.options.autocast, cache=False)
+    own = {"param": {f"model.{n}": p for n, p in model.named_parameters()},
+           "buffer": {f"model.{n}": b for n, b in model.named_buffers()}}
+    imported._tensors = [own.get(kind, {}).get(target, t) for (kind, target), t in zip(imported._state, imported._tensors)]
+    return imported
+
+
 def dry_workspaces(c: Compilation, fn: Function) -> dict[Instruction, int]:
     """A dry run's kernel workspaces: those measured before on this machine (the workspace cache),
     0 for the others; all 0 for a device other than this CPU (its kernels cannot be measured here)."""
