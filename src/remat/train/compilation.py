@@ -273,10 +273,10 @@ def capture(c: Compilation) -> Compilation:
     """The model (with its loss) captured by torch.export and translated to IR (``remat.frontend``)."""
     from ..frontend.torch_import import import_module
 
-    if c.options.dry_run and c.options.autocast is not None:
-        from .dry_run import capture_autocast_on_meta
+    if c.options.dry_run:
+        from .dry_run import capture_without_data
 
-        return replace(c, imported=capture_autocast_on_meta(c))
+        return replace(c, imported=capture_without_data(c))
     return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
                                              train=c.model.training, num_targets=c.num_targets,
                                              autocast=c.options.autocast))

@@ -45,22 +45,23 @@ def _fake_cpu(t, mode):
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-def capture_autocast_on_meta(c: Compilation):
-    """The capture of a dry run under ``torch.autocast`` (``precision="bf16"``). Autocast has no
-    meta device (and CPU autocast skips meta tensors), so a model or inputs on ``meta`` are captured
-    as a copy whose tensors are fake CPU tensors (``FakeTensorMode``: no data), which CPU autocast
-    treats as it treats the real ones. Not cached (a capture cache entry keeps lifted constants).
-    The capture's tensors are then the model's own again, so the binding sees the user's tensors."""
+def capture_without_data(c: Compilation):
+    """The capture of a dry run. A model or inputs on ``meta`` are captured as a copy whose tensors
+    are fake CPU tensors (``FakeTensorMode``: no data), so that the trace takes the paths a CPU
+    compile takes: CPU autocast (``precision="bf16"``) skips meta tensors, and torch.export lifts a
+    constant made in the forward (T5's ``shifted[..., 0] = start_id``) on the CPU but inlines it on
+    meta. Not cached (a capture cache entry keeps lifted constants, here fake). The capture's
+    tensors are then the model's own again, so the binding sees the user's tensors."""
     import copy
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ..frontend.torch_import import import_module, without_data
+    from ..frontend.torch_import import import_module
 
     model, example = c.model, c.capture_example
     ours = list(model.parameters()) + list(model.buffers())
-    if not without_data([*ours, *example]) or not any(t.is_meta for t in [*ours, *example]):
+    if not any(isinstance(t, torch.Tensor) and t.is_meta for t in [*ours, *example]):
         return import_module(model, c.signature.keywords(example), c.loss_fn, train=model.training,
                              num_targets=c.num_targets, autocast=c.options.autocast)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
