@@ -125,3 +125,18 @@ def test_max_batch_on_meta_tensors():
                          count_workspaces=False, solver="greedy", limit=4096)
     assert mb.batch > 1 and mb.step.predicted_peak <= 256 * 1024
     assert isinstance(mb.step, remat.train.dry_run.PlannedStep)
+
+
+def test_dry_run_on_fake_tensors():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def build():  # zoo.make_mlp's tiny MLP (its .to(dtype) cannot swap fake parameters)
+        return zoo.MLP(32, 64, 2, 10), (torch.randn(8, 32), torch.randint(0, 10, (8,))), zoo.classification_loss
+
+    with FakeTensorMode():
+        model, ex, loss = build()
+    fake = remat.compile(model, ex, loss, optimizer=torch.optim.AdamW(model.parameters()), budget=None,
+                         dry_run=True, solver="greedy", count_workspaces=False)
+    dry, real = compile_both(build, None)
+    assert fake.predicted_peak == dry.predicted_peak == real.last_stats.peak_bytes
+    assert _text(fake.program) == _text(real.program)
