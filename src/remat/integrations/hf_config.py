@@ -81,7 +81,7 @@ def plan_config(config, batch: int, seq: int, *, precision: str = "bf16", weight
                 optimizer: str = "adamw", lora: int | None = None, device=None, budget=None,
                 progress: Callable[[str], None] | None = None, **options: Any):
     """The training step of ``config``'s causal LM planned by a dry run (``remat.compile(...,
-    dry_run=True)``): a :class:`remat.train.dry_run.PlannedStep`, and the :class:`MetaModel`."""
+    dry_run=True)``): the planned step (``report()``, ``curve()``; not callable), and the :class:`MetaModel`."""
     from ..train.api import compile
 
     m = meta_model(config, batch, seq, weights, optimizer, lora)

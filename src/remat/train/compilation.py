@@ -400,6 +400,17 @@ def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
     return plan_on_rank0(run, c.dp, problem.budget)
 
 
+def minimum_budget(c: Compilation) -> int:
+    """The smallest budget (bytes) a plan of the compiled step fits: the bounded search a refusal
+    (``BudgetTooSmall.minimum``) reports, over every solver and algorithm choice, priced as the compile was."""
+    try:
+        with priced_on(c.options.device_spec):
+            _plan_on_ranks(c, replace(c.problem, budget=1))
+    except BudgetTooSmall as e:
+        return int(e.minimum)
+    return 1
+
+
 def lower(c: Compilation) -> Compilation:
     """The plan's step program (rematerialised, its updates and frees placed), and what it
     recomputes: counted here, since fusion merges instructions but recomputes nothing."""

@@ -13,12 +13,13 @@ measured on this machine (or on another device than this CPU) count as 0 bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction
-from .api import TrainStep
-from .compilation import Compilation, CompileOptions, _plan_on_ranks
+
+if TYPE_CHECKING:
+    from .compilation import Compilation, CompileOptions
 
 
 class DryRunStep(RuntimeError):
@@ -125,89 +126,48 @@ class CurvePoint:
     solver: str                      # or, when nothing fits, the minimum it needs
 
 
-class PlannedStep(TrainStep):
-    """A training step planned by a dry run: ``report()`` (predicted peak by kind, budget, minimum
-    feasible budget, solver and notes, predicted recomputation time), :meth:`minimum_budget` and
-    :meth:`curve`; calling it raises :class:`DryRunStep`."""
+def refuse(what: str):
+    """The error a step planned by a dry run raises for what only a run gives."""
+    raise DryRunStep(f"this step was planned by a dry run (dry_run=True, on meta or fake tensors): it cannot "
+                     f"{what}; compile the model with real tensors (the same options, dry_run=False) to train")
 
-    def __init__(self, compilation: Compilation):
-        super().__init__(compilation)
-        self.device = compilation.options.device_spec
-        self._minimum: int | None = None
-        note = workspace_note(compilation)
-        if note is not None:
-            self.compilation = replace(compilation, notes=compilation.notes + (note,))
 
-    def _refuse(self, what: str):
-        raise DryRunStep(f"this step was planned by a dry run (dry_run=True, on meta or fake tensors): it cannot "
-                         f"{what}; compile the model with real tensors (the same options, dry_run=False) to train")
+def curve(c: Compilation, minimum: int, budgets: Sequence[int] | None = None, n_points: int = 10) -> list[CurvePoint]:
+    """The trade-off of budgets of a planned step: each budget planned (nothing run), smallest first;
+    by default ``n_points`` budgets from ``minimum`` to the unconstrained peak."""
+    import numpy as np
 
-    def __call__(self, *inputs, **keyword_inputs):
-        self._refuse("run")
+    from ..plan.costmodel import CostModel, priced_on
+    from ..plan.portfolio import plan_step
 
-    def measure_allocator_peak(self, *inputs) -> int:
-        self._refuse("measure the allocator")
-
-    def state_dict(self):
-        self._refuse("hold a state")
-
-    def load_state_dict(self, sd) -> None:
-        self._refuse("hold a state")
-
-    def _priced(self):
-        from ..plan.costmodel import priced_on
-
-        return priced_on(self.device)
-
-    def minimum_budget(self) -> int:
-        """The smallest budget (bytes) a plan fits, as a refusal (``BudgetTooSmall.minimum``) reports
-        it: the bounded search over every solver and algorithm choice. Computed once."""
-        if self._minimum is None:
-            c = self.compilation
+    if budgets is None:
+        budgets = sorted({int(round(x)) for x in np.linspace(minimum, c.unconstrained_peak, n_points)})
+    out = []
+    with priced_on(c.options.device_spec):
+        cost = CostModel(c.costs)
+        for b in sorted(int(b) for b in budgets):
             try:
-                with self._priced():
-                    _plan_on_ranks(c, replace(c.problem, budget=1))
-                self._minimum = 1
+                plan = plan_step(replace(c.problem, budget=b))
             except BudgetTooSmall as e:
-                self._minimum = int(e.minimum)
-        return self._minimum
-
-    def curve(self, budgets: Sequence[int] | None = None, n_points: int = 10) -> list[CurvePoint]:
-        """The trade-off of budgets: each planned (nothing run), smallest first; by default
-        ``n_points`` budgets from the minimum to the unconstrained peak."""
-        import numpy as np
-
-        from ..plan.costmodel import CostModel
-        from ..plan.portfolio import plan_step
-
-        c = self.compilation
-        if budgets is None:
-            lo, hi = self.minimum_budget(), c.unconstrained_peak
-            budgets = sorted({int(round(x)) for x in np.linspace(lo, hi, n_points)})
-        out = []
-        with self._priced():
-            cost = CostModel(c.costs)
-            for b in sorted(int(b) for b in budgets):
-                try:
-                    plan = plan_step(replace(c.problem, budget=b))
-                except BudgetTooSmall as e:
-                    out.append(CurvePoint(b, False, None, None, None, f"needs {format_bytes(e.minimum)}"))
-                    continue
-                out.append(CurvePoint(b, True, plan.peak, plan.overhead, cost.program_cost(plan.program), plan.solver))
-        return out
-
-    def report(self):
-        """The plan as ``TrainStep.report()`` gives it, with nothing measured, and the minimum budget,
-        the device and the predicted recomputation seconds."""
-        from ..plan.simulator import simulate
-
-        c = self.compilation
-        r = super().report()
-        granule = self.device.granularity if self.device is not None else 1
-        return replace(r, dry_run=True, device=None if self.device is None else self.device.name,
-                       minimum_budget=self.minimum_budget(),
-                       predicted_recompute_seconds=max(0.0, c.predicted_seconds - c.unconstrained_predicted_seconds),
-                       device_peak=simulate(c.program, granularity=granule).peak_bytes)
+                out.append(CurvePoint(b, False, None, None, None, f"needs {format_bytes(e.minimum)}"))
+                continue
+            out.append(CurvePoint(b, True, plan.peak, plan.overhead, cost.program_cost(plan.program), plan.solver))
+    return out
 
 
-__all__ = ["CurvePoint", "DryRunStep", "PlannedStep", "check_dry_run_options", "dry_workspaces"]
+def dry_report(report, c: Compilation, minimum: int):
+    """``report`` (a :class:`~remat.train.report.Report`) completed for a dry run: nothing measured;
+    the minimum budget, the device, the recomputation seconds, the peak at the allocator's rounding
+    and what was assumed of workspaces."""
+    from ..plan.simulator import simulate
+
+    device = c.options.device_spec
+    note = workspace_note(c)
+    return replace(report, dry_run=True, device=None if device is None else device.name, minimum_budget=minimum,
+                   predicted_recompute_seconds=max(0.0, c.predicted_seconds - c.unconstrained_predicted_seconds),
+                   device_peak=simulate(c.program, granularity=1 if device is None else device.granularity).peak_bytes,
+                   solver_notes=report.solver_notes + ([note] if note else []))
+
+
+__all__ = ["CurvePoint", "DryRunStep", "capture_without_data", "check_dry_run_options", "curve", "dry_report",
+           "dry_workspaces", "refuse"]
