@@ -51,6 +51,9 @@ _LAZY = {
     "MicroBatchingRefused": "remat.train.microbatch",
     "UnsupportedOpError": "remat.frontend.torch_import",  # what a capture raises, to catch by name
     "CaptureError": "remat.frontend.torch_import",
+    "DeviceSpec": "remat.plan.device",    # planning for a device (dry runs: remat.compile(..., dry_run=True))
+    "DEVICES": "remat.plan.device",
+    "DryRunStep": "remat.train.dry_run",
 }
 
 

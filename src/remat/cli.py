@@ -6,6 +6,7 @@
     remat curve --chain --model mlp --depth 16                       # thesis Fig. 4.1 chain trade-off
     remat curve --random 20                                          # ... for a random heterogeneous chain
     remat max-batch --model gpt --budget 2GiB                        # largest batch under a cap, vs eager PyTorch
+    remat plan --config llama3-8b.json --seq 4096 --device h100-80gb  # plan a transformers model on meta (nothing run)
     remat opt FILE --passes canonicalize,cse                         # the IR driver (remat.opt)
 
 Exit codes: 0 success; 1 a run failed its own checks (loss did not decrease, a measured peak
@@ -146,6 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--no-eager", action="store_true", help="skip eager PyTorch's search")
     mb.add_argument("--limit", type=_positive_int, default=4096, help="largest batch tried (default: 4096)")
     mb.add_argument("--no-progress", action="store_true", help="do not print each candidate")
+
+    pl = sub.add_parser(
+        "plan", help="plan a transformers model's training step for a device, without running it",
+        description="Build a transformers causal language model from a local config.json on the meta device "
+                    "(nothing downloaded, nothing of its size allocated), plan its training step with "
+                    "remat.compile(..., dry_run=True) for a device, and print the report: predicted peak by kind, "
+                    "the minimum feasible budget, the plan and its predicted recomputation time. With --curve, "
+                    "the trade-off of budgets from the minimum to the unconstrained peak. Exit 2 if the budget is "
+                    "below the minimum (the message gives it).")
+    pl.add_argument("--config", required=True, help="a transformers config.json (or a folder holding one)")
+    pl.add_argument("--seq", type=_positive_int, default=2048, help="tokens per sequence (default: 2048)")
+    pl.add_argument("--batch", type=_positive_int, default=1, help="sequences per step (default: 1)")
+    pl.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="bf16: torch.autocast in bfloat16 (the default); fp32: compute in the weights' dtype")
+    pl.add_argument("--weights", choices=("fp32", "bf16"), default="fp32",
+                    help="the parameters' dtype (default: fp32 master weights; bf16: pure bf16 training)")
+    pl.add_argument("--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
+                    help="optimizer whose state counts (default: adamw; none: gradients only)")
+    pl.add_argument("--lora", type=_positive_int, default=None, metavar="R",
+                    help="LoRA adapters of rank R on the attention and MLP projections (peft); the base frozen")
+    pl.add_argument("--device", default="h100-80gb",
+                    help="device to plan for: a built-in name (remat.DEVICES: cpu, h100-80gb, a100-80gb, a100-40gb, "
+                         "rtx4090-24gb, l4-24gb) or a JSON file of a remat.DeviceSpec's fields (default: h100-80gb)")
+    pl.add_argument("--budget", type=_budget_arg, default=None,
+                    help="memory budget (default: the device's memory): a size ('80GiB'), bytes, or a percentage "
+                         "of the unconstrained peak")
+    pl.add_argument("--layers", type=_positive_int, default=None,
+                    help="override num_hidden_layers (plan a shallower model of the same width)")
+    pl.add_argument("--curve", action="store_true", help="also plan budgets from the minimum to the unconstrained peak")
+    pl.add_argument("--points", type=_positive_int, default=6, help="budgets of --curve (default: 6)")
+    pl.add_argument("--solver", choices=("auto", "greedy", "milp"), default="auto", help="planner (default: auto)")
+    pl.add_argument("--json", default=None, metavar="FILE", help="also write the report's numbers as JSON")
 
     sub.add_parser("opt", add_help=False, help="parse, verify and transform IR (see 'remat opt --help')",
                    description="The IR driver; all arguments go to remat.opt.")
@@ -467,6 +500,76 @@ def _max_batch(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- main
+# ---------------------------------------------------------------- plan
+def _device_arg(text: str):
+    """A built-in device name, or a JSON file of a DeviceSpec's fields."""
+    import json
+
+    from .plan.device import device_spec
+
+    if text.endswith(".json") or os.path.isfile(text):
+        try:
+            with open(text) as f:
+                return device_spec(json.load(f))
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--device {text}: {e}") from None
+    try:
+        return device_spec(text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """``remat plan``: a transformers config planned by a dry run, its report (and curve) printed."""
+    import json
+
+    from .integrations.hf_config import load_config, plan_config
+
+    device = _device_arg(args.device)
+    try:
+        config = load_config(args.config, **({} if args.layers is None else {"num_hidden_layers": args.layers}))
+    except (OSError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    t0 = time.perf_counter()
+    try:
+        step, m = plan_config(config, args.batch, args.seq, precision=args.precision, weights=args.weights,
+                              optimizer=args.optimizer, lora=args.lora, device=device, budget=args.budget,
+                              solver=args.solver)
+    except BudgetTooSmall as e:
+        print(f"remat plan: {e}", file=sys.stderr)
+        print(f"unconstrained peak: {format_bytes(e.unconstrained_peak)}" if e.unconstrained_peak else "",
+              file=sys.stderr)
+        return EXIT_USAGE
+    seconds = time.perf_counter() - t0
+    r = step.report()
+    print(f"{type(m.model).__name__}: {m.parameters:,} parameters ({m.trainable:,} trainable), batch {args.batch} x "
+          f"{args.seq} tokens, precision {args.precision}, weights {args.weights}, optimizer {args.optimizer}"
+          + (f", LoRA r={args.lora}" if args.lora else "") + f"; planned in {seconds:.1f} s")
+    print(device.summary())
+    print(r)
+    rows = []
+    if args.curve:
+        print("\nbudget curve (planned, not run):")
+        print(f"{'budget':>14} {'peak':>14} {'overhead':>9} {'step ms':>9}  solver")
+        for p in step.curve(n_points=args.points):
+            rows.append(p)
+            print(f"{format_bytes(p.budget):>14} {format_bytes(p.predicted_peak) if p.fits else '-':>14} "
+                  f"{'' if p.predicted_overhead is None else f'{p.predicted_overhead:+.1%}':>9} "
+                  f"{'' if p.predicted_seconds is None else f'{p.predicted_seconds * 1e3:.1f}':>9}  {p.solver}")
+    if args.json:
+        out = {"config": args.config, "seq": args.seq, "batch": args.batch, "precision": args.precision,
+               "weights": args.weights, "optimizer": args.optimizer, "lora": args.lora, "device": device.name,
+               "parameters": m.parameters, "trainable": m.trainable, "plan_seconds": seconds,
+               "budget": r.budget, "predicted_peak": r.predicted_peak, "unconstrained_peak": r.unconstrained_peak,
+               "minimum_budget": r.minimum_budget, "memory": r.memory, "solver": r.solver,
+               "predicted_overhead": r.predicted_overhead, "predicted_step_seconds": r.predicted_step_seconds,
+               "predicted_recompute_seconds": r.predicted_recompute_seconds,
+               "curve": [p.__dict__ for p in rows]}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``remat`` with ``argv`` (without the program name); return the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -486,6 +589,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _curve(args)
         if args.command == "max-batch":
             return _max_batch(args)
+        if args.command == "plan":
+            return _plan(args)
         import torch
 
         threads = torch.get_num_threads()

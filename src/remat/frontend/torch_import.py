@@ -452,6 +452,14 @@ def _loc(node: torch.fx.Node) -> Loc:
     return Loc(path, file, int(m["line"]))
 
 
+def without_data(tensors: Sequence) -> bool:
+    """Whether any of ``tensors`` holds no values: a tensor on the ``meta`` device or a fake tensor
+    (``torch._subclasses.FakeTensor``), as a dry run plans with (``remat.compile(..., dry_run=True)``)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return any(isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t)) for t in tensors)
+
+
 def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                   loss_fn: Callable[..., torch.Tensor] | None = None, *, train: bool | None = True,
                   num_targets: int | None = None, name: str = "forward", cache: bool | None = None,
@@ -606,8 +614,8 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
     key (:func:`remat.frontend.capture_cache.checked`)."""
     from ..runtime.vm import run
 
-    if not capture_cache.checked():
-        return None
+    if not capture_cache.checked() or without_data([*imported._tensors, *example_inputs]):
+        return None  # meta or fake tensors hold no values to compare: the key is trusted (a dry run)
     fn = imported.function
     ops = {ins.op.name for ins in fn.instructions()}
     if "uniform" in ops:

@@ -31,6 +31,7 @@ TAGS = frozenset({
     "reduction",
     "matmul",
     "conv",
+    "dense",        # its arithmetic is matrix products (fused attention, a chunked head): priced at a device's matmul rate
     "random",       # a deterministic function of its explicit seed operand; replays on recompute
     "view",         # result shares the operand's storage (reshape)
     "effect",       # has effects beyond its results (free, return, branches): never CSE'd or DCE'd

@@ -2,17 +2,42 @@
 
 :func:`static_costs` estimates each instruction from its arithmetic and memory traffic. Plans made
 with it are deterministic (the same model and budget give the same plan on any machine), unlike
-plans made from measured timings. Rates are nominal CPU figures; only ratios between instructions
-matter to the planners. :class:`CostModel` prices any program of one step from those per-instruction
+plans made from measured timings. Rates are nominal CPU figures unless a device is named
+(:func:`priced_on` a :class:`~remat.plan.device.DeviceSpec`: a roofline on its rates, so plans for
+different devices can differ); only ratios between instructions matter to the planners. :class:`CostModel` prices any program of one step from those per-instruction
 seconds (static or measured), so every planner's plan is scored the same way (:func:`program_overhead`).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
 from ..ir import Function, Instruction
+from .device import DeviceSpec
 
 FLOPS_PER_SECOND = 2e10   # nominal sustained arithmetic rate
 BYTES_PER_SECOND = 1e10   # nominal memory bandwidth
 OVERHEAD_SECONDS = 2e-6   # per-instruction dispatch
+
+
+_DEVICE: ContextVar[DeviceSpec | None] = ContextVar("remat_cost_device", default=None)
+
+
+@contextmanager
+def priced_on(device: DeviceSpec | None) -> Iterator[None]:
+    """Static costs inside the block are the roofline of ``device`` (None: the nominal CPU's). A
+    compile prices its whole planning on its ``device=`` option this way (``remat.train.compilation``)."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
+def pricing_device() -> DeviceSpec | None:
+    """The device static costs are priced on now (:func:`priced_on`), None for the nominal CPU."""
+    return _DEVICE.get()
 
 
 def flops(ins: Instruction) -> float:
@@ -30,6 +55,12 @@ def instruction_cost(ins: Instruction) -> float:
     if ins.op.has("view") or ins.op.has("control"):
         return 0.0
     traffic = sum(o.type.nbytes for o in ins.operands) + sum(r.type.nbytes for r in ins.results)
+    device = _DEVICE.get()
+    if device is not None:
+        dtype = next((o.type.dtype.value for o in ins.operands if getattr(o.type, "dtype", None) is not None
+                      and o.type.dtype.is_float), None)
+        dense = ins.op.has("matmul") or ins.op.has("conv") or ins.op.has("dense")
+        return device.seconds(flops(ins), traffic, dtype, dense)
     return max(flops(ins) / FLOPS_PER_SECOND, traffic / BYTES_PER_SECOND) + OVERHEAD_SECONDS
 
 
@@ -79,4 +110,4 @@ def program_overhead(model: CostModel, program: Function, unconstrained: float) 
 
 
 __all__ = ["BYTES_PER_SECOND", "CostModel", "FLOPS_PER_SECOND", "OVERHEAD_SECONDS", "flops", "function_cost",
-           "instruction_cost", "program_overhead", "static_costs"]
+           "instruction_cost", "priced_on", "pricing_device", "program_overhead", "static_costs"]

@@ -200,7 +200,8 @@ def _simulate(fn: Function, counter: StorageCounter, keys: Iterator[int], kind_i
     raise ValueError(f"@{fn.name} does not end with return")
 
 
-def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mapping[Value, str] | None = None) -> MemoryPrediction:
+def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mapping[Value, str] | None = None,
+             granularity: int = 1) -> MemoryPrediction:
     """Simulate the VM's memory accounting of ``fn`` from IR types (straight-line code, calls inlined).
 
     Assumes each argument is a dense buffer of its parameter type, distinct from the others.
@@ -208,9 +209,16 @@ def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mappin
     unlabelled ones are ``"other"``) to split the bytes by kind (``MemoryPrediction.by_kind``).
     ``donate``: the parameters released at their last use: none (False), all (True), or those at
     these indices (a block-internal plan's backward, ``partition.Split.donated``).
+    ``granularity``: every storage counted rounded up to a multiple of it (bytes; a device
+    allocator's rounding, :class:`remat.plan.device.DeviceSpec`); 1 counts as the VM does.
     """
-    if kinds is None:
-        counter: StorageCounter = StorageCounter()
+    if granularity > 1:
+        if kinds is not None:
+            raise ValueError("simulate: kinds and granularity are not counted together")
+        counter = _Rounding(granularity)
+        kind_index = None
+    elif kinds is None:
+        counter = StorageCounter()
         kind_index = None
     else:
         names = [OTHER] + sorted(set(kinds.values()) - {OTHER})
@@ -227,6 +235,20 @@ def simulate(fn: Function, donate: bool | Collection[int] = False, kinds: Mappin
     if at is not None and args == peak:
         at = None
     return MemoryPrediction(peak, timeline, live, at, counter.by_kind() if kinds is not None else None)
+
+
+class _Rounding(StorageCounter):
+    """A storage counter whose storages take their bytes rounded up to a multiple of ``granularity``."""
+
+    __slots__ = ("granularity",)
+
+    def __init__(self, granularity: int) -> None:
+        super().__init__()
+        self.granularity = granularity
+
+    def add(self, key, nbytes: int, owner=None, kind: int = 0) -> None:
+        g = self.granularity
+        super().add(key, -(-nbytes // g) * g, owner, kind)
 
 
 def predict_peak(fn: Function, donate: bool | Collection[int] = False) -> int:

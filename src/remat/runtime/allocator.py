@@ -374,6 +374,21 @@ def workspaces(fn: Function, dialects: Sequence[str] | None = None) -> dict[Inst
     return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
 
 
+def cached_workspaces(fn: Function, dialects: Sequence[str] | None = None) -> tuple[dict[Instruction, int], int]:
+    """Each instruction of ``fn``'s entry block to its kernel's workspace as measured before (the
+    process and on-disk caches), 0 for a kernel never measured; and how many of ``fn``'s kernels
+    were never measured. Nothing is run (a dry run plans on tensors without data)."""
+    _load()
+    dialects = _resolved(dialects)
+    out, missing = {}, set()
+    for ins in fn.entry.instrs:
+        k = _kernel_key(ins, dialects)
+        if k is not None and k not in _CACHE:
+            missing.add(k)
+        out[ins] = 0 if k is None else _CACHE.get(k, 0)
+    return out, len(missing)
+
+
 def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str] | None) -> int:
     """The allocator peak of one VM run of ``fn`` on ``args`` (bytes): the arguments' bytes (as the
     VM counts them) plus the peak of what the run allocates, from the profiler's memory events."""
@@ -384,5 +399,5 @@ def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str]
     return sum(p.type.nbytes for p in fn.params) + peak_of_trace(events)[0]
 
 
-__all__ = ["allocation_trace", "cache_file", "clear_cache", "kernel_workspace", "measure_allocator_peak",
+__all__ = ["allocation_trace", "cache_file", "cached_workspaces", "clear_cache", "kernel_workspace", "measure_allocator_peak",
            "measure_workspaces", "peak_of_trace", "save_cache", "workspaces"]

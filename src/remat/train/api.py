@@ -56,6 +56,7 @@ class TrainStep:
         self._watch = Watch(c.model)
         self._against = self._watch.now(c.options.precision)  # what this step was compiled against
         self.skipped_steps = 0  # steps the non-finite guard skipped (on_nonfinite="skip")
+        self._minimum: int | None = None  # minimum_budget(), once computed
 
     # ------------------------------------------------------------------ run
     def __call__(self, *inputs, **keyword_inputs):
@@ -77,6 +78,10 @@ class TrainStep:
         ``torch.amp.GradScaler`` does: no parameter, optimizer state, step count or buffer changes, the
         loss is returned and ``report().skipped_steps`` counts it ("skip"), or ``NonFiniteStep`` is
         raised ("raise")."""
+        if self.compilation.options.dry_run:
+            from .dry_run import refuse
+
+            refuse("run")
         inputs = self.signature.positional(inputs, keyword_inputs)
         now = self._watch.now(self.compilation.options.precision)
         if now != self._against or self.signature.other_shapes(inputs):
@@ -286,7 +291,7 @@ class TrainStep:
             overhead = 0.0  # the unconstrained program itself: nothing is recomputed
         elif step_s is not None and c.unconstrained_step_seconds:
             overhead = step_s / c.unconstrained_step_seconds - 1.0
-        return Report(
+        report = Report(
             budget=c.budget, predicted_peak=c.predicted_peak, measured_peak=None if stats is None else stats.peak_bytes,
             unconstrained_peak=c.unconstrained_peak, overhead=overhead, predicted_overhead=c.plan.overhead,
             solver=c.plan.solver, solver_notes=list(c.notes), plan_seconds=c.stage_seconds["plan"],
@@ -303,6 +308,28 @@ class TrainStep:
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
             skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
             **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
+        if c.options.dry_run:
+            from .dry_run import dry_report
+
+            return dry_report(report, c, self.minimum_budget())
+        return report
+
+    # ------------------------------------------------------------------ dry runs
+    def minimum_budget(self) -> int:
+        """The smallest budget (bytes) a plan of this step fits, as a refusal (``BudgetTooSmall.minimum``)
+        reports it (computed once: a bounded search about as long as a plan). A dry run's report has it."""
+        if self._minimum is None:
+            from .compilation import minimum_budget
+
+            self._minimum = minimum_budget(self.compilation)
+        return self._minimum
+
+    def curve(self, budgets=None, n_points: int = 10) -> list:
+        """Budgets from the minimum to the unconstrained peak (or ``budgets``), each planned, nothing run
+        (:func:`remat.train.dry_run.curve`)."""
+        from .dry_run import curve
+
+        return curve(self.compilation, self.minimum_budget(), budgets, n_points)
 
     def _memory(self) -> dict[str, int] | None:
         """Bytes by kind (parameters, gradients, optimizer state, ...) live at the peak: measured by
@@ -325,6 +352,10 @@ class TrainStep:
         counted as the VM counts them). The model is not modified. Shown by ``report()``."""
         from ..runtime.allocator import measure_allocator_peak
 
+        if self.compilation.options.dry_run:
+            from .dry_run import refuse
+
+            refuse("measure the allocator")
         self.signature.check(inputs)
         args = self.binding.step_args(inputs, copy=True, step=1)
         self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects)
@@ -409,6 +440,12 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner
     counts, and the budget counts bf16 activations at their real size. "fp16" (which needs loss
     scaling) is not available yet.
+    ``dry_run`` (default False): plan without running (``remat.train.dry_run``): the model, optimizer and
+    inputs may be on the ``meta`` device or fake tensors; the step is captured, differentiated, planned and
+    lowered as here, nothing is executed, and the step's ``report()`` (with ``minimum_budget()`` and
+    ``curve()``) says what a real step would do, but calling it raises ``remat.DryRunStep``. ``device`` (a name of ``remat.DEVICES``, a ``remat.DeviceSpec`` or a dict of its
+    fields): the static cost model prices instructions on that device (roofline), and without ``budget``
+    its memory is the budget.
     """
     opts = CompileOptions.of(options)
     if opts.micro_batches == "auto":

@@ -9,10 +9,11 @@ runner that runs passes (:func:`remat.passes.pipeline.run_passes`: timing, ``pri
 IR verified after each stage in tests)::
 
     capture -> layout -> bind -> training graph -> prepare -> [profile] -> plan -> lower -> fuse
-            -> [compile kernels] -> prepare VM
+            -> [compile kernels] -> prepare VM | predict
 
 ``profile`` runs with ``cost_model="profiled"`` only, ``compile kernels`` when the numba dialect is
-enabled. Micro-batching (``micro_batches=k``) and data parallelism (``data_parallel=``) are options
+enabled. A dry run (``dry_run=True``: meta or fake tensors, nothing executed) skips both and the
+VM: its last stage, ``predict``, only predicts the program's peak (:mod:`remat.train.dry_run`). Micro-batching (``micro_batches=k``) and data parallelism (``data_parallel=``) are options
 of the stages that build the step program (:meth:`Compilation.step_program`). The result becomes a
 :class:`remat.train.api.TrainStep`, the run-time object.
 """
@@ -32,7 +33,7 @@ from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction, Module
 from ..passes.pipeline import run_passes
 from ..plan.algorithms import plan_choosing_algorithms
-from ..plan.costmodel import CostModel, static_costs
+from ..plan.costmodel import CostModel, priced_on, static_costs
 from ..plan.portfolio import SOLVER_OPTIONS, plan_step
 from ..plan.problem import StepProblem
 from ..plan.record import Plan
@@ -95,6 +96,8 @@ class CompileOptions:
     check_gradients: bool | None = None
     atomic: bool = False
     precision: str = "fp32"
+    dry_run: bool = False         # plan without running anything (remat.train.dry_run)
+    device: Any = None            # a device name, DeviceSpec or dict: the cost model prices it (remat.plan.device)
     full_batch_peak: int | None = None  # the whole batch's unconstrained peak, when known (micro-batching)
 
     @staticmethod
@@ -129,6 +132,11 @@ class CompileOptions:
                              f"or False, got {self.check_gradients!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}, got {self.precision!r}")
+        self.device_spec  # noqa: B018  a ValueError naming the valid devices
+        if self.dry_run:
+            from .dry_run import check_dry_run_options
+
+            check_dry_run_options(self)
         unknown = self.shown - set(STAGE_NAMES)
         if unknown:
             raise ValueError(f"print_after: unknown stage(s) {sorted(unknown)}; stages: {', '.join(STAGE_NAMES)}")
@@ -140,6 +148,13 @@ class CompileOptions:
 
         name = _AUTOCAST.get(self.precision)
         return None if name is None else getattr(torch, name)
+
+    @property
+    def device_spec(self):
+        """The :class:`remat.plan.device.DeviceSpec` the ``device`` option names, or None."""
+        from ..plan.device import device_spec
+
+        return device_spec(self.device)
 
     @property
     def shown(self) -> set[str]:
@@ -253,8 +268,14 @@ class Compilation:
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
 
     def workspaces(self, fn: Function) -> dict[Instruction, int]:
-        """Kernels' own bytes per instruction of ``fn`` (measured once per kernel and shape, cached)."""
+        """Kernels' own bytes per instruction of ``fn`` (measured once per kernel and shape, cached;
+        a dry run measures nothing: :func:`remat.train.dry_run.dry_workspaces`)."""
         from ..runtime.allocator import workspaces
+
+        if self.options.dry_run:
+            from .dry_run import dry_workspaces
+
+            return dry_workspaces(self, fn)
 
         return workspaces(fn, self.dialects)
 
@@ -274,6 +295,10 @@ def capture(c: Compilation) -> Compilation:
     from .against import refuse_backward_hooks
 
     refuse_backward_hooks(c.model)
+    if c.options.dry_run:
+        from .dry_run import capture_without_data
+
+        return replace(c, imported=capture_without_data(c))
     return replace(c, imported=import_module(c.model, c.signature.keywords(c.capture_example), c.loss_fn,
                                              train=None, num_targets=c.num_targets,
                                              autocast=c.options.autocast))
@@ -406,6 +431,17 @@ def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
     return plan_on_rank0(run, c.dp, problem.budget)
 
 
+def minimum_budget(c: Compilation) -> int:
+    """The smallest budget (bytes) a plan of the compiled step fits: the bounded search a refusal
+    (``BudgetTooSmall.minimum``) reports, over every solver and algorithm choice, priced as the compile was."""
+    try:
+        with priced_on(c.options.device_spec):
+            _plan_on_ranks(c, replace(c.problem, budget=1))
+    except BudgetTooSmall as e:
+        return int(e.minimum)
+    return 1
+
+
 def lower(c: Compilation) -> Compilation:
     """The plan's step program (rematerialised, its updates and frees placed), and what it
     recomputes: counted here, since fusion merges instructions but recomputes nothing."""
@@ -460,7 +496,6 @@ def compile_kernels(c: Compilation) -> Compilation:
 def prepare_vm(c: Compilation) -> Compilation:
     """The program's exact predicted peak, the VM that runs it, and the kind of each of its values
     (parameters, gradients, optimizer state, ...) for the report's split of the peak."""
-    from ..distributed.memory import kinds
     from ..runtime.vm import VM
 
     if c.dp is not None:
@@ -468,13 +503,26 @@ def prepare_vm(c: Compilation) -> Compilation:
 
         check_same_collectives(c.program, c.dp)
     vm = VM(Module([c.program]), dialects=c.dialects)
+    value_kinds = _value_kinds(c)
+    vm.set_kinds(c.program, value_kinds)
+    return replace(c, vm=vm, kinds=value_kinds, predicted_peak=predict_peak(c.program))
+
+
+def predict(c: Compilation) -> Compilation:
+    """A dry run's last stage: the program's exact predicted peak and the kind of each of its values,
+    without a VM (nothing will run)."""
+    return replace(c, kinds=_value_kinds(c), predicted_peak=predict_peak(c.program))
+
+
+def _value_kinds(c: Compilation) -> dict:
+    """The kind of every value of the program (parameters, gradients, optimizer state, ...)."""
+    from ..distributed.memory import kinds
+
     b = c.binding
     n_state = sum(len(ts) for ts in b.state_types) if b.updates else 0
     first = b.layout.n_args
     n_params = b.layout.n_params + len(c.imported.frozen_names)  # frozen ones are parameters too
-    value_kinds = kinds(c.program, n_params, range(first, first + n_state))
-    vm.set_kinds(c.program, value_kinds)
-    return replace(c, vm=vm, kinds=value_kinds, predicted_peak=predict_peak(c.program))
+    return kinds(c.program, n_params, range(first, first + n_state))
 
 
 @dataclass(frozen=True)
@@ -503,6 +551,18 @@ def _numba(c: Compilation) -> bool:
     return "numba" in backends.resolve(c.dialects)
 
 
+def _kernels(c: Compilation) -> bool:
+    return _numba(c) and not c.options.dry_run
+
+
+def _runs(c: Compilation) -> bool:
+    return not c.options.dry_run
+
+
+def _dry(c: Compilation) -> bool:
+    return c.options.dry_run
+
+
 STAGES: list[Stage] = [
     Stage("capture", capture, gc_paused=False),
     Stage("layout", layout),
@@ -514,8 +574,9 @@ STAGES: list[Stage] = [
     Stage("plan", plan, gc_paused=False),
     Stage("lower", lower),
     Stage("fuse", fuse),
-    Stage("compile kernels", compile_kernels, when=_numba),
-    Stage("prepare VM", prepare_vm),
+    Stage("compile kernels", compile_kernels, when=_kernels),
+    Stage("prepare VM", prepare_vm, when=_runs),
+    Stage("predict", predict, when=_dry),
 ]
 """The stages of ``remat.compile``, in the order they run."""
 
@@ -532,6 +593,8 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
     started = time.perf_counter()
     spec = None if budget is None else Budget.of(budget)
     options.check()
+    if spec is None and options.device_spec is not None:  # a named device: its memory is the budget
+        spec = Budget(nbytes=options.device_spec.memory_bytes)
     o = options
     dp = setup(o.data_parallel) if o.bucket_bytes is None else setup(o.data_parallel, o.bucket_bytes)
     if dp is not None and (optimizer is None or o.keep_grads):
@@ -581,7 +644,8 @@ def compile_step(model, example_inputs: Sequence | Mapping, loss_fn: Callable | 
             print(print_module(out.ir))
 
     by_name = {s.name: s for s in stages}
-    result = run_passes(c, [(s.name, s.run) for s in stages], around=around, after=after, ir=_ir)
+    with priced_on(options.device_spec):  # static costs: the device's roofline (None: the nominal CPU)
+        result = run_passes(c, [(s.name, s.run) for s in stages], around=around, after=after, ir=_ir)
     return replace(result.module, stage_seconds={r.name: r.seconds for r in result.records})
 
 

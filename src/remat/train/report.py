@@ -65,6 +65,11 @@ class Report:
     on_nonfinite: str | None = None  # the non-finite guard ("skip", "raise"; None: unguarded or no optimizer)
     skipped_steps: int = 0       # steps the guard skipped (a NaN or infinite loss or gradient): nothing updated
     loss_scale: float | None = None  # fp16: the dynamic loss scale the next step uses (GradScaler's)
+    dry_run: bool = False        # planned without running (``dry_run=True``): nothing measured
+    device: str | None = None    # the device the cost model priced (``device=``), None: the nominal CPU
+    minimum_budget: int | None = None  # the smallest budget a plan fits (dry runs: always computed)
+    predicted_recompute_seconds: float | None = None  # the plan's step minus the unconstrained step, on the cost model
+    device_peak: int | None = None  # the predicted peak with every storage rounded to the device allocator's granularity
 
     def __str__(self) -> str:
         def b(v):
@@ -102,8 +107,17 @@ class Report:
                 f"{k} {v:.2f} s" + (" (capture cache)" if k == "capture" and self.capture_cached else "")
                 for k, v in self.stage_seconds.items())),
         ]
+        if self.dry_run:
+            rows = [r for r in rows if not r[0].startswith(("measured", "step time", "allocator peak: measured",
+                                                            "unconstrained step time"))]
+            rows[2:2] = [("minimum feasible budget", b(self.minimum_budget)),
+                         ("device", self.device or "nominal CPU (static cost model)"),
+                         ("peak, allocator granularity", b(self.device_peak)),
+                         ("predicted step time", "-" if self.predicted_step_seconds is None
+                          else f"{self.predicted_step_seconds * 1e3:.2f} ms, of which recomputation "
+                          f"{(self.predicted_recompute_seconds or 0.0) * 1e3:.2f} ms")]
         w = max(len(k) for k, _ in rows)
-        lines = ["remat training step", "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
+        lines = ["remat training step" + (" (dry run: planned, not run)" if self.dry_run else ""), "-" * (w + 40)] + [f"{k:<{w}}  {v}" for k, v in rows]
         if self.micro_batches > 1 or self.micro_batch_choice:
             mb = ("1 (the whole batch at once)" if self.micro_batches == 1 else
                   f"{self.micro_batches} x {self.batch_size // self.micro_batches} samples, gradients accumulated "

@@ -177,11 +177,11 @@ def _grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-declare(OpDef("linear_cross_entropy", 3, _ATTRS, _infer, frozenset(), num_results=2, index_bounds=_bounds,
+declare(OpDef("linear_cross_entropy", 3, _ATTRS, _infer, frozenset({"dense"}), num_results=2, index_bounds=_bounds,
               flops=_flops, sample=_samples,
               doc="nll_loss(log_softmax(x @ wᵀ), target) and the rows' logsumexp, `chunk` rows at a time "
                   "(never the whole [N, V] logits)"))
-declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset(), num_results=2,
+declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset({"dense"}), num_results=2,
               index_bounds=_bounds_grad, flops=_grad_flops, sample=_grad_samples,
               doc="(dx, dw) of linear_cross_entropy from (grad_output, x, w, target, logsumexp), each chunk's "
                   "logits recomputed"))
