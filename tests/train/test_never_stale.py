@@ -31,6 +31,14 @@ def _assert_models_close(a, b, tol=1e-5):
         assert torch.equal(x, y) if not x.is_floating_point() else rel_err(x, y) <= tol, n
 
 
+def _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn):
+    """One compiled step on ``m_r`` and one eager step on ``m_e``: the same loss and the same model after."""
+    got = step(*inputs)
+    want = _eager_step(m_e, o_e, inputs, loss_fn)
+    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    _assert_models_close(m_r, m_e)
+
+
 @pytest.mark.parametrize("name", ["resnet", "gpt"])
 def test_eval_after_compile_runs_in_eval_mode_like_eager(name):
     """A ResNet in eval mode normalises with its running statistics and leaves them alone; a GPT
@@ -49,10 +57,7 @@ def test_eval_after_compile_runs_in_eval_mode_like_eager(name):
             x.copy_(y)
     o_e.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))  # its own buffers, not remat's
     m_r.eval(), m_e.eval()
-    got = step(*inputs)
-    want = _eager_step(m_e, o_e, inputs, loss_fn)
-    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
-    _assert_models_close(m_r, m_e)
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
     assert any("model.eval() was called" in m for m in messages)
     m_r.train()
     step(*inputs)  # back to the first step: no new compile
@@ -68,10 +73,7 @@ def test_a_submodule_put_in_eval_after_compile_is_followed_like_eager():
     step = remat.compile(m_r, inputs, loss_fn, optimizer=_sgd(m_r), progress=messages.append)
     o_e = _sgd(m_e)
     m_r.stem.eval(), m_e.stem.eval()
-    got = step(*inputs)
-    want = _eager_step(m_e, o_e, inputs, loss_fn)
-    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
-    _assert_models_close(m_r, m_e)
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
     assert any("the training mode of stem" in m for m in messages), messages
 
 
@@ -113,10 +115,7 @@ def test_a_replaced_buffer_is_read_and_updated():
     for m in (m_r, m_e):
         m.stem[1].running_mean = torch.full_like(m.stem[1].running_mean, 0.5)
         m.stem[1].running_var = torch.full_like(m.stem[1].running_var, 2.0)
-    got = step(*inputs)
-    want = _eager_step(m_e, o_e, inputs, loss_fn)
-    assert abs(float(got) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
-    _assert_models_close(m_r, m_e)
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
     assert any("buffer stem.1.running_mean was replaced" in m for m in messages), messages
 
 
