@@ -5,18 +5,22 @@ program, the budget, per-instruction costs), so the policy is testable without t
 planner yields a :class:`~.record.Plan` (its program already lowered, so its exact peak is known);
 the cheapest candidate whose program fits wins. Overhead means one thing everywhere:
 recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
-on one cost model for every planner (:mod:`.costmodel`). Candidates lowered for one budget are kept
-(:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
-budget never gets a costlier plan than a smaller one did in the same process (the precise
-guarantee is in :mod:`.frontier`). When the winner is a greedy plan that recomputes much (near
-the floor), the MILP searches its neighbourhood under a small time limit
-(:func:`.milp.improve_in_windows`) and the cheaper of the two wins; the notes say which.
+on one cost model for every planner (:mod:`.costmodel`).
+
+The answer is a function of the step and the budget alone, whatever was planned before and however
+loaded the machine: every planner is deterministic (the MILPs' work is bounded by node counts, not
+seconds), and what is cached across budgets (:mod:`.frontier`) does not depend on the budget that
+computed it. A larger budget should never get a costlier plan; heuristics are not monotone in the
+budget, so the deterministic planners also plan the points of a ladder of budgets fixed by the step
+(:func:`ladder_points`) below the budget asked for, and their plans compete. When the winner
+recomputes much (near the floor), block-internal plans and the MILP on the greedy's neighbourhood
+(:func:`.milp.improve_in_windows`) may improve it; the notes say which plan won.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,14 +43,30 @@ def uses_milp(solver: str, n_nodes: int) -> bool:
     return SOLVERS["milp"].admits(solver, n_nodes)
 
 
+LADDER_STEPS = 32
+"""The ladder of a step: the budgets ``top * (1 - k / LADDER_STEPS)``, ``k = 1, 2, ...``, where ``top``
+is the unconstrained step's peak (3.1% apart). They depend on the step alone, never on the budget
+asked for, so every budget above a ladder point sees the plans made there."""
+
+
+def ladder_points(top: int, budget: int) -> list[int]:
+    """The ladder's budgets (bytes) below ``budget``, highest first (:data:`LADDER_STEPS`)."""
+    pts = (top * (LADDER_STEPS - k) // LADDER_STEPS for k in range(1, LADDER_STEPS))
+    return [g for g in pts if g < budget]
+
+
 def plan_step(p: StepProblem) -> Plan:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
-    over blocks cut at separators and the instruction-level solvers run; their candidates, and
-    those lowered earlier for other budgets of this step (:func:`~.frontier.frontier_for`), are
-    scored on one cost model and the cheapest that fits wins. Raises ``BudgetTooSmall`` with the
-    smallest minimum found."""
+    over blocks cut at separators and the instruction-level solvers run at the budget, and the
+    deterministic ones (chain DP, greedy) also at every point of the step's ladder below it
+    (:func:`ladder_points`, down to the first point where they fit nothing); every candidate is
+    scored on one cost model and the cheapest that fits wins. Near the floor, block-internal plans
+    and the MILP on the greedy's neighbourhood (deterministic: node limits) may improve it. The
+    answer is a function of the step and the budget alone: plans cached from earlier budgets
+    (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
+    minimum found."""
     t0 = time.perf_counter()
     check_option(p.solver)
     peak = fit_peak(p, p.unconstrained)
@@ -58,7 +78,6 @@ def plan_step(p: StepProblem) -> Plan:
     from .scheduling import memory_aware_orders
 
     frontier = frontier_for(p)
-    earlier = frontier.best(p.budget)
     model = CostModel(p.costs)
     base = model.program_cost(p.unconstrained)
     # The graph model, with the gradients the step consumes at once as transients (``p.consumed``),
@@ -70,33 +89,39 @@ def plan_step(p: StepProblem) -> Plan:
     lows = [(p, low)]
     if p.consumed and p.solver in ("auto", "greedy"):
         lows.append((replace(p, solver="greedy"), to_graph(p.joint, p.costs, workspaces=p.workspaces)))
+    lows = [(q, g, memory_aware_orders(g.graph)) for q, g in lows]  # siblings together, then as scheduled
     lowered: list[Plan] = []
     minimums: list[int] = []
     remarks: list[str] = []
     deferred: list = []  # the cuts' contexts, for block-internal plans when nothing cheap enough fits
-    chain = plan_blocks(p, lowered, deferred)
+    cuts: list[ChainCut] = []
+    chain = plan_blocks(p, lowered, deferred, cuts)
     if isinstance(chain, int):
         minimums.append(chain)
-    for q, g in lows:
-        for k, order in enumerate(memory_aware_orders(g.graph)):  # siblings together, then as scheduled
-            # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order: its
-            # time limit bounds the step's planning, not each order's.
+    for q, g, orders in lows:
+        for k, order in enumerate(orders):
+            # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order.
             qk = replace(q, solver="greedy") if k and q.solver == "auto" else q
             try:
-                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan) and earlier is None,
-                           lowered=lowered)
+                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan), lowered=lowered)
             except BudgetTooSmall as e:
                 minimums.append(e.minimum)
 
-    def score(cands: list[Plan]) -> None:  # one cost model for every planner's program
+    def score(cands: list[Plan], at: int) -> None:  # one cost model for every planner's program
         for c in cands:
             c.peak = fit_peak(p, c.program) if c.peak is None else c.peak
             c.overhead = program_overhead(model, c.program, base)
-            c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
-        frontier.add_all(cands)
+            c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(at)} ({at:,} B)"]
 
-    score(lowered)
-    best = frontier.best(p.budget)
+    score(lowered, p.budget)
+    best = _cheapest(lowered, p.budget)
+    ladder = _plan_ladder(p, peak, cuts, lows, frontier, score, None if best is None else best.overhead)
+    lowered += ladder
+    best = _cheapest(lowered, p.budget)
+    if ladder:
+        remarks.append(f"ladder: {len({c.budget for c in ladder})} budgets below this one planned by the chain DP and "
+                       f"the greedy, {sum(1 for c in ladder if c.peak <= p.budget)} of their plans fit"
+                       + (f"; one of them won" if best is not None and any(best is c for c in ladder) else ""))
     if deferred and (best is None or best.overhead > NEAR_FLOOR_OVERHEAD):
         # Block-internal plans (.inner) cost a few times the chain DP: tried only when no plan fits
         # or the best one recomputes much (a 64-layer GPT at 50%: the greedy's +9% wins, 19 s of
@@ -104,28 +129,70 @@ def plan_step(p: StepProblem) -> Plan:
         found = plan_inner(p, deferred)
         news = [r for r in found if isinstance(r, Plan)]
         minimums += [r for r in found if isinstance(r, int)]
+        score(news, p.budget)
         lowered += news
-        score(news)
         if news:
             chain = min(news + ([chain] if isinstance(chain, Plan) else []), key=lambda c: c.overhead)
-        best = frontier.best(p.budget)
+        best = _cheapest(lowered, p.budget)
     better = _improve_near_floor(p, low, best, frontier, model, base, remarks, lowered)
     if better is not None:
         lowered.append(better)
-        frontier.add(better)
-        best = frontier.best(p.budget)
+        best = _cheapest(lowered, p.budget)
     if best is None:
-        known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
+        known = minimums + [c.peak for c in lowered]
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
     fits = 1 + sum(1 for c in others if c.solution is not best.solution)
     remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
                    f" (the least predicted overhead of {fits} plan{'s' if fits > 1 else ''} that fit)")
+    shown = [c for c in others if not any(c is x for x in ladder)]
     best = Plan(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                           for c in others] + _why_not_chain(chain, p.budget, best) + remarks,
+                                           for c in shown] + _why_not_chain(chain, p.budget, best) + remarks,
                 best.program.clone(), best.overhead, best.solution, best.peak, p.budget, time.perf_counter() - t0)
     verify(Module([best.program]))
     return best
+
+
+def _cheapest(cands: Sequence[Plan], budget: int) -> Plan | None:
+    """The least predicted overhead among ``cands`` that fit ``budget`` (ties: the lower peak, then the
+    first made), or None."""
+    fits = [(c.overhead, c.peak, k) for k, c in enumerate(cands) if c.peak <= budget]
+    return cands[min(fits)[2]] if fits else None
+
+
+def _plan_ladder(p: StepProblem, top: int, cuts: list[ChainCut], lows: list, frontier, score,
+                 best: float | None) -> list[Plan]:
+    """The plans of the deterministic planners (the chain DP on each cut, the greedy on each graph
+    model and order) at the ladder points below ``p.budget`` (:func:`ladder_points`), highest first,
+    while they improve on the best plan so far (``best``: the overhead of the cheapest plan made at
+    the budget itself; ``None``, none fits): the descent stops at the first point whose plans are no
+    cheaper, or fit nothing. Each point's plans depend on the step and the point alone (and are
+    cached as such in ``frontier``), so a plan a lower budget gets from a point this descent reaches,
+    this budget gets too. Scored (``score``) and returned, fitting or not."""
+    out: list[Plan] = []
+    for g in ladder_points(top, p.budget):
+        plans = frontier.ladder.get(g)
+        if plans is None:
+            plans = []
+            pg = replace(p, budget=g)
+            for ctx in cuts:
+                r = _solve_chain(pg, ctx.blocks, ctx.blocks.stages, ctx.profiles, ctx.what, ctx.t0, cut=ctx)
+                if isinstance(r, Plan):
+                    plans.append(r)
+            for q, low, orders in lows:
+                for order in orders:
+                    plan_graph(replace(q, budget=g, solver="greedy"), low, order, need_minimum=False, lowered=plans,
+                               probes=LADDER_PROBES)
+            for c in plans:
+                c.budget = g
+            score(plans, g)
+            frontier.ladder[g] = plans
+        out += plans
+        here = _cheapest(plans, g)
+        if here is None or best is not None and here.overhead >= best:
+            break  # no cheaper here: lower points, planned for less memory, rarely are
+        best = here.overhead
+    return out
 
 
 def minimum_budget(p: StepProblem) -> int:
@@ -143,24 +210,24 @@ def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model:
                         remarks: list[str], lowered: Sequence[Plan] = ()) -> Plan | None:
     """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
     the MILP on the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one
-    a chain plan beat: the MILP often improves the greedy's past it), under a small time limit and
-    once per plan (``frontier.searched``): its plan, peaking no higher in the graph model, lowered
-    and scored on the one cost model, or None. Says what it did in ``remarks``."""
+    a chain plan beat: the MILP often improves the greedy's past it), its work bounded by node counts
+    and its result a function of that plan alone (cached per plan in ``frontier``): its plan, peaking
+    no higher in the graph model, lowered and scored on the one cost model, or None. Says what it
+    did in ``remarks``."""
     from .milp import improve_in_windows
     from .rematerialize import from_schedule
 
     if best is None or not improves_neighbourhood(p.solver, best.overhead):
         return None
-    greedy = [c for c in list(lowered) + frontier.plans
+    greedy = [c for c in lowered
               if c.solution is not None and c.solution.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
     if not greedy:
         return None
-    start = min(greedy, key=lambda c: (c.overhead, c.peak))
+    start = greedy[min((c.overhead, c.peak, k) for k, c in enumerate(greedy))[2]]
     plan = start.solution
-    if any(c is start for c in frontier.searched):
-        return None
-    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [start]
-    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
+    key = ("windows", tuple(plan.schedule))
+    search = frontier.cached(key, lambda: improve_in_windows(low.graph, plan, plan.peak,
+                                                             time_limit=NEIGHBOURHOOD_TIME_LIMIT))
     what = (f"near the floor (the greedy's plan: predicted overhead {start.overhead:+.1%}): MILP on its neighbourhood, "
             f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
     if search.plan is None:
@@ -200,8 +267,17 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
     return graph_solver(solver, len(graph.compute_nodes), main)(graph, budget, order, time_limit)
 
 
+PROBES = ((0.88, 0.92, 0.96, 1.0), (0.1, 0.25, 0.5))
+"""The model budgets :func:`plan_graph` probes: fractions of its start (the budget less the step's
+extra bytes), and fractions of the way from there to the joint's unconstrained peak."""
+
+LADDER_PROBES = ((0.96, 1.0), ())
+"""The probes at a ladder point (:func:`plan_step`): the points below and above are probed too."""
+
+
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0, lowered: list[Plan] | None = None) -> Plan | None:
+               max_overhead: float = 2.0, lowered: list[Plan] | None = None,
+               probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> Plan | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
     lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
@@ -226,10 +302,9 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     # exact program peak fits is kept.
     hi = predict_peak(p.joint)
     start = p.budget - p.extra_bytes
-    probes = sorted({int(start * f) for f in (0.88, 0.92, 0.96, 1.0)} |
-                    {int(start + (hi - start) * f) for f in (0.1, 0.25, 0.5)})
+    models = sorted({int(start * f) for f in probes[0]} | {int(start + (hi - start) * f) for f in probes[1]})
     plans = []
-    for m in probes:
+    for m in models:
         if m <= 0:
             continue
         try:
@@ -260,16 +335,18 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
 
 # ---------------------------------------------------------------- chain of blocks
 def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
-                deferred: list | None = None) -> Plan | int | None:
+                deferred: list | None = None, cuts: list | None = None) -> Plan | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
     smallest minimum (bytes) when no plan fits, else the candidate. Feasible plans are also
     appended to ``lowered``. With ``deferred`` (a list), block-internal plans are not tried here:
-    each cut that wants them leaves its context there for :func:`plan_inner`."""
+    each cut that wants them leaves its context there for :func:`plan_inner`. ``cuts``: a list that
+    receives each cut's :class:`ChainCut`."""
     cache: dict = {}  # identical blocks are differentiated once, across both cuts
-    results = [r for r in (plan_cut(p, True, cache, deferred), plan_cut(p, False, cache, deferred)) if r is not None]
+    results = [r for r in (plan_cut(p, True, cache, deferred, cuts), plan_cut(p, False, cache, deferred, cuts))
+               if r is not None]
     if not results:
         return None
     ok = [r for r in results if isinstance(r, Plan)]
@@ -280,10 +357,23 @@ def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
     return min(results)
 
 
+@dataclass
+class ChainCut:
+    """One cut of the forward into a chain of blocks, with its profiles and its chain planner (kept
+    so the chain DP can plan the same chain at other budgets: the ladder, :func:`plan_step`)."""
+
+    blocks: Any
+    profiles: list
+    what: str
+    t0: float
+    planner: Any = None  # the ChainPlanner of the stages as they are, made on first use
+
+
 def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
-             deferred: list | None = None) -> Plan | int | None:
+             deferred: list | None = None, cuts: list | None = None) -> Plan | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits.
-    ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``)."""
+    ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``); ``cuts``: a list
+    that receives the cut's :class:`ChainCut`."""
     from .chain.profile import profile_stages
     from .blocks import cut
 
@@ -305,7 +395,10 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
         _static_times(profiles, blocks)
     what = f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks " \
            f"({blocks.n_distinct} distinct, each differentiated and costed once)"
-    best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)
+    ctx = ChainCut(blocks, profiles, what, t0)
+    if cuts is not None:
+        cuts.append(ctx)
+    best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0, cut=ctx)
     from . import inner
 
     if not inner.INNER_PLANS or isinstance(best, Plan) and best.overhead <= NEAR_FLOOR_OVERHEAD:
@@ -329,11 +422,12 @@ def plan_inner(p: StepProblem, deferred: list) -> list[Plan | int]:
 
 
 def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
-                 inner: str = "", base: float | None = None) -> Plan | int:
+                 inner: str = "", base: float | None = None, cut: ChainCut | None = None) -> Plan | int:
     """The chain DP (extended model) over ``stages`` with costs from ``profiles``: its candidate, or
     the minimum (bytes) when no plan fits ``p.budget``. ``inner`` says which stages run
     block-internal plans (notes); ``base``: the compute its overhead is relative to (default: these
-    stages' own, without recomputation)."""
+    stages' own, without recomputation). ``cut``: where the planner is kept, to plan these stages at
+    other budgets (its compiled programs and DP tables reused; nothing in them depends on the budget)."""
     from .chain.planner import ChainPlanner
     from .chain.profile import chain_costs
     from .chain.schedule import n_recomputed
@@ -343,8 +437,12 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     def finish(fn: Function) -> Function:
         return p.finish(_reorder_aux(fn, blocks.aux_order))
 
-    planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
-                           what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
+    planner = cut.planner if cut is not None and cut.planner is not None else None
+    if planner is None:
+        planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
+                               what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
+        if cut is not None:
+            cut.planner = planner
     try:
         pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:
