@@ -11,16 +11,16 @@ The answer is a function of the step and the budget alone, whatever was planned 
 loaded the machine: every planner is deterministic (the MILPs' work is bounded by node counts, not
 seconds), and what is cached across budgets (:mod:`.frontier`) does not depend on the budget that
 computed it. A larger budget should never get a costlier plan; heuristics are not monotone in the
-budget, so the deterministic planners also plan the points of a ladder of budgets fixed by the step
-(:func:`ladder_points`) below the budget asked for, and their plans compete. When the winner
+budget, so the greedy also plans the points of a ladder of budgets fixed by the step
+(:func:`ladder_points`) below the budget asked for, and its plans there compete. When the winner
 recomputes much (near the floor), block-internal plans and the MILP on the greedy's neighbourhood
 (:func:`.milp.improve_in_windows`) may improve it; the notes say which plan won.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Sequence
 
 import numpy as np
 
@@ -60,9 +60,9 @@ def plan_step(p: StepProblem) -> Plan:
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
     over blocks cut at separators and the instruction-level solvers run at the budget, and the
-    deterministic ones (chain DP, greedy) also at every point of the step's ladder below it
-    (:func:`ladder_points`, down to the first point where they fit nothing); every candidate is
-    scored on one cost model and the cheapest that fits wins. Near the floor, block-internal plans
+    greedy also at the points of the step's ladder below it (:func:`ladder_points`, while they give
+    cheaper plans; the chain DP is monotone in its model already); every candidate is scored on one
+    cost model and the cheapest that fits wins. Near the floor, block-internal plans
     and the MILP on the greedy's neighbourhood (deterministic: node limits) may improve it. The
     answer is a function of the step and the budget alone: plans cached from earlier budgets
     (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
@@ -94,8 +94,7 @@ def plan_step(p: StepProblem) -> Plan:
     minimums: list[int] = []
     remarks: list[str] = []
     deferred: list = []  # the cuts' contexts, for block-internal plans when nothing cheap enough fits
-    cuts: list[ChainCut] = []
-    chain = plan_blocks(p, lowered, deferred, cuts)
+    chain = plan_blocks(p, lowered, deferred)
     if isinstance(chain, int):
         minimums.append(chain)
     for q, g, orders in lows:
@@ -115,12 +114,12 @@ def plan_step(p: StepProblem) -> Plan:
 
     score(lowered, p.budget)
     best = _cheapest(lowered, p.budget)
-    ladder = _plan_ladder(p, peak, cuts, lows, frontier, score, None if best is None else best.overhead)
+    ladder = _plan_ladder(p, peak, lows, frontier, score, None if best is None else best.overhead)
     lowered += ladder
     best = _cheapest(lowered, p.budget)
     if ladder:
-        remarks.append(f"ladder: {len({c.budget for c in ladder})} budgets below this one planned by the chain DP and "
-                       f"the greedy, {sum(1 for c in ladder if c.peak <= p.budget)} of their plans fit"
+        remarks.append(f"ladder: {len({c.budget for c in ladder})} budgets below this one planned by the greedy, "
+                       f"{sum(1 for c in ladder if c.peak <= p.budget)} of their plans fit"
                        + (f"; one of them won" if best is not None and any(best is c for c in ladder) else ""))
     if deferred and (best is None or best.overhead > NEAR_FLOOR_OVERHEAD):
         # Block-internal plans (.inner) cost a few times the chain DP: tried only when no plan fits
@@ -160,13 +159,11 @@ def _cheapest(cands: Sequence[Plan], budget: int) -> Plan | None:
     return cands[min(fits)[2]] if fits else None
 
 
-def _plan_ladder(p: StepProblem, top: int, cuts: list[ChainCut], lows: list, frontier, score,
-                 best: float | None) -> list[Plan]:
-    """The plans of the deterministic planners (the chain DP on each cut, the greedy on each graph
-    model and order) at the ladder points below ``p.budget`` (:func:`ladder_points`), highest first,
-    while they improve on the best plan so far (``best``: the overhead of the cheapest plan made at
-    the budget itself; ``None``, none fits): the descent stops at the first point whose plans are no
-    cheaper, or fit nothing. Each point's plans depend on the step and the point alone (and are
+def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: float | None) -> list[Plan]:
+    """The greedy's plans (on each graph model and order) at the ladder points below ``p.budget``
+    (:func:`ladder_points`), highest first, while they improve on the best plan so far (``best``: the
+    overhead of the cheapest plan made at the budget itself; ``None``, none fits): the descent stops
+    at the first point whose plans are no cheaper, or fit nothing. Each point's plans depend on the step and the point alone (and are
     cached as such in ``frontier``), so a plan a lower budget gets from a point this descent reaches,
     this budget gets too. Scored (``score``) and returned, fitting or not."""
     out: list[Plan] = []
@@ -174,11 +171,6 @@ def _plan_ladder(p: StepProblem, top: int, cuts: list[ChainCut], lows: list, fro
         plans = frontier.ladder.get(g)
         if plans is None:
             plans = []
-            pg = replace(p, budget=g)
-            for ctx in cuts:
-                r = _solve_chain(pg, ctx.blocks, ctx.blocks.stages, ctx.profiles, ctx.what, ctx.t0, cut=ctx)
-                if isinstance(r, Plan):
-                    plans.append(r)
             for q, low, orders in lows:
                 for order in orders:
                     plan_graph(replace(q, budget=g, solver="greedy"), low, order, need_minimum=False, lowered=plans,
@@ -271,8 +263,8 @@ PROBES = ((0.88, 0.92, 0.96, 1.0), (0.1, 0.25, 0.5))
 """The model budgets :func:`plan_graph` probes: fractions of its start (the budget less the step's
 extra bytes), and fractions of the way from there to the joint's unconstrained peak."""
 
-LADDER_PROBES = ((0.96, 1.0), ())
-"""The probes at a ladder point (:func:`plan_step`): the points below and above are probed too."""
+LADDER_PROBES = ((1.0,), ())
+"""The probes at a ladder point (:func:`plan_step`): one, the points below are probed too."""
 
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
@@ -335,18 +327,16 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
 
 # ---------------------------------------------------------------- chain of blocks
 def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
-                deferred: list | None = None, cuts: list | None = None) -> Plan | int | None:
+                deferred: list | None = None) -> Plan | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
     smallest minimum (bytes) when no plan fits, else the candidate. Feasible plans are also
     appended to ``lowered``. With ``deferred`` (a list), block-internal plans are not tried here:
-    each cut that wants them leaves its context there for :func:`plan_inner`. ``cuts``: a list that
-    receives each cut's :class:`ChainCut`."""
+    each cut that wants them leaves its context there for :func:`plan_inner`."""
     cache: dict = {}  # identical blocks are differentiated once, across both cuts
-    results = [r for r in (plan_cut(p, True, cache, deferred, cuts), plan_cut(p, False, cache, deferred, cuts))
-               if r is not None]
+    results = [r for r in (plan_cut(p, True, cache, deferred), plan_cut(p, False, cache, deferred)) if r is not None]
     if not results:
         return None
     ok = [r for r in results if isinstance(r, Plan)]
@@ -357,23 +347,10 @@ def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
     return min(results)
 
 
-@dataclass
-class ChainCut:
-    """One cut of the forward into a chain of blocks, with its profiles and its chain planner (kept
-    so the chain DP can plan the same chain at other budgets: the ladder, :func:`plan_step`)."""
-
-    blocks: Any
-    profiles: list
-    what: str
-    t0: float
-    planner: Any = None  # the ChainPlanner of the stages as they are, made on first use
-
-
 def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
-             deferred: list | None = None, cuts: list | None = None) -> Plan | int | None:
+             deferred: list | None = None) -> Plan | int | None:
     """The chain DP over one cut: None without a cut, the minimum (bytes) when no plan fits.
-    ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``); ``cuts``: a list
-    that receives the cut's :class:`ChainCut`."""
+    ``cache``: differentiated blocks shared with other cuts (see ``blocks.cut``)."""
     from .chain.profile import profile_stages
     from .blocks import cut
 
@@ -395,10 +372,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
         _static_times(profiles, blocks)
     what = f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks " \
            f"({blocks.n_distinct} distinct, each differentiated and costed once)"
-    ctx = ChainCut(blocks, profiles, what, t0)
-    if cuts is not None:
-        cuts.append(ctx)
-    best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0, cut=ctx)
+    best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)
     from . import inner
 
     if not inner.INNER_PLANS or isinstance(best, Plan) and best.overhead <= NEAR_FLOOR_OVERHEAD:
@@ -422,12 +396,11 @@ def plan_inner(p: StepProblem, deferred: list) -> list[Plan | int]:
 
 
 def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
-                 inner: str = "", base: float | None = None, cut: ChainCut | None = None) -> Plan | int:
+                 inner: str = "", base: float | None = None) -> Plan | int:
     """The chain DP (extended model) over ``stages`` with costs from ``profiles``: its candidate, or
     the minimum (bytes) when no plan fits ``p.budget``. ``inner`` says which stages run
     block-internal plans (notes); ``base``: the compute its overhead is relative to (default: these
-    stages' own, without recomputation). ``cut``: where the planner is kept, to plan these stages at
-    other budgets (its compiled programs and DP tables reused; nothing in them depends on the budget)."""
+    stages' own, without recomputation)."""
     from .chain.planner import ChainPlanner
     from .chain.profile import chain_costs
     from .chain.schedule import n_recomputed
@@ -437,12 +410,8 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     def finish(fn: Function) -> Function:
         return p.finish(_reorder_aux(fn, blocks.aux_order))
 
-    planner = cut.planner if cut is not None and cut.planner is not None else None
-    if planner is None:
-        planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
-                               what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
-        if cut is not None:
-            cut.planner = planner
+    planner = ChainPlanner(stages, costs, name="train_joint", binding=blocks.binding, finish=finish,
+                           what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
     try:
         pol = planner.solve(p.budget, SOLVERS["chain"].method)
     except BudgetTooSmall as e:
