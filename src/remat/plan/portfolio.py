@@ -160,7 +160,7 @@ def _cheapest(cands: Sequence[Plan], budget: int) -> Plan | None:
 
 
 def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: float | None) -> list[Plan]:
-    """The greedy's plans (on each graph model and order) at the ladder points below ``p.budget``
+    """The greedy's plans (on each graph model, first order) at the ladder points below ``p.budget``
     (:func:`ladder_points`), highest first, while they improve on the best plan so far (``best``: the
     overhead of the cheapest plan made at the budget itself; ``None``, none fits): the descent stops
     at the first point whose plans are no cheaper, or fit nothing. Each point's plans depend on the step and the point alone (and are
@@ -171,10 +171,9 @@ def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: fl
         plans = frontier.ladder.get(g)
         if plans is None:
             plans = []
-            for q, low, orders in lows:
-                for order in orders:
-                    plan_graph(replace(q, budget=g, solver="greedy"), low, order, need_minimum=False, lowered=plans,
-                               probes=LADDER_PROBES)
+            for q, low, orders in lows:  # the first order only (siblings together): the ladder is a safety net
+                plan_graph(replace(q, budget=g, solver="greedy"), low, orders[0], need_minimum=False, lowered=plans,
+                           probes=LADDER_PROBES)
             for c in plans:
                 c.budget = g
             score(plans, g)
