@@ -17,6 +17,8 @@ from remat.plan.portfolio import ladder_points, plan_step
 from remat.plan.record import Plan
 from remat.train.curve import budget_sweep, default_budgets, minimum_budget
 
+from residual_cnn import residual_cnn
+
 
 @pytest.mark.parametrize("name,size", [("resnet", "tiny"), ("gpt", "tiny"), ("unet", "tiny")])
 def test_sweep_is_monotone_and_exact(name, size):
@@ -80,35 +82,6 @@ def test_the_plan_at_a_budget_is_the_same_whatever_was_planned_before(name):
         assert alone[hi].overhead <= alone[lo].overhead, (name, lo, hi)
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn = torch.nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        return torch.relu(self.bn(self.conv(x))) + x
-
-
-class ResidualCNN(torch.nn.Module):
-    """Six conv-BN-ReLU blocks with skips over 16x16 images (a model the zoo does not have)."""
-
-    def __init__(self, c: int = 16, n: int = 6, classes: int = 10):
-        super().__init__()
-        self.stem = torch.nn.Conv2d(3, c, 3, padding=1)
-        self.blocks = torch.nn.Sequential(*[_Block(c) for _ in range(n)])
-        self.head = torch.nn.Linear(c, classes)
-
-    def forward(self, x):
-        return self.head(self.blocks(torch.relu(self.stem(x))).mean((2, 3)))
-
-
-def _residual_cnn():
-    torch.manual_seed(0)
-    model = ResidualCNN()
-    return model, (torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,))), torch.nn.functional.cross_entropy
-
-
 def test_fresh_compiles_of_a_residual_cnn_are_monotone_in_the_budget():
     """Issue 46's reproducer: fresh compiles (an empty plan cache each) at 30/38/45/53% of the
     unconstrained peak; at 38% a time-limited MILP window used to win with +132% though the 30%
@@ -118,12 +91,12 @@ def test_fresh_compiles_of_a_residual_cnn_are_monotone_in_the_budget():
     from remat.plan.simulator import predict_peak
     from remat.runtime.vm import VM
 
-    model, example, loss_fn = _residual_cnn()
+    model, example, loss_fn = residual_cnn()
     peak = remat.compile(model, example, loss_fn).unconstrained_peak
     overheads = []
     for f in (0.30, 0.38, 0.45, 0.53):
         forget_plans()
-        model, example, loss_fn = _residual_cnn()
+        model, example, loss_fn = residual_cnn()
         step = remat.compile(model, example, loss_fn, budget=int(f * peak))
         plan = step.compilation.plan
         args = step.binding.step_args(step.signature.example, copy=True, step=1)
