@@ -91,8 +91,8 @@ SOLVERS: dict[str, Solver] = {s.name: s for s in (
     Solver("chain", "chain", "the thesis DP over blocks cut at separators (extended model: per block, keep "
            "output or whole tape)", method="extended", minimum=_chain_minimum),
     # Graph solvers, tried in this order: the first one admitted at a probe runs.
-    Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit; under 'auto' with the greedy "
-           "as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
+    Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit when named; under 'auto' "
+           "bounded by a node limit instead (deterministic), with the greedy as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
            minimum=_milp_minimum),
     Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy,
            minimum=_greedy_minimum),
