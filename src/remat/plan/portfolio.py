@@ -266,6 +266,28 @@ LADDER_PROBES = ((1.0,), ())
 """The probes at a ladder point (:func:`plan_step`): one, the points below are probed too."""
 
 
+MODEL_GRID = 128
+"""Model budgets are probed on a grid of the joint's unconstrained peak in steps of 1/MODEL_GRID, fixed by
+the step: neighbouring budgets probe the same model budgets, so they see the same greedy plans."""
+
+
+def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> list[int]:
+    """The graph-model budgets (bytes) probed for a plan whose model budget is ``start`` (``hi``: the
+    joint's unconstrained peak), ascending: the grid points (:data:`MODEL_GRID`) between
+    ``min(probes[0]) * start`` and ``start``, always the highest one at most ``start`` (the main
+    probe), then for each fraction ``f`` of ``probes[1]`` the lowest grid point at least
+    ``start + (hi - start) * f``. Every value is a grid point, whatever the budget."""
+    grid = [hi * k // MODEL_GRID for k in range(MODEL_GRID + 1)]
+    below = [g for g in grid if g <= start]
+    if not below:
+        return []
+    main = below[-1]
+    lo = min(probes[0]) * start
+    out = sorted({g for g in below if g >= lo} | {main})
+    above = sorted({next((g for g in grid if g >= start + (hi - start) * f), hi) for f in probes[1]} - set(out))
+    return out + above
+
+
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
                max_overhead: float = 2.0, lowered: list[Plan] | None = None,
                probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> Plan | None:
@@ -289,17 +311,18 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     # the step consumes it as soon as it exists (``p.consumed``: then it is a transient of the node
     # computing it); the step program adds the state and consumes gradients early, so a plan
     # peaking at ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
-    # a portfolio of model budgets around that point is solved and the cheapest plan whose
-    # exact program peak fits is kept.
+    # a portfolio of model budgets around that point, on a grid fixed by the step (neighbouring
+    # budgets see the same plans), is solved and the cheapest plan whose exact program peak fits is kept.
     hi = predict_peak(p.joint)
     start = p.budget - p.extra_bytes
-    models = sorted({int(start * f) for f in probes[0]} | {int(start + (hi - start) * f) for f in probes[1]})
+    models = model_budgets(start, hi, probes)
+    main = max((m for m in models if m <= start), default=None)
     plans = []
     for m in models:
         if m <= 0:
             continue
         try:
-            plan = _solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit)
+            plan = _solve_graph(low.graph, m, order, p.solver, m == main, p.milp_time_limit)
         except BudgetTooSmall:
             continue
         if plan is not None:
