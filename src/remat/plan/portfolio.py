@@ -279,11 +279,8 @@ def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[fl
     ``start + (hi - start) * f``. Every value is a grid point, whatever the budget."""
     grid = [hi * k // MODEL_GRID for k in range(MODEL_GRID + 1)]
     below = [g for g in grid if g <= start]
-    if not below:
-        return []
-    main = below[-1]
     lo = min(probes[0]) * start
-    out = sorted({g for g in below if g >= lo} | {main})
+    out = sorted({g for g in below if g >= lo} | set(below[-1:]))
     above = sorted({next((g for g in grid if g >= start + (hi - start) * f), hi) for f in probes[1]} - set(out))
     return out + above
 
