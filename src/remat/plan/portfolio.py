@@ -163,10 +163,12 @@ def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: fl
     """The greedy's plans (on each graph model, first order) at the ladder points below ``p.budget``
     (:func:`ladder_points`), highest first, while they improve on the best plan so far (``best``: the
     overhead of the cheapest plan made at the budget itself; ``None``, none fits): the descent stops
-    at the first point whose plans are no cheaper, or fit nothing. Each point's plans depend on the step and the point alone (and are
-    cached as such in ``frontier``), so a plan a lower budget gets from a point this descent reaches,
-    this budget gets too. Scored (``score``) and returned, fitting or not."""
+    after :data:`LADDER_PATIENCE` points in a row whose plans are no cheaper, or at one that fits
+    nothing. Each point's plans depend on the step and the point alone (and are cached as such in
+    ``frontier``), so a plan a lower budget gets from a point this descent reaches, this budget gets
+    too. Scored (``score``) and returned, fitting or not."""
     out: list[Plan] = []
+    misses = 0
     for g in ladder_points(top, p.budget):
         plans = frontier.ladder.get(g)
         if plans is None:
@@ -180,9 +182,14 @@ def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: fl
             frontier.ladder[g] = plans
         out += plans
         here = _cheapest(plans, g)
-        if here is None or best is not None and here.overhead >= best:
-            break  # no cheaper here: lower points, planned for less memory, rarely are
-        best = here.overhead
+        if here is None:
+            break  # below the greedy's floor
+        if best is not None and here.overhead >= best:
+            misses += 1
+            if misses == LADDER_PATIENCE:
+                break  # no cheaper here: lower points, planned for less memory, rarely are
+        else:
+            best, misses = here.overhead, 0
     return out
 
 
@@ -262,6 +269,9 @@ PROBES = ((0.88, 0.92, 0.96, 1.0), (0.1, 0.25, 0.5))
 """The model budgets :func:`plan_graph` probes: fractions of its start (the budget less the step's
 extra bytes), and fractions of the way from there to the joint's unconstrained peak."""
 
+LADDER_PATIENCE = 2
+"""Ladder points in a row without a cheaper plan after which the descent stops."""
+
 LADDER_PROBES = ((1.0,), ())
 """The probes at a ladder point (:func:`plan_step`): one, the points below are probed too."""
 
@@ -274,13 +284,14 @@ the step: neighbouring budgets probe the same model budgets, so they see the sam
 def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> list[int]:
     """The graph-model budgets (bytes) probed for a plan whose model budget is ``start`` (``hi``: the
     joint's unconstrained peak), ascending: the grid points (:data:`MODEL_GRID`) between
-    ``min(probes[0]) * start`` and ``start``, always the highest one at most ``start`` (the main
-    probe), then for each fraction ``f`` of ``probes[1]`` the lowest grid point at least
-    ``start + (hi - start) * f``. Every value is a grid point, whatever the budget."""
+    ``min(probes[0]) * start`` and ``start``, always the highest one at most ``start``, and with the
+    default probes ``start`` itself (it uses the whole budget: the plan neighbouring budgets share
+    may use less), then for each fraction ``f`` of ``probes[1]`` the lowest grid point at least
+    ``start + (hi - start) * f``."""
     grid = [hi * k // MODEL_GRID for k in range(MODEL_GRID + 1)]
     below = [g for g in grid if g <= start]
     lo = min(probes[0]) * start
-    out = sorted({g for g in below if g >= lo} | set(below[-1:]))
+    out = sorted({g for g in below if g >= lo} | set(below[-1:]) | ({start} if start > 0 and probes is PROBES else set()))
     above = sorted({next((g for g in grid if g >= start + (hi - start) * f), hi) for f in probes[1]} - set(out))
     return out + above
 
@@ -313,7 +324,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     hi = predict_peak(p.joint)
     start = p.budget - p.extra_bytes
     models = model_budgets(start, hi, probes)
-    main = max((m for m in models if m <= start), default=None)
+    main = max((m for m in models if m <= start), default=None)  # the whole-graph MILP's probe
     plans = []
     for m in models:
         if m <= 0:
