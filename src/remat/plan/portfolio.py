@@ -286,13 +286,12 @@ def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[fl
     joint's unconstrained peak), ascending: the grid points (:data:`MODEL_GRID`) between
     ``min(probes[0]) * start`` and ``start``, always the highest one at most ``start``, and with the
     default probes ``start`` itself (it uses the whole budget: the plan neighbouring budgets share
-    may use less), then for each fraction ``f`` of ``probes[1]`` the lowest grid point at least
-    ``start + (hi - start) * f``."""
+    may use less), then for each fraction ``f`` of ``probes[1]``, ``start + (hi - start) * f``."""
     grid = [hi * k // MODEL_GRID for k in range(MODEL_GRID + 1)]
     below = [g for g in grid if g <= start]
     lo = min(probes[0]) * start
     out = sorted({g for g in below if g >= lo} | set(below[-1:]) | ({start} if start > 0 and probes is PROBES else set()))
-    above = sorted({next((g for g in grid if g >= start + (hi - start) * f), hi) for f in probes[1]} - set(out))
+    above = sorted({int(start + (hi - start) * f) for f in probes[1]} - set(out))
     return out + above
 
 
