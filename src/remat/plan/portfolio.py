@@ -272,8 +272,8 @@ extra bytes), and fractions of the way from there to the joint's unconstrained p
 LADDER_PATIENCE = 2
 """Ladder points in a row without a cheaper plan after which the descent stops."""
 
-LADDER_PROBES = ((1.0,), ())
-"""The probes at a ladder point (:func:`plan_step`): one, the points below are probed too."""
+LADDER_PROBES = ((0.88, 1.0), ())
+"""The probes at a ladder point (:func:`plan_step`): the grid points below its start, none above."""
 
 
 MODEL_GRID = 128
