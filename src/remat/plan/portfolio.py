@@ -276,7 +276,7 @@ LADDER_PROBES = ((0.88, 1.0), ())
 """The probes at a ladder point (:func:`plan_step`): the grid points below its start, none above."""
 
 
-MODEL_GRID = 128
+MODEL_GRID = 64
 """Model budgets are probed on a grid of the joint's unconstrained peak in steps of 1/MODEL_GRID, fixed by
 the step: neighbouring budgets probe the same model budgets, so they see the same greedy plans."""
 
