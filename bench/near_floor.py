@@ -10,8 +10,8 @@ is run on the VM: measured peak must equal the prediction and every output (loss
 
     PYTHONPATH=src .venv/bin/python bench/near_floor.py [--models unet,gpt,resnet,gpt2,llama] [--fractions 0 .05 .1 .2 .33]
 
-The neighbourhood MILP is time-limited (``registry.NEIGHBOURHOOD_TIME_LIMIT``), so "after" depends
-on the machine's speed and load; golden plans use ``solver="greedy"``, which never runs it.
+The neighbourhood MILP's work is bounded by node counts (``milp.WINDOW_NODE_LIMIT``), so "after" is the
+same on any machine; golden plans use ``solver="greedy"``, which never runs it.
 """
 from __future__ import annotations
 

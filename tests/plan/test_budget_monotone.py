@@ -1,21 +1,23 @@
-"""A larger budget never gets a costlier plan (issue 12): sweeps of zoo training steps over budgets,
-and the frontier of lowered plans that makes it so."""
+"""A larger budget never gets a costlier plan, and the plan at a budget is the same whatever was
+planned before (issues 12 and 46): sweeps of zoo training steps over budgets, fresh compiles of a
+residual CNN, and the ladder of budgets that makes it so."""
 from __future__ import annotations
 
 import dataclasses
 import random
-import time
 
 import pytest
 import torch
 
 import remat
 from remat import zoo
-from remat.ir import Function
-from remat.plan.frontier import Frontier, forget_plans
-from remat.plan.portfolio import plan_step
+from remat.ir import print_function
+from remat.plan.frontier import forget_plans
+from remat.plan.portfolio import ladder_points, plan_step
 from remat.plan.record import Plan
 from remat.train.curve import budget_sweep, default_budgets, minimum_budget
+
+from residual_cnn import residual_cnn
 
 
 @pytest.mark.parametrize("name,size", [("resnet", "tiny"), ("gpt", "tiny"), ("unet", "tiny")])
@@ -36,17 +38,13 @@ def test_sweep_is_monotone_and_exact(name, size):
         assert b.predicted_overhead <= a.predicted_overhead, (name, a, b)
 
 
-def _cand(peak: int, overhead: float) -> Plan:
-    return Plan(f"p{peak}", [], Function("f", [], []), overhead, peak=peak)
-
-
-def test_frontier_keeps_pareto_plans_and_picks_the_cheapest_that_fits():
-    f = Frontier()
-    for peak, over in [(100, 0.5), (120, 0.6), (150, 0.1), (130, 0.2), (90, 2.0)]:
-        f.add(_cand(peak, over))
-    assert [(c.peak, c.overhead) for c in f.plans] == [(90, 2.0), (100, 0.5), (130, 0.2), (150, 0.1)]
-    assert f.best(89) is None and f.minimum() == 90
-    assert f.best(125).peak == 100 and f.best(140).peak == 130 and f.best(10**6).peak == 150
+def test_the_ladder_depends_on_the_step_alone():
+    """Every budget above a ladder point sees that point: the points are fractions of the
+    unconstrained peak, never of the budget asked for."""
+    top = 1_000_000
+    assert ladder_points(top, top)[:3] == [top * 31 // 32, top * 30 // 32, top * 29 // 32]
+    for b in (123_456, 500_000, 999_999):
+        assert ladder_points(top, b) == [g for g in ladder_points(top, top) if g < b]
 
 
 def _plan(step, budget: int, **kw) -> Plan:
@@ -59,41 +57,53 @@ def _tiny(name: str):
     return remat.compile(model, example, loss_fn, milp_time_limit=1.0)
 
 
-@pytest.mark.parametrize("name", ["gpt"])
-def test_any_order_never_answers_costlier_than_an_earlier_smaller_budget(name):
-    """Budgets planned in a shuffled order (the time-limited MILPs on): each answer costs no more
-    than any answer given before it for a smaller or equal budget (the frontier keeps those plans)."""
+def _same(a: Plan, b: Plan) -> bool:
+    return a.overhead == b.overhead and a.peak == b.peak and print_function(a.program) == print_function(b.program)
+
+
+@pytest.mark.parametrize("name", ["gpt", "unet"])
+def test_the_plan_at_a_budget_is_the_same_whatever_was_planned_before(name):
+    """Planning b after other budgets (in any order, the MILPs on) gives the plan b alone gets in a
+    fresh process: what is cached across budgets only saves time."""
     forget_plans()
     step = _tiny(name)
-    budgets = default_budgets(step, 10)
-    random.Random(12).shuffle(budgets)
-    given: list[tuple[int, float]] = []
+    budgets = default_budgets(step, 6)[:-1]
+    alone = {}
     for b in budgets:
+        forget_plans()
+        alone[b] = _plan(step, b)
+    forget_plans()
+    shuffled = list(budgets)
+    random.Random(12).shuffle(shuffled)
+    for b in shuffled:
         c = _plan(step, b)
-        assert c.peak <= b
-        for b0, o0 in given:
-            if b0 <= b:
-                assert c.overhead <= o0, (name, b, c.overhead, b0, o0)
-        given.append((b, c.overhead))
-
-
-@pytest.mark.parametrize("name", ["unet"])
-def test_deterministic_planners_are_monotone_on_a_second_pass_in_any_order(name):
-    """With deterministic planners only (``solver="greedy"``: the chain DP and the greedy), once every
-    budget was planned, in any order, planning them again in any other order is monotone in the
-    budget and never costlier than the first answer."""
-    forget_plans()
-    step = _tiny(name)
-    budgets = default_budgets(step, 10)
-    first_order, second_order = list(budgets), list(budgets)
-    random.Random(1).shuffle(first_order)
-    random.Random(2).shuffle(second_order)
-    first = {b: _plan(step, b, solver="greedy").overhead for b in first_order}
-    second = {b: _plan(step, b, solver="greedy").overhead for b in second_order}
-    for b in budgets:
-        assert second[b] <= first[b]
+        assert c.peak <= b and _same(c, alone[b]), (name, b, c.overhead, alone[b].overhead)
     for lo, hi in zip(budgets, budgets[1:]):
-        assert second[hi] <= second[lo], (name, lo, hi, second)
+        assert alone[hi].overhead <= alone[lo].overhead, (name, lo, hi)
+
+
+def test_fresh_compiles_of_a_residual_cnn_are_monotone_in_the_budget():
+    """Issue 46's reproducer: fresh compiles (an empty plan cache each) at 30/38/45/53% of the
+    unconstrained peak; at 38% a time-limited MILP window used to win with +132% though the 30%
+    plan fits. Predicted overhead never rises with the budget, and the program is exact (its peak
+    as fitted counts kernel workspaces: ``plan.peak`` is the allocator bound)."""
+    from remat.ir import Module
+    from remat.plan.simulator import predict_peak
+    from remat.runtime.vm import VM
+
+    model, example, loss_fn = residual_cnn()
+    peak = remat.compile(model, example, loss_fn).unconstrained_peak
+    overheads = []
+    for f in (0.30, 0.38, 0.45, 0.53):
+        forget_plans()
+        model, example, loss_fn = residual_cnn()
+        step = remat.compile(model, example, loss_fn, budget=int(f * peak))
+        plan = step.compilation.plan
+        args = step.binding.step_args(step.signature.example, copy=True, step=1)
+        _, stats = VM(Module([plan.program]), dialects=step.dialects).run(plan.program.name, *args)
+        assert stats.peak_bytes == predict_peak(plan.program) and plan.peak <= int(f * peak)
+        overheads.append(plan.overhead)
+    assert all(b <= a for a, b in zip(overheads, overheads[1:])), overheads
 
 
 def test_near_the_floor_the_milp_searches_the_greedys_neighbourhood_and_the_plan_stays_exact(monkeypatch):
@@ -114,7 +124,7 @@ def test_near_the_floor_the_milp_searches_the_greedys_neighbourhood_and_the_plan
     c = _plan(step, b)
     notes = "\n".join(c.notes)
     assert "MILP on its neighbourhood" in notes and f"won: {c.solver}" in notes
-    assert any(f"status {s}" in notes for s in ("optimal", "time_limit", "infeasible")), notes
+    assert any(f"status {s}" in notes for s in ("optimal", "node_limit", "infeasible")), notes
     args = step.binding.step_args(step.signature.example, copy=True, step=1)
 
     def run(program):

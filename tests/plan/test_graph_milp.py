@@ -117,7 +117,8 @@ def test_a_window_over_every_stage_is_the_whole_milp(seed):
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
     T = len(g.compute_nodes)
-    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, window_stages=T, max_vars=(10**9,))
+    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, window_stages=T, max_vars=(10**9,),
+                                node_limit=None)
     assert search.statuses == ["optimal"] and search.status == "optimal" and search.improved == 1
     first = list(dict.fromkeys(schedule_computes(greedy.schedule)))
     whole = solve_milp(g, greedy.peak, time_limit=60, order=first, mip_rel_gap=0)
@@ -138,7 +139,11 @@ def test_neighbourhood_windows_never_cost_more_nor_peak_higher(kind, n, improves
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
     search = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
-    assert search.statuses and set(search.statuses) <= {"optimal", "time_limit", "no_solution", "infeasible"}
+    assert search.statuses and set(search.statuses) <= {"optimal", "node_limit", "no_solution", "infeasible"}
+    again = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
+    assert again.statuses == search.statuses and (again.plan is None) == (search.plan is None)  # node-limited: deterministic
+    if search.plan is not None:
+        assert again.plan.schedule == search.plan.schedule
     assert (search.plan is not None) == improves  # small windows: solved to optimality, so deterministic
     if search.plan is not None:
         assert evaluate(g, search.plan.schedule) == (search.plan.cost, search.plan.peak)

@@ -69,6 +69,7 @@ __all__ = [
     "milp_min_peak",
     "MinPeak",
     "solve_with_fallback",
+    "MILP_NODE_LIMIT",
     "improve_in_windows",
     "WindowSearch",
 ]
@@ -108,6 +109,10 @@ class _Model:
     n_rows: int
     cost_scale: float  # seconds per objective unit
 
+
+MILP_NODE_LIMIT = 2000
+"""Branch-and-bound nodes the whole-graph MILP may explore under ``"auto"``: its deterministic work
+limit (the time limit then only guards against a runaway solve, whose answer is discarded)."""
 
 MILP_MAX_NODES = 64
 """Largest instruction graph (compute nodes) the whole-graph MILP is tried on under ``"auto"``:
@@ -298,16 +303,27 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
     )
 
 
-def _solve(model: _Model, time_limit: float, mip_rel_gap: float):  # -> OptimizeResult
+def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int | None = None):  # -> OptimizeResult
+    """HiGHS on ``model``. ``node_limit``: branch-and-bound nodes, a deterministic bound on the work
+    (HiGHS runs single-threaded, so the same model gives the same answer under any machine load);
+    ``time_limit`` (seconds) then only guards against a runaway solve (:func:`_timed_out`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
+    options = {"time_limit": max(0.05, time_limit), "mip_rel_gap": mip_rel_gap, "disp": False}
+    if node_limit is not None:
+        options["node_limit"] = int(node_limit)
     return milp(
         model.c,
         constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
         integrality=model.integrality,
         bounds=Bounds(model.lb, model.ub),
-        options={"time_limit": max(0.05, time_limit), "mip_rel_gap": mip_rel_gap, "disp": False},
+        options=options,
     )
+
+
+def _timed_out(res) -> bool:
+    """Whether HiGHS stopped at its time limit: what it found then depends on the machine's load."""
+    return res.status == 1 and "time limit" in str(res.message).lower()
 
 
 def _extract(model: _Model, x: np.ndarray) -> list[int]:
@@ -384,6 +400,7 @@ def solve_milp(
     order: Sequence[int] | None = None,
     mip_rel_gap: float = 1e-4,
     min_peak_time_limit: float | None = None,
+    node_limit: int | None = None,
 ) -> Solution:
     """Minimum-recomputation schedule with peak <= ``budget`` bytes (Checkmate MILP).
 
@@ -398,6 +415,11 @@ def solve_milp(
     minimum in this schedule space when solved within ``min_peak_time_limit``,
     default ``time_limit``, else a valid lower bound).  Raises
     :class:`NoSolutionFound` when no feasible schedule was found in time.
+
+    ``node_limit``: branch-and-bound nodes HiGHS may explore (deterministic work); with it, the
+    answer is a function of the inputs: a solve the time limit stops is discarded
+    (:class:`NoSolutionFound`) rather than returning a load-dependent incumbent (status ``node_limit``
+    when the node limit stopped it with a plan).
     """
     t0 = time.perf_counter()
     budget = int(budget)
@@ -424,8 +446,11 @@ def solve_milp(
         model = _build(g, cap, max(cap, 1) / 1000.0)
         t_build = time.perf_counter() - t0
         left = time_limit - t_build
-        res = _solve(model, left, mip_rel_gap)
+        res = _solve(model, left, mip_rel_gap, node_limit=node_limit)
         elapsed = time.perf_counter() - t0
+        if node_limit is not None and _timed_out(res):
+            raise NoSolutionFound(budget, time_limit, elapsed, "stopped by the time limit before its node limit "
+                                  "(its incumbent would depend on the machine's load)")
         if res.status == 2:
             mp = milp_min_peak(
                 graph, order=order,
@@ -445,7 +470,7 @@ def solve_milp(
         if res.x is None:
             raise NoSolutionFound(budget, time_limit, elapsed, str(res.message))
         seq = [back[v] for v in _extract(model, res.x)]
-        status = "optimal" if res.status == 0 else "time_limit_feasible"
+        status = "optimal" if res.status == 0 else "node_limit_feasible" if node_limit is not None else "time_limit_feasible"
         plan = make_plan(graph, seq, solver="milp", status=status, seconds=elapsed, budget=budget)
         plan.objective = float(res.fun) * model.cost_scale
         gap = getattr(res, "mip_gap", None)
@@ -473,6 +498,7 @@ def solve_with_fallback(
     time_limit: float = 30.0,
     milp_max_nodes: int = MILP_MAX_NODES,
     order: Sequence[int] | None = None,
+    node_limit: int | None = None,
 ) -> Solution:
     """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
     graph has at most ``milp_max_nodes`` compute nodes, the MILP under
@@ -500,7 +526,7 @@ def solve_with_fallback(
         )
         return greedy_plan
     try:
-        plan = solve_milp(graph, budget, time_limit=time_limit, order=order)
+        plan = solve_milp(graph, budget, time_limit=time_limit, order=order, node_limit=node_limit)
     except NoSolutionFound as e:
         if greedy_plan is None:
             raise errors[0] from e
@@ -529,17 +555,27 @@ WINDOW_STAGES = 4
 MAX_WINDOWS = 8
 """Windows one :func:`improve_in_windows` solves at most (costliest recomputation first)."""
 
-WINDOW_MAX_VARS: tuple[int, ...] = (300, 1500)
+WINDOW_MAX_VARS: tuple[int, ...] = (300, 800)
 """Per pass of :func:`improve_in_windows`, the variables a window's MILP may have before its
 stages are halved: first small windows (solved to optimality in milliseconds), then wider ones."""
+
+WINDOW_NODE_LIMIT = 30
+"""Branch-and-bound nodes one window's HiGHS may explore: the search's work limit. A node count,
+not seconds, so the search, and the plan, are the same on any machine under any load."""
+
+WINDOW_SAFETY_SECONDS = 60.0
+"""Wall seconds after which :func:`improve_in_windows` stops as a guard against a runaway solve (a
+window stopped by it is discarded). With the node limit it is not reached on this project's models;
+were it reached, the plan would depend on the machine, and the notes say so."""
 
 
 @dataclass
 class WindowSearch:
     """What :func:`improve_in_windows` did. ``plan``: the improved plan, None when no window
-    lowered the cost. ``statuses``: per window solved, ``optimal`` / ``time_limit`` (HiGHS stopped
-    at its time limit with a solution) / ``no_solution`` (none found in time) / ``infeasible``
-    (the window's model has no schedule, e.g. the fixed schedule's order inside a stage differs)."""
+    lowered the cost. ``statuses``: per window solved, ``optimal`` / ``node_limit`` (HiGHS stopped
+    at its node limit with a solution, used) / ``no_solution`` (none found within the node limit) /
+    ``infeasible`` (the window's model has no schedule, e.g. the fixed schedule's order inside a
+    stage differs) / ``time_limit`` (the wall-clock guard stopped it: discarded, the search ends)."""
 
     plan: Solution | None
     statuses: list[str]
@@ -548,10 +584,12 @@ class WindowSearch:
 
     @property
     def status(self) -> str:
-        """One word for the whole search: ``optimal`` when every window was, else the worst seen."""
-        for s in ("no_solution", "time_limit", "infeasible"):
+        """One word for the whole search: ``optimal`` when every window was, else the worst seen
+        (``time_limit``: the wall-clock guard stopped a window, whose answer was discarded;
+        ``node_limit``: a window's HiGHS stopped at its node limit, deterministically)."""
+        for s in ("time_limit", "no_solution", "node_limit", "infeasible"):
             if s in self.statuses:
-                return "time_limit" if s == "no_solution" else s
+                return "node_limit" if s == "no_solution" else s
         return "optimal" if self.statuses else "not_run"
 
 
@@ -590,18 +628,20 @@ def _live_at_stages(g: Graph, seq: Sequence[int], ends: Sequence[int]) -> list[f
     return out
 
 
-def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: float = 3.0,
+def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: float = WINDOW_SAFETY_SECONDS,
                        window_stages: int = WINDOW_STAGES, max_windows: int = MAX_WINDOWS,
-                       window_time_share: float = 0.5, max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
+                       node_limit: int | None = WINDOW_NODE_LIMIT,
+                       max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
     """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of at
     most ``window_stages`` consecutive stages of its schedule is re-solved by HiGHS with
     everything before and after it fixed, peak <= ``cap`` bytes, the window of the costliest
     recomputation first, each improvement kept. Stages follow the order of ``plan``'s first
     computations. One pass per entry of ``max_vars``, each of at most ``max_windows`` windows:
     a window's stages are halved until its model has at most that many variables (small models
-    are solved to optimality in milliseconds; the later, larger ones may stop at the time limit).
-    ``time_limit`` (seconds) bounds the whole search; one window's HiGHS gets at most
-    ``window_time_share`` of it (or its even share of what is left, if more)."""
+    are solved to optimality in milliseconds; the later, larger ones may stop at the node limit).
+    The work is bounded by counts (windows, variables, ``node_limit`` branch-and-bound nodes per
+    window), so the result is a function of the inputs alone; ``time_limit`` (seconds) is only a
+    guard against a runaway solve: a window it stops is discarded and the search ends there."""
     t0 = time.perf_counter()
     computes = schedule_computes(plan.schedule)
     g, back = graph.permuted(list(dict.fromkeys(v for v in computes if not graph[v].is_input)))
@@ -612,11 +652,10 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
     nodes = g.nodes
     statuses: list[str] = []
     improved = 0
-    n_windows = max_windows * len(max_vars)
     for cap_vars in max_vars:
         visited: set[int] = set()
         for _ in range(max_windows):
-            if time.perf_counter() - t0 >= time_limit:
+            if "time_limit" in statuses:
                 break
             ends = _stage_ends(g, seq)
             if ends is None:
@@ -641,15 +680,17 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
                     break
                 width //= 2
             visited.update(range(a, b))
-            left = time_limit - (time.perf_counter() - t0)
-            res = _solve(model, min(left, max(window_time_share * time_limit, left / (n_windows - len(statuses)))), 1e-4)
+            res = _solve(model, time_limit - (time.perf_counter() - t0), 1e-4, node_limit=node_limit)
+            if _timed_out(res):
+                statuses.append("time_limit")  # load-dependent: discarded
+                break
             if res.status == 2:
                 statuses.append("infeasible")
                 continue
             if res.x is None:
                 statuses.append("no_solution")
                 continue
-            statuses.append("optimal" if res.status == 0 else "time_limit")
+            statuses.append("optimal" if res.status == 0 else "node_limit")
             cand_seq = seq[:starts[a]] + _extract(model, res.x) + seq[ends[b - 1] + 1:]
             cand_cost, cand_peak = evaluate(g, eager_frees(g, cand_seq))
             if cand_peak <= cap and cand_cost < cost * (1 - 1e-9):

@@ -5,12 +5,16 @@ program, the budget, per-instruction costs), so the policy is testable without t
 planner yields a :class:`~.record.Plan` (its program already lowered, so its exact peak is known);
 the cheapest candidate whose program fits wins. Overhead means one thing everywhere:
 recomputation cost as a fraction of the unconstrained compute cost (0.1 = +10%, 0 = none), scored
-on one cost model for every planner (:mod:`.costmodel`). Candidates lowered for one budget are kept
-(:class:`~.frontier.Frontier`) and compete at every later budget of the same step, so a larger
-budget never gets a costlier plan than a smaller one did in the same process (the precise
-guarantee is in :mod:`.frontier`). When the winner is a greedy plan that recomputes much (near
-the floor), the MILP searches its neighbourhood under a small time limit
-(:func:`.milp.improve_in_windows`) and the cheaper of the two wins; the notes say which.
+on one cost model for every planner (:mod:`.costmodel`).
+
+The answer is a function of the step and the budget alone, whatever was planned before and however
+loaded the machine: every planner is deterministic (the MILPs' work is bounded by node counts, not
+seconds), and what is cached across budgets (:mod:`.frontier`) does not depend on the budget that
+computed it. A larger budget should never get a costlier plan; heuristics are not monotone in the
+budget, so the greedy also plans the points of a ladder of budgets fixed by the step
+(:func:`ladder_points`) below the budget asked for, and its plans there compete. When the winner
+recomputes much (near the floor), block-internal plans and the MILP on the greedy's neighbourhood
+(:func:`.milp.improve_in_windows`) may improve it; the notes say which plan won.
 """
 from __future__ import annotations
 
@@ -39,14 +43,30 @@ def uses_milp(solver: str, n_nodes: int) -> bool:
     return SOLVERS["milp"].admits(solver, n_nodes)
 
 
+LADDER_STEPS = 32
+"""The ladder of a step: the budgets ``top * (1 - k / LADDER_STEPS)``, ``k = 1, 2, ...``, where ``top``
+is the unconstrained step's peak (3.1% apart). They depend on the step alone, never on the budget
+asked for, so every budget above a ladder point sees the plans made there."""
+
+
+def ladder_points(top: int, budget: int) -> list[int]:
+    """The ladder's budgets (bytes) below ``budget``, highest first (:data:`LADDER_STEPS`)."""
+    pts = (top * (LADDER_STEPS - k) // LADDER_STEPS for k in range(1, LADDER_STEPS))
+    return [g for g in pts if g < budget]
+
+
 def plan_step(p: StepProblem) -> Plan:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
-    over blocks cut at separators and the instruction-level solvers run; their candidates, and
-    those lowered earlier for other budgets of this step (:func:`~.frontier.frontier_for`), are
-    scored on one cost model and the cheapest that fits wins. Raises ``BudgetTooSmall`` with the
-    smallest minimum found."""
+    over blocks cut at separators and the instruction-level solvers run at the budget, and the
+    greedy also at the points of the step's ladder below it (:func:`ladder_points`, while they give
+    cheaper plans; the chain DP is monotone in its model already); every candidate is scored on one
+    cost model and the cheapest that fits wins. Near the floor, block-internal plans
+    and the MILP on the greedy's neighbourhood (deterministic: node limits) may improve it. The
+    answer is a function of the step and the budget alone: plans cached from earlier budgets
+    (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
+    minimum found."""
     t0 = time.perf_counter()
     check_option(p.solver)
     peak = fit_peak(p, p.unconstrained)
@@ -58,7 +78,6 @@ def plan_step(p: StepProblem) -> Plan:
     from .scheduling import memory_aware_orders
 
     frontier = frontier_for(p)
-    earlier = frontier.best(p.budget)
     model = CostModel(p.costs)
     base = model.program_cost(p.unconstrained)
     # The graph model, with the gradients the step consumes at once as transients (``p.consumed``),
@@ -70,6 +89,7 @@ def plan_step(p: StepProblem) -> Plan:
     lows = [(p, low)]
     if p.consumed and p.solver in ("auto", "greedy"):
         lows.append((replace(p, solver="greedy"), to_graph(p.joint, p.costs, workspaces=p.workspaces)))
+    lows = [(q, g, memory_aware_orders(g.graph)) for q, g in lows]  # siblings together, then as scheduled
     lowered: list[Plan] = []
     minimums: list[int] = []
     remarks: list[str] = []
@@ -77,26 +97,30 @@ def plan_step(p: StepProblem) -> Plan:
     chain = plan_blocks(p, lowered, deferred)
     if isinstance(chain, int):
         minimums.append(chain)
-    for q, g in lows:
-        for k, order in enumerate(memory_aware_orders(g.graph)):  # siblings together, then as scheduled
-            # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order: its
-            # time limit bounds the step's planning, not each order's.
+    for q, g, orders in lows:
+        for k, order in enumerate(orders):
+            # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order.
             qk = replace(q, solver="greedy") if k and q.solver == "auto" else q
             try:
-                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan) and earlier is None,
-                           lowered=lowered)
+                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan), lowered=lowered)
             except BudgetTooSmall as e:
                 minimums.append(e.minimum)
 
-    def score(cands: list[Plan]) -> None:  # one cost model for every planner's program
+    def score(cands: list[Plan], at: int) -> None:  # one cost model for every planner's program
         for c in cands:
             c.peak = fit_peak(p, c.program) if c.peak is None else c.peak
             c.overhead = program_overhead(model, c.program, base)
-            c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(p.budget)} ({p.budget:,} B)"]
-        frontier.add_all(cands)
+            c.notes = c.notes + [f"lowered while planning a budget of {format_bytes(at)} ({at:,} B)"]
 
-    score(lowered)
-    best = frontier.best(p.budget)
+    score(lowered, p.budget)
+    best = _cheapest(lowered, p.budget)
+    ladder = _plan_ladder(p, peak, lows, frontier, score, None if best is None else best.overhead)
+    lowered += ladder
+    best = _cheapest(lowered, p.budget)
+    if ladder:
+        remarks.append(f"ladder: {len({c.budget for c in ladder})} budgets below this one planned by the greedy, "
+                       f"{sum(1 for c in ladder if c.peak <= p.budget)} of their plans fit"
+                       + (f"; one of them won" if best is not None and any(best is c for c in ladder) else ""))
     if deferred and (best is None or best.overhead > NEAR_FLOOR_OVERHEAD):
         # Block-internal plans (.inner) cost a few times the chain DP: tried only when no plan fits
         # or the best one recomputes much (a 64-layer GPT at 50%: the greedy's +9% wins, 19 s of
@@ -104,28 +128,69 @@ def plan_step(p: StepProblem) -> Plan:
         found = plan_inner(p, deferred)
         news = [r for r in found if isinstance(r, Plan)]
         minimums += [r for r in found if isinstance(r, int)]
+        score(news, p.budget)
         lowered += news
-        score(news)
         if news:
             chain = min(news + ([chain] if isinstance(chain, Plan) else []), key=lambda c: c.overhead)
-        best = frontier.best(p.budget)
+        best = _cheapest(lowered, p.budget)
     better = _improve_near_floor(p, low, best, frontier, model, base, remarks, lowered)
     if better is not None:
         lowered.append(better)
-        frontier.add(better)
-        best = frontier.best(p.budget)
+        best = _cheapest(lowered, p.budget)
     if best is None:
-        known = minimums + ([frontier.minimum()] if frontier.minimum() is not None else [])
+        known = minimums + [c.peak for c in lowered]
         raise BudgetTooSmall(p.budget, min(known), "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
     fits = 1 + sum(1 for c in others if c.solution is not best.solution)
     remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
                    f" (the least predicted overhead of {fits} plan{'s' if fits > 1 else ''} that fit)")
+    shown = [c for c in others if not any(c is x for x in ladder)]
     best = Plan(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                           for c in others] + _why_not_chain(chain, p.budget, best) + remarks,
+                                           for c in shown] + _why_not_chain(chain, p.budget, best) + remarks,
                 best.program.clone(), best.overhead, best.solution, best.peak, p.budget, time.perf_counter() - t0)
     verify(Module([best.program]))
     return best
+
+
+def _cheapest(cands: Sequence[Plan], budget: int) -> Plan | None:
+    """The least predicted overhead among ``cands`` that fit ``budget`` (ties: the lower peak, then the
+    first made), or None."""
+    fits = [(c.overhead, c.peak, k) for k, c in enumerate(cands) if c.peak <= budget]
+    return cands[min(fits)[2]] if fits else None
+
+
+def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: float | None) -> list[Plan]:
+    """The greedy's plans (on each graph model, first order) at the ladder points below ``p.budget``
+    (:func:`ladder_points`), highest first, while they improve on the best plan so far (``best``: the
+    overhead of the cheapest plan made at the budget itself; ``None``, none fits): the descent stops
+    after :data:`LADDER_PATIENCE` points in a row whose plans are no cheaper, or at one that fits
+    nothing. Each point's plans depend on the step and the point alone (and are cached as such in
+    ``frontier``), so a plan a lower budget gets from a point this descent reaches, this budget gets
+    too. Scored (``score``) and returned, fitting or not."""
+    out: list[Plan] = []
+    misses = 0
+    for g in ladder_points(top, p.budget):
+        plans = frontier.ladder.get(g)
+        if plans is None:
+            plans = []
+            for q, low, orders in lows:  # the first order only (siblings together): the ladder is a safety net
+                plan_graph(replace(q, budget=g, solver="greedy"), low, orders[0], need_minimum=False, lowered=plans,
+                           probes=LADDER_PROBES)
+            for c in plans:
+                c.budget = g
+            score(plans, g)
+            frontier.ladder[g] = plans
+        out += plans
+        here = _cheapest(plans, g)
+        if here is None:
+            break  # below the greedy's floor
+        if best is not None and here.overhead >= best:
+            misses += 1
+            if misses == LADDER_PATIENCE:
+                break  # no cheaper here: lower points, planned for less memory, rarely are
+        else:
+            best, misses = here.overhead, 0
+    return out
 
 
 def minimum_budget(p: StepProblem) -> int:
@@ -143,24 +208,24 @@ def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model:
                         remarks: list[str], lowered: Sequence[Plan] = ()) -> Plan | None:
     """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
     the MILP on the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one
-    a chain plan beat: the MILP often improves the greedy's past it), under a small time limit and
-    once per plan (``frontier.searched``): its plan, peaking no higher in the graph model, lowered
-    and scored on the one cost model, or None. Says what it did in ``remarks``."""
+    a chain plan beat: the MILP often improves the greedy's past it), its work bounded by node counts
+    and its result a function of that plan alone (cached per plan in ``frontier``): its plan, peaking
+    no higher in the graph model, lowered and scored on the one cost model, or None. Says what it
+    did in ``remarks``."""
     from .milp import improve_in_windows
     from .rematerialize import from_schedule
 
     if best is None or not improves_neighbourhood(p.solver, best.overhead):
         return None
-    greedy = [c for c in list(lowered) + frontier.plans
+    greedy = [c for c in lowered
               if c.solution is not None and c.solution.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
     if not greedy:
         return None
-    start = min(greedy, key=lambda c: (c.overhead, c.peak))
+    start = greedy[min((c.overhead, c.peak, k) for k, c in enumerate(greedy))[2]]
     plan = start.solution
-    if any(c is start for c in frontier.searched):
-        return None
-    frontier.searched = [c for c in frontier.searched if any(c is q for q in frontier.plans)] + [start]
-    search = improve_in_windows(low.graph, plan, plan.peak, time_limit=min(p.milp_time_limit, NEIGHBOURHOOD_TIME_LIMIT))
+    key = ("windows", tuple(plan.schedule))
+    search = frontier.cached(key, lambda: improve_in_windows(low.graph, plan, plan.peak,
+                                                             time_limit=NEIGHBOURHOOD_TIME_LIMIT))
     what = (f"near the floor (the greedy's plan: predicted overhead {start.overhead:+.1%}): MILP on its neighbourhood, "
             f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
     if search.plan is None:
@@ -200,8 +265,39 @@ def _solve_graph(graph: Graph, budget: int, order: Sequence[int], solver: str, m
     return graph_solver(solver, len(graph.compute_nodes), main)(graph, budget, order, time_limit)
 
 
+PROBES = ((0.88, 0.92, 0.96, 1.0), (0.1, 0.25, 0.5))
+"""The model budgets :func:`plan_graph` probes: fractions of its start (the budget less the step's
+extra bytes), and fractions of the way from there to the joint's unconstrained peak."""
+
+LADDER_PATIENCE = 2
+"""Ladder points in a row without a cheaper plan after which the descent stops."""
+
+LADDER_PROBES = ((0.88, 1.0), ())
+"""The probes at a ladder point (:func:`plan_step`): the grid points below its start, none above."""
+
+
+MODEL_GRID = 64
+"""Model budgets are probed on a grid of the joint's unconstrained peak in steps of 1/MODEL_GRID, fixed by
+the step: neighbouring budgets probe the same model budgets, so they see the same greedy plans."""
+
+
+def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> list[int]:
+    """The graph-model budgets (bytes) probed for a plan whose model budget is ``start`` (``hi``: the
+    joint's unconstrained peak), ascending: the grid points (:data:`MODEL_GRID`) between
+    ``min(probes[0]) * start`` and ``start``, always the highest one at most ``start``, and with the
+    default probes ``start`` itself (it uses the whole budget: the plan neighbouring budgets share
+    may use less), then for each fraction ``f`` of ``probes[1]``, ``start + (hi - start) * f``."""
+    grid = [hi * k // MODEL_GRID for k in range(MODEL_GRID + 1)]
+    below = [g for g in grid if g <= start]
+    lo = min(probes[0]) * start
+    out = sorted({g for g in below if g >= lo} | set(below[-1:]) | ({start} if start > 0 and probes is PROBES else set()))
+    above = sorted({int(start + (hi - start) * f) for f in probes[1]} - set(out))
+    return out + above
+
+
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
-               max_overhead: float = 2.0, lowered: list[Plan] | None = None) -> Plan | None:
+               max_overhead: float = 2.0, lowered: list[Plan] | None = None,
+               probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> Plan | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
     lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
@@ -222,18 +318,18 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     # the step consumes it as soon as it exists (``p.consumed``: then it is a transient of the node
     # computing it); the step program adds the state and consumes gradients early, so a plan
     # peaking at ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
-    # a portfolio of model budgets around that point is solved and the cheapest plan whose
-    # exact program peak fits is kept.
+    # a portfolio of model budgets around that point, on a grid fixed by the step (neighbouring
+    # budgets see the same plans), is solved and the cheapest plan whose exact program peak fits is kept.
     hi = predict_peak(p.joint)
     start = p.budget - p.extra_bytes
-    probes = sorted({int(start * f) for f in (0.88, 0.92, 0.96, 1.0)} |
-                    {int(start + (hi - start) * f) for f in (0.1, 0.25, 0.5)})
+    models = model_budgets(start, hi, probes)
+    main = max((m for m in models if m <= start), default=None)  # the whole-graph MILP's probe
     plans = []
-    for m in probes:
+    for m in models:
         if m <= 0:
             continue
         try:
-            plan = _solve_graph(low.graph, m, order, p.solver, m == start, p.milp_time_limit)
+            plan = _solve_graph(low.graph, m, order, p.solver, m == main, p.milp_time_limit)
         except BudgetTooSmall:
             continue
         if plan is not None:

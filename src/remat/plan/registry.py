@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from .graph import Graph
 from .record import Solution
-from .milp import MILP_MAX_NODES
+from .milp import MILP_MAX_NODES, MILP_NODE_LIMIT
 
 if TYPE_CHECKING:
     from .chain.costs import ChainCosts
@@ -57,7 +57,8 @@ def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) ->
 def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
     from .milp import solve_with_fallback
 
-    return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES)
+    return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES,
+                               node_limit=MILP_NODE_LIMIT)
 
 
 def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution | None:
@@ -90,8 +91,8 @@ SOLVERS: dict[str, Solver] = {s.name: s for s in (
     Solver("chain", "chain", "the thesis DP over blocks cut at separators (extended model: per block, keep "
            "output or whole tape)", method="extended", minimum=_chain_minimum),
     # Graph solvers, tried in this order: the first one admitted at a probe runs.
-    Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit; under 'auto' with the greedy "
-           "as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
+    Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit when named; under 'auto' "
+           "bounded by a node limit instead (deterministic), with the greedy as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
            minimum=_milp_minimum),
     Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy,
            minimum=_greedy_minimum),
@@ -105,15 +106,16 @@ SOLVER_OPTIONS: tuple[str, ...] = ("auto", *sorted(s.name for s in GRAPH_SOLVERS
 
 NEIGHBOURHOOD_OPTIONS: tuple[str, ...] = ("auto", "milp")
 """Options under which a costly greedy plan is improved by the MILP on its neighbourhood
-(:func:`.milp.improve_in_windows`, time-limited, so machine-dependent); ``"greedy"`` keeps every
-plan deterministic (golden plans use it)."""
+(:func:`.milp.improve_in_windows`, its work bounded by node counts, so deterministic); ``"greedy"``
+skips it (golden plans use it)."""
 
 NEAR_FLOOR_OVERHEAD = 0.15
 """The greedy's predicted overhead above which the neighbourhood MILP runs: high recomputation
 happens near the minimum budget, where the greedy pays most; below it setup time does not grow."""
 
-NEIGHBOURHOOD_TIME_LIMIT = 3.0
-"""Seconds the neighbourhood MILP may take per budget (less when ``milp_time_limit`` is smaller)."""
+NEIGHBOURHOOD_TIME_LIMIT = 30.0
+"""Wall seconds after which the neighbourhood MILP stops, as a guard only: its work is bounded by
+node counts (:data:`.milp.WINDOW_NODE_LIMIT`), and a window the guard stops is discarded."""
 
 
 def improves_neighbourhood(option: str, greedy_overhead: float) -> bool:

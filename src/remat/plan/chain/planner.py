@@ -32,6 +32,7 @@ class ChainPlanner:
         self.binding, self.finish, self.peak_fn = binding, finish, peak_fn
         self.what = what or f"this {len(stages)}-stage chain"
         self._compiled: dict = {}
+        self._tables: dict = {}  # the extended DP's tables, kept across budgets (read at every smaller one)
 
     def compile(self, solution: Solution, budget: int) -> Plan:
         """``solution`` compiled into a program (once per schedule), with the program's exact peak."""
@@ -69,7 +70,7 @@ class ChainPlanner:
                 raise BudgetTooSmall(budget, plan.peak, f"{what}, whose plan ignores the budget")
             return plan
 
-        tables: dict = {}  # the DP's tables, solved once at the widest budget and read at every probe
+        tables = self._tables  # the DP's tables, solved once at the widest budget and read at every probe
 
         def attempt(m: int) -> Plan:
             return self.compile(solve(self.costs, m, method=method, bucket=bucket, tables=tables), budget)
