@@ -9,6 +9,7 @@ record, and the two agree byte for byte.
 from __future__ import annotations
 
 from ..ir import Function
+from ..ir.ops.optim import UPDATE_OPS
 from ..accounting import KindBytes
 
 KINDS = ("parameters", "gradients", "reduced gradients", "optimizer state", "activations", "communication", "inputs")
@@ -48,7 +49,7 @@ def kinds(fn: Function, n_params: int, state_args: range) -> dict:
             continue
         if name in ("all_reduce", "reduce_scatter"):
             grad.update(ins.operands)
-        elif name in ("sgd_step", "adam_step"):
+        elif name in UPDATE_OPS:
             grad.add(ins.operands[1])
         elif name in _MOVES and any(r in grad for r in ins.results):
             grad.update(ins.operands)

@@ -85,11 +85,7 @@ def data_parallel_step(joint: Function, layout: Layout, updates: list[ParamUpdat
     shards = [dp.shard(p.type.numel) for p in joint.params[:layout.n_params]]
 
     at: dict[int, list[int]] = {}
-    where = update_points(joint, layout)
-    if guard == "loss":  # no bucket before the loss is known
-        loss_at = next((i for i, ins in enumerate(body) if ret.operands[0] in ins.results), -1)
-        where = [max(w, loss_at) for w in where]
-    for k, w in enumerate(where):
+    for k, w in enumerate(update_points(joint, layout, after_loss=guard == "loss")):  # the guard: no bucket before the loss
         at.setdefault(w, []).append(k)
 
     pending: list[tuple[list[int], list[Value], list[Value]]] = []  # guard: reduced buckets awaiting the flag

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..ir import Function, Instruction, Module
+from ..ir.ops.optim import UPDATE_OPS
 
 _CACHE: dict[str, int] = {}  # _key(...) -> workspace bytes (also on disk: cache_file())
 
@@ -79,20 +80,14 @@ def _zeros(t) -> Any:
     return torch.zeros(t.shape, dtype=_torch_dtype(t.dtype.value))
 
 
-STEADY_STEP_OPS = ("sgd_step", "adam_step")
-"""Optimizer updates whose operands end with the 1-based step count, the hyperparameters and the skip
-flag: measured (not skipped)
-at step 2, their steady state (SGD's first step only copies the gradient into the momentum buffer and
-allocates nothing; every later step's ``mul_(momentum)`` allocates scalar temporaries), with every
-hyperparameter non-zero (momentum, dampening and weight decay on: the costliest form, since a
-schedule may change them at run time)."""
-
-
 def _operands(ins: Instruction) -> list:
-    """The operands a kernel's workspace is measured on: zeros, but an optimizer's step count 2 and
-    hyperparameters 0.5."""
+    """The operands a kernel's workspace is measured on: zeros, but an optimizer update's
+    (``UPDATE_OPS``) step count 2 and hyperparameters 0.5: its steady state (SGD's first step only
+    copies the gradient into the momentum buffer and allocates nothing; every later step's
+    ``mul_(momentum)`` allocates scalar temporaries), with every hyperparameter non-zero (the
+    costliest form, since a schedule may change them at run time); skip flag false."""
     args = [_zeros(v.type) for v in ins.operands]
-    if ins.op.name in STEADY_STEP_OPS:
+    if ins.op.name in UPDATE_OPS:
         args[-3].fill_(2)
         args[-2].fill_(0.5)  # args[-1], skip: false
     return args

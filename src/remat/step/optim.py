@@ -115,10 +115,6 @@ def hyper_values(u: ParamUpdate, group) -> np.ndarray:
     return np.array([float(values.get(k, 0.0)) for k in HYPER[u.op]], dtype=np.float64)
 
 
-UPDATE_OPS = ("sgd_step", "adam_step")
-"""The ops that update a parameter (their first operand) and its optimizer state in place."""
-
-
 def check_updates(optimizer, params: list, updates: list[ParamUpdate]) -> None:
     """RuntimeError when the optimizer changed what the compiled updates cannot follow: a parameter
     moved to another param group, a group's ``nesterov``, ``maximize``, ``amsgrad`` or momentum on

@@ -89,13 +89,14 @@ def prepare_joint(graph: Module, dialects=None, split_bn_grad: bool = False) -> 
     return cleanup(decompose_unclaimed(split_batch_norms(graph, split_bn_grad), dialects))
 
 
-def update_points(joint: Function, layout: Layout) -> list[int]:
+def update_points(joint: Function, layout: Layout, after_loss: bool = False) -> list[int]:
     """For each parameter, the body position after which its update can go: once its gradient is
     defined, its last read (directly or through a view of it) is done and every index bound has been
     checked (a step is atomic: no update before the last check of a new index; -1: before the first
-    instruction)."""
+    instruction). ``after_loss``: and once the loss is defined (the non-finite guard of the loss)."""
     body = joint.entry.instrs[:-1]
-    grads = joint.entry.instrs[-1].operands[layout.first_grad:]
+    ret = joint.entry.instrs[-1]
+    grads = ret.operands[layout.first_grad:]
     pos_of: dict[object, int] = {}
     last_read = {p: -1 for p in joint.params[: layout.n_params]}
     param_of: dict[Value, Value] = {p: p for p in last_read}  # a parameter, or a view of one (reshape, ...)
@@ -109,6 +110,8 @@ def update_points(joint: Function, layout: Layout) -> list[int]:
             if ins.operands[src] in param_of:
                 param_of[ins.results[k]] = param_of[ins.operands[src]]
     barrier = last_new_index_check(body)
+    if after_loss:
+        barrier = max(barrier, pos_of.get(ret.operands[0], -1))
     return [max(pos_of.get(grads[k], -1), last_read[joint.params[k]], barrier) for k in range(layout.n_params)]
 
 
@@ -196,10 +199,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     clip = updates and max_grad_norm is not None
     if updates:
         late = keep_grads or clip or guard == "all"
-        where = [len(body) - 1] * layout.n_params if late else update_points(joint, layout)
-        if guard == "loss":  # no update before the loss is known
-            loss_at = next((i for i, ins in enumerate(body) if ret.operands[0] in ins.results), -1)
-            where = [max(w, loss_at) for w in where]
+        where = ([len(body) - 1] * layout.n_params if late
+                 else update_points(joint, layout, after_loss=guard == "loss"))  # the guard: no update before the loss
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
@@ -216,11 +217,13 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
 
     inverse: dict[DType, Value] = {}
 
+    def loss_scale() -> Value:  # fp16: the joint's last input (remat.passes.loss_scale)
+        return vmap[joint.params[layout.n_state + layout.n_inputs - 1]]
+
     def unscaled(g: Value) -> Value:
         dt = g.type.dtype
         if not inverse:
-            scale = vmap[joint.params[layout.n_state + layout.n_inputs - 1]]
-            inverse[DType.f32] = b.op("div", b.op("constant", value=1.0, shape=(), dtype=DType.f32), scale)
+            inverse[DType.f32] = b.op("div", b.op("constant", value=1.0, shape=(), dtype=DType.f32), loss_scale())
         if dt not in inverse:
             inverse[dt] = b.op("cast", inverse[DType.f32], dtype=dt)
         return b.op("mul", g, inverse[dt])
@@ -245,7 +248,7 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
         emit(at.get(i, []))
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
     if loss_scaled:  # the loss as the model computed it (dividing by a power of two is exact)
-        scale = vmap[joint.params[layout.n_state + layout.n_inputs - 1]]
+        scale = loss_scale()
         dt = outs[0].type.dtype
         outs[0] = b.op("div", outs[0], scale if dt == DType.f32 else b.op("cast", scale, dtype=dt))
     if guard:

@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import BudgetTooSmall, NonFiniteStep, StepFailed, format_bytes
-from ..step.optim import UPDATE_OPS, advance_steps, current_state
+from ..ir.ops.optim import UPDATE_OPS
+from ..step.optim import advance_steps, current_state
 from .against import Against, Watch
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
 from .microbatch import MicroBatchingRefused, batch_size

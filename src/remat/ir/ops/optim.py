@@ -19,6 +19,10 @@ from ..types import DType, TensorType
 from ._util import expect_float, max_numel, per_output, rand
 
 STEP = TensorType(DType.i64, ())
+UPDATE_OPS = ("sgd_step", "adam_step")
+"""The ops that update a parameter (their first operand) and its optimizer state in place; their
+operands end with the 1-based step count, the hyperparameters and the skip flag."""
+
 SKIP = TensorType(DType.bool, ())
 """The ``skip`` operand of the updates: true leaves parameter and state untouched."""
 
