@@ -1,4 +1,4 @@
-"""The ``torch`` dialect: PyTorch kernels (CPU; CUDA when ``torch.cuda.is_available()``).
+"""The ``torch`` dialect: PyTorch kernels, on :data:`DEVICE` (the CPU, or the device of the VM running them).
 
 Operands arrive as torch tensors on :data:`DEVICE` (the VM converts NumPy arrays zero-copy on
 CPU). Random ops draw with the numpy dialect's own samplers (Philox for uniform/normal, the
@@ -8,7 +8,9 @@ bit-identical samples. Checkers refuse what torch cannot do here
 """
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -19,7 +21,26 @@ from ..ir.types import DType
 from . import kernel, numpy_kernels as npk, out_kernel
 from ._layout import channels_at_1, nchw_kernel
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = torch.device("cpu")
+"""Where the kernels run and create tensors: the CPU, or the device of the VM running them
+(``remat.runtime.vm.VM(device=...)`` sets it for the duration of a run; a compiled step runs on its
+model's device). Never chosen from what the machine has: a CPU model on a machine with a GPU stays
+on the CPU."""
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device | None) -> Iterator[None]:
+    """Kernels run, and their checkers decide, for ``device`` inside the block (None: leave it)."""
+    global DEVICE
+    if device is None:
+        yield
+        return
+    saved, DEVICE = DEVICE, device
+    try:
+        yield
+    finally:
+        DEVICE = saved
+
 
 TORCH_DTYPE = {DType.bool: torch.bool, DType.i32: torch.int32, DType.i64: torch.int64, DType.f16: torch.float16,
                DType.bf16: torch.bfloat16, DType.f32: torch.float32, DType.f64: torch.float64}
@@ -803,6 +824,8 @@ def adam_step(param, grad, m, v, step, hyper, skip, *, decoupled, maximize):
     if skip_now:
         return param, m, v
     if _fusable(param, grad, m, v):
+        if not step.is_cpu:  # the device kernels read their step count as a float on the device
+            step = step.to(torch.float32)
         (torch._fused_adamw_ if decoupled else torch._fused_adam_)(
             [param], [grad], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
             eps=eps, amsgrad=False, maximize=maximize, found_inf=found_inf)

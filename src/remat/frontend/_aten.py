@@ -1265,12 +1265,17 @@ def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training
     A half-precision input with float32 weights or statistics (under ``torch.autocast``, which
     leaves batch norm to ATen's mixed-dtype kernel) is normalised in float32 and rounded back, as
     that kernel computes it; the running statistics stay float32 (the saved mean and invstd are given
-    in the input's dtype, as ATen's are; the backward reads its own float32 ones)."""
+    in the dtype ATen's kernel gives them: the input's on the CPU, float32 on CUDA; the backward
+    reads its own float32 ones)."""
     wide = next((v.type.dtype for v in (weight, bias, running_mean, running_var)
                  if v is not None and v.type.dtype != x.type.dtype), None)
     if wide is not None:
         outs = _batch_norm(L, L.cast(x, wide), weight, bias, running_mean, running_var, training, momentum, eps)
-        return tuple(None if v is None else L.cast(v, x.type.dtype) for v in outs[:3]) + tuple(outs[3:])
+        val = L.meta() if L.node is not None else None
+        given = list(val[:3]) if isinstance(val, (tuple, list)) else []
+        dts = [x.type.dtype] + [to_dtype(t.dtype) if isinstance(t, torch.Tensor) else x.type.dtype
+                                for t in (given + [None] * 3)[1:3]]
+        return tuple(None if v is None else L.cast(v, dt) for v, dt in zip(outs[:3], dts)) + tuple(outs[3:])
     C, dt = x.type.shape[1], x.type.dtype
     affine = weight is not None or bias is not None
     aff = []

@@ -637,10 +637,10 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
     n_user = sum(1 for n in imported.output_names if n == "loss" or n.startswith("output"))
     if len(want) != n_user:
         return f"{len(want)} eager outputs, {n_user} cached"
-    got, _ = run(fn, *imported.arguments(*example_inputs), record="peak")
+    device = next((t.device for t in imported._tensors if isinstance(t, torch.Tensor) and not t.is_cpu), None)
+    got, _ = run(fn, *imported.arguments(*example_inputs), record="peak", outputs="torch", device=device)
     for i, (g, w) in enumerate(zip(got, want)):
-        w = w.detach().cpu()
-        g = torch.from_numpy(np.asarray(g, dtype=np.float64) if w.dtype == torch.bfloat16 else np.asarray(g))
+        w, g = w.detach().cpu(), g.detach().cpu()
         if tuple(g.shape) != tuple(w.shape):
             return f"output {i}: shape {tuple(g.shape)} cached, {tuple(w.shape)} eager"
         if not w.dtype.is_floating_point:

@@ -60,33 +60,43 @@ def peak_of_trace(events: list[tuple[int, int]]) -> tuple[int, int, int]:
     return peak, net, allocated
 
 
-def _key(ins: Instruction, dialect: str) -> str:
+def _key(ins: Instruction, dialect: str, device: Any = None) -> str:
     """What decides a kernel's workspace: dialect, implementation (a dialect may have several per op,
     chosen by their checkers: the torch dialect's MKL and oneDNN products), op, operand types,
-    attributes, threads (a string: the on-disk cache's key)."""
+    attributes, threads, and the device off the CPU (a string: the on-disk cache's key)."""
     import torch
 
     from .. import backends
 
-    return repr((dialect, backends.kernel_for(ins, dialect).fn.__name__, ins.op.name,
-                 tuple(str(v.type) for v in ins.operands), tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())),
-                 torch.get_num_threads()))
+    key = (dialect, backends.kernel_for(ins, dialect).fn.__name__, ins.op.name,
+           tuple(str(v.type) for v in ins.operands), tuple(sorted((k, repr(v)) for k, v in ins.attrs.items())),
+           torch.get_num_threads())
+    return repr(key if device is None else (*key, _device_name(device)))
 
 
-def _zeros(t) -> Any:
+def _device_name(device: Any) -> str:
+    """The device's type and model ("cuda:NVIDIA H200"): what a kernel's workspace depends on."""
+    import torch
+
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _zeros(t, device: Any = None) -> Any:
     """A zero-filled torch tensor of IR type ``t`` (zeros are valid indices, seeds and values)."""
     import torch
 
-    return torch.zeros(t.shape, dtype=_torch_dtype(t.dtype.value))
+    return torch.zeros(t.shape, dtype=_torch_dtype(t.dtype.value), device=device)
 
 
-def _operands(ins: Instruction) -> list:
+def _operands(ins: Instruction, device: Any = None) -> list:
     """The operands a kernel's workspace is measured on: zeros, but an optimizer update's
     (``UPDATE_OPS``) step count 2 and hyperparameters 0.5: its steady state (SGD's first step only
     copies the gradient into the momentum buffer and allocates nothing; every later step's
     ``mul_(momentum)`` allocates scalar temporaries), with every hyperparameter non-zero (the
     costliest form, since a schedule may change them at run time); skip flag false."""
-    args = [_zeros(v.type) for v in ins.operands]
+    args = [_zeros(v.type, device) for v in ins.operands]
     if ins.op.name in UPDATE_OPS:
         args[-3].fill_(2)
         args[-2].fill_(0.5)  # args[-1], skip: false
@@ -227,7 +237,7 @@ def _dialect_of(ins: Instruction, dialects: Sequence[str] | None) -> str:
     return ins.dialect or backends.select(ins, backends.resolve(dialects)).dialect
 
 
-def _kernel_vm(ins: Instruction, dialect: str):
+def _kernel_vm(ins: Instruction, dialect: str, device: Any = None):
     """A VM running ``ins`` alone (its kernel in ``dialect``) as ``@kernel``."""
     from ..ir import Builder
     from .vm import VM
@@ -237,15 +247,19 @@ def _kernel_vm(ins: Instruction, dialect: str):
     new = b.create(ins.op.name, list(f.params), dict(ins.attrs), result_types=[r.type for r in ins.results],
                    dialect=dialect)
     b.ret(*new.results)
-    return VM(Module([f]), dialects=(dialect,))
+    return VM(Module([f]), dialects=(dialect,), device=device)
 
 
-def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | None = None) -> None:
+def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | None = None,
+                       device: Any = None) -> None:
     """Measure (and cache, in the process and on disk) the workspace of every kernel of ``instrs``
     not cached yet: each kernel runs alone on zero-filled operands, ``_REPEATS`` times, all in one
     profiler session (markers separate the kernels), and its workspace is the largest allocator
-    peak of a run beyond its new results. Kernels refusing zeros (none known) count 0."""
-    _measure([(ins, key) for ins in instrs if (key := _kernel_key(ins, dialects)) is not None], dialects)
+    peak of a run beyond its new results. Kernels refusing zeros (none known) count 0. ``device``:
+    a torch device off the CPU (None: the CPU), where the peak is the device allocator's own
+    statistic (``torch.cuda.max_memory_allocated``) around each run."""
+    _measure([(ins, key) for ins in instrs if (key := _kernel_key(ins, dialects, device)) is not None],
+             dialects, device)
 
 
 _KEYS: dict[tuple, str | None] = {}  # an instruction's signature -> its kernel key (_kernel_key)
@@ -265,7 +279,7 @@ def _resolved(dialects: Sequence[str] | None) -> tuple[str, ...]:
     return dialects if isinstance(dialects, tuple) else backends.resolve(dialects)
 
 
-def _kernel_key(ins: Instruction, dialects: Sequence[str] | None) -> str | None:
+def _kernel_key(ins: Instruction, dialects: Sequence[str] | None, device: Any = None) -> str | None:
     """The cache key of ``ins``'s kernel; None when it has no workspace to measure: control ops and
     collectives (effects other than in-place updates: run alone, a collective would wait for ranks
     that do not take part) and NumPy / Numba kernels (their memory is not PyTorch's allocator's).
@@ -276,20 +290,20 @@ def _kernel_key(ins: Instruction, dialects: Sequence[str] | None) -> str | None:
         return None
     try:
         sig = (ins.op.name, tuple(v.type for v in ins.operands), tuple(r.type for r in ins.results),
-               tuple(sorted(ins.attrs.items())), ins.dialect, _resolved(dialects), _threads())
+               tuple(sorted(ins.attrs.items())), ins.dialect, _resolved(dialects), _threads(), device)
         return _KEYS[sig]
     except TypeError:  # an unhashable attribute value: not memoised
         sig = None
     except KeyError:
         pass
     dialect = _dialect_of(ins, dialects)
-    key = None if dialect in ("numpy", "numba") else _key(ins, dialect)
+    key = None if dialect in ("numpy", "numba") else _key(ins, dialect, device)
     if sig is not None:
         _KEYS[sig] = key
     return key
 
 
-def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] | None) -> None:
+def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] | None, device: Any = None) -> None:
     """:func:`measure_workspaces` of instructions already keyed (``_kernel_key``)."""
     global _dirty
     _load()
@@ -302,12 +316,15 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
     runs = []
     for key, (ins, dialect) in todo.items():
         try:
-            vm = _kernel_vm(ins, dialect)
+            vm = _kernel_vm(ins, dialect, device)
         except Exception:  # noqa: BLE001 - a kernel that cannot run alone costs nothing extra
             _CACHE[key] = 0
             continue
         fresh = sum(r.type.nbytes for k, r in enumerate(ins.results) if k not in ins.op.aliases)
-        runs.append((key, vm, _operands(ins), fresh))
+        runs.append((key, vm, _operands(ins, device), fresh))
+    if device is not None:
+        _measure_on_device(runs, device)
+        return
 
     def run_all() -> list[bool]:
         ok = []
@@ -346,26 +363,26 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
     save_cache()
 
 
-def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None) -> int:
+def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None, device: Any = None) -> int:
     """Bytes the kernel of ``ins`` (its assigned dialect) allocates beyond its new results, as
     PyTorch's allocator sees them while the VM runs it (see :func:`measure_workspaces`; measured
     once per kernel and shape and cached). 0 for control ops and for kernels whose memory the
     allocator does not see (NumPy, Numba). ``dialects``: those the VM chooses from when ``ins``
     has none assigned."""
-    key = _kernel_key(ins, dialects)
+    key = _kernel_key(ins, dialects, device)
     if key is None:
         return 0
     if key not in _CACHE:
-        _measure([(ins, key)], dialects)
+        _measure([(ins, key)], dialects, device)
     return _CACHE[key]
 
 
-def workspaces(fn: Function, dialects: Sequence[str] | None = None) -> dict[Instruction, int]:
-    """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes); the kernels not
-    cached yet are measured together, in one profiler session."""
+def workspaces(fn: Function, dialects: Sequence[str] | None = None, device: Any = None) -> dict[Instruction, int]:
+    """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes) on ``device``
+    (None: the CPU); the kernels not cached yet are measured together, in one profiler session."""
     dialects = _resolved(dialects)  # once per function, not per instruction
-    keyed = [(ins, _kernel_key(ins, dialects)) for ins in fn.entry.instrs]
-    _measure([(ins, k) for ins, k in keyed if k is not None], dialects)
+    keyed = [(ins, _kernel_key(ins, dialects, device)) for ins in fn.entry.instrs]
+    _measure([(ins, k) for ins, k in keyed if k is not None], dialects, device)
     return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
 
 
@@ -384,15 +401,51 @@ def cached_workspaces(fn: Function, dialects: Sequence[str] | None = None) -> tu
     return out, len(missing)
 
 
-def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str] | None) -> int:
+def measure_allocator_peak(fn: Function, args: Sequence, dialects: Sequence[str] | None, device: Any = None) -> int:
     """The allocator peak of one VM run of ``fn`` on ``args`` (bytes): the arguments' bytes (as the
-    VM counts them) plus the peak of what the run allocates, from the profiler's memory events."""
+    VM counts them) plus the peak of what the run allocates, from the profiler's memory events (off
+    the CPU: from the device allocator's peak statistic)."""
     from ..runtime.vm import VM
 
-    vm = VM(Module([fn.clone()]) if fn.module is None else fn.module, dialects=dialects)
-    _, events = allocation_trace(lambda: vm.run(fn.name, *args, outputs="torch", record="peak"))
-    return sum(p.type.nbytes for p in fn.params) + peak_of_trace(events)[0]
+    vm = VM(Module([fn.clone()]) if fn.module is None else fn.module, dialects=dialects, device=device)
+    run = lambda: vm.run(fn.name, *args, outputs="torch", record="peak")  # noqa: E731
+    grown = device_peak(run, device) if device is not None else peak_of_trace(allocation_trace(run)[1])[0]
+    return sum(p.type.nbytes for p in fn.params) + grown
 
 
-__all__ = ["allocation_trace", "cache_file", "cached_workspaces", "clear_cache", "kernel_workspace", "measure_allocator_peak",
+def device_peak(fn: Callable[[], Any], device: Any) -> int:
+    """How far the device allocator's allocated bytes rose above their level before ``fn()`` (bytes,
+    as the allocator counts them: blocks rounded up to its granularity)."""
+    import torch
+
+    if device.type != "cuda":
+        raise NotImplementedError(f"measuring allocator peaks on {device.type} (remat measures the CPU and CUDA)")
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - before)
+
+
+def _measure_on_device(runs: list, device: Any) -> None:
+    """:func:`_measure` off the CPU: each kernel's workspace is the device allocator's peak over each
+    run beyond its new results (the largest of ``_REPEATS`` runs after an unmeasured one: what a
+    library allocates once and keeps, such as cuBLAS's workspace, is the process's, not the
+    kernel's); results are freed between runs."""
+    global _dirty
+    for key, vm, args, fresh in runs:
+        ws = 0
+        try:
+            vm.run("kernel", *args, outputs="torch", record="peak")
+            for _ in range(_REPEATS):
+                ws = max(ws, device_peak(lambda: vm.run("kernel", *args, outputs="torch", record="peak"), device) - fresh)
+        except Exception:  # noqa: BLE001 - a kernel that cannot run alone costs nothing extra
+            ws = 0
+        _CACHE[key] = ws
+    _dirty = True
+    save_cache()
+
+
+__all__ = ["allocation_trace", "cache_file", "cached_workspaces", "clear_cache", "device_peak", "kernel_workspace", "measure_allocator_peak",
            "measure_workspaces", "peak_of_trace", "save_cache", "workspaces"]

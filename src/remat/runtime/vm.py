@@ -91,6 +91,20 @@ def _cpu_torch() -> bool:
     return "torch" in sys.modules and _tk().DEVICE.type == "cpu"
 
 
+def device_dialects(device: Any, dialects: Sequence[str] | str | None) -> tuple[str, ...]:
+    """The dialects that may run on ``device`` (a ``torch.device``): all of ``dialects`` on the CPU;
+    elsewhere the torch dialect alone (the default), and a ValueError when others are asked for."""
+    if device is None or device.type == "cpu":
+        return backends.resolve(dialects)
+    if dialects is None:
+        return ("torch",)
+    asked = backends.resolve(dialects)
+    if asked != ("torch",):
+        raise ValueError(f"dialects {', '.join(asked)} cannot run on {device}: off the CPU only the torch dialect "
+                         "runs (NumPy and Numba kernels take host arrays); pass dialects=('torch',) or leave it unset")
+    return asked
+
+
 def _is_family(conv: Callable) -> bool:
     """Whether the VM may skip ``conv`` for values it already converted: true of converters for which
     ``conv(conv(x)) is conv(x)`` (NumPy arrays; torch tensors on the torch device). Operands of a
@@ -219,12 +233,25 @@ class VM:
 
     ``dialects``: the dialects to use (default: the globally enabled ones). Instructions already
     carrying an enabled dialect keep it; the others are assigned the best enabled dialect.
+    ``device``: where the torch dialect's kernels run (a ``torch.device`` or its name; default the
+    CPU). Off the CPU only the torch dialect runs (NumPy and Numba kernels would copy every operand
+    to the host and back, and could not update a device tensor in place): its default dialects are
+    ``("torch",)``, and others asked for are refused.
     """
 
-    def __init__(self, module: Module | Function, dialects: Sequence[str] | str | None = None):
+    def __init__(self, module: Module | Function, dialects: Sequence[str] | str | None = None,
+                 device: Any = None):
         if isinstance(module, Function):
             module = module.module if module.module is not None else Module([module.clone()])
         verify(module)
+        self.device = None if device is None or str(device) == "cpu" else _torch().device(device)
+        if self.device is not None:  # kernels are chosen for the device (their checkers read it)
+            with _tk().on_device(self.device):
+                self._prepare(module, device_dialects(self.device, dialects))
+        else:
+            self._prepare(module, dialects)
+
+    def _prepare(self, module: Module, dialects: Sequence[str] | str | None) -> None:
         self.dialects = backends.resolve(dialects)
         m = module.clone()
         for f in m:
@@ -426,6 +453,12 @@ class VM:
             raise ValueError(f"record must be one of {', '.join(map(repr, RECORD_LEVELS))}, got {record!r}")
         if on_step is not None and record != "full":
             raise ValueError("on_step needs record='full' (a timeline entry per instruction)")
+        if self.device is not None:  # the torch kernels run on this VM's device while it runs
+            with _tk().on_device(self.device):
+                return self._run(fn, args, donate, outputs, on_step, record, by_kind)
+        return self._run(fn, args, donate, outputs, on_step, record, by_kind)
+
+    def _run(self, fn, args, donate, outputs, on_step, record, by_kind) -> tuple[tuple[Any, ...], RunStats]:
         name = fn.name if isinstance(fn, Function) else fn
         if name not in self._plans:
             raise KeyError(f"no runnable function @{name} in this VM; it has {', '.join('@' + n for n in self._plans)}")
@@ -776,16 +809,16 @@ class _Recorder(_PeakRecorder):
 
 
 def run(target: Any, *args: Any, dialects: Sequence[str] | str | None = None, donate: bool = False,
-        outputs: str = "numpy", record: str = "full") -> tuple[tuple[Any, ...], RunStats]:
+        outputs: str = "numpy", record: str = "full", device: Any = None) -> tuple[tuple[Any, ...], RunStats]:
     """Run a Function (or an object with ``__remat_function__()``) on arrays; returns (results, stats).
 
     Builds a fresh :class:`VM` each call; keep a ``VM`` to run the same module many times.
-    ``record``: see :meth:`VM.run`.
+    ``record``: see :meth:`VM.run`; ``device``: the VM's (default the CPU).
     """
     fn = target.__remat_function__() if hasattr(target, "__remat_function__") else target
     if not isinstance(fn, Function):
         raise TypeError(f"remat.run needs a remat Function or a staged function, got {type(target).__name__}")
-    vm = VM(fn.module if fn.module is not None else Module([fn.clone()]), dialects=dialects)
+    vm = VM(fn.module if fn.module is not None else Module([fn.clone()]), dialects=dialects, device=device)
     return vm.run(fn.name, *args, donate=donate, outputs=outputs, record=record)
 
 

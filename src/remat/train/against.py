@@ -67,8 +67,9 @@ class Watch:
     per module: cheap enough for every call) and walks the tree again only when a submodule was
     replaced, added or removed, or a parameter slot added or removed."""
 
-    def __init__(self, model):
+    def __init__(self, model, where: str = "cpu"):
         self.model = model
+        self.where = where  # the device type whose torch.autocast the caller may run the step under
         self._walk()
 
     def _walk(self) -> None:
@@ -95,8 +96,8 @@ class Watch:
         ``torch.autocast`` (then the autocast's dtype: "bf16" or "fp16")."""
         import torch
 
-        if torch.is_autocast_enabled("cpu"):
-            dtype = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.")
+        if torch.is_autocast_enabled(self.where):
+            dtype = str(torch.get_autocast_dtype(self.where)).removeprefix("torch.")
             precision = _AUTOCAST_PRECISION.get(dtype, dtype)
         if not self._intact():
             self._walk()

@@ -42,6 +42,7 @@ class TrainStep:
         c = self.compilation = compilation
         self.model, self.optimizer, self.binding, self.signature = c.model, c.optimizer, c.binding, c.signature
         self.program, self.vm, self.budget, self.dp, self.dialects = c.program, c.vm, c.budget, c.dp, c.dialects
+        self.device = c.placement  # the torch.device the step runs on (its model's), None: the CPU
         self.predicted_peak, self.unconstrained_peak = c.predicted_peak, c.unconstrained_peak
         self.updates, self.keep_grads, self.micro_batches = c.binding.updates, c.keep_grads, c.micro_batches
         self.setup_seconds = time.perf_counter() - c.started
@@ -54,7 +55,7 @@ class TrainStep:
         self.kind_stats = None
         self.last_seconds: float | None = None
         self._variants: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes or model states
-        self._watch = Watch(c.model)
+        self._watch = Watch(c.model, "cpu" if self.device is None else self.device.type)
         self._against = self._watch.now(c.options.precision)  # what this step was compiled against
         self.skipped_steps = 0  # steps the non-finite guard skipped (on_nonfinite="skip")
         self._minimum: int | None = None  # minimum_budget(), once computed
@@ -115,8 +116,9 @@ class TrainStep:
                 _PROFILING.release()
         else:
             try:
-                if torch.is_autocast_enabled("cpu"):  # the precision is the program's: the caller's autocast is off in it
-                    with torch.autocast("cpu", enabled=False):
+                where = "cpu" if self.device is None else self.device.type
+                if torch.is_autocast_enabled(where):  # the precision is the program's: the caller's autocast is off in it
+                    with torch.autocast(where, enabled=False):
                         outs, stats = self.vm.run(self.program.name, *args, outputs="torch", record="peak",
                                                   by_kind=by_kind)
                 else:
@@ -198,12 +200,18 @@ class TrainStep:
         their first call only (``measure_allocator=False``: never), and not inside a profiler the
         caller runs, nor from a thread other than the main one (torch.profiler crashes when threads
         start it concurrently): the next call on the main thread measures then."""
-        from ..runtime.allocator import allocation_trace, peak_of_trace
+        from ..runtime.allocator import allocation_trace, device_peak, peak_of_trace
 
         vm = self.vm
-        (outs, stats), events = allocation_trace(
-            lambda: vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind))
-        self.measured_allocator_peak = sum(p.type.nbytes for p in self.program.params) + peak_of_trace(events)[0]
+        run = lambda: vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)  # noqa: E731
+        if self.device is not None:  # the device allocator's own peak statistic
+            got: list = []
+            grown = device_peak(lambda: got.append(run()), self.device)
+            outs, stats = got[0]
+        else:
+            (outs, stats), events = allocation_trace(run)
+            grown = peak_of_trace(events)[0]
+        self.measured_allocator_peak = sum(p.type.nbytes for p in self.program.params) + grown
         return outs, stats
 
     def _call_variant(self, inputs: tuple, now: Against):
@@ -359,7 +367,7 @@ class TrainStep:
             refuse("measure the allocator")
         self.signature.check(inputs)
         args = self.binding.step_args(inputs, copy=True, step=1)
-        self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects)
+        self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects, self.device)
         return self.measured_allocator_peak
 
 

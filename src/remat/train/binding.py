@@ -79,7 +79,7 @@ class Binding:
         if atomic and self.updates:
             import torch
 
-            self.backups = [[torch.empty(t.numel, dtype=p.dtype) for t in (tensor_type(p), *ts)]
+            self.backups = [[torch.empty(t.numel, dtype=p.dtype, device=p.device) for t in (tensor_type(p), *ts)]
                             for p, ts in zip(self.params, self.state_types)]
 
     def _sharded_state(self) -> list[list]:
@@ -90,7 +90,7 @@ class Binding:
         if any(self.optimizer.state.get(p) for p in self.params):
             raise ValueError(f"data_parallel={self.dp.mode!r} shards the optimizer state, but this optimizer already "
                              "has state; compile with a fresh optimizer and restore a run with step.load_state_dict()")
-        return [[torch.zeros(self.dp.shard(p.numel()).size, dtype=p.dtype) for _ in u.state_keys]
+        return [[torch.zeros(self.dp.shard(p.numel()).size, dtype=p.dtype, device=p.device) for _ in u.state_keys]
                 for p, u in zip(self.params, self.updates)]
 
     def extra_bytes(self) -> int:

@@ -19,9 +19,10 @@ of the stages that build the step program (:meth:`Compilation.step_program`). Th
 """
 from __future__ import annotations
 
+
 import statistics
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import Any, Callable, Mapping, Sequence
@@ -179,6 +180,7 @@ class Compilation:
     micro_batches: int            # k > 1: the batch runs as k micro-batches (remat.step.microbatch)
     capture_example: tuple        # what is captured: the example, or its first micro-batch
     started: float                # time.perf_counter() when the compile started
+    placement: Any = None         # the torch.device the step runs on (its model's), None: the CPU
     # ---- capture, layout
     imported: Any = None          # remat.frontend.torch_import.ImportedModel (after ``layout``: its layout)
     channels_last: bool = False   # ``layout`` made the convolutions NHWC
@@ -217,6 +219,8 @@ class Compilation:
 
     @property
     def dialects(self) -> tuple[str, ...] | None:
+        if self.placement is not None:  # off the CPU: the torch dialect alone (checked by ``start``)
+            return ("torch",)
         return tuple(self.options.dialects) if self.options.dialects else None
 
     @property
@@ -277,13 +281,13 @@ class Compilation:
 
             return dry_workspaces(self, fn)
 
-        return workspaces(fn, self.dialects)
+        return workspaces(fn, self.dialects, self.placement)
 
     def measured_costs(self, joint: Function) -> dict[Instruction, float]:
         """Measured per-instruction seconds of a joint (on copies of the example's arguments)."""
         from ..runtime.vm import VM
 
-        return _median_instr_costs(VM(Module([joint]), dialects=self.dialects), joint,
+        return _median_instr_costs(VM(Module([joint]), dialects=self.dialects, device=self.placement), joint,
                                    self.binding.joint_args(self.capture_example, copy=True),
                                    self.options.profile_repeats)[0]
 
@@ -359,7 +363,7 @@ def profile(c: Compilation) -> Compilation:
     from ..runtime.vm import VM
 
     costs = c.measured_costs(c.joint)
-    vm = VM(Module([c.unconstrained]), dialects=c.dialects)
+    vm = VM(Module([c.unconstrained]), dialects=c.dialects, device=c.placement)
     args = partial(c.binding.step_args, c.signature.example, copy=True, step=1)
     seconds = min(vm.run(c.unconstrained.name, *args())[1].total_seconds for _ in range(c.options.profile_repeats))
     return replace(c, costs=costs, unconstrained_step_seconds=seconds)
@@ -502,7 +506,7 @@ def prepare_vm(c: Compilation) -> Compilation:
         from ..distributed.group import check_same_collectives
 
         check_same_collectives(c.program, c.dp)
-    vm = VM(Module([c.program]), dialects=c.dialects)
+    vm = VM(Module([c.program]), dialects=c.dialects, device=c.placement)
     value_kinds = _value_kinds(c)
     vm.set_kinds(c.program, value_kinds)
     return replace(c, vm=vm, kinds=value_kinds, predicted_peak=predict_peak(c.program))
@@ -615,13 +619,49 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
                                   "before its update; it is implemented for one process without micro-batches")
     compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
     names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
+    placement = None if o.dry_run else execution_device(model, optimizer, example, o.dialects)
     k = check_micro_batches(o.micro_batches, example, dp is not None)
     return Compilation(
         model=model, optimizer=optimizer, loss_fn=loss_fn, options=o, budget_spec=spec,
         signature=Signature(example, names, compiled_options), dp=dp,
         keep_grads=(optimizer is None) if o.keep_grads is None else o.keep_grads, num_targets=num_targets,
         micro_batches=k, capture_example=example if k == 1 else tuple(t[: t.shape[0] // k] for t in example),
-        started=started)
+        started=started, placement=placement)
+
+
+def execution_device(model, optimizer, example: Sequence, dialects: Sequence[str] | None):
+    """The device the step runs on: where the model's parameters and buffers, the optimizer's
+    state and the example's tensors all are (None: the CPU). A ValueError names two tensors on
+    different devices, and dialects that cannot run off the CPU (:func:`remat.runtime.vm.device_dialects`)."""
+    import torch
+
+    from ..runtime.vm import device_dialects
+
+    where: dict = {}
+    for n, t in model.named_parameters():
+        where.setdefault(t.device, f"parameter {n!r}")
+    for n, t in model.named_buffers():
+        where.setdefault(t.device, f"buffer {n!r}")
+    for k, t in enumerate(example):
+        if isinstance(t, torch.Tensor):
+            where.setdefault(t.device, f"input {k}")
+    if optimizer is not None:
+        for st in optimizer.state.values():
+            for key, t in st.items():
+                if isinstance(t, torch.Tensor) and t.dim() > 0:  # (Adam's step count stays on the CPU)
+                    where.setdefault(t.device, f"optimizer state {key!r}")
+    if len(where) > 1:
+        (d1, w1), (d2, w2) = list(where.items())[:2]
+        raise ValueError(f"remat runs a step on one device, but {w1} is on {d1} and {w2} is on {d2}: move the model, "
+                         f"its optimizer state and the example batch to one device first (model.to(device), x.to(device))")
+    device = next(iter(where), None)
+    if device is None or device.type == "cpu":
+        return None
+    if device.type == "meta":
+        raise ValueError("the model and inputs are on the meta device, which holds no data to run: plan it with "
+                         "remat.compile(..., dry_run=True)")
+    device_dialects(device, dialects)  # dialects that cannot run there: refused now, before the capture
+    return device
 
 
 def compile_step(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, optimizer, budget,
@@ -644,9 +684,18 @@ def compile_step(model, example_inputs: Sequence | Mapping, loss_fn: Callable | 
             print(print_module(out.ir))
 
     by_name = {s.name: s for s in stages}
-    with priced_on(options.device_spec):  # static costs: the device's roofline (None: the nominal CPU)
+    with priced_on(options.device_spec), _on_device(c.placement):  # kernels chosen and run for the model's device
         result = run_passes(c, [(s.name, s.run) for s in stages], around=around, after=after, ir=_ir)
     return replace(result.module, stage_seconds={r.name: r.seconds for r in result.records})
+
+
+def _on_device(placement) -> AbstractContextManager:
+    """The torch kernels' device for the compile's stages (None, the CPU: nothing to set)."""
+    if placement is None:
+        return nullcontext()
+    from ..backends.torch_kernels import on_device
+
+    return on_device(placement)
 
 
 def _ir(c: Compilation) -> Module | None:

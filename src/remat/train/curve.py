@@ -69,7 +69,7 @@ def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, 
 
     args = step.binding.step_args(step.signature.example, copy=True, step=1)
     base = step.compilation.problem.unconstrained
-    base_vm = VM(Module([base]), dialects=step.dialects)
+    base_vm = VM(Module([base]), dialects=step.dialects, device=step.device)
 
     def once(vm, program):
         return vm.run(program.name, *[a.clone() if hasattr(a, "clone") else a for a in args])[1]
@@ -80,7 +80,7 @@ def _sweep(step, budgets: Sequence[int], repeats: int, progress: Callable[[int, 
         if progress is not None:
             progress(k, len(budgets))
         cand = plan_step(dataclasses.replace(step.compilation.problem, budget=int(b)))
-        vm = VM(Module([cand.program]), dialects=step.dialects)
+        vm = VM(Module([cand.program]), dialects=step.dialects, device=step.device)
         once(vm, cand.program)
         runs, base_runs = [], []
         for _ in range(repeats):

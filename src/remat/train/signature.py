@@ -15,6 +15,8 @@ class Signature:
         self.names = None if names is None else list(names)
         self.options = options
         self.types = [(tuple(t.shape), t.dtype) for t in example]
+        devices = {t.device for t in example if hasattr(t, "device")}
+        self.device = devices.pop() if len(devices) == 1 else None  # where the inputs must be (placement)
 
     def keywords(self, inputs: tuple) -> tuple | dict[str, Any]:
         """The step's tensors as compiled: positional, or keyword (with the compiled keyword options)."""
@@ -54,6 +56,9 @@ class Signature:
                 got = f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}"
                 raise TypeError(f"{self.arg_name(k)} of the training step: expected {dtype}{list(shape)} (as "
                                 f"compiled; other sizes of the same dtype and rank get a plan of their own), got {got}")
+            if self.device is not None and getattr(t, "device", self.device) != self.device:
+                raise TypeError(f"{self.arg_name(k)} of the training step is on {t.device}, but the step runs on "
+                                f"{self.device}, where its model is: move the batch there first (x.to({str(self.device)!r}))")
             if getattr(t, "requires_grad", False):
                 raise TypeError(f"{self.arg_name(k)} of the training step requires grad, but the step computes the "
                                 "gradients of the model's parameters only (an input gets none): pass it detached "
