@@ -93,6 +93,7 @@ from train_bench import (LR, MOMENTUM, _clear_grads, _err, _num, _ratio, _report
 from remat import zoo  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEVICE = torch.device("cpu")  # where every method's model and batch live (--device); main() sets it
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -242,11 +243,11 @@ class ModelSpec:
         its targets and its loss. A Hugging Face model: ``((keyword inputs,), (), None)``."""
         if self.hf:
             model, kw = HF_MODELS[self.zoo_name](self.size)
-            model.train()
-            return model, (kw,), (), None
+            model.train().to(DEVICE)
+            return model, ({k: v.to(DEVICE) for k, v in kw.items()},), (), None
         model, inputs, loss_fn = zoo.make(self.zoo_name, self.size, **dict(self.kwargs))
-        model.train()
-        xs, ts = _split(inputs, loss_fn)
+        model.train().to(DEVICE)
+        xs, ts = _split(tuple(t.to(DEVICE) for t in inputs), loss_fn)
         return model, xs, ts, loss_fn
 
     def loss(self, forward: Callable, xs: tuple, ts: tuple, loss_fn: Callable | None) -> torch.Tensor:
@@ -273,10 +274,10 @@ PRECISIONS = ("fp32", "bf16")
 
 
 def autocast(precision: str) -> contextlib.AbstractContextManager:
-    """The context a user's forward and loss run in at ``precision``: ``torch.autocast`` on the CPU in
-    bfloat16 for "bf16", nothing for "fp32"."""
+    """The context a user's forward and loss run in at ``precision``: ``torch.autocast`` on the
+    benchmark's device in bfloat16 for "bf16", nothing for "fp32"."""
     if precision == "bf16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast(DEVICE.type, dtype=torch.bfloat16)
     if precision == "fp32":
         return contextlib.nullcontext()
     raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
@@ -504,6 +505,11 @@ def fresh_process_setup(spec: ModelSpec, precision: str = "fp32", timeout: float
 
 
 # ---------------------------------------------------------------- measuring
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -515,9 +521,11 @@ def _one_step(m: _Method, faults: list | None = None) -> tuple[float, torch.Tens
     the top of its heap to the OS, and the next step pays a fault per page to get it back (a zoo
     U-Net step: 1.5k-4.5k of them per step, about 15% of its time, varying from process to process)."""
     _clear_grads(m.model)
+    _sync()
     f0 = _minor_faults()
     t = time.perf_counter()
     loss = m.step()
+    _sync()  # a device's step ends when its kernels do
     dt = time.perf_counter() - t
     if faults is not None:
         faults.append(_minor_faults() - f0)
@@ -595,7 +603,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
             _clear_grads(m.model)
             gc.collect()
             res = resident_bytes(m.model, m.optimizer, m.inputs)
-            meas = measure_peak(lambda: float(m.step()), resident=res)
+            meas = measure_peak(lambda: float(m.step()), resident=res, device=None if DEVICE.type == "cpu" else DEVICE)
             m.row.peak_bytes, m.row.resident_bytes = meas.peak_bytes, meas.resident_bytes
         except Exception as e:
             _fail(m, e, args.verbose)
@@ -619,7 +627,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
 
     # time in the matrix-product, convolution and attention kernels: eager's and unconstrained remat's
     for m in live:
-        if m.row.method in ("eager", "remat") and m.row.status == "ok":
+        if m.row.method in ("eager", "remat") and m.row.status == "ok" and DEVICE.type == "cpu":  # CPU kernels only
             _clear_grads(m.model)
             m.row.kernel_s = kernel_seconds(m.step)
 
@@ -633,7 +641,7 @@ def bench_model(spec: ModelSpec, args: argparse.Namespace, log: Callable[[str], 
                                                             first.optimizer, None, args.precision)
                 r.extra["setup2_stages_progress"] = stages
                 log(f"{spec.name}: second remat.compile in process {r.setup2_s:.1f} s")
-                if not args.no_fresh_process:
+                if not args.no_fresh_process and DEVICE.type == "cpu":  # (the fresh process builds on the CPU)
                     r.setup2_fresh_process_s = fresh_process_setup(spec, args.precision)
                     log(f"{spec.name}: remat.compile in a fresh process {r.setup2_fresh_process_s:.1f} s")
             except Exception as e:
@@ -808,6 +816,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
                    help="the models' optimizer (default sgd: SGD momentum 0.9; adamw: AdamW, with eager also run "
                         "with torch.optim's fused kernels as 'eager-fused'); results go to speed_adamw.* then")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where models, batches and steps run (cuda: timings synchronise the device, peaks are "
+                        "the CUDA allocator's max_memory_allocated)")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="fp32 (default) or bf16: eager and torch.compile run their forward and loss under "
                         "torch.autocast('cpu', dtype=torch.bfloat16), remat compiles with precision='bf16', "
@@ -868,7 +879,7 @@ def _child_argv(args: argparse.Namespace, name: str, rows_json: Path, first: boo
     """The command line of a fresh process that benches ``name`` alone with this run's settings
     (not ``first``: without torch.compile and the second remat.compile, measured once per model)."""
     argv = ["--models", name, "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
-            "--optimizer", args.optimizer, "--precision", args.precision,
+            "--optimizer", args.optimizer, "--precision", args.precision, "--device", args.device,
             "--budgets", ",".join(args.budgets), "--compile-backend", args.compile_backend, "--rows-json", str(rows_json)]
     flags = {"--quick": args.quick, "--no-compile": args.no_compile or not first,
              "--no-second-compile": args.no_second_compile or not first,
@@ -929,7 +940,9 @@ def _bench_in_children(args: argparse.Namespace, log: Callable[[str], None]) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
+    global DEVICE
     args = parse_args(argv)
+    DEVICE = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -954,7 +967,8 @@ def main(argv: list[str] | None = None) -> dict:
                             f"AdamW(lr={ADAMW_LR}, weight_decay={ADAMW_WEIGHT_DECAY}), eager-fused with fused=True")
               + " (gpt-medium: none, gradients only)",
               "precision": args.precision,
-              "baseline": ("eager, forward and loss under torch.autocast('cpu', dtype=torch.bfloat16)"
+              "device": "cpu" if DEVICE.type == "cpu" else f"{DEVICE.type} ({torch.cuda.get_device_name(DEVICE)})",
+              "baseline": (f"eager, forward and loss under torch.autocast({DEVICE.type!r}, dtype=torch.bfloat16)"
                            if args.precision == "bf16" else "eager fp32"),
               "transformers": _transformers_version(),
               "threads": torch.get_num_threads(), "wall_s": time.perf_counter() - t_start,
@@ -966,7 +980,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"precision {args.precision}: every 'x eager' is a ratio to {config['baseline']}\n")
     print_table(rows, comps)
     stem = ("speed" + ("" if args.optimizer == "sgd" else f"_{args.optimizer}")
-            + ("" if args.precision == "fp32" else f"_{args.precision}") + ("_quick" if args.quick else ""))
+            + ("" if args.precision == "fp32" else f"_{args.precision}") + ("" if args.device == "cpu" else f"_{args.device}")
+            + ("_quick" if args.quick else ""))
     jp, cp = write_results(rows, comps, config, args.out, stem)
     print(f"\nwrote {jp} and {cp} ({config['wall_s']:.0f} s wall, {config['cpu_s']:.0f} s CPU, "
           f"{config['threads']} threads)")
