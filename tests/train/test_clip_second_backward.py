@@ -84,11 +84,16 @@ def test_batch_norm_statistics_are_updated_once_per_step_by_the_second_pass():
     assert r.clip_strategy == SECOND and r.measured_peak == r.predicted_peak <= r.budget
 
 
-def test_dropout_draws_the_same_masks_in_both_passes():
-    """The norm pass and the update pass share the step's seed: the gradients the norm is taken of
-    are those the updates use, so parameters are bit-identical to clipping with the gradients kept."""
-    model, inputs, loss_fn = make("gpt", dropout=0.1)
+@pytest.mark.parametrize("what", ["dropout", "fp16"])
+def test_a_second_backward_gives_the_bits_keeping_the_gradients_gives(what):
+    """Dropout: the norm pass and the update pass share the step's seed, so the gradients the norm
+    is taken of are those the updates use. fp16: each gradient is unscaled before its squares are
+    summed and before its update. The norm's sums are added in the same order from the same values
+    either way, so parameters are bit-identical to clipping with the gradients kept."""
+    model, inputs, loss_fn = make("gpt", dropout=0.1 if what == "dropout" else 0.0)
     options = dict(max_grad_norm=0.05, seed=0, algorithms="reference")
+    if what == "fp16":
+        options["precision"] = "fp16"
     minimum = _refusal(model, inputs, loss_fn, **options).minimum
     kept, twice = copy.deepcopy(model), copy.deepcopy(model)
     a = remat.compile(kept, inputs, loss_fn, optimizer=torch.optim.AdamW(kept.parameters(), lr=1e-3), **options)
@@ -99,6 +104,8 @@ def test_dropout_draws_the_same_masks_in_both_passes():
         assert float(a(*x)) == float(b(*x))
     for p, q in zip(kept.parameters(), twice.parameters()):
         assert torch.equal(p, q)
+    r = b.report()
+    assert r.measured_peak == r.predicted_peak <= r.budget
 
 
 def test_the_faster_strategy_that_fits_is_chosen_and_the_minimum_is_the_lesser_of_both():
@@ -129,3 +136,25 @@ def test_a_nonfinite_gradient_skips_the_step_in_both_passes_mode():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]) or (v.isnan() == before[k].isnan()).all(), k
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+def test_clip_strategy_imposes_one():
+    model, inputs, loss_fn = make("gpt")
+    refusal = _refusal(model, inputs, loss_fn, max_grad_norm=1.0)
+    keep_minimum = _refusal(model, inputs, loss_fn, max_grad_norm=1.0, clip_strategy=KEEP).minimum
+    assert keep_minimum > refusal.minimum
+    with pytest.raises(remat.BudgetTooSmall) as e:
+        remat.compile(model, inputs, loss_fn, optimizer=torch.optim.AdamW(model.parameters()),
+                      budget=refusal.minimum, max_grad_norm=1.0, clip_strategy=KEEP)
+    assert e.value.minimum == keep_minimum
+    step = remat.compile(model, inputs, loss_fn, optimizer=torch.optim.AdamW(model.parameters()),
+                         max_grad_norm=1.0, clip_strategy=SECOND)  # no budget: still two passes
+    step(*inputs)
+    r = step.report()
+    assert r.clip_strategy == SECOND and any("as asked" in n for n in r.solver_notes)
+    assert r.measured_peak == r.predicted_peak
+    with pytest.raises(ValueError, match="clip_strategy must be"):
+        remat.compile(model, inputs, loss_fn, optimizer=torch.optim.AdamW(model.parameters()), max_grad_norm=1.0,
+                      clip_strategy="twice")
+    with pytest.raises(ValueError, match="give max_grad_norm too"):
+        remat.compile(model, inputs, loss_fn, optimizer=torch.optim.AdamW(model.parameters()), clip_strategy=SECOND)

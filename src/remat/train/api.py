@@ -435,8 +435,13 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     so that a kernel failing midway (``remat.StepFailed``) rolls the updated ones back and leaves
     everything as before the step; without it the error names the parameters already updated.
     ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
-    ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
-    group's hyperparameters at every call, so learning-rate schedules work unchanged.
+    ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The norm needs every gradient
+    before any update: the planner keeps them all until it is known, or, where that does not fit the
+    budget or is slower, runs a second backward (a norm pass that drops each gradient once its squares
+    are summed, then the step; the same bits either way); ``report().clip_strategy`` says which, and
+    ``clip_strategy="keep gradients"`` or ``"second backward"`` imposes one (default "auto"). The
+    fused update reads each param group's hyperparameters at every call, so learning-rate schedules
+    work unchanged.
     ``precision`` ("fp32", the default, or "bf16"): "bf16" captures the forward and the loss under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16; norms, softmax and
     losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner

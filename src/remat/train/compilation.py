@@ -62,7 +62,8 @@ captured."""
 CLIP_STRATEGIES = ("keep gradients", "second backward")
 """How a step clipping by the global norm (``max_grad_norm``) gets the norm before any update: every
 gradient kept until it is known, or a norm pass first, the gradients recomputed by a second backward
-(:func:`plan_clipping` chooses; ``Report.clip_strategy`` says which)."""
+(:func:`plan_clipping` chooses, unless the ``clip_strategy`` option names one; ``Report.clip_strategy``
+says which)."""
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -98,6 +99,7 @@ class CompileOptions:
     loss_reduction: str | None = None
     layout: str = "auto"
     max_grad_norm: float | None = None
+    clip_strategy: str = "auto"   # "auto" or one of CLIP_STRATEGIES (plan_clipping)
     on_nonfinite: str | None = "skip"
     check_gradients: bool | None = None
     atomic: bool = False
@@ -130,6 +132,11 @@ class CompileOptions:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
+        if self.clip_strategy not in ("auto",) + CLIP_STRATEGIES:
+            raise ValueError(f"clip_strategy must be 'auto' (the planner chooses) or one of "
+                             f"{', '.join(map(repr, CLIP_STRATEGIES))}, got {self.clip_strategy!r}")
+        if self.clip_strategy != "auto" and self.max_grad_norm is None:
+            raise ValueError(f"clip_strategy={self.clip_strategy!r} says how max_grad_norm clips; give max_grad_norm too")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be 'skip' (skip a step whose loss or a gradient is not finite, the default), "
                              f"'raise' (raise instead) or None (no guard), got {self.on_nonfinite!r}")
@@ -400,64 +407,70 @@ def plan_clipping(c: Compilation) -> Compilation:
     one that fits with the lower predicted step time wins (the second is not planned when the
     first fits at a predicted time below the second's unconstrained step). Neither fitting:
     ``BudgetTooSmall`` with the smaller of their minimums. The report's notes say which and what
-    it cost."""
-    keep = replace(c, clip_strategy=CLIP_STRATEGIES[0])
+    it cost. The ``clip_strategy`` option may name one: then only that one is planned."""
+    KEEP, SECOND = CLIP_STRATEGIES
+    keep, two = replace(c, clip_strategy=KEEP), replace(c, clip_strategy=SECOND)
+    forced = c.options.clip_strategy
     grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
     mn = c.options.max_grad_norm
+    asked = f"as asked (clip_strategy={forced!r})"
 
     def keeping(chosen: Compilation, why: str) -> Compilation:
         return replace(chosen, notes=chosen.notes + (
             f"gradient clipping (max_grad_norm={mn:g}): every gradient ({format_bytes(grad_bytes)}) is kept until "
             f"their global norm is known, then each update runs; {why}",))
 
-    if c.budget is None:
-        return keeping(_plan(keep), "no budget: a second backward (recomputing them) is not considered")
-    two = replace(c, clip_strategy=CLIP_STRATEGIES[1])
+    if forced == KEEP or (forced == "auto" and c.budget is None):
+        return keeping(_plan(keep), asked if forced == KEEP else
+                       "no budget: a second backward (recomputing them) is not considered")
     cost = CostModel(c.costs)
     planned: dict[str, Compilation] = {}
-    minimums: dict[str, int] = {}
-    errors: list[BudgetTooSmall] = []
-    try:
-        planned["keep"] = _plan(keep)
-    except BudgetTooSmall as e:
-        minimums["keep"] = int(e.minimum)
-        errors.append(e)
-    two_floor = cost.program_cost(two.step_program(c.joint, check=False))  # no plan of it runs faster
-    if "keep" not in planned or planned["keep"].predicted_seconds > two_floor:
+    refused: dict[str, BudgetTooSmall] = {}
+
+    def attempt(cs: Compilation) -> None:
         try:
-            planned["two"] = _plan(two)
+            planned[cs.clip_strategy] = _plan(cs)
         except BudgetTooSmall as e:
-            minimums["two"] = int(e.minimum)
-            errors.append(e)
+            refused[cs.clip_strategy] = e
+
+    if forced == "auto":
+        attempt(keep)
+    two_floor = cost.program_cost(two.step_program(c.joint, check=False))  # no plan of it runs faster
+    if KEEP not in planned or planned[KEEP].predicted_seconds > two_floor:
+        attempt(two)
     if not planned:
-        e = BudgetTooSmall(c.budget, min(minimums.values()), "this training step, keeping the gradients for "
-                           "clipping or recomputing them in a second backward",
-                           detail=f"clipping by the global norm (max_grad_norm={c.options.max_grad_norm:g}) keeping "
-                           f"every gradient needs at least {format_bytes(minimums['keep'])}, with a second backward "
-                           f"at least {format_bytes(minimums['two'])}", unconstrained_peak=c.unconstrained_peak)
-        raise e from errors[-1]
-    chosen = min(planned.values(), key=lambda x: x.predicted_seconds)
-    base = cost.program_cost(c.unconstrained)
-    if chosen.clip_strategy == CLIP_STRATEGIES[0]:
-        other = planned.get("two")
-        why = ("a second backward was not planned: keeping them is predicted faster than even its unconstrained step "
-               f"({two_floor * 1e3:.2f} ms)" if other is None and "two" not in minimums else
-               f"a second backward needs at least {format_bytes(minimums['two'])}" if other is None else
+        if forced == SECOND:
+            raise refused[SECOND]
+        least = min(refused.values(), key=lambda e: e.minimum)
+        raise BudgetTooSmall(c.budget, least.minimum, "this training step, keeping the gradients for clipping or "
+                             "recomputing them in a second backward",
+                             detail=f"clipping by the global norm (max_grad_norm={mn:g}) keeping every gradient needs "
+                             f"at least {format_bytes(refused[KEEP].minimum)}, with a second backward at least "
+                             f"{format_bytes(refused[SECOND].minimum)}",
+                             unconstrained_peak=c.unconstrained_peak) from least
+    chosen = min(planned.values(), key=lambda x: x.predicted_seconds)  # a tie: keeping them (planned first)
+    if chosen.clip_strategy == KEEP:
+        other = planned.get(SECOND)
+        why = (f"a second backward needs at least {format_bytes(refused[SECOND].minimum)}" if SECOND in refused else
+               "a second backward was not planned: keeping them is predicted faster than even its unconstrained "
+               f"step ({two_floor * 1e3:.2f} ms)" if other is None else
                f"a second backward fits too (peak {format_bytes(other.plan.peak)}) but is predicted slower: "
                f"{other.predicted_seconds * 1e3:.2f} ms a step against {chosen.predicted_seconds * 1e3:.2f} ms")
         return keeping(chosen, why)
-    plan_ = chosen.plan
-    overhead = program_overhead(cost, plan_.program, base)
-    other = planned.get("keep")
-    why = (f"keeping every gradient needs at least {format_bytes(minimums['keep'])}, over the budget" if other is None
-           else f"keeping every gradient fits too but is predicted slower: {other.predicted_seconds * 1e3:.2f} ms a "
-                f"step against {chosen.predicted_seconds * 1e3:.2f} ms")
+    base = cost.program_cost(c.unconstrained)
+    overhead = program_overhead(cost, chosen.plan.program, base)
+    other = planned.get(KEEP)
+    why = (asked if forced == SECOND else
+           f"keeping every gradient needs at least {format_bytes(refused[KEEP].minimum)}, over the budget"
+           if other is None else
+           f"keeping every gradient fits too but is predicted slower: {other.predicted_seconds * 1e3:.2f} ms a step "
+           f"against {chosen.predicted_seconds * 1e3:.2f} ms")
     note = (f"gradient clipping (max_grad_norm={mn:g}) by a second backward: a norm pass runs the forward and backward, "
             f"summing each gradient's squares as it is produced and dropping it, then the step runs them again, "
             f"updating each parameter right after its gradient, scaled by the clip coefficient; no gradient is kept "
             f"({format_bytes(grad_bytes)} in all), at a predicted {overhead:+.1%} over the step without recomputation "
             f"({chosen.predicted_seconds * 1e3:.2f} ms against {base * 1e3:.2f} ms a step); {why}")
-    return replace(chosen, plan=replace(plan_, overhead=overhead), notes=chosen.notes + (note,))
+    return replace(chosen, plan=replace(chosen.plan, overhead=overhead), notes=chosen.notes + (note,))
 
 
 def _plan(c: Compilation) -> Compilation:
@@ -531,19 +544,29 @@ def minimum_budget(c: Compilation) -> int:
     """The smallest budget (bytes) a plan of the compiled step fits: the bounded search a refusal
     (``BudgetTooSmall.minimum``) reports, over every solver and algorithm choice (and with
     ``max_grad_norm`` both clipping strategies), priced as the compile was."""
-    problems = [(c, c.problem)]
     if c.clipped:
-        problems = [(cs, replace(_problem(cs), workspaces=c.problem.workspaces, workspace_fn=c.problem.workspace_fn))
-                    for cs in (replace(c, clip_strategy=s) for s in CLIP_STRATEGIES)]
-    out = []
-    for cs, p in problems:
-        try:
-            with priced_on(c.options.device_spec):
-                _plan_on_ranks(cs, replace(p, budget=1))
-            out.append(1)
-        except BudgetTooSmall as e:
-            out.append(int(e.minimum))
-    return min(out)
+        return min(clip_minimums(c).values())
+    return _minimum(c, c.problem)
+
+
+def clip_minimums(c: Compilation) -> dict[str, int]:
+    """``max_grad_norm``: the minimum budget (bytes) of each clipping strategy (:data:`CLIP_STRATEGIES`;
+    the one the ``clip_strategy`` option names) of the compiled step, as :func:`minimum_budget` finds it."""
+    out = {}
+    for s in CLIP_STRATEGIES if c.options.clip_strategy == "auto" else (c.options.clip_strategy,):
+        cs = replace(c, clip_strategy=s)
+        out[s] = _minimum(cs, replace(_problem(cs), workspaces=c.problem.workspaces,
+                                      workspace_fn=c.problem.workspace_fn))
+    return out
+
+
+def _minimum(c: Compilation, problem: StepProblem) -> int:
+    try:
+        with priced_on(c.options.device_spec):
+            _plan_on_ranks(c, replace(problem, budget=1))
+    except BudgetTooSmall as e:
+        return int(e.minimum)
+    return 1
 
 
 def lower(c: Compilation) -> Compilation:
