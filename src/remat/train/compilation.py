@@ -14,7 +14,8 @@ IR verified after each stage in tests)::
 ``profile`` runs with ``cost_model="profiled"`` only, ``compile kernels`` when the numba dialect is
 enabled. A dry run (``dry_run=True``: meta or fake tensors, nothing executed) skips both and the
 VM: its last stage, ``predict``, only predicts the program's peak (:mod:`remat.train.dry_run`). Micro-batching (``micro_batches=k``) and data parallelism (``data_parallel=``) are options
-of the stages that build the step program (:meth:`Compilation.step_program`). The result becomes a
+of the stages that build the step program (:meth:`Compilation.step_program`); so is clipping by the
+global norm (``max_grad_norm``), whose strategy ``plan`` chooses (:func:`plan_clipping`). The result becomes a
 :class:`remat.train.api.TrainStep`, the run-time object.
 """
 from __future__ import annotations
