@@ -104,6 +104,17 @@ def test_a_planned_step_refuses_to_run_and_reports():
     assert points[-1].predicted_overhead == 0.0
 
 
+def test_dry_run_plans_clipping_by_a_second_backward_as_the_real_compile():
+    """max_grad_norm under a budget only a second backward meets: the same strategy and program; the
+    curve starts at the lesser minimum of the two strategies, each budget choosing its own."""
+    dry, real = compile_both(lambda: zoo.make("gpt", "tiny"), "85%", max_grad_norm=1.0)
+    check_same(dry, real)
+    assert dry.report().clip_strategy == real.report().clip_strategy == "second backward"
+    points = dry.curve(n_points=3)
+    assert points[0].fits and points[0].budget == dry.report().minimum_budget
+    assert "(second backward)" in points[0].solver and "(keep gradients)" in points[-1].solver
+
+
 def test_dry_run_refuses_what_needs_data():
     with torch.device("meta"):
         model, ex, loss = zoo.make("mlp", "tiny")

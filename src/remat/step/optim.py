@@ -319,27 +319,45 @@ def advance_steps(optimizer, params: list, updates: list[ParamUpdate]) -> None:
                 st["step"] += 1
 
 
+def squared_sum(b: Builder, g: Value) -> Value:
+    """The sum of ``g``'s squared elements, summed in ``g``'s dtype, as float32: one gradient's
+    term of the global norm (:func:`clip_by_global_norm`)."""
+    sq = b.op("reduce_sum", b.op("mul", g, g), axes=tuple(range(g.type.rank)), keepdims=False)
+    return sq if sq.type.dtype == DType.f32 else b.op("cast", sq, dtype=DType.f32)
+
+
+def clip_coefficient(b: Builder, squares: Sequence[Value], max_norm: float) -> Value:
+    """``min(1, max_norm / (norm + 1e-6))`` (float32), ``norm`` the square root of the sum of
+    ``squares`` (:func:`squared_sum` of each gradient, added in the order given), as
+    ``torch.nn.utils.clip_grad_norm_`` computes its ``clip_coef``."""
+    f32 = DType.f32
+    total = None
+    for sq in squares:
+        total = sq if total is None else b.op("add", total, sq)
+    norm = b.op("add", b.op("sqrt", total), b.op("constant", value=1e-6, shape=(), dtype=f32))
+    return b.op("minimum", b.op("div", b.op("constant", value=float(max_norm), shape=(), dtype=f32), norm),
+                b.op("constant", value=1.0, shape=(), dtype=f32))
+
+
+def scaled_by(b: Builder, grads: Sequence[Value], coef: Value, casts: dict | None = None) -> list[Value]:
+    """Each gradient times the float32 scalar ``coef`` (cast once per other dtype; ``casts``: those
+    cast so far, shared between calls)."""
+    casts = {} if casts is None else casts
+    casts.setdefault(DType.f32, coef)
+    out = []
+    for g in grads:
+        dt = g.type.dtype
+        if dt not in casts:
+            casts[dt] = b.op("cast", coef, dtype=dt)
+        out.append(b.op("mul", g, casts[dt]))
+    return out
+
+
 def clip_by_global_norm(b: Builder, grads: Sequence[Value], max_norm: float) -> list[Value]:
     """The gradients scaled as ``torch.nn.utils.clip_grad_norm_(..., max_norm)`` scales them: by
     ``min(1, max_norm / (norm + 1e-6))``, ``norm`` the 2-norm of all of them together (each
     gradient's squares summed in its own dtype, the sums in float32)."""
-    f32 = DType.f32
-    total = None
-    for g in grads:
-        sq = b.op("reduce_sum", b.op("mul", g, g), axes=tuple(range(g.type.rank)), keepdims=False)
-        sq = sq if sq.type.dtype == f32 else b.op("cast", sq, dtype=f32)
-        total = sq if total is None else b.op("add", total, sq)
-    norm = b.op("add", b.op("sqrt", total), b.op("constant", value=1e-6, shape=(), dtype=f32))
-    coef = b.op("minimum", b.op("div", b.op("constant", value=float(max_norm), shape=(), dtype=f32), norm),
-                b.op("constant", value=1.0, shape=(), dtype=f32))
-    coefs: dict[DType, Value] = {f32: coef}
-    out = []
-    for g in grads:
-        dt = g.type.dtype
-        if dt not in coefs:
-            coefs[dt] = b.op("cast", coef, dtype=dt)
-        out.append(b.op("mul", g, coefs[dt]))
-    return out
+    return scaled_by(b, grads, clip_coefficient(b, [squared_sum(b, g) for g in grads], max_norm))
 
 
 ON_NONFINITE = ("skip", "raise", None)

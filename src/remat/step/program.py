@@ -16,7 +16,8 @@ from ..ir import Builder, DType, Function, GradientSpec, Instruction, Module, Te
 from ..ir.build import clone_into
 from ..pipeline import run_pipeline
 from ..ir.ops.optim import SKIP
-from .optim import ParamUpdate, UpdateArgs, clip_by_global_norm, emit_update, nonfinite_flag, update_param_types
+from .optim import (ParamUpdate, UpdateArgs, clip_by_global_norm, clip_coefficient, emit_update, nonfinite_flag,
+                    scaled_by, squared_sum, update_param_types)
 
 
 @dataclass
@@ -153,7 +154,7 @@ def last_new_index_check(body: list[Instruction]) -> int:
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
                  check: bool = True, max_grad_norm: float | None = None, guard: str | None = None,
-                 loss_scaled: bool = False, atomic: bool = False) -> Function:
+                 loss_scaled: bool = False, atomic: bool = False, norm_pass: bool = False) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
     buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
@@ -178,6 +179,17 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     state tensor (:func:`backup_types`); right before each update the parameter and its state are
     copied into theirs (``assign``), so that a step failing midway can be rolled back
     (``remat.compile(atomic=True)``). The backups are arguments: the plan counts their bytes.
+
+    ``norm_pass`` (with ``max_grad_norm``): the gradients are not kept; the joint runs twice in the
+    program, on the same arguments (the same dropout seed: the same masks, the same gradients). The
+    first pass, the norm pass, turns each gradient into its sum of squares as soon as it exists
+    (the gradient then dies) and updates nothing; its buffers' new values are dropped. The clip
+    coefficient and the guard's flag follow from those sums (the guard checks the loss and the
+    sums: a gradient with a NaN or infinite element has a non-finite sum). The second pass is the
+    fused step, each update right after its gradient, scaled by the coefficient; its loss and
+    buffers are the step's. Nothing of the first pass outlives it but scalars, so the program's
+    peak is the larger of the two passes' peaks. The coefficient and the flag are computed by the
+    same instructions from the same values as with the gradients kept, so both give the same bits.
     """
     guard = guard if updates else None
     ptypes = list(joint.param_types)
@@ -197,10 +209,11 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     grads = ret.operands[n_out:]
     at: dict[int, list[int]] = {}
     clip = updates and max_grad_norm is not None
+    two_pass = bool(clip) and norm_pass and not keep_grads
     if updates:
-        late = keep_grads or clip or guard == "all"
-        where = ([len(body) - 1] * layout.n_params if late
-                 else update_points(joint, layout, after_loss=guard == "loss"))  # the guard: no update before the loss
+        late = keep_grads or (not two_pass and (clip or guard == "all"))
+        where = ([len(body) - 1] * layout.n_params if late  # the guard: no update before the loss
+                 else update_points(joint, layout, after_loss=guard == "loss" and not two_pass))
         for k, w in enumerate(where):
             at.setdefault(w, []).append(k)
         state_vals, off = [], len(joint.params)
@@ -228,13 +241,18 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
             inverse[dt] = b.op("cast", inverse[DType.f32], dtype=dt)
         return b.op("mul", g, inverse[dt])
 
+    coef: Value | None = None  # two passes: the clip coefficient, from the norm pass
+    casts: dict[DType, Value] = {}
+
     def emit(ks: list[int]) -> None:
         gs = [vmap[grads[k]] for k in ks]
         if loss_scaled:
             gs = [unscaled(g) for g in gs]
         if guard and ks and uargs.skip is None:  # "all": ks are all of them, after the last gradient
             uargs.skip = nonfinite_flag(b, vmap[ret.operands[0]], gs if guard == "all" else [])
-        if clip and ks:
+        if coef is not None:
+            gs = scaled_by(b, gs, coef, casts)
+        elif clip and ks:
             gs = clip_by_global_norm(b, gs, max_grad_norm)
         for k, g in zip(ks, gs):
             if atomic:  # the values before the update, for a roll-back
@@ -242,6 +260,8 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
                     b.op("assign", dst, b.op("reshape", src, shape=(src.type.numel,)))
             emit_update(b, updates[k], vmap[joint.params[k]], g, list(state_vals[k]), uargs)
 
+    if two_pass:
+        coef, uargs.skip = _norm_pass(b, joint, layout, fn, max_grad_norm, guard, unscaled if loss_scaled else None)
     emit(at.get(-1, []))
     for i, ins in enumerate(body):
         clone_into(b, ins, vmap)
@@ -257,3 +277,34 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     if check:
         verify(Module([fn]))
     return fn
+
+
+def _norm_pass(b: Builder, joint: Function, layout: Layout, fn: Function, max_grad_norm: float,
+               guard: str | None, unscaled=None) -> tuple[Value, Value | None]:
+    """The norm pass of ``step_program(norm_pass=True)`` emitted at ``b``: the joint's body on
+    ``fn``'s arguments, each gradient's sum of squares (:func:`~.optim.squared_sum`; ``unscaled``:
+    fp16, the gradient divided by the loss scale first) taken right after the gradient is defined.
+    Returns the clip coefficient (the sums added in parameter order, as
+    :func:`~.optim.clip_by_global_norm` adds them) and, with a ``guard``, the updates' skip flag."""
+    body, ret = joint.entry.instrs[:-1], joint.entry.instrs[-1]
+    grads = ret.operands[layout.first_grad:]
+    pos_of = {r: i for i, ins in enumerate(body) for r in ins.results}
+    due: dict[int, list[int]] = {}
+    for k, g in enumerate(grads):
+        due.setdefault(pos_of.get(g, -1), []).append(k)
+    vmap: dict[Value, Value] = dict(zip(joint.params, fn.params))
+    squares: list[Value | None] = [None] * len(grads)
+
+    def square(ks: list[int]) -> None:
+        for k in ks:
+            g = vmap[grads[k]]
+            squares[k] = squared_sum(b, unscaled(g) if unscaled is not None else g)
+
+    square(due.get(-1, []))
+    for i, ins in enumerate(body):
+        clone_into(b, ins, vmap)
+        square(due.get(i, []))
+    skip = None
+    if guard:
+        skip = nonfinite_flag(b, vmap[ret.operands[0]], squares if guard == "all" else [])
+    return clip_coefficient(b, squares, max_grad_norm), skip

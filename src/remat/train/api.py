@@ -315,6 +315,7 @@ class TrainStep:
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
+            clip_strategy=c.clip_strategy,
             skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
             **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
         if c.options.dry_run:
@@ -442,8 +443,13 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     so that a kernel failing midway (``remat.StepFailed``) rolls the updated ones back and leaves
     everything as before the step; without it the error names the parameters already updated.
     ``max_grad_norm``: clip the gradients by their global norm inside the fused update, as
-    ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The fused update reads each param
-    group's hyperparameters at every call, so learning-rate schedules work unchanged.
+    ``torch.nn.utils.clip_grad_norm_`` does (needs ``optimizer=``). The norm needs every gradient
+    before any update: the planner keeps them all until it is known, or, where that does not fit the
+    budget or is slower, runs a second backward (a norm pass that drops each gradient once its squares
+    are summed, then the step; the same bits either way); ``report().clip_strategy`` says which, and
+    ``clip_strategy="keep gradients"`` or ``"second backward"`` imposes one (default "auto"). The
+    fused update reads each param group's hyperparameters at every call, so learning-rate schedules
+    work unchanged.
     ``precision`` ("fp32", the default, or "bf16"): "bf16" captures the forward and the loss under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16; norms, softmax and
     losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner

@@ -14,7 +14,8 @@ IR verified after each stage in tests)::
 ``profile`` runs with ``cost_model="profiled"`` only, ``compile kernels`` when the numba dialect is
 enabled. A dry run (``dry_run=True``: meta or fake tensors, nothing executed) skips both and the
 VM: its last stage, ``predict``, only predicts the program's peak (:mod:`remat.train.dry_run`). Micro-batching (``micro_batches=k``) and data parallelism (``data_parallel=``) are options
-of the stages that build the step program (:meth:`Compilation.step_program`). The result becomes a
+of the stages that build the step program (:meth:`Compilation.step_program`); so is clipping by the
+global norm (``max_grad_norm``), whose strategy ``plan`` chooses (:func:`plan_clipping`). The result becomes a
 :class:`remat.train.api.TrainStep`, the run-time object.
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction, Module
 from ..passes.pipeline import run_passes
 from ..plan.algorithms import plan_choosing_algorithms
-from ..plan.costmodel import CostModel, priced_on, static_costs
+from ..plan.costmodel import CostModel, priced_on, program_overhead, static_costs
 from ..plan.portfolio import SOLVER_OPTIONS, plan_step
 from ..plan.problem import StepProblem
 from ..plan.record import Plan
@@ -58,6 +59,13 @@ and they are faster or the only feasible choice; "reference" keeps every op's re
 LAYOUT_OPTIONS = ("auto", "NCHW")
 """``layout``: "auto" computes a convolutional model channels-last (``remat.passes.layout``), "NCHW" as
 captured."""
+
+
+CLIP_STRATEGIES = ("keep gradients", "second backward")
+"""How a step clipping by the global norm (``max_grad_norm``) gets the norm before any update: every
+gradient kept until it is known, or a norm pass first, the gradients recomputed by a second backward
+(:func:`plan_clipping` chooses, unless the ``clip_strategy`` option names one; ``Report.clip_strategy``
+says which)."""
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -93,6 +101,7 @@ class CompileOptions:
     loss_reduction: str | None = None
     layout: str = "auto"
     max_grad_norm: float | None = None
+    clip_strategy: str = "auto"   # "auto" or one of CLIP_STRATEGIES (plan_clipping)
     on_nonfinite: str | None = "skip"
     check_gradients: bool | None = None
     atomic: bool = False
@@ -125,6 +134,11 @@ class CompileOptions:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float))
                                                    and self.max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number (or None), got {self.max_grad_norm!r}")
+        if self.clip_strategy not in ("auto",) + CLIP_STRATEGIES:
+            raise ValueError(f"clip_strategy must be 'auto' (the planner chooses) or one of "
+                             f"{', '.join(map(repr, CLIP_STRATEGIES))}, got {self.clip_strategy!r}")
+        if self.clip_strategy != "auto" and self.max_grad_norm is None:
+            raise ValueError(f"clip_strategy={self.clip_strategy!r} says how max_grad_norm clips; give max_grad_norm too")
         if self.on_nonfinite not in ON_NONFINITE:
             raise ValueError(f"on_nonfinite must be 'skip' (skip a step whose loss or a gradient is not finite, the default), "
                              f"'raise' (raise instead) or None (no guard), got {self.on_nonfinite!r}")
@@ -211,6 +225,7 @@ class Compilation:
     recomputed_layers: dict[str, int] = field(default_factory=dict)
     recomputes: bool = False                       # the program is not the unconstrained step's
     notes: tuple[str, ...] = ()                    # the plan's notes, and the later stages'
+    clip_strategy: str | None = None               # max_grad_norm: one of CLIP_STRATEGIES (``plan`` chooses)
     # ---- prepare VM
     vm: Any = None
     kinds: Any = None                              # the kind of every program value (parameters, ...)
@@ -251,6 +266,11 @@ class Compilation:
         return "all" if every else "loss"
 
     @property
+    def clipped(self) -> bool:
+        """The step clips its gradients by their global norm inside the fused update (``max_grad_norm``)."""
+        return bool(self.binding.updates) and self.options.max_grad_norm is not None
+
+    @property
     def guarded(self) -> bool:
         """The step has a non-finite guard (:attr:`guard`)."""
         return self.guard is not None
@@ -266,7 +286,7 @@ class Compilation:
         if self.dp is None:
             return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
                                 max_grad_norm=self.options.max_grad_norm, guard=guard, loss_scaled=b.loss_scaled,
-                                atomic=self.options.atomic)
+                                atomic=self.options.atomic, norm_pass=self.clip_strategy == CLIP_STRATEGIES[1])
         from ..distributed.passes import data_parallel_step
 
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
@@ -375,24 +395,99 @@ def plan(c: Compilation) -> Compilation:
     kernel's workspace is measured once per kernel and shape (``runtime.allocator``, cached on
     disk) and enters the solvers as the node's workspace; a plan fits when its allocator bound (the
     VM's high-water mark at each instruction plus that kernel's workspace) is within the budget.
+    With ``max_grad_norm``, the clipping strategy too (:func:`plan_clipping`).
     Raises ``BudgetTooSmall`` with the minimum feasible budget and the unconstrained peak."""
+    if c.clipped:
+        return plan_clipping(c)
+    return _plan(c)
+
+
+def plan_clipping(c: Compilation) -> Compilation:
+    """``max_grad_norm``: the norm needs every gradient before any update, so two strategies
+    (:data:`CLIP_STRATEGIES`): keep every gradient until the norm is known (the step program's
+    updates all follow the last gradient), or a second backward (``step_program(norm_pass=True)``:
+    a norm pass that drops each gradient once its squares are summed, then the fused step, each
+    update right after its gradient: no gradient is kept, at the price of a forward and backward
+    more). Without a budget the first (no recomputation); under one, each strategy is planned and the
+    one that fits with the lower predicted step time wins (the second is not planned when the
+    first fits at a predicted time below the second's unconstrained step). Neither fitting:
+    ``BudgetTooSmall`` with the smaller of their minimums. The report's notes say which and what
+    it cost. The ``clip_strategy`` option may name one: then only that one is planned."""
+    KEEP, SECOND = CLIP_STRATEGIES
+    keep, two = replace(c, clip_strategy=KEEP), replace(c, clip_strategy=SECOND)
+    forced = c.options.clip_strategy
+    grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
+    mn = c.options.max_grad_norm
+    asked = f"as asked (clip_strategy={forced!r})"
+
+    def keeping(chosen: Compilation, why: str) -> Compilation:
+        return replace(chosen, notes=chosen.notes + (
+            f"gradient clipping (max_grad_norm={mn:g}): every gradient ({format_bytes(grad_bytes)}) is kept until "
+            f"their global norm is known, then each update runs; {why}",))
+
+    if forced == KEEP or (forced == "auto" and c.budget is None):
+        return keeping(_plan(keep), asked if forced == KEEP else
+                       "no budget: a second backward (recomputing them) is not considered")
+    cost = CostModel(c.costs)
+    planned: dict[str, Compilation] = {}
+    refused: dict[str, BudgetTooSmall] = {}
+
+    def attempt(cs: Compilation) -> None:
+        try:
+            planned[cs.clip_strategy] = _plan(cs)
+        except BudgetTooSmall as e:
+            refused[cs.clip_strategy] = e
+
+    if forced == "auto":
+        attempt(keep)
+    two_floor = cost.program_cost(two.step_program(c.joint, check=False))  # no plan of it runs faster
+    if KEEP not in planned or planned[KEEP].predicted_seconds > two_floor:
+        attempt(two)
+    if not planned:
+        if forced == SECOND:
+            raise refused[SECOND]
+        least = min(refused.values(), key=lambda e: e.minimum)
+        raise BudgetTooSmall(c.budget, least.minimum, "this training step, keeping the gradients for clipping or "
+                             "recomputing them in a second backward",
+                             detail=f"clipping by the global norm (max_grad_norm={mn:g}) keeping every gradient needs "
+                             f"at least {format_bytes(refused[KEEP].minimum)}, with a second backward at least "
+                             f"{format_bytes(refused[SECOND].minimum)}",
+                             unconstrained_peak=c.unconstrained_peak) from least
+    chosen = min(planned.values(), key=lambda x: x.predicted_seconds)  # a tie: keeping them (planned first)
+    if chosen.clip_strategy == KEEP:
+        other = planned.get(SECOND)
+        why = (f"a second backward needs at least {format_bytes(refused[SECOND].minimum)}" if SECOND in refused else
+               "a second backward was not planned: keeping them is predicted faster than even its unconstrained "
+               f"step ({two_floor * 1e3:.2f} ms)" if other is None else
+               f"a second backward fits too (peak {format_bytes(other.plan.peak)}) but is predicted slower: "
+               f"{other.predicted_seconds * 1e3:.2f} ms a step against {chosen.predicted_seconds * 1e3:.2f} ms")
+        return keeping(chosen, why)
+    base = cost.program_cost(c.unconstrained)
+    overhead = program_overhead(cost, chosen.plan.program, base)
+    other = planned.get(KEEP)
+    why = (asked if forced == SECOND else
+           f"keeping every gradient needs at least {format_bytes(refused[KEEP].minimum)}, over the budget"
+           if other is None else
+           f"keeping every gradient fits too but is predicted slower: {other.predicted_seconds * 1e3:.2f} ms a step "
+           f"against {chosen.predicted_seconds * 1e3:.2f} ms")
+    note = (f"gradient clipping (max_grad_norm={mn:g}) by a second backward: a norm pass runs the forward and backward, "
+            f"summing each gradient's squares as it is produced and dropping it, then the step runs them again, "
+            f"updating each parameter right after its gradient, scaled by the clip coefficient; no gradient is kept "
+            f"({format_bytes(grad_bytes)} in all), at a predicted {overhead:+.1%} over the step without recomputation "
+            f"({chosen.predicted_seconds * 1e3:.2f} ms against {base * 1e3:.2f} ms a step); {why}")
+    return replace(chosen, plan=replace(chosen.plan, overhead=overhead), notes=chosen.notes + (note,))
+
+
+def _plan(c: Compilation) -> Compilation:
+    """The plan of ``c``'s step (its clipping strategy chosen: :attr:`Compilation.clip_strategy`)."""
     from ..plan.workspace import allocator_bound, workspace_margin
 
     o = c.options
-    problem = StepProblem(c.forward, c.imported.state_count, len(c.imported.param_names), c.joint, c.unconstrained,
-                          c.budget, partial(c.step_program, check=False), c.binding.extra_bytes(), c.costs, o.solver,
-                          o.milp_time_limit,
-                          c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
-                          c.dialects)
-    clipped = c.binding.updates and o.max_grad_norm is not None  # every gradient is kept until the norm is known
-    if (c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not clipped
-            and c.guard != "all"):  # that guard too keeps every gradient until its flag is known
-        g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
-        problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
+    problem = _problem(c)
     counted = c.budget is not None and o.count_workspaces
     margin = bound = None
     if counted:
-        margin = workspace_margin(c.unconstrained, c.workspaces(c.unconstrained))
+        margin = workspace_margin(problem.unconstrained, c.workspaces(problem.unconstrained))
         problem = replace(problem, workspaces=c.workspaces(problem.joint), workspace_fn=c.workspaces)
     try:
         chosen = _plan_on_ranks(c, problem)
@@ -404,19 +499,34 @@ def plan(c: Compilation) -> Compilation:
     cost = CostModel(c.costs)
     notes = tuple(chosen.notes)
     grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
-    if c.guard == "all" and not c.keep_grads and not clipped and c.micro_batches == 1:
+    if c.guard == "all" and not c.keep_grads and not c.clipped and c.micro_batches == 1:
         notes += (f"non-finite guard (on_nonfinite={o.on_nonfinite!r}, check_gradients=True): every gradient "
                   f"({format_bytes(grad_bytes)}) is kept until the loss and all gradients are known finite, then "
                   f"each update runs (a step with a NaN or infinity changes nothing); check_gradients=None checks "
                   f"the loss only and updates each parameter right after its gradient",)
-    if clipped:
-        notes += (f"gradient clipping (max_grad_norm={o.max_grad_norm:g}): every gradient ({format_bytes(grad_bytes)}) "
-                  f"is kept until their global norm is known, then each update runs; a second backward instead "
-                  f"is not implemented",)
     # The problem is kept so that other budgets can be planned on the same capture (remat.train.curve).
     return replace(c, problem=problem, plan=chosen, workspace_bytes=margin or 0, predicted_allocator_peak=bound,
                    predicted_seconds=cost.program_cost(chosen.program),
                    unconstrained_predicted_seconds=cost.program_cost(c.unconstrained), notes=notes)
+
+
+def _problem(c: Compilation) -> StepProblem:
+    """The planning problem of ``c``'s step: its joint, its step program (``finish``) and, where
+    each gradient's update follows it, the gradients the step consumes as soon as they exist."""
+    o = c.options
+    unconstrained = c.unconstrained
+    if c.clip_strategy == CLIP_STRATEGIES[1]:
+        unconstrained = c.step_program(c.joint, check=True)
+    problem = StepProblem(c.forward, c.imported.state_count, len(c.imported.param_names), c.joint, unconstrained,
+                          c.budget, partial(c.step_program, check=False), c.binding.extra_bytes(), c.costs, o.solver,
+                          o.milp_time_limit,
+                          c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
+                          c.dialects)
+    kept = c.clip_strategy != CLIP_STRATEGIES[1] and (c.clipped or c.guard == "all")  # until the norm or the flag
+    if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not kept:
+        g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
+        problem = replace(problem, consumed=tuple(range(g0, g0 + c.binding.layout.n_params)))
+    return problem
 
 
 def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
@@ -437,10 +547,28 @@ def _plan_on_ranks(c: Compilation, problem: StepProblem) -> Plan:
 
 def minimum_budget(c: Compilation) -> int:
     """The smallest budget (bytes) a plan of the compiled step fits: the bounded search a refusal
-    (``BudgetTooSmall.minimum``) reports, over every solver and algorithm choice, priced as the compile was."""
+    (``BudgetTooSmall.minimum``) reports, over every solver and algorithm choice (and with
+    ``max_grad_norm`` both clipping strategies), priced as the compile was."""
+    if c.clipped:
+        return min(clip_minimums(c).values())
+    return _minimum(c, c.problem)
+
+
+def clip_minimums(c: Compilation) -> dict[str, int]:
+    """``max_grad_norm``: the minimum budget (bytes) of each clipping strategy (:data:`CLIP_STRATEGIES`;
+    the one the ``clip_strategy`` option names) of the compiled step, as :func:`minimum_budget` finds it."""
+    out = {}
+    for s in CLIP_STRATEGIES if c.options.clip_strategy == "auto" else (c.options.clip_strategy,):
+        cs = replace(c, clip_strategy=s)
+        out[s] = _minimum(cs, replace(_problem(cs), workspaces=c.problem.workspaces,
+                                      workspace_fn=c.problem.workspace_fn))
+    return out
+
+
+def _minimum(c: Compilation, problem: StepProblem) -> int:
     try:
         with priced_on(c.options.device_spec):
-            _plan_on_ranks(c, replace(c.problem, budget=1))
+            _plan_on_ranks(c, replace(problem, budget=1))
     except BudgetTooSmall as e:
         return int(e.minimum)
     return 1

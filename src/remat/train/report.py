@@ -70,6 +70,7 @@ class Report:
     minimum_budget: int | None = None  # the smallest budget a plan fits (dry runs: always computed)
     predicted_recompute_seconds: float | None = None  # the plan's step minus the unconstrained step, on the cost model
     device_peak: int | None = None  # the predicted peak with every storage rounded to the device allocator's granularity
+    clip_strategy: str | None = None  # max_grad_norm: "keep gradients" or "second backward" (the notes say why, what it cost)
 
     def __str__(self) -> str:
         def b(v):
@@ -92,6 +93,8 @@ class Report:
              + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
             ("non-finite guard", "off" if self.on_nonfinite is None else
              f"{self.on_nonfinite}: {self.skipped_steps} step(s) skipped (a NaN or infinite loss or gradient)"),
+            *([("gradient clipping", f"{self.clip_strategy} (the notes say why and what it costs)")]
+              if self.clip_strategy is not None else []),
             *([("loss scale", f"{self.loss_scale:g} (dynamic, as torch.amp.GradScaler; {self.skipped_steps} "
                               "overflowed step(s) skipped)")] if self.loss_scale is not None else []),
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
