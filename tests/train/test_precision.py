@@ -98,3 +98,12 @@ def test_fp16_and_unknown_precisions_are_refused_clearly():
         remat.compile(model, inputs, loss_fn, precision="fp16")
     with pytest.raises(ValueError, match="precision must be one of"):
         remat.compile(model, inputs, loss_fn, precision="int8")
+
+
+def test_the_report_names_the_weights_dtype():
+    """fp32 parameters are master weights under autocast; bf16 ones (pure bf16 training) are said to be bf16."""
+    for dtype, says in ((torch.float32, "fp32 master weights"), (torch.bfloat16, "bf16 weights")):
+        model, inputs, loss_fn = remat.zoo.make("mlp", "tiny", dtype=dtype)
+        rep = remat.compile(model, inputs, loss_fn, precision="bf16").report()
+        assert rep.weights == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+        assert says in str(rep)

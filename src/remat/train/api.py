@@ -314,6 +314,7 @@ class TrainStep:
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
+            weights=_weights_dtype(self.binding.params),
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
             clip_strategy=c.clip_strategy,
             skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
@@ -370,6 +371,15 @@ class TrainStep:
         args = self.binding.step_args(inputs, copy=True, step=1)
         self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects, self.device)
         return self.measured_allocator_peak
+
+
+def _weights_dtype(params) -> str:
+    """The parameters' floating dtype as the report names it ("fp32", "bf16", ...; the most common one)."""
+    from collections import Counter
+
+    names = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
+    counts = Counter(str(p.dtype) for p in params if p.dtype.is_floating_point)
+    return names.get(counts.most_common(1)[0][0], "fp32") if counts else "fp32"
 
 
 def _announce(msg: str) -> None:

@@ -59,6 +59,7 @@ class Report:
     capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
     channels_last: bool = False  # the convolutions run channels-last (NHWC; the ``layout`` option)
     precision: str = "fp32"      # the ``precision`` option
+    weights: str = "fp32"        # the parameters' dtype (fp32: master weights under bf16/fp16 autocast)
     low_precision_ops: dict[str, int] = field(default_factory=dict)  # op -> instructions computing in bf16/f16
     casts: int = 0               # dtype casts in the program (mixed precision), and the bytes they produce
     cast_bytes: int = 0
@@ -88,7 +89,8 @@ class Report:
             ("solver", self.solver),
             ("layout", "channels-last (NHWC)" if self.channels_last else "as captured"),
             ("precision", self.precision if self.precision == "fp32" else
-             f"{self.precision} (torch.autocast's op lists; fp32 master weights): "
+             f"{self.precision} (torch.autocast's op lists; "
+             + ("fp32 master weights" if self.weights == "fp32" else f"{self.weights} weights") + "): "
              + (", ".join(f"{op} {n}" for op, n in self.low_precision_ops.items()) or "no op")
              + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
             ("non-finite guard", "off" if self.on_nonfinite is None else
