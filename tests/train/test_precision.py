@@ -107,3 +107,15 @@ def test_the_report_names_the_weights_dtype():
         rep = remat.compile(model, inputs, loss_fn, precision="bf16").report()
         assert rep.weights == {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
         assert says in str(rep)
+
+
+def test_bf16_ops_keep_their_submodule_paths():
+    """torch.export makes the autocast block a higher-order op; its ops keep the submodule and source
+    line they came from (the report's recomputed layers, error messages), as in fp32."""
+    def paths(precision):
+        model, inputs, loss_fn = remat.zoo.make("gpt", "tiny", dropout=0.0)
+        step = remat.compile(model, inputs, loss_fn, precision=precision)
+        return {i.loc.path for i in step.compilation.joint.entry.instrs if i.loc is not None}
+
+    fp32, bf16 = paths("fp32"), paths("bf16")
+    assert "blocks.0.attn" in fp32 and fp32 - {""} <= bf16

@@ -21,6 +21,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -579,6 +580,7 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
     except Exception as e:
         raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"],
                            _eager_error(wrapper, example_inputs)) from e
+    _keep_region_origins(exported)
     failures = []
     for name, table in decomposition_tables():
         try:
@@ -586,6 +588,22 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
         except Exception as e:  # noqa: BLE001  a decomposition of PyTorch's own failed: try the next table
             failures.append(f"with {name}: {type(e).__name__}: {e}")
     raise CaptureError("decomposition (ExportedProgram.run_decompositions)", failures)
+
+
+def _keep_region_origins(exported: "torch.export.ExportedProgram") -> None:
+    """Keep the submodule path and source line of every op inside a region that ``torch.export``
+    made a higher-order op (a ``torch.autocast`` block: ``precision="bf16"``; a ``torch.no_grad()``
+    block). Its subgraph's nodes carry them, but ``run_decompositions`` traces the subgraph as one
+    call, and every op it contains would come out attributed to the model's root (the report's
+    recomputed layers, unsupported-op messages). Run through :class:`torch.fx.Interpreter`, each
+    node becomes the current node while it is traced, whose metadata the decomposed ops copy."""
+    for mod in exported.graph_module.modules():
+        if isinstance(mod, torch.fx.GraphModule) and mod is not exported.graph_module:
+            mod.forward = partial(_interpret, mod)
+
+
+def _interpret(gm: torch.fx.GraphModule, *args):
+    return torch.fx.Interpreter(gm).run(*args)
 
 
 _UNCHECKED = "a random op eager PyTorch draws from its generator cannot be compared"
