@@ -580,7 +580,7 @@ def lower(c: Compilation) -> Compilation:
     program = c.plan.program
     unconstrained = c.plan.unconstrained or c.unconstrained  # a lean algorithm won: against its own step
     n = _count(program)
-    return replace(c, program=program, instructions=n, recomputed=n - _count(unconstrained),
+    return replace(c, program=program, instructions=n, recomputed=_count(program, views=False) - _count(unconstrained, views=False),
                    recomputed_layers=recomputed_layers(program), recomputes=program is not unconstrained)
 
 
@@ -830,8 +830,10 @@ def _ir(c: Compilation) -> Module | None:
     return c.ir
 
 
-def _count(fn: Function) -> int:
-    return sum(1 for i in fn.entry.instrs if not i.op.has("control"))
+def _count(fn: Function, views: bool = True) -> int:
+    """Instructions of ``fn`` (control flow not counted; views not either with ``views=False``: the
+    rematerialiser makes a view again for each recomputed consumer, which recomputes nothing)."""
+    return sum(1 for i in fn.entry.instrs if not i.op.has("control") and (views or not i.op.has("view")))
 
 
 def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dict, float]:
