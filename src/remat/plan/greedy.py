@@ -34,6 +34,8 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
+
 from .record import Solution
 from .graph import (
     BudgetTooSmall,
@@ -87,18 +89,32 @@ class _Greedy:
         self.unpinned = any(nd.is_input and not nd.is_output for nd in self.nodes)
         self.mem = sum(nd.bytes for nd in self.nodes if nd.is_input)  # bytes, >= internal truth
         self.pins = [0] * n
+        self.pinned: set[int] = set()  # the values with pins
         self.seq: list[int] = []
         self.p = 0  # current position in the original order
         self.evictions = 0
-        # Eviction candidates that are live (non-input, recomputable, non-empty): the scan in
-        # ``_evict_one`` visits these, not every node, so a pass costs O(evictions x resident values).
+        # Eviction candidates that are live (non-input, recomputable, non-empty): ``_evict_one``
+        # scores these, as arrays over the nodes.
         self.evictable = [not nd.is_input and nd.recomputable and nd.bytes > 0 for nd in self.nodes]
-        self.resident: set[int] = set()
+        self.resident = np.zeros(n, dtype=bool)
         # Recompute costs of values that are not live, kept across evictions: an entry holds while
         # no ancestor reached through non-live values changes liveness (``_live_changed`` drops it).
         self.rec: dict[int, float] = {}
         self.cons = cons
         self.tiny = budget // NEGLIGIBLE_FRACTION
+        # The terms of each resident value's score, kept current between evictions: ``base[u]``,
+        # its recompute cost (``_rec_cost``), except for the values in ``stale``, which a liveness
+        # change reached (``_live_changed``); ``uses[u]``, its remaining reads and 1 for an output
+        # (the reads by pending recomputations of a graph with unpinned inputs are counted at each
+        # eviction); ``nxt[u]``, the position of its next use at the current position (none left, an
+        # output's included: ``len(order) + 1``).
+        self.base = np.zeros(n)
+        self.stale: set[int] = set()
+        self.uses = np.array([self.fut[u] + nd.is_output for u, nd in enumerate(self.nodes)], dtype=float)
+        self.size = np.array([nd.bytes for nd in self.nodes], dtype=float)
+        self.is_output = np.array([nd.is_output for nd in self.nodes], dtype=bool)
+        self.negligible = np.array([nd.bytes <= self.tiny for nd in self.nodes], dtype=bool)
+        self.nxt = np.array([ups[0] if ups else len(self.order) + 1 for ups in self.use_pos], dtype=np.int64)
 
     # -------------------------------------------------------------- helpers
     def _dead(self, u: int) -> bool:
@@ -159,20 +175,23 @@ class _Greedy:
             self._hold_inputs(u)
         self.live[u] = False
         self.mem -= self.nodes[u].bytes
-        self.resident.discard(u)
+        self.resident[u] = False
         self._live_changed(u)
 
     def _live_changed(self, u: int) -> None:
         """Forget the kept recompute costs that depended on ``u``'s liveness: ``u``'s own and those of
         the non-live values reached from it through non-live consumers. An entry exists only when
-        every non-live value it went through has one too, so the walk stops at values without one."""
-        rec = self.rec
+        every non-live value it went through has one too, so the walk stops at values without one.
+        The live consumers of those values read them in their recompute cost: their scores are stale."""
+        rec, live, stale = self.rec, self.live, self.stale
         rec.pop(u, None)
         stack = [u]
         while stack:
             v = stack.pop()
             for w in self.cons[v]:
-                if w in rec and not self.live[w]:
+                if live[w]:
+                    stale.add(w)
+                elif w in rec:
                     del rec[w]
                     stack.append(w)
 
@@ -195,42 +214,48 @@ class _Greedy:
         return c
 
     def _evict_one(self) -> None:
-        best, best_h = -1, float("inf")
-        small, small_h = -1, float("inf")  # the best of the negligible values: evicted only when nothing else is left
-        last, last_h = -1, float("inf")  # the best of the outputs, with outputs_last: evicted after those
-        n_order, p, tiny = len(self.order), self.p, self.tiny
-        pins, fut, nodes, use_pos, rec_cost = self.pins, self.fut, self.nodes, self.use_pos, self._rec_cost
-        belady, outputs_last = self.score != "raf", self.outputs_last
-        for u in self.resident:  # ties keep the lowest index, as a scan of all nodes in order would
-            if pins[u]:
-                continue
-            nd = nodes[u]
-            uses = fut[u] + (1 if nd.is_output or self.unpinned and self._read_by_pending(u) else 0)
-            if uses == 0:
-                h = -1.0  # dead: free for nothing
-            else:
-                h = rec_cost(u) * uses / nd.bytes
-                if belady:
-                    ups = use_pos[u]
-                    k = bisect.bisect_left(ups, p)
-                    nxt = ups[k] if k < len(ups) else n_order + 1  # outputs: needed at the end
-                    h /= max(1, nxt - p + 1)
-                if outputs_last and nd.is_output:
-                    if h < last_h or (h == last_h and u < last):
-                        last, last_h = u, h
-                    continue
-                if nd.bytes <= tiny:
-                    if h < small_h or (h == small_h and u < small):
-                        small, small_h = u, h
-                    continue
-            if h < best_h or (h == best_h and u < best):
-                best, best_h = u, h
-        if best < 0:
-            best = small if small >= 0 else last
-        if best < 0:
+        """Free the resident, unpinned value of the lowest score (ties: the lowest index). Values of
+        infinite score (their recomputation reads an input gone for good) are never evicted; dead
+        ones (no use left) score -1; with ``outputs_last`` outputs go only when nothing else can,
+        and negligible values (:data:`NEGLIGIBLE_FRACTION`) before them."""
+        base, stale = self.base, self.stale
+        if stale:
+            resident, rec_cost = self.resident, self._rec_cost
+            for u in stale:
+                if resident[u]:
+                    base[u] = rec_cost(u)
+            stale.clear()
+        cand = self.resident
+        if self.pinned:
+            cand = cand.copy()
+            cand[list(self.pinned)] = False
+        idx = np.flatnonzero(cand)
+        if not len(idx):
             raise _Stuck
-        self._free(best)
-        self.evictions += 1
+        if self.unpinned:
+            fut, nodes, pend = self.fut, self.nodes, self._read_by_pending
+            uses = np.array([fut[u] + (1 if nodes[u].is_output or pend(u) else 0) for u in idx.tolist()], dtype=float)
+        else:
+            uses = self.uses[idx]
+        # the score, elementwise in float64 as ``recompute_cost * uses / bytes / max(1, nxt - p + 1)``
+        with np.errstate(invalid="ignore"):  # a dead value's inf * 0, replaced below
+            h = base[idx] * uses / self.size[idx]
+        if self.score != "raf":
+            h /= np.maximum(1, self.nxt[idx] - (self.p - 1))
+        used = uses > 0
+        h[~used] = -1.0  # dead: free for nothing
+        small = self.negligible[idx] & used
+        groups = [~small, small]
+        if self.outputs_last:
+            last = self.is_output[idx] & used
+            groups = [~(small | last), small & ~last, last]
+        for group in groups:
+            k = int(np.argmin(np.where(group, h, np.inf)))  # the first of the least: the lowest index
+            if group[k] and h[k] < np.inf:
+                self._free(int(idx[k]))
+                self.evictions += 1
+                return
+        raise _Stuck
 
     def _make_room(self, extra: int) -> None:
         while self.mem + extra > self.budget:
@@ -246,7 +271,8 @@ class _Greedy:
         self.done[v] = True
         self.mem += nd.bytes
         if self.evictable[v]:
-            self.resident.add(v)
+            self.resident[v] = True
+            self.stale.add(v)
         self._live_changed(v)
         if v in self.pending:
             self.pending.discard(v)
@@ -269,18 +295,24 @@ class _Greedy:
         pinned: list[int] = []
         for j in nd.inputs:  # protect inputs that are already live
             if self.live[j]:
-                self.pins[j] += 1
+                self._pin(j)
                 pinned.append(j)
         first = set(pinned)
         for j in nd.inputs:  # the others, rematerialised unless an earlier one's recomputation made them live
             if j not in first:
                 if not self.live[j]:
                     self._materialize(j)
-                self.pins[j] += 1
+                self._pin(j)
                 pinned.append(j)
         self._compute(u)
         for j in pinned:
             self.pins[j] -= 1
+            if not self.pins[j]:
+                self.pinned.discard(j)
+
+    def _pin(self, u: int) -> None:
+        self.pins[u] += 1
+        self.pinned.add(u)
 
     # -------------------------------------------------------------- driver
     def run(self) -> list[int]:
@@ -288,26 +320,38 @@ class _Greedy:
             if nd.is_input and self._dead(u):
                 self._free(u)
         for p, v in enumerate(self.order):
-            self.p = p
+            self._advance(p)
             nd = self.nodes[v]
             self._compute_with_inputs(v)
             for j in nd.inputs:
                 self.fut[j] -= 1
+                self.uses[j] -= 1
                 if self._dead(j):
                     self._free(j)
             if self._dead(v):
                 self._free(v)
         # all outputs must be live at the end: pin them one by one
-        self.p = len(self.order)
+        self._advance(len(self.order))
         outs = [u for u, nd in enumerate(self.nodes) if nd.is_output]
         for u in outs:
             if self.live[u]:
-                self.pins[u] += 1
+                self._pin(u)
         for u in outs:
             if not self.live[u]:
                 self._materialize(u)
-                self.pins[u] += 1
+                self._pin(u)
         return self.seq
+
+    def _advance(self, p: int) -> None:
+        """Move to position ``p`` of the order: the values the node at ``p - 1`` read have their
+        next use further on (or none: the end)."""
+        self.p = p
+        if p:
+            use_pos, nxt, end = self.use_pos, self.nxt, len(self.order) + 1
+            for j in self.nodes[self.order[p - 1]].inputs:
+                ups = use_pos[j]
+                k = bisect.bisect_left(ups, p)
+                nxt[j] = ups[k] if k < len(ups) else end
 
 
 def greedy_compute_sequence(
