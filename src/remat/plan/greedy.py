@@ -36,6 +36,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ._greedy_kernels import pick_eviction
 from .record import Solution
 from .graph import (
     BudgetTooSmall,
@@ -75,9 +76,11 @@ class _Greedy:
         self.max_steps = max_steps
         n = len(self.nodes)
         cons = graph.consumers
-        self.pos = {v: p for p, v in enumerate(self.order)}
         # use positions (in the original order) of every value, ascending
-        self.use_pos: list[list[int]] = [sorted(self.pos[w] for w in cons[u]) for u in range(n)]
+        self.use_pos: list[list[int]] = [[] for _ in range(n)]
+        for p, v in enumerate(self.order):
+            for j in self.nodes[v].inputs:
+                self.use_pos[j].append(p)
         self.fut = [len(cons[u]) for u in range(n)]  # first-computations still to read u
         self.live = [nd.is_input for nd in self.nodes]
         # An unpinned input stays while an evicted value with uses left needs it to be recomputed:
@@ -94,27 +97,21 @@ class _Greedy:
         self.p = 0  # current position in the original order
         self.evictions = 0
         # Eviction candidates that are live (non-input, recomputable, non-empty): ``_evict_one``
-        # scores these, as arrays over the nodes.
+        # scores these (:func:`._greedy_kernels.pick_eviction`), from arrays over the nodes kept
+        # current here: ``live_now`` mirrors ``live``; ``uses[u]``, u's remaining reads and 1 for an
+        # output (the reads by pending recomputations of a graph with unpinned inputs are counted at
+        # each eviction); ``nxt[u]``, the position of its next use from the current position on
+        # (none left, an output's included: ``len(order) + 1``).
         self.evictable = [not nd.is_input and nd.recomputable and nd.bytes > 0 for nd in self.nodes]
         self.resident = np.zeros(n, dtype=bool)
-        # Recompute costs of values that are not live, kept across evictions: an entry holds while
-        # no ancestor reached through non-live values changes liveness (``_live_changed`` drops it).
-        self.rec: dict[int, float] = {}
         self.cons = cons
         self.tiny = budget // NEGLIGIBLE_FRACTION
-        # The terms of each resident value's score, kept current between evictions: ``base[u]``,
-        # its recompute cost (``_rec_cost``), except for the values in ``stale``, which a liveness
-        # change reached (``_live_changed``); ``uses[u]``, its remaining reads and 1 for an output
-        # (the reads by pending recomputations of a graph with unpinned inputs are counted at each
-        # eviction); ``nxt[u]``, the position of its next use at the current position (none left, an
-        # output's included: ``len(order) + 1``).
-        self.base = np.zeros(n)
-        self.stale: set[int] = set()
+        self.arrays = _arrays(graph)
+        self.live_now = np.array(self.live, dtype=bool)
         self.uses = np.array([self.fut[u] + nd.is_output for u, nd in enumerate(self.nodes)], dtype=float)
-        self.size = np.array([nd.bytes for nd in self.nodes], dtype=float)
-        self.is_output = np.array([nd.is_output for nd in self.nodes], dtype=bool)
         self.negligible = np.array([nd.bytes <= self.tiny for nd in self.nodes], dtype=bool)
         self.nxt = np.array([ups[0] if ups else len(self.order) + 1 for ups in self.use_pos], dtype=np.int64)
+        self.scratch = np.empty(n)
 
     # -------------------------------------------------------------- helpers
     def _dead(self, u: int) -> bool:
@@ -174,88 +171,30 @@ class _Greedy:
             self.pending.add(u)  # to be recomputed: the unpinned inputs that takes stay
             self._hold_inputs(u)
         self.live[u] = False
+        self.live_now[u] = False
         self.mem -= self.nodes[u].bytes
         self.resident[u] = False
-        self._live_changed(u)
-
-    def _live_changed(self, u: int) -> None:
-        """Forget the kept recompute costs that depended on ``u``'s liveness: ``u``'s own and those of
-        the non-live values reached from it through non-live consumers. An entry exists only when
-        every non-live value it went through has one too, so the walk stops at values without one.
-        The live consumers of those values read them in their recompute cost: their scores are stale."""
-        rec, live, stale = self.rec, self.live, self.stale
-        rec.pop(u, None)
-        stack = [u]
-        while stack:
-            v = stack.pop()
-            for w in self.cons[v]:
-                if live[w]:
-                    stale.add(w)
-                elif w in rec:
-                    del rec[w]
-                    stack.append(w)
-
-    def _rec_cost(self, u: int) -> float:
-        """Cost of recomputing u now, incl. evicted ancestors (their costs summed along each path)."""
-        nd = self.nodes[u]
-        c = nd.cost
-        live, rec, nodes = self.live, self.rec, self.nodes
-        for j in nd.inputs:
-            if not live[j]:
-                if nodes[j].is_input:
-                    return float("inf")  # reads an input freed after its last use, for good: never evicted
-                r = rec.get(j)
-                c += self._rec_cost_not_live(j) if r is None else r
-        return c
-
-    def _rec_cost_not_live(self, u: int) -> float:
-        c = self._rec_cost(u)
-        self.rec[u] = c
-        return c
 
     def _evict_one(self) -> None:
-        """Free the resident, unpinned value of the lowest score (ties: the lowest index). Values of
-        infinite score (their recomputation reads an input gone for good) are never evicted; dead
-        ones (no use left) score -1; with ``outputs_last`` outputs go only when nothing else can,
-        and negligible values (:data:`NEGLIGIBLE_FRACTION`) before them."""
-        base, stale = self.base, self.stale
-        if stale:
-            resident, rec_cost = self.resident, self._rec_cost
-            for u in stale:
-                if resident[u]:
-                    base[u] = rec_cost(u)
-            stale.clear()
+        """Free the resident, unpinned value of the lowest score (:func:`._greedy_kernels.pick_eviction`)."""
         cand = self.resident
         if self.pinned:
             cand = cand.copy()
             cand[list(self.pinned)] = False
-        idx = np.flatnonzero(cand)
-        if not len(idx):
+        uses = self.uses
+        if self.unpinned:  # an evicted value to be recomputed reads it: one use more
+            uses = uses.copy()
+            nodes, pend = self.nodes, self._read_by_pending
+            for u in np.flatnonzero(cand).tolist():
+                if not nodes[u].is_output and pend(u):
+                    uses[u] += 1
+        indptr, indices, cost, is_input, size, is_output = self.arrays
+        u = pick_eviction(indptr, indices, cost, is_input, self.live_now, cand, uses, size, self.nxt, self.p,
+                          self.score != "raf", self.outputs_last, is_output, self.negligible, self.scratch)
+        if u < 0:
             raise _Stuck
-        if self.unpinned:
-            fut, nodes, pend = self.fut, self.nodes, self._read_by_pending
-            uses = np.array([fut[u] + (1 if nodes[u].is_output or pend(u) else 0) for u in idx.tolist()], dtype=float)
-        else:
-            uses = self.uses[idx]
-        # the score, elementwise in float64 as ``recompute_cost * uses / bytes / max(1, nxt - p + 1)``
-        with np.errstate(invalid="ignore"):  # a dead value's inf * 0, replaced below
-            h = base[idx] * uses / self.size[idx]
-        if self.score != "raf":
-            h /= np.maximum(1, self.nxt[idx] - (self.p - 1))
-        used = uses > 0
-        h[~used] = -1.0  # dead: free for nothing
-        small = self.negligible[idx] & used
-        groups = [~small, small]
-        if self.outputs_last:
-            last = self.is_output[idx] & used
-            groups = [~(small | last), small & ~last, last]
-        for group in groups:
-            k = int(np.argmin(np.where(group, h, np.inf)))  # the first of the least: the lowest index
-            if group[k] and h[k] < np.inf:
-                self._free(int(idx[k]))
-                self.evictions += 1
-                return
-        raise _Stuck
+        self._free(int(u))
+        self.evictions += 1
 
     def _make_room(self, extra: int) -> None:
         while self.mem + extra > self.budget:
@@ -268,12 +207,11 @@ class _Greedy:
         if len(self.seq) > self.max_steps:
             raise _Stuck
         self.live[v] = True
+        self.live_now[v] = True
         self.done[v] = True
         self.mem += nd.bytes
         if self.evictable[v]:
             self.resident[v] = True
-            self.stale.add(v)
-        self._live_changed(v)
         if v in self.pending:
             self.pending.discard(v)
             self._release_inputs(v)
@@ -352,6 +290,17 @@ class _Greedy:
                 ups = use_pos[j]
                 k = bisect.bisect_left(ups, p)
                 nxt[j] = ups[k] if k < len(ups) else end
+
+
+def _arrays(graph: Graph) -> tuple[np.ndarray, ...]:
+    """The graph as :func:`._greedy_kernels.pick_eviction` reads it: its nodes' inputs (CSR:
+    ``indptr``, ``indices``), costs, input flags, bytes (as floats) and output flags."""
+    nodes = graph.nodes
+    indptr = np.zeros(len(nodes) + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(nd.inputs) for nd in nodes])
+    indices = np.array([j for nd in nodes for j in nd.inputs], dtype=np.int64)
+    return (indptr, indices, np.array([float(nd.cost) for nd in nodes]), np.array([nd.is_input for nd in nodes], dtype=bool),
+            np.array([nd.bytes for nd in nodes], dtype=float), np.array([nd.is_output for nd in nodes], dtype=bool))
 
 
 def greedy_compute_sequence(
