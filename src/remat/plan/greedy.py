@@ -20,7 +20,9 @@ its backward may release: ``partition.Split.donated``) are freed after their las
 no value can be recomputed from them afterwards. So an evicted value that will be recomputed holds
 the inputs its recomputation reads (``held_for``), a value such a recomputation reads is not
 dead while it waits (``pending``), and a value reading an input already gone is never evicted.
-Graphs whose inputs are all pinned (the step's own arguments) are planned as before.
+Graphs whose inputs are all pinned (the step's own arguments) are planned as before, by a compiled
+pass (:func:`._greedy_kernels.greedy_pass`) that takes the steps :class:`_Greedy` takes; the class
+(Python) plans the others and is the reference the compiled pass is tested against.
 
 The result is a compute sequence; frees are inserted eagerly (:func:`.graph.eager_frees`),
 which frees every value no later than the greedy did, so the simulated peak is
@@ -32,11 +34,12 @@ from __future__ import annotations
 import bisect
 import sys
 import time
+import weakref
 from typing import Sequence
 
 import numpy as np
 
-from ._greedy_kernels import pick_eviction
+from ._greedy_kernels import STUCK, greedy_pass, pick_eviction
 from .record import Solution
 from .graph import (
     BudgetTooSmall,
@@ -91,8 +94,7 @@ class _Greedy:
         self.done = [False] * n  # computed at least once (only those can be pending, or lead to one)
         self.unpinned = any(nd.is_input and not nd.is_output for nd in self.nodes)
         self.mem = sum(nd.bytes for nd in self.nodes if nd.is_input)  # bytes, >= internal truth
-        self.pins = [0] * n
-        self.pinned: set[int] = set()  # the values with pins
+        self.pins = np.zeros(n, dtype=np.int64)
         self.seq: list[int] = []
         self.p = 0  # current position in the original order
         self.evictions = 0
@@ -177,20 +179,17 @@ class _Greedy:
 
     def _evict_one(self) -> None:
         """Free the resident, unpinned value of the lowest score (:func:`._greedy_kernels.pick_eviction`)."""
-        cand = self.resident
-        if self.pinned:
-            cand = cand.copy()
-            cand[list(self.pinned)] = False
         uses = self.uses
         if self.unpinned:  # an evicted value to be recomputed reads it: one use more
             uses = uses.copy()
             nodes, pend = self.nodes, self._read_by_pending
-            for u in np.flatnonzero(cand).tolist():
+            for u in np.flatnonzero(self.resident & (self.pins == 0)).tolist():
                 if not nodes[u].is_output and pend(u):
                     uses[u] += 1
-        indptr, indices, cost, is_input, size, is_output = self.arrays
-        u = pick_eviction(indptr, indices, cost, is_input, self.live_now, cand, uses, size, self.nxt, self.p,
-                          self.score != "raf", self.outputs_last, is_output, self.negligible, self.scratch)
+        indptr, indices, cost, is_input, is_output, size = self.arrays[:6]
+        u = pick_eviction(indptr, indices, cost, is_input, self.live_now, self.resident, self.pins, uses, size,
+                          self.nxt, self.p, self.score != "raf", self.outputs_last, is_output, self.negligible,
+                          self.scratch)
         if u < 0:
             raise _Stuck
         self._free(int(u))
@@ -245,12 +244,9 @@ class _Greedy:
         self._compute(u)
         for j in pinned:
             self.pins[j] -= 1
-            if not self.pins[j]:
-                self.pinned.discard(j)
 
     def _pin(self, u: int) -> None:
         self.pins[u] += 1
-        self.pinned.add(u)
 
     # -------------------------------------------------------------- driver
     def run(self) -> list[int]:
@@ -292,15 +288,51 @@ class _Greedy:
                 nxt[j] = ups[k] if k < len(ups) else end
 
 
+_ARRAYS: "weakref.WeakKeyDictionary[Graph, tuple[int, tuple[np.ndarray, ...]]]" = weakref.WeakKeyDictionary()
+
+
 def _arrays(graph: Graph) -> tuple[np.ndarray, ...]:
-    """The graph as :func:`._greedy_kernels.pick_eviction` reads it: its nodes' inputs (CSR:
-    ``indptr``, ``indices``), costs, input flags, bytes (as floats) and output flags."""
+    """The graph as the kernels (:mod:`._greedy_kernels`) read it: its nodes' inputs (CSR:
+    ``indptr``, ``indices``), costs, input and output flags, bytes as floats and as integers,
+    workspaces and recomputable flags. Kept per graph (nodes are only ever appended)."""
+    kept = _ARRAYS.get(graph)
+    if kept is not None and kept[0] == len(graph):
+        return kept[1]
     nodes = graph.nodes
     indptr = np.zeros(len(nodes) + 1, dtype=np.int64)
     indptr[1:] = np.cumsum([len(nd.inputs) for nd in nodes])
-    indices = np.array([j for nd in nodes for j in nd.inputs], dtype=np.int64)
-    return (indptr, indices, np.array([float(nd.cost) for nd in nodes]), np.array([nd.is_input for nd in nodes], dtype=bool),
-            np.array([nd.bytes for nd in nodes], dtype=float), np.array([nd.is_output for nd in nodes], dtype=bool))
+    out = (indptr, np.array([j for nd in nodes for j in nd.inputs], dtype=np.int64),
+           np.array([nd.cost for nd in nodes], dtype=float), np.array([nd.is_input for nd in nodes], dtype=bool),
+           np.array([nd.is_output for nd in nodes], dtype=bool), np.array([nd.bytes for nd in nodes], dtype=float),
+           np.array([nd.bytes for nd in nodes], dtype=np.int64), np.array([nd.workspace for nd in nodes], dtype=np.int64),
+           np.array([nd.recomputable for nd in nodes], dtype=bool))
+    _ARRAYS[graph] = (len(graph), out)
+    return out
+
+
+def _compiled_pass(graph: Graph, order: Sequence[int], budget: int, score: str, max_steps: int) -> list[int] | None:
+    """:class:`_Greedy`'s pass, run by :func:`._greedy_kernels.greedy_pass` (a graph whose inputs
+    are all outputs)."""
+    arrays = _arrays(graph)
+    indptr = arrays[0]
+    n = len(indptr) - 1
+    order_arr = np.asarray(order, dtype=np.int64)
+    pos = np.full(n, -1, dtype=np.int64)
+    pos[order_arr] = np.arange(len(order_arr))
+    # use positions: for each input edge (consumer c reads j) that the order computes, c's position
+    reader = np.repeat(np.arange(n), np.diff(indptr))
+    read = arrays[1]
+    at = pos[reader]
+    keep = at >= 0
+    read, at = read[keep], at[keep]
+    by = np.lexsort((at, read))
+    use_pos = at[by]
+    use_ptr = np.zeros(n + 1, dtype=np.int64)
+    use_ptr[1:] = np.cumsum(np.bincount(read, minlength=n))
+    negligible = arrays[6] <= budget // NEGLIGIBLE_FRACTION
+    seq, k = greedy_pass(arrays + (negligible,), order_arr, use_ptr, use_pos, budget, score != "raf",
+                         score.endswith("_outputs_last"), max_steps)
+    return None if k == STUCK else seq[:k].tolist()
 
 
 def greedy_compute_sequence(
@@ -318,6 +350,8 @@ def greedy_compute_sequence(
     order = list(order) if order is not None else graph.compute_nodes
     n = len(graph)
     max_steps = max_steps if max_steps is not None else 200 * n + 10_000
+    if not any(nd.is_input and not nd.is_output for nd in graph):
+        return _compiled_pass(graph, order, int(budget), score, max_steps)
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, 4 * n + 1000))
     try:
