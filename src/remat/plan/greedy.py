@@ -34,7 +34,6 @@ from __future__ import annotations
 import bisect
 import sys
 import time
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -47,6 +46,7 @@ from .graph import (
     check_order,
     eager_frees,
     make_plan,
+    node_arrays,
     min_memory_lower_bound,
     evaluate,
 )
@@ -108,7 +108,7 @@ class _Greedy:
         self.resident = np.zeros(n, dtype=bool)
         self.cons = cons
         self.tiny = budget // NEGLIGIBLE_FRACTION
-        self.arrays = _arrays(graph)
+        self.arrays = node_arrays(graph)
         self.live_now = np.array(self.live, dtype=bool)
         self.uses = np.array([self.fut[u] + nd.is_output for u, nd in enumerate(self.nodes)], dtype=float)
         self.negligible = np.array([nd.bytes <= self.tiny for nd in self.nodes], dtype=bool)
@@ -288,32 +288,10 @@ class _Greedy:
                 nxt[j] = ups[k] if k < len(ups) else end
 
 
-_ARRAYS: "weakref.WeakKeyDictionary[Graph, tuple[int, tuple[np.ndarray, ...]]]" = weakref.WeakKeyDictionary()
-
-
-def _arrays(graph: Graph) -> tuple[np.ndarray, ...]:
-    """The graph as the kernels (:mod:`._greedy_kernels`) read it: its nodes' inputs (CSR:
-    ``indptr``, ``indices``), costs, input and output flags, bytes as floats and as integers,
-    workspaces and recomputable flags. Kept per graph (nodes are only ever appended)."""
-    kept = _ARRAYS.get(graph)
-    if kept is not None and kept[0] == len(graph):
-        return kept[1]
-    nodes = graph.nodes
-    indptr = np.zeros(len(nodes) + 1, dtype=np.int64)
-    indptr[1:] = np.cumsum([len(nd.inputs) for nd in nodes])
-    out = (indptr, np.array([j for nd in nodes for j in nd.inputs], dtype=np.int64),
-           np.array([nd.cost for nd in nodes], dtype=float), np.array([nd.is_input for nd in nodes], dtype=bool),
-           np.array([nd.is_output for nd in nodes], dtype=bool), np.array([nd.bytes for nd in nodes], dtype=float),
-           np.array([nd.bytes for nd in nodes], dtype=np.int64), np.array([nd.workspace for nd in nodes], dtype=np.int64),
-           np.array([nd.recomputable for nd in nodes], dtype=bool))
-    _ARRAYS[graph] = (len(graph), out)
-    return out
-
-
 def _compiled_pass(graph: Graph, order: Sequence[int], budget: int, score: str, max_steps: int) -> list[int] | None:
     """:class:`_Greedy`'s pass, run by :func:`._greedy_kernels.greedy_pass` (a graph whose inputs
     are all outputs)."""
-    arrays = _arrays(graph)
+    arrays = node_arrays(graph)
     indptr = arrays[0]
     n = len(indptr) - 1
     order_arr = np.asarray(order, dtype=np.int64)
