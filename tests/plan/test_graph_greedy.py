@@ -165,3 +165,35 @@ def test_min_peak_consistency_with_exhaustive():
         lo_any = exhaustive_min_peak(g, "any")
         assert min_memory_lower_bound(g) <= lo_any <= exhaustive_min_peak(g, "checkmate")
         assert lo_any <= greedy_min_budget(g)
+
+
+def _all_inputs_pinned(g: Graph) -> Graph:
+    """``g`` with every input an output (kept to the end), costs spread over a few magnitudes."""
+    from remat.plan.graph import Node
+
+    out = Graph()
+    for k, nd in enumerate(g):
+        cost = 0.0 if nd.is_input else nd.cost * (1.0, 1 / 3, 1e-7, 3.7)[k % 4]
+        out._append(Node(nd.name, cost, nd.bytes, nd.inputs, nd.is_input, nd.is_output or nd.is_input,
+                         nd.recomputable, nd.workspace, nd.group))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(3, 40), frac=st.floats(0.0, 1.1),
+       score=st.sampled_from(["raf_belady", "raf", "raf_belady_outputs_last"]), bounded=st.booleans())
+def test_compiled_pass_takes_the_reference_steps(seed, n, frac, score, bounded):
+    """A graph whose inputs are all pinned is planned by the compiled pass (``_greedy_kernels``):
+    the same compute sequence as the reference (``greedy._Greedy``), or stuck where it is."""
+    from remat.plan import greedy
+
+    g = _all_inputs_pinned(random_graph(n, seed, n_inputs=1 + seed % 3, max_fanin=3, max_bytes=(10, 1000)[seed % 2],
+                                        p_nonrecomputable=0.1 * (seed % 2), p_workspace=0.2))
+    lo, hi = min_memory_lower_bound(g), evaluate(g, no_remat_schedule(g))[1]
+    budget = int(lo + frac * (hi - lo))
+    steps = 3 * len(g) if bounded else 200 * len(g) + 10_000
+    try:
+        want = greedy._Greedy(g, g.compute_nodes, budget, score, steps).run()
+    except greedy._Stuck:
+        want = None
+    assert greedy.greedy_compute_sequence(g, budget, score=score, max_steps=steps) == want

@@ -1,6 +1,10 @@
 """The abstract graph, its validation, and the exact memory model (evaluate)."""
 
+import re
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from remat.plan.graph import (BudgetTooSmall, Graph, eager_frees, make_plan, memory_profile, min_memory_lower_bound, no_remat_schedule, prune_compute_sequence, evaluate)
 from remat.plan.record import ScheduleError, Solution
@@ -144,3 +148,26 @@ def test_permuted_round_trip():
     assert back == [0, 2, 1, 3]
     with pytest.raises(ValueError, match="topological"):
         g.permuted([3, 1, 2])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(3, 30), frac=st.floats(0.0, 1.0), prune=st.booleans(),
+       extra=st.lists(st.integers(0, 29), max_size=6))
+def test_make_plan_is_the_python_steps(seed, n, frac, prune, extra):
+    """``make_plan`` runs compiled (``_schedule_kernels``): the schedule, cost and peak of
+    ``prune_compute_sequence``, ``eager_frees`` and ``evaluate``, or the error they raise."""
+    from remat.plan.greedy import greedy_compute_sequence
+
+    g = random_graph(n, seed, n_inputs=1 + seed % 3, max_fanin=3, p_nonrecomputable=0.1, p_workspace=0.2)
+    lo, hi = min_memory_lower_bound(g), evaluate(g, eager_frees(g, g.compute_nodes))[1]
+    seq = greedy_compute_sequence(g, int(lo + frac * (hi - lo))) or g.compute_nodes
+    for order in (seq, seq + [1 + e % (len(g) - 1) for e in extra]):  # the second is often not valid
+        try:
+            s = prune_compute_sequence(g, order) if prune else list(order)
+            want = (eager_frees(g, s),) + evaluate(g, eager_frees(g, s))
+        except Exception as e:
+            with pytest.raises(type(e), match=re.escape(str(e))):
+                make_plan(g, order, solver="t", status="t", seconds=0.0, prune=prune)
+            continue
+        got = make_plan(g, order, solver="t", status="t", seconds=0.0, prune=prune)
+        assert (got.schedule, got.cost, got.peak) == want

@@ -28,8 +28,11 @@ Memory model (all sizes in bytes, costs in seconds):
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
+
+import numpy as np
 
 from ..errors import BudgetTooSmall  # noqa: F401  (raised by every graph solver)
 from .record import ScheduleError, Solution
@@ -267,6 +270,28 @@ def check_order(graph: Graph, order: Sequence[int]) -> None:
                 )
 
 
+_NODE_ARRAYS: "weakref.WeakKeyDictionary[Graph, tuple[int, tuple[np.ndarray, ...]]]" = weakref.WeakKeyDictionary()
+
+
+def node_arrays(graph: Graph) -> tuple[np.ndarray, ...]:
+    """The graph as compiled loops (:mod:`._greedy_kernels`, :mod:`._schedule_kernels`) read it: its nodes' inputs (CSR:
+    ``indptr``, ``indices``), costs, input and output flags, bytes as floats and as integers,
+    workspaces and recomputable flags. Kept per graph (nodes are only ever appended)."""
+    kept = _NODE_ARRAYS.get(graph)
+    if kept is not None and kept[0] == len(graph):
+        return kept[1]
+    nodes = graph.nodes
+    indptr = np.zeros(len(nodes) + 1, dtype=np.int64)
+    indptr[1:] = np.cumsum([len(nd.inputs) for nd in nodes])
+    out = (indptr, np.array([j for nd in nodes for j in nd.inputs], dtype=np.int64),
+           np.array([nd.cost for nd in nodes], dtype=float), np.array([nd.is_input for nd in nodes], dtype=bool),
+           np.array([nd.is_output for nd in nodes], dtype=bool), np.array([nd.bytes for nd in nodes], dtype=float),
+           np.array([nd.bytes for nd in nodes], dtype=np.int64), np.array([nd.workspace for nd in nodes], dtype=np.int64),
+           np.array([nd.recomputable for nd in nodes], dtype=bool))
+    _NODE_ARRAYS[graph] = (len(graph), out)
+    return out
+
+
 # ---------------------------------------------------------------------- simulation
 def evaluate(graph: Graph, schedule: Sequence[Step]) -> tuple[float, int]:
     """Validate ``schedule`` and return ``(total_cost_seconds, peak_bytes)``.
@@ -464,9 +489,33 @@ def make_plan(
     prune: bool = True,
 ) -> Solution:
     """Build a :class:`~.record.Solution` from a compute sequence: prune, insert eager frees,
-    validate and measure with :func:`evaluate`."""
-    seq = prune_compute_sequence(graph, compute_order) if prune else list(compute_order)
-    sched = eager_frees(graph, seq)
-    cost, peak = evaluate(graph, sched)
+    validate and measure with :func:`evaluate` (compiled, :mod:`._schedule_kernels`; the Python
+    functions say what is wrong with a sequence that is not valid)."""
+    found = _compiled_plan(graph, compute_order, prune)
+    if found is None:
+        seq = prune_compute_sequence(graph, compute_order) if prune else list(compute_order)
+        sched = eager_frees(graph, seq)
+        cost, peak = evaluate(graph, sched)
+    else:
+        sched, cost, peak = found
     return Solution(solver, sched, cost, peak, budget=budget, seconds=seconds, notes=list(notes), status=status,
                     base_cost=graph.base_cost)
+
+
+def _compiled_plan(graph: Graph, compute_order: Sequence[int], prune: bool) -> tuple[Schedule, float, int] | None:
+    """:func:`make_plan`'s schedule, cost and peak by :mod:`._schedule_kernels`, or None when the
+    sequence is not valid."""
+    from . import _schedule_kernels as k
+
+    seq = np.asarray(list(compute_order), dtype=np.int64)
+    if seq.size and (seq.min() < 0 or seq.max() >= len(graph)):
+        return None
+    indptr, indices, cost, is_input, is_output, _, nbytes, workspace, recomputable = node_arrays(graph)
+    if prune:
+        seq = k.prune(seq, indptr, indices, is_output)
+    kinds, nodes = k.eager_schedule(seq, indptr, indices, is_input, is_output)
+    ok, total, peak = k.measure(kinds, nodes, indptr, indices, is_input, is_output, recomputable, nbytes, workspace, cost)
+    if not ok:
+        return None
+    steps = (FREE, COMPUTE)
+    return [(steps[a], b) for a, b in zip(kinds.tolist(), nodes.tolist())], float(total), int(peak)

@@ -20,7 +20,9 @@ its backward may release: ``partition.Split.donated``) are freed after their las
 no value can be recomputed from them afterwards. So an evicted value that will be recomputed holds
 the inputs its recomputation reads (``held_for``), a value such a recomputation reads is not
 dead while it waits (``pending``), and a value reading an input already gone is never evicted.
-Graphs whose inputs are all pinned (the step's own arguments) are planned as before.
+Graphs whose inputs are all pinned (the step's own arguments) are planned as before, by a compiled
+pass (:func:`._greedy_kernels.greedy_pass`) that takes the steps :class:`_Greedy` takes; the class
+(Python) plans the others and is the reference the compiled pass is tested against.
 
 The result is a compute sequence; frees are inserted eagerly (:func:`.graph.eager_frees`),
 which frees every value no later than the greedy did, so the simulated peak is
@@ -34,6 +36,9 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
+
+from ._greedy_kernels import STUCK, greedy_pass, pick_eviction
 from .record import Solution
 from .graph import (
     BudgetTooSmall,
@@ -41,6 +46,7 @@ from .graph import (
     check_order,
     eager_frees,
     make_plan,
+    node_arrays,
     min_memory_lower_bound,
     evaluate,
 )
@@ -73,9 +79,11 @@ class _Greedy:
         self.max_steps = max_steps
         n = len(self.nodes)
         cons = graph.consumers
-        self.pos = {v: p for p, v in enumerate(self.order)}
         # use positions (in the original order) of every value, ascending
-        self.use_pos: list[list[int]] = [sorted(self.pos[w] for w in cons[u]) for u in range(n)]
+        self.use_pos: list[list[int]] = [[] for _ in range(n)]
+        for p, v in enumerate(self.order):
+            for j in self.nodes[v].inputs:
+                self.use_pos[j].append(p)
         self.fut = [len(cons[u]) for u in range(n)]  # first-computations still to read u
         self.live = [nd.is_input for nd in self.nodes]
         # An unpinned input stays while an evicted value with uses left needs it to be recomputed:
@@ -86,19 +94,26 @@ class _Greedy:
         self.done = [False] * n  # computed at least once (only those can be pending, or lead to one)
         self.unpinned = any(nd.is_input and not nd.is_output for nd in self.nodes)
         self.mem = sum(nd.bytes for nd in self.nodes if nd.is_input)  # bytes, >= internal truth
-        self.pins = [0] * n
+        self.pins = np.zeros(n, dtype=np.int64)
         self.seq: list[int] = []
         self.p = 0  # current position in the original order
         self.evictions = 0
-        # Eviction candidates that are live (non-input, recomputable, non-empty): the scan in
-        # ``_evict_one`` visits these, not every node, so a pass costs O(evictions x resident values).
+        # Eviction candidates that are live (non-input, recomputable, non-empty): ``_evict_one``
+        # scores these (:func:`._greedy_kernels.pick_eviction`), from arrays over the nodes kept
+        # current here: ``live_now`` mirrors ``live``; ``uses[u]``, u's remaining reads and 1 for an
+        # output (the reads by pending recomputations of a graph with unpinned inputs are counted at
+        # each eviction); ``nxt[u]``, the position of its next use from the current position on
+        # (none left, an output's included: ``len(order) + 1``).
         self.evictable = [not nd.is_input and nd.recomputable and nd.bytes > 0 for nd in self.nodes]
-        self.resident: set[int] = set()
-        # Recompute costs of values that are not live, kept across evictions: an entry holds while
-        # no ancestor reached through non-live values changes liveness (``_live_changed`` drops it).
-        self.rec: dict[int, float] = {}
+        self.resident = np.zeros(n, dtype=bool)
         self.cons = cons
         self.tiny = budget // NEGLIGIBLE_FRACTION
+        self.arrays = node_arrays(graph)
+        self.live_now = np.array(self.live, dtype=bool)
+        self.uses = np.array([self.fut[u] + nd.is_output for u, nd in enumerate(self.nodes)], dtype=float)
+        self.negligible = np.array([nd.bytes <= self.tiny for nd in self.nodes], dtype=bool)
+        self.nxt = np.array([ups[0] if ups else len(self.order) + 1 for ups in self.use_pos], dtype=np.int64)
+        self.scratch = np.empty(n)
 
     # -------------------------------------------------------------- helpers
     def _dead(self, u: int) -> bool:
@@ -158,78 +173,26 @@ class _Greedy:
             self.pending.add(u)  # to be recomputed: the unpinned inputs that takes stay
             self._hold_inputs(u)
         self.live[u] = False
+        self.live_now[u] = False
         self.mem -= self.nodes[u].bytes
-        self.resident.discard(u)
-        self._live_changed(u)
-
-    def _live_changed(self, u: int) -> None:
-        """Forget the kept recompute costs that depended on ``u``'s liveness: ``u``'s own and those of
-        the non-live values reached from it through non-live consumers. An entry exists only when
-        every non-live value it went through has one too, so the walk stops at values without one."""
-        rec = self.rec
-        rec.pop(u, None)
-        stack = [u]
-        while stack:
-            v = stack.pop()
-            for w in self.cons[v]:
-                if w in rec and not self.live[w]:
-                    del rec[w]
-                    stack.append(w)
-
-    def _rec_cost(self, u: int) -> float:
-        """Cost of recomputing u now, incl. evicted ancestors (their costs summed along each path)."""
-        nd = self.nodes[u]
-        c = nd.cost
-        live, rec, nodes = self.live, self.rec, self.nodes
-        for j in nd.inputs:
-            if not live[j]:
-                if nodes[j].is_input:
-                    return float("inf")  # reads an input freed after its last use, for good: never evicted
-                r = rec.get(j)
-                c += self._rec_cost_not_live(j) if r is None else r
-        return c
-
-    def _rec_cost_not_live(self, u: int) -> float:
-        c = self._rec_cost(u)
-        self.rec[u] = c
-        return c
+        self.resident[u] = False
 
     def _evict_one(self) -> None:
-        best, best_h = -1, float("inf")
-        small, small_h = -1, float("inf")  # the best of the negligible values: evicted only when nothing else is left
-        last, last_h = -1, float("inf")  # the best of the outputs, with outputs_last: evicted after those
-        n_order, p, tiny = len(self.order), self.p, self.tiny
-        pins, fut, nodes, use_pos, rec_cost = self.pins, self.fut, self.nodes, self.use_pos, self._rec_cost
-        belady, outputs_last = self.score != "raf", self.outputs_last
-        for u in self.resident:  # ties keep the lowest index, as a scan of all nodes in order would
-            if pins[u]:
-                continue
-            nd = nodes[u]
-            uses = fut[u] + (1 if nd.is_output or self.unpinned and self._read_by_pending(u) else 0)
-            if uses == 0:
-                h = -1.0  # dead: free for nothing
-            else:
-                h = rec_cost(u) * uses / nd.bytes
-                if belady:
-                    ups = use_pos[u]
-                    k = bisect.bisect_left(ups, p)
-                    nxt = ups[k] if k < len(ups) else n_order + 1  # outputs: needed at the end
-                    h /= max(1, nxt - p + 1)
-                if outputs_last and nd.is_output:
-                    if h < last_h or (h == last_h and u < last):
-                        last, last_h = u, h
-                    continue
-                if nd.bytes <= tiny:
-                    if h < small_h or (h == small_h and u < small):
-                        small, small_h = u, h
-                    continue
-            if h < best_h or (h == best_h and u < best):
-                best, best_h = u, h
-        if best < 0:
-            best = small if small >= 0 else last
-        if best < 0:
+        """Free the resident, unpinned value of the lowest score (:func:`._greedy_kernels.pick_eviction`)."""
+        uses = self.uses
+        if self.unpinned:  # an evicted value to be recomputed reads it: one use more
+            uses = uses.copy()
+            nodes, pend = self.nodes, self._read_by_pending
+            for u in np.flatnonzero(self.resident & (self.pins == 0)).tolist():
+                if not nodes[u].is_output and pend(u):
+                    uses[u] += 1
+        indptr, indices, cost, is_input, is_output, size = self.arrays[:6]
+        u = pick_eviction(indptr, indices, cost, is_input, self.live_now, self.resident, self.pins, uses, size,
+                          self.nxt, self.p, self.score != "raf", self.outputs_last, is_output, self.negligible,
+                          self.scratch)
+        if u < 0:
             raise _Stuck
-        self._free(best)
+        self._free(int(u))
         self.evictions += 1
 
     def _make_room(self, extra: int) -> None:
@@ -243,11 +206,11 @@ class _Greedy:
         if len(self.seq) > self.max_steps:
             raise _Stuck
         self.live[v] = True
+        self.live_now[v] = True
         self.done[v] = True
         self.mem += nd.bytes
         if self.evictable[v]:
-            self.resident.add(v)
-        self._live_changed(v)
+            self.resident[v] = True
         if v in self.pending:
             self.pending.discard(v)
             self._release_inputs(v)
@@ -269,18 +232,21 @@ class _Greedy:
         pinned: list[int] = []
         for j in nd.inputs:  # protect inputs that are already live
             if self.live[j]:
-                self.pins[j] += 1
+                self._pin(j)
                 pinned.append(j)
         first = set(pinned)
         for j in nd.inputs:  # the others, rematerialised unless an earlier one's recomputation made them live
             if j not in first:
                 if not self.live[j]:
                     self._materialize(j)
-                self.pins[j] += 1
+                self._pin(j)
                 pinned.append(j)
         self._compute(u)
         for j in pinned:
             self.pins[j] -= 1
+
+    def _pin(self, u: int) -> None:
+        self.pins[u] += 1
 
     # -------------------------------------------------------------- driver
     def run(self) -> list[int]:
@@ -288,26 +254,63 @@ class _Greedy:
             if nd.is_input and self._dead(u):
                 self._free(u)
         for p, v in enumerate(self.order):
-            self.p = p
+            self._advance(p)
             nd = self.nodes[v]
             self._compute_with_inputs(v)
             for j in nd.inputs:
                 self.fut[j] -= 1
+                self.uses[j] -= 1
                 if self._dead(j):
                     self._free(j)
             if self._dead(v):
                 self._free(v)
         # all outputs must be live at the end: pin them one by one
-        self.p = len(self.order)
+        self._advance(len(self.order))
         outs = [u for u, nd in enumerate(self.nodes) if nd.is_output]
         for u in outs:
             if self.live[u]:
-                self.pins[u] += 1
+                self._pin(u)
         for u in outs:
             if not self.live[u]:
                 self._materialize(u)
-                self.pins[u] += 1
+                self._pin(u)
         return self.seq
+
+    def _advance(self, p: int) -> None:
+        """Move to position ``p`` of the order: the values the node at ``p - 1`` read have their
+        next use further on (or none: the end)."""
+        self.p = p
+        if p:
+            use_pos, nxt, end = self.use_pos, self.nxt, len(self.order) + 1
+            for j in self.nodes[self.order[p - 1]].inputs:
+                ups = use_pos[j]
+                k = bisect.bisect_left(ups, p)
+                nxt[j] = ups[k] if k < len(ups) else end
+
+
+def _compiled_pass(graph: Graph, order: Sequence[int], budget: int, score: str, max_steps: int) -> list[int] | None:
+    """:class:`_Greedy`'s pass, run by :func:`._greedy_kernels.greedy_pass` (a graph whose inputs
+    are all outputs)."""
+    arrays = node_arrays(graph)
+    indptr = arrays[0]
+    n = len(indptr) - 1
+    order_arr = np.asarray(order, dtype=np.int64)
+    pos = np.full(n, -1, dtype=np.int64)
+    pos[order_arr] = np.arange(len(order_arr))
+    # use positions: for each input edge (consumer c reads j) that the order computes, c's position
+    reader = np.repeat(np.arange(n), np.diff(indptr))
+    read = arrays[1]
+    at = pos[reader]
+    keep = at >= 0
+    read, at = read[keep], at[keep]
+    by = np.lexsort((at, read))
+    use_pos = at[by]
+    use_ptr = np.zeros(n + 1, dtype=np.int64)
+    use_ptr[1:] = np.cumsum(np.bincount(read, minlength=n))
+    negligible = arrays[6] <= budget // NEGLIGIBLE_FRACTION
+    seq, k = greedy_pass(arrays + (negligible,), order_arr, use_ptr, use_pos, budget, score != "raf",
+                         score.endswith("_outputs_last"), max_steps)
+    return None if k == STUCK else seq[:k].tolist()
 
 
 def greedy_compute_sequence(
@@ -325,6 +328,8 @@ def greedy_compute_sequence(
     order = list(order) if order is not None else graph.compute_nodes
     n = len(graph)
     max_steps = max_steps if max_steps is not None else 200 * n + 10_000
+    if not any(nd.is_input and not nd.is_output for nd in graph):
+        return _compiled_pass(graph, order, int(budget), score, max_steps)
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, 4 * n + 1000))
     try:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .._gc import old_objects_frozen
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Module, verify
 from .costmodel import CostModel, function_cost, program_overhead
@@ -56,6 +57,13 @@ def ladder_points(top: int, budget: int) -> list[int]:
 
 
 def plan_step(p: StepProblem) -> Plan:
+    """:func:`_plan_step`, with the objects alive before it out of the collector's full collections
+    (:func:`remat._gc.old_objects_frozen`): planning builds and drops many candidate programs."""
+    with old_objects_frozen():
+        return _plan_step(p)
+
+
+def _plan_step(p: StepProblem) -> Plan:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
