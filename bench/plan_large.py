@@ -2,13 +2,17 @@
 run on the meta device for a GPU, and compared with PyTorch's ``MemTracker`` under ``FakeTensorMode``.
 
 Model: ``bench/configs/llama3-8b.json`` (32 layers, width 4096, MLP 14336, 32 heads, 8 key-value
-heads, vocabulary 128,256), batch 1 x 4,096 tokens, ``precision="bf16"`` (torch.autocast), AdamW.
+heads, vocabulary 128,256), batch 1 x 4,096 tokens, ``precision="bf16"`` (torch.autocast), AdamW;
+``bench/configs/llama3-70b.json`` for the 70B-class rows (80 layers, width 8192, MLP 28672, 64 heads).
 Rows (each in its own process, so that its host peak, ``getrusage`` maxrss, is its own):
 
 - ``bf16w``: bf16 weights (pure bf16 training, bf16 AdamW state) on an H100 80 GB at 80 GiB (its
   unconstrained step fits) and at 60 GiB (it must recompute), at 2, 8 and 32 layers;
 - ``fp32w``: fp32 master weights and AdamW state at 80 GiB: refused, with its minimum budget;
 - ``lora``: LoRA r=16 on every projection (bf16 weights, base frozen) on an RTX 4090 at 24 GiB;
+- ``70b``: Llama-3-70B's shape with bf16 weights (its full step fits no single device: the budget is
+  85% of its unconstrained peak), and with LoRA r=16 on an H100 80 GB at 80 GiB (its weights alone
+  are 131 GiB: refused, with the minimum);
 - ``memtracker``: the unconstrained eager step of ``bf16w`` under FakeTensorMode with MemTracker
   (two steps: the first creates AdamW's state only in ``opt.step()``; the peak is the larger).
 
@@ -34,11 +38,12 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CONFIG = HERE / "configs" / "llama3-8b.json"
-TARGETS = {"plan_seconds": 60.0, "host_peak_gib": 4.0}
+CONFIGS = {"8b": HERE / "configs" / "llama3-8b.json", "70b": HERE / "configs" / "llama3-70b.json"}
+CONFIG = CONFIGS["8b"]
+TARGETS = {"plan_seconds": 60.0, "host_peak_gib": 4.0}  # Llama-3-8B's; the 70B-class rows': 300 s
 GiB = 1024**3
 
-# name: (layers, weights, lora rank, device, budget)
+# name: (layers, weights, lora rank, device, budget[, config: CONFIGS' key, default "8b"])
 ROWS = {
     "bf16w-2-80": (2, "bf16", None, "h100-80gb", "80GiB"),
     "bf16w-2-60": (2, "bf16", None, "h100-80gb", "60%"),
@@ -48,6 +53,8 @@ ROWS = {
     "bf16w-32-60": (32, "bf16", None, "h100-80gb", "60GiB"),
     "fp32w-32-80": (32, "fp32", None, "h100-80gb", "80GiB"),
     "lora-32-24": (32, "bf16", 16, "rtx4090-24gb", "24GiB"),
+    "70b-bf16w-85": (80, "bf16", None, "h100-80gb", "85%", "70b"),
+    "70b-lora-80": (80, "bf16", 16, "h100-80gb", "80GiB", "70b"),
 }
 MEMTRACKER = {"memtracker-2": 2, "memtracker-32": 32}
 
@@ -61,9 +68,10 @@ def plan_row(name: str) -> dict:
     import remat
     from remat.integrations.hf_config import load_config, plan_config
 
-    layers, weights, lora, device, budget = ROWS[name]
-    cfg = load_config(CONFIG, num_hidden_layers=layers)
-    row = {"row": name, "layers": layers, "weights": weights, "lora": lora, "device": device, "budget_arg": budget,
+    layers, weights, lora, device, budget, *config = ROWS[name]
+    model = config[0] if config else "8b"
+    cfg = load_config(CONFIGS[model], num_hidden_layers=layers)
+    row = {"row": name, "model": f"llama3-{model}", "layers": layers, "weights": weights, "lora": lora, "device": device, "budget_arg": budget,
            "batch": 1, "seq": 4096, "precision": "bf16", "optimizer": "adamw"}
     t0 = time.perf_counter()
     try:
@@ -151,9 +159,9 @@ def main() -> None:
     rows = [kept[n] for n in list(ROWS) + list(MEMTRACKER) if n in kept]
     out.mkdir(parents=True, exist_ok=True)
     meta = {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
-            "targets": TARGETS, "config": str(CONFIG.relative_to(HERE.parent))}
+            "targets": TARGETS, "configs": {k: str(v.relative_to(HERE.parent)) for k, v in CONFIGS.items()}}
     (out / "plan_large.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    fields = ["row", "layers", "weights", "lora", "device", "budget_arg", "fits", "plan_seconds", "minimum_seconds",
+    fields = ["row", "model", "layers", "weights", "lora", "device", "budget_arg", "fits", "plan_seconds", "minimum_seconds",
               "host_peak_gib", "predicted_peak", "unconstrained_peak", "minimum_budget", "solver", "predicted_overhead",
               "predicted_step_seconds", "memtracker_peak", "seconds", "error"]
     with open(out / "plan_large.csv", "w", newline="") as f:
