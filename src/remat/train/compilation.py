@@ -270,6 +270,11 @@ class Compilation:
         """The step clips its gradients by their global norm inside the fused update (``max_grad_norm``)."""
         return bool(self.binding.updates) and self.options.max_grad_norm is not None
 
+    def planned_at(self, budget: int) -> "Compilation":
+        """This compile's ``plan`` stage at another budget (with ``max_grad_norm``, the clipping
+        strategy chosen for it: :func:`plan_clipping`); BudgetTooSmall when nothing fits."""
+        return plan(replace(self, budget=budget))
+
     @property
     def guarded(self) -> bool:
         """The step has a non-finite guard (:attr:`guard`)."""

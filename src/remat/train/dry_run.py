@@ -148,9 +148,7 @@ def curve(c: Compilation, minimum: int, budgets: Sequence[int] | None = None, n_
         for b in sorted(int(b) for b in budgets):
             try:
                 if c.clipped:  # max_grad_norm: each budget chooses its clipping strategy as a compile would
-                    from .compilation import plan_clipping
-
-                    at = plan_clipping(replace(c, budget=b))
+                    at = c.planned_at(b)
                     out.append(CurvePoint(b, True, at.plan.peak, at.plan.overhead, at.predicted_seconds,
                                           f"{at.plan.solver} ({at.clip_strategy})"))
                     continue
