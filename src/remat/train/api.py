@@ -200,14 +200,12 @@ class TrainStep:
         their first call only (``measure_allocator=False``: never), and not inside a profiler the
         caller runs, nor from a thread other than the main one (torch.profiler crashes when threads
         start it concurrently): the next call on the main thread measures then."""
-        from ..runtime.allocator import allocation_trace, device_peak, peak_of_trace
+        from ..runtime.allocator import allocation_trace, device_allocation, peak_of_trace
 
         vm = self.vm
         run = lambda: vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)  # noqa: E731
         if self.device is not None:  # the device allocator's own peak statistic
-            got: list = []
-            grown = device_peak(lambda: got.append(run()), self.device)
-            outs, stats = got[0]
+            (outs, stats), grown = device_allocation(run, self.device)
         else:
             (outs, stats), events = allocation_trace(run)
             grown = peak_of_trace(events)[0]
