@@ -119,3 +119,60 @@ def test_bf16_ops_keep_their_submodule_paths():
 
     fp32, bf16 = paths("fp32"), paths("bf16")
     assert "blocks.0.attn" in fp32 and fp32 - {""} <= bf16
+
+
+def _ops_of(step) -> set[str]:
+    return {ins.op.name for ins in step.program.instructions()}
+
+
+class _LongAttention(torch.nn.Module):
+    """One causal attention written out, over a sequence long against its width: its scores
+    dominate the step's bytes."""
+
+    def __init__(self, width: int = 16, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, 2))
+        s = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+        s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+        y = (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, t, c)
+        return self.out(y)
+
+
+@pytest.mark.parametrize("name", ["gpt", "long"])
+def test_bf16_explicit_attention_runs_as_eager_autocast_and_fuses_only_to_fit(name):
+    """Attention written out (matmul, mask, softmax, matmul) stays explicit in bf16, as eager
+    autocast runs it: its bf16 matmuls and softmax with the probabilities kept beat the fused
+    kernels on the CPU. The fused ``attention`` is the lean algorithm, chosen only where the explicit
+    form cannot fit the budget (``long``: at its floor); both are within bf16 tolerance of eager
+    autocast."""
+    if name == "gpt":
+        model, inputs, loss_fn = make("gpt")  # no dropout: the import pass's case
+    else:
+        torch.manual_seed(0)
+        model, inputs = _LongAttention(), (torch.randn(2, 128, 16), torch.randn(2, 128, 16))
+        loss_fn = torch.nn.functional.mse_loss
+    want = _eager(model, inputs, loss_fn, autocast=True)
+    m = copy.deepcopy(model)
+    free = remat.compile(m, inputs, loss_fn, precision="bf16")
+    free(*inputs)
+    assert "softmax" in _ops_of(free) and "attention" not in _ops_of(free)
+    assert _global_rel(_grads(m), want) < 2e-2
+    fp32 = remat.compile(copy.deepcopy(model), inputs, loss_fn)
+    assert "attention" in _ops_of(fp32)  # in fp32 the import pass fuses it
+    with pytest.raises(remat.BudgetTooSmall) as e:
+        remat.compile(copy.deepcopy(model), inputs, loss_fn, precision="bf16", budget=1)
+    floor = e.value.minimum
+    m2 = copy.deepcopy(model)
+    lean = remat.compile(m2, inputs, loss_fn, precision="bf16", budget=floor)
+    lean(*inputs)
+    r = lean.report()
+    assert r.measured_peak == r.predicted_peak <= floor
+    fused = "attention" in _ops_of(lean)
+    assert fused == any(a.startswith("attention at ") and ": chosen" in a for a in r.algorithms)
+    assert fused == (name == "long")  # the long sequence's floor needs the fused form
+    assert _global_rel(_grads(m2), want) < 2e-2

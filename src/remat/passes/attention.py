@@ -43,6 +43,10 @@ from ..ir.types import DType
 from ._rewrite import apply_replacements, splat_value, use_counts
 
 
+LOW_PRECISION = (DType.f16, DType.bf16)
+"""Dtypes in which the import pass keeps explicit attention explicit (the lean variants fuse it)."""
+
+
 @dataclass
 class Match:
     """One recognised attention: its operands, attributes and the instructions it replaces."""
@@ -119,9 +123,10 @@ def _dropout(y: Value, uses: dict[Value, int]) -> tuple[Value, Value, float, lis
     return x, bern.operands[0], drop, chain
 
 
-def match(pv: Instruction, uses: dict[Value, int], dropout: bool = False) -> Match | None:
+def match(pv: Instruction, uses: dict[Value, int], dropout: bool = False, low_precision: bool = True) -> Match | None:
     """The attention ending at ``pv`` (a matmul of probabilities with v), or None; with ``dropout``,
-    also one with the frontend's dropout on its probabilities."""
+    also one with the frontend's dropout on its probabilities; without ``low_precision``, only one
+    whose query is not f16/bf16."""
     if pv.op.name != "matmul" or any(_flag(pv, a) for a in ("transpose_a", "transpose_b")):
         return None
     chain: list[Instruction] = []
@@ -186,6 +191,8 @@ def match(pv: Instruction, uses: dict[Value, int], dropout: bool = False) -> Mat
             or v.type.numel != batch * n * v.type.shape[-1] or q.type.shape[-2] != t
             or not q.type.dtype.is_float or pv.results[0].type.numel != batch * t * v.type.shape[-1]):
         return None  # e.g. a key or value shared across the batch (matmul broadcasting)
+    if not low_precision and q.type.dtype in LOW_PRECISION:
+        return None
     if mask is not None and mask.type.dtype != DType.bool and mask.type.dtype != q.type.dtype:
         return None
     return Match(q, kt, _flag(qk, "transpose_b"), v, mask, negated, scale, shape, chain, pv, seed, drop)
@@ -237,19 +244,26 @@ def _emit(b: Builder, m: Match) -> Value:
     return out if out.type.shape == want else b.op("reshape", out, shape=want)
 
 
-def recognise_attention(f: Function, dropout: bool = False) -> tuple[Function, int]:
+def recognise_attention(f: Function, dropout: bool = False, low_precision: bool = True) -> tuple[Function, int]:
     """A copy of ``f`` with every explicit attention replaced by the op; also the number replaced.
-    ``dropout``: attention with dropout on its probabilities too (as ``dropout_attention``)."""
+    ``dropout``: attention with dropout on its probabilities too (as ``dropout_attention``);
+    ``low_precision`` False: not attention in f16/bf16 (the import pass, :data:`LOW_PRECISION`)."""
+    g, made = _recognise(f, dropout, low_precision)
+    return g, len(made)
+
+
+def _recognise(f: Function, dropout: bool, low_precision: bool) -> tuple[Function, list[Instruction]]:
+    """``recognise_attention``, with the attention instructions it made."""
     g = f.clone()
     if g.is_declaration:
-        return g, 0
+        return g, []
     uses = use_counts(g)
     repl: dict[Value, Value] = {}
-    count = 0
+    made: list[Instruction] = []
     for blk in g.blocks:
         matches = {}
         for ins in blk.instrs:
-            m = match(ins, uses, dropout)
+            m = match(ins, uses, dropout, low_precision)
             if m is not None and all(c.block is blk for c in m.replaced):
                 matches[ins] = m
         dead = {c for m in matches.values() for c in m.replaced}
@@ -265,24 +279,26 @@ def recognise_attention(f: Function, dropout: bool = False) -> tuple[Function, i
                 for ni in scratch.instrs:
                     ni.block = blk
                 out.extend(scratch.instrs)
+                made += [ni for ni in scratch.instrs if ni.op.name in ("attention", "dropout_attention")]
                 repl[ins.results[0]] = new
-                count += 1
             elif ins not in dead:
                 out.append(ins)
         blk.instrs = out
     apply_replacements(g, repl)
-    return g, count
+    return g, made
 
 
 def attention_pass(module: Module) -> Module:
-    """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op."""
-    return Module([recognise_attention(f)[0] for f in module])
+    """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op,
+    except in f16/bf16 (:data:`LOW_PRECISION`)."""
+    return Module([recognise_attention(f, low_precision=False)[0] for f in module])
 
 
 @dataclass
 class Site:
-    """One attention with dropout rewritten: its scores' shape and the bytes of one [..., T, S] tensor
-    (the explicit form holds the scores, probabilities, keep mask and their gradients at that size)."""
+    """One explicit attention rewritten: its scores' shape, its dropout probability (0: none, an
+    ``attention`` in f16/bf16) and the bytes of one [..., T, S] tensor (the explicit form holds the
+    scores, probabilities, any keep mask and their gradients at that size)."""
 
     shape: tuple[int, ...]
     p: float
@@ -290,15 +306,15 @@ class Site:
 
 
 def recognise_dropout_attention(f: Function) -> tuple[Function, list[Site]]:
-    """A copy of ``f`` with every explicit attention with dropout replaced by ``dropout_attention``
-    (attention without dropout is the import pass's); also one :class:`Site` per ``dropout_attention``
-    of the result (none when nothing was rewritten)."""
-    g, count = recognise_attention(f, dropout=True)
-    if not count:
-        return g, []
-    return g, [Site(scores_shape(ins.operands[0].type, ins.operands[1].type), ins.attrs["p"],
+    """A copy of ``f`` with every explicit attention the import pass leaves replaced by the op: with
+    dropout on its probabilities by ``dropout_attention``, and without, in f16/bf16, by ``attention``
+    (as eager PyTorch, the import pass keeps those explicit: on the CPU their low-precision matmuls
+    and softmax with the probabilities kept run faster than the fused kernels, ``bench/speed.py
+    --precision bf16``); also one :class:`Site` per rewritten attention (none when nothing was)."""
+    g, made = _recognise(f, True, True)
+    return g, [Site(scores_shape(ins.operands[0].type, ins.operands[1].type), ins.attrs.get("p", 0.0),
                     prod(scores_shape(ins.operands[0].type, ins.operands[1].type)) * ins.operands[0].type.dtype.itemsize)
-               for blk in g.blocks for ins in blk.instrs if ins.op.name == "dropout_attention"]
+               for ins in made]
 
 
 # ---------------------------------------------------------------- heads transposed in and out of attention

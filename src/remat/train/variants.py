@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 def lean_variants(c: "Compilation") -> Callable[[StepProblem], list[Variant]]:
     """Given a problem ``p`` (its budget and workspaces), the step with each language-model head's
     cross-entropy chunked (``linear_cross_entropy``), each attention with dropout memory-efficient
-    (``dropout_attention``), each convolution over a channel concatenation split per input
+    (``dropout_attention``) and each low-precision one fused (``attention``), each convolution over a channel concatenation split per input
     (``split-concat-conv``), each convolution -> batch norm -> ReLU -> max pool chain tiled over the
     batch (``tile-conv-bn-pool``) and each training batch norm's backward split
     (``split-batch-norm-grad``). The variants are built once, on the first call (capture reused,
@@ -70,11 +70,19 @@ def _build(c: "Compilation", reference: StepProblem) -> list[Variant]:
                 f"and their gradient)" if s.held == 3 else
                 f"the reference holds the {format_bytes(s.logits_bytes)} logits, then their gradient over them)")
              for s in sites]
-    if att_sites:
-        a = att_sites[0]
-        lines.append(f"dropout_attention at {len(att_sites)} attention(s) (scores {list(a.shape)}, dropout "
+    dropped = [a for a in att_sites if a.p > 0]
+    if dropped:
+        a = dropped[0]
+        lines.append(f"dropout_attention at {len(dropped)} attention(s) (scores {list(a.shape)}, dropout "
                      f"p={a.p:g}; one [T, S] matrix at a time, where the explicit form holds "
                      f"{format_bytes(a.scores_bytes)} tensors of scores, probabilities and their gradients)")
+    fused = [a for a in att_sites if a.p == 0]
+    if fused:
+        a = fused[0]
+        lines.append(f"attention at {len(fused)} low-precision attention(s) (scores {list(a.shape)}; the fused "
+                     f"kernels, one block of scores at a time, where the explicit form, as eager autocast runs "
+                     f"it, holds {format_bytes(a.scores_bytes)} tensors of scores, probabilities and their "
+                     f"gradients; values differ by rounding)")
     if cat_sites:
         lines.append(f"conv2d over concat at {len(cat_sites)} convolution(s) ({', '.join(s.where for s in cat_sites)}) "
                      f"as one convolution per concatenated input, summed (never the concatenated "
