@@ -70,6 +70,23 @@ def test_lean_algorithm_reaches_below_the_reference_minimum(case):
         torch.testing.assert_close(grads[n], g, rtol=1e-5, atol=1e-7)
 
 
+def test_lean_plan_predicts_its_overhead_against_the_reference_step(case):
+    """The predicted overhead of a plan on lean algorithms is priced against the reference
+    algorithms' unconstrained step (as the measured overhead is), so it counts what the lean
+    algorithms cost as well as what is recomputed: never below the reference step's."""
+    from remat.plan.costmodel import CostModel
+
+    model, inputs, base, lean_min = case
+    step, _, _ = _run(model, inputs, budget=lean_min)
+    c = step.compilation
+    cost = CostModel(c.costs)  # static: the lean step's own instructions are priced the same way
+    want = (cost.program_cost(step.program) - cost.program_cost(c.unconstrained)) / CostModel(c.costs).base
+    r = step.report()
+    assert r.predicted_overhead == pytest.approx(max(0.0, want), rel=1e-9, abs=1e-12)
+    assert r.predicted_overhead > 0 and any("against the reference algorithms' unconstrained step" in n
+                                            for n in r.solver_notes)
+
+
 def test_reference_only_refuses_that_budget(case):
     model, inputs, _, lean_min = case
     with pytest.raises(remat.BudgetTooSmall) as e:

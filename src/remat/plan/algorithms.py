@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..errors import BudgetTooSmall, format_bytes
+from .costmodel import CostModel
 from .simulator import predict_peak
 from .portfolio import plan_step
 from .problem import StepProblem, fit_peak
@@ -52,6 +53,21 @@ VariantBuilder = Callable[[StepProblem], "list[Variant]"]
 """Given the reference problem (its budget and workspaces), the lean variants (their problems built on
 first use) in order of preference: the faster first, the leaner later (e.g. a batch-tiled op in tiles
 large enough to run fast, then in smaller ones); empty when no op of the step has a lean alternative."""
+
+
+def against_reference(p: StepProblem, q: StepProblem, alt: Plan) -> tuple[float, float]:
+    """The overhead of ``alt`` (planned on the lean variant ``q``) against the reference problem
+    ``p``'s unconstrained step, and the lean variant's own part of it (its unconstrained step over
+    the reference's): both on one cost model, each instruction priced by its problem's costs, so
+    that a plan's predicted overhead compares with the measured one (step time over the
+    unconstrained step's) whichever algorithms it runs."""
+    ref = CostModel(p.costs)
+    both = CostModel({**q.costs, **p.costs})
+    if ref.base <= 0:
+        return alt.overhead, 0.0
+    base = both.program_cost(p.unconstrained)
+    return (max(0.0, (both.program_cost(alt.program) - base) / ref.base),
+            (both.program_cost(q.unconstrained) - base) / ref.base)
 
 
 def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Plan:
@@ -99,8 +115,11 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Pla
         choice = [f"{s}: chosen; {why}" for s in variant.sites]
         choice += [f"{s}: not chosen; with it the step needs at least {format_bytes(m)}, over the budget"
                    for v, m in tried for s in v.sites if s not in variant.sites]
-        return replace(alt, algorithms=choice, unconstrained=q.unconstrained,
-                       notes=alt.notes + [f"algorithm choice: {c}" for c in choice])
+        overhead, lean = against_reference(p, q, alt)
+        cost = (f"predicted overhead {overhead:+.1%} against the reference algorithms' unconstrained step: the lean "
+                f"algorithms {lean:+.1%}, recomputation {alt.overhead:+.1%} of the lean step")
+        return replace(alt, overhead=overhead, algorithms=choice, unconstrained=q.unconstrained,
+                       notes=alt.notes + [f"algorithm choice: {c}" for c in choice] + [f"algorithm choice: {cost}"])
     leanest, lean_min = min(tried, key=lambda t: t[1])
     best = min(lean_min, ref_min)
     if lean_min < ref_min:
