@@ -688,7 +688,8 @@ def layer_norm(x, *affine, axis, eps=1e-5):
         y = y * _up(affine[0])
     if len(affine) > 1:
         y = y + _up(affine[1])
-    return _fresh(y, x.dtype), _fresh(mean, x.dtype), _fresh(rstd, x.dtype)
+    st = affine[0].dtype if affine else x.dtype  # mixed types (f16/bf16 input, f32 weight): f32 statistics
+    return _fresh(y, x.dtype), _fresh(mean, st), _fresh(rstd, st)
 
 
 @k("layer_norm_grad")
@@ -700,7 +701,7 @@ def layer_norm_grad(gy, x, mean, rstd, *w, axis):
     gx = _fresh(_norm_backward(gy, xhat, rstd, _up(w[0]) if w else None, axes), x.dtype)
     if not w:
         return gx
-    return gx, _fresh(np.sum(gy * xhat, axis=lead), x.dtype), _fresh(np.sum(gy, axis=lead), x.dtype)
+    return gx, _fresh(np.sum(gy * xhat, axis=lead), w[0].dtype), _fresh(np.sum(gy, axis=lead), w[0].dtype)
 
 
 def _channel_np(v: np.ndarray, rank: int) -> np.ndarray:

@@ -1235,6 +1235,11 @@ def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
     y, mean, rstd = L.op("layer_norm", x, *affine, axis=axis, eps=eps)
     if weight is None and bias is not None:
         y = L.op("add", y, bias)
+    if mean.type.dtype != x.type.dtype:
+        # An f16/bf16 input with f32 weight (under autocast): ATen's kernel computes the statistics
+        # in f32 and its backward reads them so, as the op's own do; torch.export's shape rule says
+        # the input's dtype, so the forward's results are given so (unused, they are removed).
+        mean, rstd = (L.op("cast", v, dtype=x.type.dtype) for v in (mean, rstd))
     return y, mean, rstd
 
 

@@ -13,7 +13,7 @@ from math import prod
 import numpy as np
 
 from ..opdef import Attr, OpDef, Sample, declare
-from ..types import TensorType
+from ..types import DType, TensorType
 from ._util import check_axis, expect_float, norm_axis, rand
 
 
@@ -39,13 +39,32 @@ def _ln_check(name: str, x: TensorType, attrs) -> tuple[int, ...]:
     return x.shape[attrs["axis"]:]
 
 
+def _ln_param_dtype(x: TensorType, affine: list[TensorType]) -> DType:
+    """The dtype of layer norm's weight and bias, and of its statistics: the input's, or f32 for an
+    f16/bf16 input with f32 weight and bias (ATen's mixed-type kernels, as under ``torch.autocast``:
+    they compute in f32 and give the output in the input's dtype, the statistics in f32)."""
+    if affine and affine[0].dtype == DType.f32 and x.dtype in (DType.f16, DType.bf16):
+        return DType.f32
+    return x.dtype
+
+
+def _check_ln_affine(name: str, params: list[TensorType], shape: tuple[int, ...], x: TensorType) -> DType:
+    dt = _ln_param_dtype(x, params)
+    for p, pname in zip(params, ("weight", "bias")):
+        if p.shape != shape or p.dtype != dt:
+            mixed = " (or f32, for an f16/bf16 input)" if x.dtype in (DType.f16, DType.bf16) else ""
+            raise TypeError(f"'{name}': {pname} {p} must be {dt}{list(shape)}{mixed} (the normalised dims of "
+                            f"input {x})")
+    return dt
+
+
 def _layer_norm_infer(types, attrs):
     x, *affine = types
     if len(affine) > 2:
         raise TypeError(f"'layer_norm' takes the input, then optionally weight and bias; got {len(types)} operands")
     norm_shape = _ln_check("layer_norm", x, attrs)
-    _check_affine("layer_norm", affine, norm_shape, x, "the normalised dims")
-    st = x.with_shape(_stats_shape(x, attrs["axis"]))
+    dt = _check_ln_affine("layer_norm", affine, norm_shape, x)
+    st = TensorType(dt, _stats_shape(x, attrs["axis"]))
     return x, st, st
 
 
@@ -54,11 +73,11 @@ def _layer_norm_grad_infer(types, attrs):
         raise TypeError(f"'layer_norm_grad' takes (grad_output, input, mean, rstd[, weight]), got {len(types)} operands")
     gy, x, mean, rstd, *w = types
     norm_shape = _ln_check("layer_norm_grad", x, attrs)
-    st = x.with_shape(_stats_shape(x, attrs["axis"]))
+    dt = _check_ln_affine("layer_norm_grad", w, norm_shape, x)
+    st = TensorType(dt, _stats_shape(x, attrs["axis"]))
     if gy != x or mean != st or rstd != st:
         raise TypeError(f"'layer_norm_grad': grad_output {gy}, mean {mean} and rstd {rstd} must be {x} and {st} "
                         f"for input {x} normalised from axis {attrs['axis']}")
-    _check_affine("layer_norm_grad", w, norm_shape, x, "the normalised dims")
     return (x, *w, *w)
 
 
@@ -367,7 +386,10 @@ def _layer_norm_vjp(b, p, g):
         else:
             gx, gw, gbias = outs
     n = prod(p.in_types[0].shape[axis:])
-    gx = _add(b, gx, _stats_cotangent(b, x, mean, rstd, g_mean, g_rstd, n))
+    if g_mean is not None or g_rstd is not None:
+        xs = x if x.type.dtype == mean.type.dtype else b.op("cast", x, dtype=mean.type.dtype)  # mixed types
+        gs = _stats_cotangent(b, xs, mean, rstd, g_mean, g_rstd, n)
+        gx = _add(b, gx, gs if gs.type.dtype == x.type.dtype else b.op("cast", gs, dtype=x.type.dtype))
     return [gx, gw, gbias][: len(p.in_types)]
 
 
@@ -496,26 +518,34 @@ def _affine_grads(b, gy, xhat, axes: list[int]):
     return [b.op("reduce_sum", b.op("mul", gy, xhat), axes=axes), b.op("reduce_sum", gy, axes=axes)]
 
 
+def _to(b, v, dt):
+    """``v`` cast to ``dt`` (itself when it is of that dtype already)."""
+    return v if v.type.dtype == dt else b.op("cast", v, dtype=dt)
+
+
 @def_decomposition("layer_norm")
 def _layer_norm_decomp(b, xs, attrs):
     x, *affine = xs
-    xc, mean, rstd, _ = _moments(b, x, list(range(attrs["axis"], x.type.rank)), attrs["eps"])
+    dt = _ln_param_dtype(x.type, [a.type for a in affine])  # mixed types compute in f32
+    xc, mean, rstd, _ = _moments(b, _to(b, x, dt), list(range(attrs["axis"], x.type.rank)), attrs["eps"])
     y = b.op("mul", xc, rstd)
     if affine:
         y = b.op("mul", y, affine[0])
     if len(affine) > 1:
         y = b.op("add", y, affine[1])
-    return [y, mean, rstd]
+    return [_to(b, y, x.type.dtype), mean, rstd]
 
 
 @def_decomposition("layer_norm_grad")
 def _layer_norm_grad_decomp(b, xs, attrs):
     gy, x, mean, rstd, *w = xs
     axis = attrs["axis"]
-    xhat = b.op("mul", b.op("sub", x, mean), rstd)
+    dt = mean.type.dtype  # mixed types compute in f32
+    gy = _to(b, gy, dt)
+    xhat = b.op("mul", b.op("sub", _to(b, x, dt), mean), rstd)
     gh = b.op("mul", gy, w[0]) if w else gy
     gx = _norm_grad_x(b, gh, xhat, rstd, list(range(axis, x.type.rank)))
-    return [gx] + (_affine_grads(b, gy, xhat, list(range(axis))) if w else [])
+    return [_to(b, gx, x.type.dtype)] + (_affine_grads(b, gy, xhat, list(range(axis))) if w else [])
 
 
 @def_decomposition("batch_norm")
