@@ -63,7 +63,29 @@ def plan_step(p: StepProblem) -> Plan:
         return _plan_step(p)
 
 
-def _plan_step(p: StepProblem) -> Plan:
+MINIMUM_CHECKS = 8
+"""How many budgets a refusal tries, upwards from the least minimum found, for one that plans
+(:func:`_plannable_minimum`), before it reports the unconstrained peak."""
+
+
+def _plannable_minimum(p: StepProblem, m: int) -> int:
+    """The least of ``m`` and the budgets above it that plan, tried upwards. ``m`` is the peak of a
+    candidate made while planning a lower budget, which need not plan when asked for: the planners
+    run differently at another budget (the greedy is not monotone in it; Hugging Face GPT-2 tiny in
+    bf16: a greedy plan peaking at 663,044 B made at 640,002 B, none at 663,044 B), so a refusal
+    reporting it checks it by planning it (``BudgetTooSmall.minimum``: a budget that plans). A
+    solver's own minimum (its bisection, the chain DP's) plans by construction. After
+    :data:`MINIMUM_CHECKS` tries, the unconstrained step's peak, which always fits."""
+    for _ in range(MINIMUM_CHECKS):
+        try:
+            _plan_step(replace(p, budget=m), check_minimum=False)
+            return m
+        except BudgetTooSmall as e:
+            m = max(m + 1, int(e.minimum))
+    return fit_peak(p, p.unconstrained)
+
+
+def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     """The cheapest plan of the training step whose exact program peak fits ``p.budget``.
 
     No budget, or one the unconstrained step fits, plans no recomputation. Otherwise the chain DP
@@ -74,7 +96,7 @@ def _plan_step(p: StepProblem) -> Plan:
     and the MILP on the greedy's neighbourhood (deterministic: node limits) may improve it. The
     answer is a function of the step and the budget alone: plans cached from earlier budgets
     (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
-    minimum found."""
+    minimum found that plans (``check_minimum``; :func:`_plannable_minimum`)."""
     t0 = time.perf_counter()
     check_option(p.solver)
     peak = fit_peak(p, p.unconstrained)
@@ -146,8 +168,10 @@ def _plan_step(p: StepProblem) -> Plan:
         lowered.append(better)
         best = _cheapest(lowered, p.budget)
     if best is None:
-        known = minimums + [c.peak for c in lowered]
-        raise BudgetTooSmall(p.budget, min(known), "this training step")
+        least = min(minimums + [c.peak for c in lowered])
+        if check_minimum and least < min(minimums, default=least + 1):
+            least = _plannable_minimum(p, least)  # a candidate's peak, not a solver's minimum: it may not plan
+        raise BudgetTooSmall(p.budget, least, "this training step")
     others = [c for c in lowered if c is not best and c.peak <= p.budget]
     fits = 1 + sum(1 for c in others if c.solution is not best.solution)
     remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
