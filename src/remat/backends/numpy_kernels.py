@@ -1187,7 +1187,8 @@ def group_norm(x, *affine, groups, eps=1e-5):
     y = xhat.reshape(x.shape)
     if affine:
         y = y * _channel_np(affine[0], x.ndim) + _channel_np(affine[1], x.ndim)
-    return _fresh(y, x.dtype), _fresh(mean.reshape(n, groups), x.dtype), _fresh(rstd.reshape(n, groups), x.dtype)
+    st = affine[0].dtype if affine else x.dtype  # mixed types (f16/bf16 input, f32 weight): f32 statistics
+    return _fresh(y, x.dtype), _fresh(mean.reshape(n, groups), st), _fresh(rstd.reshape(n, groups), st)
 
 
 @k("group_norm_grad")
@@ -1202,5 +1203,5 @@ def group_norm_grad(gy, x, mean, rstd, *w, groups):
     if not w:
         return gx
     axes = (0,) + tuple(range(2, x.ndim))
-    return (gx, _fresh(np.sum(gyu * xhat.reshape(shape), axis=axes), x.dtype),
-            _fresh(np.sum(gyu, axis=axes), x.dtype))
+    return (gx, _fresh(np.sum(gyu * xhat.reshape(shape), axis=axes), w[0].dtype),
+            _fresh(np.sum(gyu, axis=axes), w[0].dtype))

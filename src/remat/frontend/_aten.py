@@ -1246,15 +1246,24 @@ def _layer_norm(L: Lowerer, x, normalized_shape, weight, bias, eps):
 @lower("native_group_norm.default")
 def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
     """One ``group_norm`` op (native kernel and backward: it keeps x and the [N, groups] statistics,
-    not the centred or normalised x); parameters of another dtype than x's are normalised with
-    reductions instead."""
+    not the centred or normalised x), also for a half-precision input with float32 parameters (under
+    ``torch.autocast``: ATen's mixed-type kernel); parameters of another dtype than x's are
+    normalised with reductions instead."""
     dt = x.type.dtype
-    if all(v is None or v.type.dtype == dt for v in (weight, bias)) and x.type.rank >= 2:
+    mixed = (dt in (DType.f16, DType.bf16) and weight is not None and bias is not None
+             and weight.type.dtype == bias.type.dtype == DType.f32)
+    if (mixed or all(v is None or v.type.dtype == dt for v in (weight, bias))) and x.type.rank >= 2:
         affine = []
         if weight is not None or bias is not None:
             c = x.type.shape[1]
             affine = [weight if weight is not None else L.const(1, dt, (c,)), bias if bias is not None else L.const(0, dt, (c,))]
-        return L.op("group_norm", x, *affine, groups=int(group), eps=float(eps))
+        y, mean, rstd = L.op("group_norm", x, *affine, groups=int(group), eps=float(eps))
+        # Mixed types: f32 statistics, which the backward reads; torch.export's shape rule may say
+        # the input's dtype, so the forward's results are given as it says (unused, they are removed).
+        val = L.meta() if L.node is not None else None
+        given = list(val[1:3]) if isinstance(val, (tuple, list)) else []
+        return (y, *(L.cast(v, to_dtype(t.dtype)) if isinstance(t, torch.Tensor) else v
+                     for v, t in zip((mean, rstd), given + [None] * (2 - len(given)))))
     shape = x.type.shape
     g = L.reshape(x, (N, group, (C // group) * HxW))
     y, mean, rstd, _ = _normalize(L, g, [2], eps)

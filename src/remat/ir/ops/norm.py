@@ -40,21 +40,22 @@ def _ln_check(name: str, x: TensorType, attrs) -> tuple[int, ...]:
 
 
 def _ln_param_dtype(x: TensorType, affine: list[TensorType]) -> DType:
-    """The dtype of layer norm's weight and bias, and of its statistics: the input's, or f32 for an
-    f16/bf16 input with f32 weight and bias (ATen's mixed-type kernels, as under ``torch.autocast``:
-    they compute in f32 and give the output in the input's dtype, the statistics in f32)."""
+    """The dtype of a layer or group norm's weight and bias, and of its statistics: the input's, or
+    f32 for an f16/bf16 input with f32 weight and bias (ATen's mixed-type kernels, as under
+    ``torch.autocast``: they compute in f32 and give the output in the input's dtype, the statistics
+    and the parameters' gradients in f32)."""
     if affine and affine[0].dtype == DType.f32 and x.dtype in (DType.f16, DType.bf16):
         return DType.f32
     return x.dtype
 
 
-def _check_ln_affine(name: str, params: list[TensorType], shape: tuple[int, ...], x: TensorType) -> DType:
+def _check_ln_affine(name: str, params: list[TensorType], shape: tuple[int, ...], x: TensorType,
+                     what: str = "the normalised dims") -> DType:
     dt = _ln_param_dtype(x, params)
     for p, pname in zip(params, ("weight", "bias")):
         if p.shape != shape or p.dtype != dt:
             mixed = " (or f32, for an f16/bf16 input)" if x.dtype in (DType.f16, DType.bf16) else ""
-            raise TypeError(f"'{name}': {pname} {p} must be {dt}{list(shape)}{mixed} (the normalised dims of "
-                            f"input {x})")
+            raise TypeError(f"'{name}': {pname} {p} must be {dt}{list(shape)}{mixed} ({what} of input {x})")
     return dt
 
 
@@ -295,8 +296,8 @@ def _group_norm_infer(types, attrs):
     if len(affine) not in (0, 2):
         raise TypeError(f"'group_norm' takes x, then optionally weight and bias (both); got {len(types)} operands")
     c = _gn_check("group_norm", x, attrs)
-    _check_affine("group_norm", affine, (c,), x, "one per channel")
-    st = x.with_shape((x.shape[0], attrs["groups"]))
+    dt = _check_ln_affine("group_norm", affine, (c,), x, "one per channel")
+    st = TensorType(dt, (x.shape[0], attrs["groups"]))
     return x, st, st
 
 
@@ -305,10 +306,10 @@ def _group_norm_grad_infer(types, attrs):
         raise TypeError(f"'group_norm_grad' takes (grad_output, input, mean, rstd[, weight]), got {len(types)} operands")
     gy, x, mean, rstd, *w = types
     c = _gn_check("group_norm_grad", x, attrs)
-    st = x.with_shape((x.shape[0], attrs["groups"]))
+    dt = _check_ln_affine("group_norm_grad", w, (c,), x, "one per channel")
+    st = TensorType(dt, (x.shape[0], attrs["groups"]))
     if gy != x or mean != st or rstd != st:
         raise TypeError(f"'group_norm_grad': grad_output {gy}, mean {mean} and rstd {rstd} must be {x} and {st}")
-    _check_affine("group_norm_grad", w, (c,), x, "one per channel")
     return (x, *w, *w)
 
 

@@ -1,4 +1,4 @@
-"""Layer norm of an f16/bf16 input with f32 weight and bias (what ``torch.autocast`` leaves it, as
+"""Layer and group norm of an f16/bf16 input with f32 weight and bias (what ``torch.autocast`` leaves it, as
 ATen's mixed-type kernels take it: f32 statistics, the output in the input's dtype): the op's types,
 its torch kernels against eager PyTorch, the NumPy reference and the decomposition against them, and
 a clear error for other mixes."""
@@ -90,3 +90,23 @@ def test_other_mixes_are_refused_clearly(case):
         OPS["layer_norm"].result_types([_t(x), _t(w), _t(b.bfloat16())], {"axis": 2})
     with pytest.raises(TypeError, match=r"weight f32\[16\] must be f64\[16\]"):
         OPS["layer_norm"].result_types([TensorType(DType.f64, (4, 8, 16)), _t(w)], {"axis": 2})
+
+
+def test_group_norm_takes_the_same_mix():
+    g = torch.Generator().manual_seed(1)
+    x, gy = (torch.randn(2, 8, 4, 4, generator=g).bfloat16() for _ in range(2))
+    w, b = torch.randn(8, generator=g) * 0.5 + 1, torch.randn(8, generator=g)
+    fwd = _module("group_norm", [_t(x), _t(w), _t(b)], {"groups": 2})
+    y, mean, rstd = _run(fwd, "torch", [x, w, b])
+    assert (y.dtype, mean.dtype, rstd.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    xr, wr, br = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
+    want = torch.nn.functional.group_norm(xr, 2, wr, br)
+    want.backward(gy)
+    torch.testing.assert_close(y, want.detach(), rtol=0, atol=0)
+    bwd = _module("group_norm_grad", [_t(gy), _t(x), _t(mean), _t(rstd), _t(w)], {"groups": 2})
+    for got, ref in zip(_run(bwd, "torch", [gy, x, mean, rstd, w]), (xr.grad, wr.grad, br.grad)):
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for got, ref in zip(_run(fwd, "numpy", [x, w, b]), (y, mean, rstd)):  # the reference, in f32
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
