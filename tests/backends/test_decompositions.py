@@ -27,7 +27,11 @@ COMPOSITES = {"linear", "softmax", "log_softmax", "softmax_grad", "log_softmax_g
 
 def one_op(name: str, args: list[np.ndarray], attrs: dict) -> Module:
     """A module whose function ``f`` applies ``name`` once to its parameters and returns every result."""
-    types = [TensorType(DType.from_numpy(a.dtype), a.shape) for a in args]
+    return op_module(name, [TensorType(DType.from_numpy(a.dtype), a.shape) for a in args], attrs)
+
+
+def op_module(name: str, types: list[TensorType], attrs: dict) -> Module:
+    """``one_op`` on parameters of ``types``."""
     op = OPS[name]
     attrs = op.check_attrs(types, attrs)
     f = Function("f", types, list(op.result_types(types, attrs)))

@@ -7,18 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from remat.ir import OPS, Builder, DType, Function, Module, TensorType
+from remat.ir import OPS, DType, Module, TensorType
 from remat.passes.decompose import decompose
 from remat.runtime.vm import VM
-
-
-def _module(name: str, types: list[TensorType], attrs: dict) -> Module:
-    op = OPS[name]
-    attrs = op.check_attrs(types, attrs)
-    f = Function("f", types, list(op.result_types(types, attrs)))
-    ins = Builder(f.entry).create(name, f.params, attrs)
-    Builder(f.entry).ret(*ins.results)
-    return Module([f])
+from test_decompositions import op_module as _module
 
 
 def _t(x: torch.Tensor) -> TensorType:
