@@ -435,7 +435,7 @@ def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: flo
     xt = x.type
     rank, n = xt.rank, xt.numel // xt.shape[axis]
     g_rm = g_rv = gx = None
-    if (g_rvar is not None or g_mean is not None or g_invstd is not None) and s1.type.dtype != xt.dtype:
+    if any(g is not None for g in (g_mean, g_invstd, g_rmean, g_rvar)) and s1.type.dtype != xt.dtype:
         x = b.op("cast", x, dtype=s1.type.dtype)  # mixed dtypes: the statistics' cotangents in float32
     if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
         g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
