@@ -257,3 +257,28 @@ def test_bf16_hugging_face_resnet_matches_eager_autocast():
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
     r = step.report()
     assert r.measured_peak == r.predicted_peak
+
+
+def test_bf16_eval_mode_batch_norm_is_mixed_too():
+    """A frozen (eval-mode) batch norm under bf16 autocast: the same mixed-dtype op, with the
+    running statistics; gradients as eager autocast's."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        for bn in (model.net[1], model.net[4]):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    target = torch.randint(0, 4, (4, 16, 16))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(ref(x), target).backward()
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, target), loss_fn, precision="bf16")
+    step(x, target)
+    assert set(_bn_input_dtypes(step.compilation.joint)) == {("batch_norm", "bf16", "f32"),
+                                                             ("batch_norm_grad", "bf16", "f32")}
+    assert _global_rel(_grads(m), _grads(ref)) < 1e-2
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak
