@@ -584,17 +584,12 @@ def _layer_norm_grad_decomp(b, xs, attrs):
     return [_to(b, gx, x.type.dtype)] + (_affine_grads(b, gy, xhat, list(range(axis))) if w else [])
 
 
-def _widen(b, xs, wide):
-    """``xs`` cast to ``wide`` where they are not (a half-precision input of the mixed-dtype form)."""
-    return [v if v.type.dtype == wide else b.op("cast", v, dtype=wide) for v in xs]
-
-
 @def_decomposition("batch_norm")
 def _batch_norm_decomp(b, xs, attrs):
     x0 = xs[0]
     wide = xs[1].type.dtype if len(xs) > 1 else x0.type.dtype
     if wide != x0.type.dtype:  # mixed: normalise x in float32, the output rounded to x's dtype
-        outs = _batch_norm_decomp(b, _widen(b, xs[:1], wide) + list(xs[1:]), attrs)
+        outs = _batch_norm_decomp(b, [_to(b, x0, wide)] + list(xs[1:]), attrs)
         return [b.op("cast", outs[0], dtype=x0.type.dtype)] + list(outs[1:])
     ax = attrs["axis"]
     x, rank, c = xs[0], xs[0].type.rank, xs[0].type.shape[ax]
@@ -620,8 +615,8 @@ def _batch_norm_decomp(b, xs, attrs):
 @def_decomposition("batch_norm_stats")
 def _batch_norm_stats_decomp(b, xs, attrs):
     x, running = xs[0], xs[1:]
-    if running and running[0].type.dtype != x.type.dtype:  # mixed: the statistics of x in float32
-        x = b.op("cast", x, dtype=running[0].type.dtype)
+    if running:  # mixed: the statistics of x in float32
+        x = _to(b, x, running[0].type.dtype)
     c = x.type.shape[attrs["axis"]]
     _, mean, rstd, var = _moments(b, x, _bn_reduced(x.type, attrs["axis"]), attrs["eps"])
     mean = b.op("reshape", mean, shape=(c,))
@@ -645,7 +640,7 @@ def running_update(b, running, mean, var, m: float, n: int):
 def _batch_norm_grad_decomp(b, xs, attrs):
     gy, x, s1, s2, *w = xs
     if s1.type.dtype != x.type.dtype:  # mixed: in float32, grad_x rounded to x's dtype
-        outs = _batch_norm_grad_decomp(b, _widen(b, [gy, x], s1.type.dtype) + [s1, s2, *w], attrs)
+        outs = _batch_norm_grad_decomp(b, [_to(b, gy, s1.type.dtype), _to(b, x, s1.type.dtype), s1, s2, *w], attrs)
         return [b.op("cast", outs[0], dtype=x.type.dtype)] + list(outs[1:])
     rank, ax = x.type.rank, attrs["axis"]
     axes = _bn_reduced(x.type, ax)
