@@ -282,3 +282,26 @@ def test_bf16_eval_mode_batch_norm_is_mixed_too():
     assert _global_rel(_grads(m), _grads(ref)) < 1e-2
     r = step.report()
     assert r.measured_peak == r.predicted_peak
+
+
+def test_fp16_batch_norm_is_mixed_too():
+    """precision="fp16" (loss scaling): the batch norms are the f16 form of the mixed op, and a step
+    updates the fp32 master weights as eager autocast's step does."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    target = torch.randint(0, 4, (4, 16, 16))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_fn(ref(x), target).backward()
+    torch.optim.SGD(ref.parameters(), lr=1e-2).step()
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, target), loss_fn, optimizer=torch.optim.SGD(m.parameters(), lr=1e-2),
+                         precision="fp16")
+    step(x, target)
+    assert set(_bn_input_dtypes(step.compilation.joint)) == {("batch_norm", "f16", "f32"),
+                                                             ("batch_norm_grad", "f16", "f32")}
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert a.dtype == torch.float32 and float((a - b).abs().max()) <= 1e-2 * float(b.abs().max())
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak
