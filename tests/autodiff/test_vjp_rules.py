@@ -9,6 +9,7 @@ from remat.autodiff import DifferentiationError
 from remat.ir import OPS, Builder, DType, Function, TensorType
 from remat.ir.ops._vjp import VARIANTS
 
+from _interp import evaluate
 from _util import check_vjp, float_indices, grad_module, op_function, ttype
 
 DIFF_OPS = sorted(n for n, o in OPS.items() if o.vjp is not None)
@@ -67,6 +68,45 @@ def test_vjp_matches_finite_differences(name, k):
             check_vjp(f, args, rng)
         return
     check_vjp(f, args, rng, eps=eps, rtol=rtol)
+
+
+MIXED_BN = {"batch_norm": 1, "batch_norm_stats": 1}
+"""The differentiable batch-norm ops of the mixed-dtype form (a half-precision input, float32
+per-channel operands: ATen's mixed kernel under ``torch.autocast``): their leading activations."""
+MIXED_CASES = [(n, k) for n in sorted(MIXED_BN) for k, s in enumerate(OPS[n].sample(np.random.default_rng(0)))
+               if len(s.args) > MIXED_BN[n]]
+
+
+@pytest.mark.parametrize("dt", [DType.bf16, DType.f16], ids=str)
+@pytest.mark.parametrize("name,k", MIXED_CASES, ids=[f"{n}-{k}" for n, k in MIXED_CASES])
+def test_mixed_dtype_vjp_is_the_float32_vjp(name, k, dt):
+    """The mixed form differentiates as the one-dtype op on a float32 copy of its input (the cast it
+    replaces) does: every cotangent within rounding, the input's in its own dtype and the
+    per-channel ones in float32; the backward reads the half-precision input, not a copy."""
+    s, rng = _sample(name, k)
+    n = MIXED_BN[name]
+    lo = [np.asarray(a).astype(dt.numpy if i < n else np.float32) for i, a in enumerate(s.args)]
+    wide = [a.astype(np.float32) for a in lo]
+    fm, fw = op_function("f", name, lo, s.attrs), op_function("f", name, wide, s.attrs)
+    assert [t.dtype for t in fm.result_types][n:] == [DType.f32] * (len(fm.result_types) - n)
+    mm, mw = grad_module(fm, list(range(len(lo)))), grad_module(fw, list(range(len(lo))))
+    if name == "batch_norm":  # through y to x, weight, bias (a model's use): no float32 copy of the input
+        from remat.passes.dce import dce
+
+        g = dce(grad_module(op_function("f", name, lo, s.attrs, results=(0,)), list(range(min(len(lo), 3)))))["f_grad"]
+        widened = [i for i in g.instructions() if i.op.name == "cast" and i.results[0].type.dtype == DType.f32
+                   and i.results[0].type.shape == lo[0].shape]
+        assert not widened, f"a float32 copy of the input: {widened}"
+    ys = evaluate(fm, lo, mm)
+    vs = [rng.standard_normal(y.shape).astype(y.dtype) for y in ys]
+    gm = evaluate(mm["f_grad"], lo + vs, mm)
+    gw = evaluate(mw["f_grad"], wide + [v.astype(np.float32) for v in vs], mw)
+    for i, (a, b) in enumerate(zip(gm, gw)):
+        assert a.dtype == lo[i].dtype, f"cotangent {i}: {a.dtype}, operand {lo[i].dtype}"
+        tol = {DType.bf16: 1e-2, DType.f16: 2e-3}[dt] if i < n else 1e-4
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=tol, atol=tol * scale,
+                                   err_msg=f"cotangent {i}")
 
 
 def test_attention_saves_exactly_its_operands_and_results():

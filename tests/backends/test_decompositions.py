@@ -71,6 +71,33 @@ def test_decomposition_matches_the_op(name):
                                            err_msg=f"{name} sample {si} result {k}")
 
 
+MIXED_BN = {"batch_norm": 1, "batch_norm_stats": 1, "batch_norm_grad": 2}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_BN))
+def test_mixed_dtype_batch_norm_decomposes_in_float32(name):
+    """The mixed form (bf16 activations, f32 per-channel operands) decomposes into primitives that
+    normalise a float32 copy of the input, each result in the op's dtype, its values the op's."""
+    rng = np.random.default_rng(sum(map(ord, name)))
+    n = MIXED_BN[name]
+    for si, s in enumerate(OPS[name].sample(rng)):
+        if len(s.args) <= n:
+            continue
+        args = [a.astype(DType.bf16.numpy if k < n else np.float32) for k, a in enumerate(s.args)]
+        m = one_op(name, args, s.attrs)
+        d = decompose(m)
+        verify(d)
+        assert not [i for i in d["f"].instructions() if i.op.decompose is not None]
+        want, _ = VM(m, dialects="numpy").run("f", *[a.copy() for a in args])
+        got, _ = VM(d, dialects="numpy").run("f", *[a.copy() for a in args])
+        for k, (a, b) in enumerate(zip(want, got)):
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{name} sample {si} result {k}"
+            a, b = a.astype(np.float64), b.astype(np.float64)
+            tol = 1e-2 if k == 0 and name != "batch_norm_stats" else 1e-4
+            np.testing.assert_allclose(b, a, rtol=tol, atol=tol * max(1.0, float(np.abs(a).max())),
+                                       err_msg=f"{name} sample {si} result {k}")
+
+
 def test_decompose_keeps_source_locations_and_other_ops():
     from remat.ir import Loc
 

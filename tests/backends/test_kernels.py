@@ -193,6 +193,71 @@ def test_low_precision_matches_f32_reference(name, dt):
             np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale, equal_nan=True, err_msg=name)
 
 
+MIXED_BN = {"batch_norm": 1, "batch_norm_stats": 1, "batch_norm_grad": 2, "batch_norm_grad_sums": 2}
+"""The batch-norm ops that take a half-precision input with float32 per-channel operands (ATen's
+mixed-dtype kernel, as ``torch.autocast`` runs them): how many leading operands are activations."""
+
+
+def mixed_sample(name: str, args, dt: DType) -> list[np.ndarray]:
+    """A sample of a batch-norm op in the mixed form: activations in ``dt``, per-channel operands f32."""
+    n = MIXED_BN[name]
+    return [a.astype(dt.numpy) if k < n else a.astype(np.float32) for k, a in enumerate(args)]
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_BN))
+@pytest.mark.parametrize("dt", [DType.bf16, DType.f16], ids=str)
+def test_mixed_dtype_batch_norm_kernels(name, dt):
+    """Every sample in the mixed form: the activation results in the input's dtype, the per-channel
+    ones (statistics, running statistics, grad_weight, grad_bias) in float32; numpy and torch agree;
+    and the torch kernel gives what the one-dtype op gives on a float32 copy of the input, rounded
+    (the cast it replaces): y and grad_x bit for bit, the statistics and sums to float32 rounding."""
+    rng = np.random.default_rng(2 + sum(map(ord, name)))
+    for si, s in enumerate(OPS[name].sample(rng)):
+        args = mixed_sample(name, s.args, dt)
+        ins, attrs = build(name, args, s.attrs)
+        vec_dt = DType.f32 if len(args) > MIXED_BN[name] else dt  # no per-channel operand: all in dt
+        for k, r in enumerate(ins.results):
+            act = name in ("batch_norm", "batch_norm_grad") and k == 0
+            assert r.type.dtype == (dt if act else vec_dt), f"{name} sample {si} result {k}: {r.type}"
+        ops_np, out_np = run_kernel(ins, attrs, args, "numpy")
+        check_contract(ins, ops_np, out_np, "numpy")
+        impl = backends.kernel_for(ins, "torch")
+        assert impl.dialect == "torch"
+        ops_t, out_t = run_kernel(ins, attrs, args, "torch")
+        check_contract(ins, ops_t, out_t, "torch")
+        wide = [a.astype(np.float32) for a in args]
+        ins32, attrs32 = build(name, wide, s.attrs)
+        _, ref = run_kernel(ins32, attrs32, wide, "torch")
+        tol = {DType.bf16: 1e-2, DType.f16: 2e-3}[dt]
+        for k, (a, b, r) in enumerate(zip(out_np, out_t, ref)):
+            a, b, r = as_f64(a), as_f64(b), as_f64(r)
+            scale = max(1.0, float(np.abs(r).max()))
+            if k == 0 and name in ("batch_norm", "batch_norm_grad"):
+                if vec_dt == DType.f32:
+                    assert np.array_equal(b, as_f64(tk.to_torch(r.astype(dt.numpy)))), f"{name} sample {si}: y/grad_x"
+                np.testing.assert_allclose(b, r, rtol=tol, atol=tol * scale, err_msg=f"{name} sample {si} result {k}")
+                np.testing.assert_allclose(a, b, rtol=tol, atol=tol * scale, err_msg=f"{name} sample {si} result {k}")
+            else:
+                t = 1e-5 if vec_dt == DType.f32 else tol
+                np.testing.assert_allclose(b, r, rtol=t, atol=t * scale, err_msg=f"{name} sample {si} result {k}")
+                np.testing.assert_allclose(a, b, rtol=t, atol=t * scale, err_msg=f"{name} sample {si} result {k}")
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_BN))
+def test_mixed_dtype_batch_norm_refuses_other_mixes(name):
+    """Only a half-precision input may have float32 per-channel operands; they share one dtype."""
+    s = OPS[name].sample(np.random.default_rng(0))[0]
+    n = MIXED_BN[name]
+    f32_f64 = [a.astype(np.float32) if k < n else a.astype(np.float64) for k, a in enumerate(s.args)]
+    with pytest.raises(TypeError, match="only an f16/bf16 input"):
+        build(name, f32_f64, s.attrs)
+    if len(s.args) > n + 1:
+        split = [a.astype(np.float32 if k != n else np.float64) if k >= n else a.astype(DType.bf16.numpy)
+                 for k, a in enumerate(s.args)]
+        with pytest.raises(TypeError, match="share one dtype"):
+            build(name, split, s.attrs)
+
+
 def test_random_ops_are_deterministic_functions_of_the_seed():
     seed = np.array(1234, dtype=np.int64)
     for name, attrs in [("uniform", {"shape": (64,)}), ("normal", {"shape": (64,)}), ("bernoulli", {"shape": (64,), "p": 0.5})]:

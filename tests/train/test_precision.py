@@ -176,3 +176,132 @@ def test_bf16_explicit_attention_runs_as_eager_autocast_and_fuses_only_to_fit(na
     assert fused == any(a.startswith("attention at ") and ": chosen" in a for a in r.algorithms)
     assert fused == (name == "long")  # the long sequence's floor needs the fused form
     assert _global_rel(_grads(m2), want) < 2e-2
+
+
+class _ConvBN(torch.nn.Module):
+    """Convolutions each followed by a training-mode batch norm (running statistics) and a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                       torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                                       torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _bn_input_dtypes(fn) -> list[tuple[str, str, str]]:
+    """(op, input dtype, per-channel dtype) of every batch norm of ``fn`` and of its backward."""
+    return [(i.op.name, i.operands[1 if i.op.name == "batch_norm_grad" else 0].type.dtype.value,
+             i.operands[-1].type.dtype.value)
+            for i in fn.instructions() if i.op.name in ("batch_norm", "batch_norm_grad")]
+
+
+@pytest.mark.parametrize("budget", [None, "minimum"])
+def test_bf16_batch_norm_keeps_its_bf16_input_not_a_float32_copy(budget):
+    """Under bf16 autocast a batch norm's input is bf16 and its weight and statistics f32: it is one
+    mixed-dtype batch norm, as ATen's kernel (and eager autograd, which saves the bf16 input and f32
+    statistics), so no f32 copy of an activation is made or kept for the backward. Gradients and
+    running statistics are eager autocast's, the peak is the one predicted."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    target = torch.randint(0, 4, (4, 16, 16))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(ref(x), target)
+    loss.backward()
+    if budget == "minimum":
+        with pytest.raises(remat.BudgetTooSmall) as e:
+            remat.compile(copy.deepcopy(model), (x, target), loss_fn, precision="bf16", budget=1)
+        budget = e.value.minimum
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, target), loss_fn, precision="bf16", budget=budget)
+    got = step(x, target)
+    kinds = _bn_input_dtypes(step.compilation.joint)
+    assert kinds.count(("batch_norm", "bf16", "f32")) == 2 and kinds.count(("batch_norm_grad", "bf16", "f32")) == 2
+    assert set(kinds) == {("batch_norm", "bf16", "f32"), ("batch_norm_grad", "bf16", "f32")}
+    fed = [getattr(v, "instr", None) for i in step.compilation.joint.instructions()
+           if i.op.name in ("batch_norm", "batch_norm_grad") for v in i.operands]
+    assert not [i for i in fed if i is not None and i.op.name == "cast"], "a batch norm reads a cast"
+    assert abs(float(got) - float(loss)) < 1e-3
+    assert _global_rel(_grads(m), _grads(ref)) < 1e-2
+    for a, b in zip(m.buffers(), ref.buffers()):
+        assert a.dtype == b.dtype and torch.allclose(a.float(), b.float(), rtol=1e-4, atol=1e-5)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak
+    if budget is not None:
+        assert r.measured_peak <= r.budget
+
+
+def test_bf16_hugging_face_resnet_matches_eager_autocast():
+    """A model nobody here wrote with batch norms (``transformers``' ResNet, random weights): bf16
+    gradients within 2e-2 of eager autocast's, fp32 master weights, the predicted peak measured."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[16, 32], depths=[2, 1], layer_type="basic",
+                          num_labels=10)
+    model = tf.ResNetForImageClassification(cfg).train()
+    inputs = dict(pixel_values=torch.randn(8, 3, 32, 32), labels=torch.randint(0, 10, (8,)))
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = ref(**inputs).loss
+    loss.backward()
+    m = copy.deepcopy(model)
+    step = remat.compile(m, inputs, precision="bf16")
+    step(**inputs)
+    assert ("batch_norm_grad", "bf16", "f32") in _bn_input_dtypes(step.compilation.joint)
+    assert _global_rel(_grads(m), _grads(ref)) < 2e-2
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in m.parameters())
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak
+
+
+def test_bf16_eval_mode_batch_norm_is_mixed_too():
+    """A frozen (eval-mode) batch norm under bf16 autocast: the same mixed-dtype op, with the
+    running statistics; gradients as eager autocast's."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        for bn in (model.net[1], model.net[4]):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    target = torch.randint(0, 4, (4, 16, 16))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_fn(ref(x), target).backward()
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, target), loss_fn, precision="bf16")
+    step(x, target)
+    assert set(_bn_input_dtypes(step.compilation.joint)) == {("batch_norm", "bf16", "f32"),
+                                                             ("batch_norm_grad", "bf16", "f32")}
+    assert _global_rel(_grads(m), _grads(ref)) < 1e-2
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak
+
+
+def test_fp16_batch_norm_is_mixed_too():
+    """precision="fp16" (loss scaling): the batch norms are the f16 form of the mixed op, and a step
+    updates the fp32 master weights as eager autocast's step does."""
+    torch.manual_seed(0)
+    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
+    target = torch.randint(0, 4, (4, 16, 16))
+    loss_fn = torch.nn.functional.cross_entropy
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_fn(ref(x), target).backward()
+    torch.optim.SGD(ref.parameters(), lr=1e-2).step()
+    m = copy.deepcopy(model)
+    step = remat.compile(m, (x, target), loss_fn, optimizer=torch.optim.SGD(m.parameters(), lr=1e-2),
+                         precision="fp16")
+    step(x, target)
+    assert set(_bn_input_dtypes(step.compilation.joint)) == {("batch_norm", "f16", "f32"),
+                                                             ("batch_norm_grad", "f16", "f32")}
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert a.dtype == torch.float32 and float((a - b).abs().max()) <= 1e-2 * float(b.abs().max())
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak

@@ -726,7 +726,8 @@ def batch_norm(x, *rest, training=True, momentum=0.1, eps=1e-5, affine=True):
     if not training:
         return y
     c = x.shape[1]
-    out = (y, _fresh(mean.reshape(c), x.dtype), _fresh(rstd.reshape(c), x.dtype))
+    sd = rest[0].dtype if rest else x.dtype  # the statistics' dtype: float32 for a mixed-dtype batch norm
+    out = (y, _fresh(mean.reshape(c), sd), _fresh(rstd.reshape(c), sd))
     if running:
         n = x.size // c
         new_mean = (1 - momentum) * _up(running[0]) + momentum * mean.reshape(c)
@@ -743,7 +744,8 @@ def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5):
     axes = (0,) + tuple(range(2, x.ndim))
     mean = x64.mean(axis=axes)
     var = np.square(x64 - _channel_np(mean, x.ndim)).mean(axis=axes)
-    out = (_fresh(mean, x.dtype), _fresh(1.0 / np.sqrt(var + eps), x.dtype))
+    sd = running[0].dtype if running else x.dtype  # float32 for a half-precision x (mixed dtypes)
+    out = (_fresh(mean, sd), _fresh(1.0 / np.sqrt(var + eps), sd))
     if running:
         n = x.size // x.shape[1]
         out += (_fresh((1 - momentum) * running[0].astype(np.float64) + momentum * mean, running[0].dtype),
@@ -769,7 +771,8 @@ def batch_norm_grad(gy, x, s1, s2, *w, training=True, eps=1e-5):
     gx = _fresh(gx, x.dtype)
     if not w:
         return gx
-    return gx, _fresh(np.sum(gy * xhat, axis=axes), x.dtype), _fresh(np.sum(gy, axis=axes), x.dtype)
+    sd = w[0].dtype  # float32 for a half-precision x (mixed dtypes)
+    return gx, _fresh(np.sum(gy * xhat, axis=axes), sd), _fresh(np.sum(gy, axis=axes), sd)
 
 
 @k("batch_norm_grad_sums")
@@ -779,7 +782,7 @@ def batch_norm_grad_sums(gy, x, mean, invstd):
     r, axes = x.ndim, (0,) + tuple(range(2, x.ndim))
     gy = _up(gy)
     xhat = (_up(x) - _channel_np(mean, r)) * _channel_np(invstd, r)
-    return _fresh(np.sum(gy * xhat, axis=axes), x.dtype), _fresh(np.sum(gy, axis=axes), x.dtype)
+    return _fresh(np.sum(gy * xhat, axis=axes), mean.dtype), _fresh(np.sum(gy, axis=axes), mean.dtype)
 
 
 # ---------------------------------------------------------------- optimizer updates (in place)

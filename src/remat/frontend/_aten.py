@@ -1276,13 +1276,26 @@ def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training
     """One ``batch_norm`` op (native kernel and backward). Training: (y, mean, invstd, new running
     mean, new running var), the last two None without running statistics; eval: (y, None, None).
 
-    A half-precision input with float32 weights or statistics (under ``torch.autocast``, which
-    leaves batch norm to ATen's mixed-dtype kernel) is normalised in float32 and rounded back, as
-    that kernel computes it; the running statistics stay float32 (the saved mean and invstd are given
-    in the dtype ATen's kernel gives them: the input's on the CPU, float32 on CUDA; the backward
-    reads its own float32 ones)."""
-    wide = next((v.type.dtype for v in (weight, bias, running_mean, running_var)
-                 if v is not None and v.type.dtype != x.type.dtype), None)
+    A half-precision input with float32 weights and statistics (under ``torch.autocast``, which
+    leaves batch norm to ATen's mixed-dtype kernel) is one mixed-dtype ``batch_norm`` as that kernel
+    is: x read in its dtype, normalised in float32, y in x's dtype, the statistics and running
+    statistics float32, so the backward keeps x itself, not a float32 copy (the saved mean and
+    invstd are given in the dtype the capture's metadata gives them; the backward reads the op's
+    float32 ones, as eager autograd saves them). Other mixes of dtypes are normalised in the
+    per-channel dtype and rounded back."""
+    vectors = [v for v in (weight, bias, running_mean, running_var) if v is not None]
+    wide = next((v.type.dtype for v in vectors if v.type.dtype != x.type.dtype), None)
+    mixed = (wide == DType.f32 and x.type.dtype in (DType.f16, DType.bf16)
+             and all(v.type.dtype == wide for v in vectors))
+    if wide is not None and mixed:
+        outs = _batch_norm_op(L, x, weight, bias, running_mean, running_var, training, momentum, eps, wide)
+        if not training:
+            return outs
+        val = L.meta() if L.node is not None else None
+        given = list(val[:3]) if isinstance(val, (tuple, list)) else []
+        dts = [to_dtype(t.dtype) if isinstance(t, torch.Tensor) else wide for t in (given + [None] * 3)[1:3]]
+        return (outs[0],) + tuple(v if v.type.dtype == dt else L.cast(v, dt) for v, dt in zip(outs[1:3], dts)) \
+            + tuple(outs[3:])
     if wide is not None:
         outs = _batch_norm(L, L.cast(x, wide), weight, bias, running_mean, running_var, training, momentum, eps)
         val = L.meta() if L.node is not None else None
@@ -1290,7 +1303,12 @@ def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training
         dts = [x.type.dtype] + [to_dtype(t.dtype) if isinstance(t, torch.Tensor) else x.type.dtype
                                 for t in (given + [None] * 3)[1:3]]
         return tuple(None if v is None else L.cast(v, dt) for v, dt in zip(outs[:3], dts)) + tuple(outs[3:])
-    C, dt = x.type.shape[1], x.type.dtype
+    return _batch_norm_op(L, x, weight, bias, running_mean, running_var, training, momentum, eps, x.type.dtype)
+
+
+def _batch_norm_op(L: Lowerer, x, weight, bias, running_mean, running_var, training, momentum, eps, dt):
+    """The ``batch_norm`` op of :func:`_batch_norm`, its per-channel values in ``dt``."""
+    C = x.type.shape[1]
     affine = weight is not None or bias is not None
     aff = []
     if affine:  # torch's modules give both or neither; a lone one is completed with the identity

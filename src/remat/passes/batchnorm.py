@@ -16,6 +16,12 @@ recomputation evaluate y with the same ops, so a rematerialised step stays bit-i
 unconstrained one. Runs on every training graph before planning (``remat.step.prepare_joint``, and
 the chain planner's stages). Eval-mode batch norm (running statistics, no reduction) is left whole.
 
+Mixed-dtype batch norms (a bf16 or f16 input with float32 weight and statistics, as
+``precision="bf16"`` captures them) are left whole, forward and backward: ATen's mixed-dtype kernel
+reads the half-precision x and writes y (or grad_x) with no float32 copy of x, where the element-wise
+instruction (the numba dialect has no half-precision kernels) would run through the torch dialect's
+node-by-node interpretation of its body, each node's float32 result an input-sized temporary.
+
 Channels-last batch norms (channel ``axis`` not 1: ``remat.passes.layout``) are left whole too: ATen's
 channels-last kernel computes statistics and normalisation together faster than its statistics pass
 alone plus the element-wise instruction (zoo ResNet small, 15 batch norms per step: 1.5 ms whole
@@ -78,14 +84,21 @@ def _split_grad(b, xs, attrs):
     return [gx, sums[0], sums[1]] if w else [gx]
 
 
+def _mixed(ins: Instruction) -> bool:
+    """A mixed-dtype batch norm (forward or backward): a half-precision input with float32
+    per-channel operands, as under ``torch.autocast``."""
+    return ins.operands[-1].type.dtype != ins.operands[0].type.dtype
+
+
 def _is_training_bn(ins: Instruction) -> bool:
-    """A training-mode batch norm with its channels on axis 1 (NCHW), the form this pass splits."""
-    return ins.op.name == "batch_norm" and ins.attrs["training"] and ins.attrs["axis"] == 1
+    """A training-mode batch norm with its channels on axis 1 (NCHW) and one dtype, the form this
+    pass splits."""
+    return ins.op.name == "batch_norm" and ins.attrs["training"] and ins.attrs["axis"] == 1 and not _mixed(ins)
 
 
 def _is_training_bn_grad(ins: Instruction) -> bool:
-    """A training-mode batch norm backward, in any layout."""
-    return ins.op.name == "batch_norm_grad" and ins.attrs["training"]
+    """A training-mode batch norm backward of one dtype, in any layout."""
+    return ins.op.name == "batch_norm_grad" and ins.attrs["training"] and not _mixed(ins)
 
 
 def split_batch_norm(module: Module) -> Module:

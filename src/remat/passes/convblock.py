@@ -58,7 +58,8 @@ def _match(pool: Instruction, uses: dict[Value, int]) -> tuple[Instruction, Inst
         return None
     bn = getattr(relu.operands[0], "instr", None)
     if (bn is None or bn.op.name != "batch_norm" or bn.results[0] is not relu.operands[0]
-            or uses.get(bn.results[0], 0) != 1 or not bn.attrs["training"] or not bn.attrs["affine"]):
+            or uses.get(bn.results[0], 0) != 1 or not bn.attrs["training"] or not bn.attrs["affine"]
+            or any(v.type.dtype != bn.operands[0].type.dtype for v in bn.operands)):  # one dtype, not mixed
         return None
     conv = getattr(bn.operands[0], "instr", None)
     if (conv is None or conv.op.name != "conv2d" or conv.attrs.get("groups", 1) != 1 or uses.get(conv.results[0], 0) != 1

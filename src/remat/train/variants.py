@@ -62,7 +62,8 @@ def _build(c: "Compilation", reference: StepProblem) -> list[Variant]:
         forward, stem_sites = tile_conv_bn_pool(base, n_params, min_tile_bytes=min_tile)
         if not tilings or [s.tile for s in stem_sites] != [s.tile for s in tilings[0][1]]:
             tilings.append((forward, stem_sites))
-    bns = sum(1 for ins in tilings[0][0].instructions() if ins.op.name == "batch_norm" and ins.attrs["training"])
+    bns = sum(1 for ins in tilings[0][0].instructions() if ins.op.name == "batch_norm" and ins.attrs["training"]
+              and all(v.type.dtype == ins.operands[0].type.dtype for v in ins.operands))  # mixed ones stay whole
     if not sites and not att_sites and not cat_sites and not tilings[0][1] and not bns:
         return []
     lines = [f"linear_cross_entropy at {s.where} ({s.rows} rows x {s.vocab} classes in chunks of {s.chunk}; "

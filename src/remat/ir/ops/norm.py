@@ -152,14 +152,45 @@ def _bn_split(types, attrs) -> tuple[TensorType, list[TensorType], list[TensorTy
     return x, rest[:na], rest[na:]
 
 
+MIXED = (DType.f16, DType.bf16)
+"""Input dtypes batch norm takes with float32 per-channel operands (ATen's mixed-dtype CPU kernel)."""
+
+
+def stats_dtype(x: TensorType, vectors) -> DType:
+    """The dtype of batch norm's per-channel values (weight, bias, running and batch statistics):
+    the per-channel operands' (``vectors``), or the input's when there are none. A half-precision
+    input (f16, bf16) may come with float32 ones, as under ``torch.autocast``: ATen's mixed-dtype
+    CPU kernel reads x in its dtype, computes in float32, keeps the statistics in float32 and
+    writes the output (and grad_x) in x's dtype, so no float32 copy of x is ever made."""
+    dts = {v.dtype for v in vectors}
+    if len(dts) > 1:
+        raise TypeError(f"'batch_norm': weight, bias and running statistics must share one dtype, got "
+                        f"{', '.join(str(v) for v in vectors)}")
+    dt = dts.pop() if dts else x.dtype
+    if dt != x.dtype and not (x.dtype in MIXED and dt == DType.f32):
+        raise TypeError(f"'batch_norm': per-channel operands of {dt} with an input {x}: only an f16/bf16 input "
+                        f"may have f32 ones (the mixed-dtype kernel); insert a cast")
+    return dt
+
+
+def _bn_vectors(name: str, x: TensorType, c: int, named) -> TensorType:
+    """The [C] type of the per-channel values for input ``x``; ``named``: (type, what) of the
+    per-channel operands, each of which must be it."""
+    try:
+        vec = TensorType(stats_dtype(x, [t for t, _ in named]), (c,))
+    except TypeError as e:
+        raise TypeError(str(e).replace("'batch_norm'", f"'{name}'")) from None
+    for t, what in named:
+        if t != vec:
+            raise TypeError(f"'{name}': {what} must be {vec} (one per channel of input {x}), got {t}")
+    return vec
+
+
 def _batch_norm_infer(types, attrs):
     x, affine, running = _bn_split(types, attrs)
     c = _bn_x("batch_norm", x, attrs)
-    vec = x.with_shape((c,))
-    _check_affine("batch_norm", affine, (c,), x, "one per channel")
-    for r in running:
-        if r != vec:
-            raise TypeError(f"'batch_norm': running statistics must be {vec} (one per channel of {x}), got {r}")
+    vec = _bn_vectors("batch_norm", x, c, list(zip(affine, ("weight", "bias"))) +
+                      list(zip(running, ("running_mean", "running_var"))))
     if not attrs["training"]:
         if not running:
             raise TypeError("'batch_norm' in eval mode (training=false) needs running_mean and running_var operands")
@@ -173,10 +204,10 @@ def _batch_norm_grad_infer(types, attrs):
                         f"got {len(types)} operands")
     gy, x, s1, s2, *w = types
     c = _bn_x("batch_norm_grad", x, attrs)
-    vec = x.with_shape((c,))
-    if gy != x or s1 != vec or s2 != vec:
-        raise TypeError(f"'batch_norm_grad': grad_output {gy} must be {x}, the statistics {s1} and {s2} must be {vec}")
-    _check_affine("batch_norm_grad", w, (c,), x, "one per channel")
+    _bn_vectors("batch_norm_grad", x, c, [(s1, "the first statistic"), (s2, "the second statistic")] +
+                [(t, "weight") for t in w])
+    if gy != x:
+        raise TypeError(f"'batch_norm_grad': grad_output {gy} must be {x}")
     return (x, *w, *w)
 
 
@@ -184,10 +215,8 @@ def _batch_norm_stats_infer(types, attrs):
     if len(types) not in (1, 3):
         raise TypeError(f"'batch_norm_stats' takes x, then optionally running_mean, running_var; got {len(types)} operands")
     x, *running = types
-    vec = x.with_shape((_bn_x("batch_norm_stats", x, attrs),))
-    for r in running:
-        if r != vec:
-            raise TypeError(f"'batch_norm_stats': running statistics must be {vec} (one per channel of {x}), got {r}")
+    vec = _bn_vectors("batch_norm_stats", x, _bn_x("batch_norm_stats", x, attrs),
+                      list(zip(running, ("running_mean", "running_var"))))
     return (vec,) * (4 if running else 2)
 
 
@@ -195,10 +224,10 @@ def _batch_norm_grad_sums_infer(types, attrs):
     if len(types) != 4:
         raise TypeError(f"'batch_norm_grad_sums' takes (grad_output, input, mean, invstd), got {len(types)} operands")
     gy, x, mean, invstd = types
-    vec = x.with_shape((_bn_x("batch_norm_grad_sums", x, attrs),))
-    if gy != x or mean != vec or invstd != vec:
-        raise TypeError(f"'batch_norm_grad_sums': grad_output {gy} must be {x}, mean {mean} and invstd {invstd} "
-                        f"must be {vec}")
+    vec = _bn_vectors("batch_norm_grad_sums", x, _bn_x("batch_norm_grad_sums", x, attrs),
+                      [(mean, "mean"), (invstd, "invstd")])
+    if gy != x:
+        raise TypeError(f"'batch_norm_grad_sums': grad_output {gy} must be {x}")
     return (vec, vec)
 
 
@@ -406,6 +435,8 @@ def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: flo
     xt = x.type
     rank, n = xt.rank, xt.numel // xt.shape[axis]
     g_rm = g_rv = gx = None
+    if any(g is not None for g in (g_mean, g_invstd, g_rmean, g_rvar)) and s1.type.dtype != xt.dtype:
+        x = b.op("cast", x, dtype=s1.type.dtype)  # mixed dtypes: the statistics' cotangents in float32
     if g_rmean is not None:  # new_rm = (1 - m) rm + m mean
         g_rm = b.op("mul", g_rmean, _c(b, 1.0 - m, g_rmean))
         g_mean = _add(b, g_mean, b.op("mul", g_rmean, _c(b, m, g_rmean)))
@@ -418,6 +449,8 @@ def _bn_stats_cotangents(b, x, s1, s2, g_mean, g_invstd, g_rmean, g_rvar, m: flo
         gm = _channel(b, g_mean, rank, axis) if g_mean is not None else None
         gr = _channel(b, g_invstd, rank, axis) if g_invstd is not None else None
         gx = _add(b, gx, _stats_cotangent(b, x, mean_c, rstd_c, gm, gr, n))
+    if gx is not None and gx.type.dtype != xt.dtype:  # a half-precision x with float32 statistics
+        gx = b.op("cast", gx, dtype=xt.dtype)
     return gx, g_rm, g_rv
 
 
@@ -457,11 +490,13 @@ def _batch_norm_vjp(b, p, g):
         gx = _add(b, gx, gs)
     elif gy is not None:  # eval: y = (x - rm) (rv + eps)^-½ w + b also depends on the running statistics
         axes = _bn_reduced(x.type, axis)
+        wide = s2.type.dtype  # float32 for a half-precision x with float32 statistics (the mixed kernel)
+        xw, gyw = (x, gy) if wide == x.type.dtype else (b.op("cast", x, dtype=wide), b.op("cast", gy, dtype=wide))
         invstd = b.op("rsqrt", b.op("add", s2, _c(b, p.attrs["eps"], s2)))
-        gyw = b.op("mul", gy, _channel(b, w, rank, axis)) if affine else gy
+        gyw = b.op("mul", gyw, _channel(b, w, rank, axis)) if affine else gyw
         g_rm = b.op("neg", b.op("mul", b.op("reduce_sum", gyw, axes=axes), invstd))
         dvar = b.op("mul", b.op("mul", invstd, b.op("mul", invstd, invstd)), _c(b, -0.5, invstd))
-        prod_ = b.op("mul", gyw, b.op("sub", x, _channel(b, s1, rank, axis)))
+        prod_ = b.op("mul", gyw, b.op("sub", xw, _channel(b, s1, rank, axis)))
         g_rv = b.op("mul", b.op("reduce_sum", prod_, axes=axes), dvar)
     return [gx] + ([gw, gbias] if affine else []) + ([g_rm, g_rv] if running else [])
 
@@ -551,6 +586,11 @@ def _layer_norm_grad_decomp(b, xs, attrs):
 
 @def_decomposition("batch_norm")
 def _batch_norm_decomp(b, xs, attrs):
+    x0 = xs[0]
+    wide = xs[1].type.dtype if len(xs) > 1 else x0.type.dtype
+    if wide != x0.type.dtype:  # mixed: normalise x in float32, the output rounded to x's dtype
+        outs = _batch_norm_decomp(b, [_to(b, x0, wide)] + list(xs[1:]), attrs)
+        return [b.op("cast", outs[0], dtype=x0.type.dtype)] + list(outs[1:])
     ax = attrs["axis"]
     x, rank, c = xs[0], xs[0].type.rank, xs[0].type.shape[ax]
     affine = attrs["affine"]
@@ -575,6 +615,8 @@ def _batch_norm_decomp(b, xs, attrs):
 @def_decomposition("batch_norm_stats")
 def _batch_norm_stats_decomp(b, xs, attrs):
     x, running = xs[0], xs[1:]
+    if running:  # mixed: the statistics of x in float32
+        x = _to(b, x, running[0].type.dtype)
     c = x.type.shape[attrs["axis"]]
     _, mean, rstd, var = _moments(b, x, _bn_reduced(x.type, attrs["axis"]), attrs["eps"])
     mean = b.op("reshape", mean, shape=(c,))
@@ -597,6 +639,9 @@ def running_update(b, running, mean, var, m: float, n: int):
 @def_decomposition("batch_norm_grad")
 def _batch_norm_grad_decomp(b, xs, attrs):
     gy, x, s1, s2, *w = xs
+    if s1.type.dtype != x.type.dtype:  # mixed: in float32, grad_x rounded to x's dtype
+        outs = _batch_norm_grad_decomp(b, [_to(b, gy, s1.type.dtype), _to(b, x, s1.type.dtype), s1, s2, *w], attrs)
+        return [b.op("cast", outs[0], dtype=x.type.dtype)] + list(outs[1:])
     rank, ax = x.type.rank, attrs["axis"]
     axes = _bn_reduced(x.type, ax)
     rstd = _channel(b, s2, rank, ax)
