@@ -10,6 +10,10 @@ alone, so its transient peak is lower. Variants are ordinary :class:`~.chain.exe
 objects with another :class:`~.partition.Split`: the executor, the profiler and the chain model
 handle them unchanged, and recomputation clones the same instructions, so gradients stay
 bit-identical.
+
+The block MILP (:func:`milp_recipes`) plans the same recomputing backward with the Checkmate MILP
+(:mod:`.milp`), once per distinct block: its sequences join the greedy's as further stage options,
+and the chain DP across blocks chooses among them (Rockmate's split of the problem).
 """
 from __future__ import annotations
 
