@@ -128,8 +128,9 @@ def _compiled(name: str):
 
 
 def _minimums(problem) -> tuple[int, int]:
-    """(the chain's minimum, the greedy's minimum): predicted peaks of their most frugal programs."""
-    q = dataclasses.replace(problem, budget=1)
+    """(the chain's minimum, the greedy's minimum): predicted peaks of their most frugal programs, under
+    ``solver="greedy"`` as the plans below (its block-internal plans use the greedy's recipes alone)."""
+    q = dataclasses.replace(problem, budget=1, solver="greedy")
     chain = plan_blocks(q)
     low = to_graph(problem.joint, problem.costs, workspaces=problem.workspaces)
     with pytest.raises(BudgetTooSmall) as e:

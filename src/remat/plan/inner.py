@@ -10,6 +10,10 @@ alone, so its transient peak is lower. Variants are ordinary :class:`~.chain.exe
 objects with another :class:`~.partition.Split`: the executor, the profiler and the chain model
 handle them unchanged, and recomputation clones the same instructions, so gradients stay
 bit-identical.
+
+The block MILP (:func:`milp_recipes`) plans the same recomputing backward with the Checkmate MILP
+(:mod:`.milp`), once per distinct block: its sequences join the greedy's as further stage options,
+and the chain DP across blocks chooses among them (Rockmate's split of the problem).
 """
 from __future__ import annotations
 
@@ -162,6 +166,101 @@ def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, flo
     return out
 
 
+BLOCK_MILP = True
+"""Whether block-internal plans also take the block MILP's recipes (:func:`milp_recipes`) under the
+solver options that run the MILP on the greedy's neighbourhood (``registry.NEIGHBOURHOOD_OPTIONS``);
+a switch for comparing plans with and without them."""
+
+BLOCK_MILP_MAX_NODES = 256
+"""Largest recomputing backward (compute nodes) whose greedy recipes the block MILP improves
+(:func:`milp_recipes`); the blocks of the zoo's models have up to about a hundred (zoo U-Net tiny's
+skip-spanning block: 103)."""
+
+BLOCK_MILP_EXACT_NODES = 16
+"""Largest recomputing backward (compute nodes) the block MILP solves whole, to its optimum within
+:data:`BLOCK_MILP_NODE_LIMIT`; above it only windows of it (the neighbourhood of the greedy's
+sequence, :func:`.milp.improve_in_windows`). Measured: HiGHS (through SciPy, which takes no starting
+solution) finds no feasible schedule of a 22-node block of zoo GPT tiny within 200 branch-and-bound
+nodes (8 s), so a whole-block solve would cost seconds per block for nothing; on a 16-node block of
+zoo GPT tiny it proves the optimum in 0.1 s at one greedy recipe's peak and stops at its node limit
+after 3-5 s at a tighter one (gap 7%), with a plan recomputing less than the greedy's."""
+
+BLOCK_MILP_NODE_LIMIT = 50
+"""Branch-and-bound nodes one whole-block MILP may explore: its deterministic work limit (HiGHS runs
+single-threaded, so the same block gives the same recipes under any machine load). The windows keep
+:data:`.milp.WINDOW_NODE_LIMIT`."""
+
+BLOCK_WINDOW_MAX_VARS: tuple[int, ...] = (300,)
+"""The window passes of the block MILP (``max_vars`` of :func:`.milp.improve_in_windows`): small
+windows only, solved to optimality in milliseconds. A second pass of wider ones (800 variables, as
+the whole-graph neighbourhood search) found no cheaper block plan of zoo ResNet tiny near its floor
+and took zoo ResNet small's plan at 50% from 3.0 to 10.5 s."""
+
+BLOCK_MILP_SAFETY_SECONDS = 20.0
+"""Wall seconds after which one block MILP stops, as a guard only: a solve or window search it stops
+is discarded whole (its answer would depend on the machine's load)."""
+
+
+def milp_recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, float]],
+                 workspace_fn: WorkspaceFn | None = None, greedy: Sequence[Recipe] = ()) -> list[Recipe]:
+    """Recipes for ``stage`` whose recompute sequence the Checkmate MILP (:mod:`.milp`) chooses on its
+    recomputing backward (input kept only; donated arguments released after their last use, as
+    :func:`build_variant` runs them), one per recipe of ``greedy`` that recomputes: within that
+    recipe's peak, the least recomputation the MILP finds, solving the whole backward when it has
+    at most :data:`BLOCK_MILP_EXACT_NODES` compute nodes (node-limited), else window by window on
+    the neighbourhood of the greedy's sequence (:func:`.milp.improve_in_windows`). A MILP sequence
+    is kept only when it recomputes strictly less than the greedy's at no higher peak, so no MILP
+    recipe is costlier than the greedy one it improves. Deterministic: work bounded by node counts;
+    what the wall-clock guard stops is discarded. Empty when the backward has more than
+    :data:`BLOCK_MILP_MAX_NODES` compute nodes."""
+    from .graph import BudgetTooSmall, eager_frees, evaluate, make_plan, schedule_computes
+    from .milp import NoSolutionFound, improve_in_windows, solve_milp
+    from .rematerialize import to_graph
+    from .scheduling import memory_aware_order
+
+    parts = _recomputing_backward(stage, ())
+    if parts is None:
+        return []
+    _, g, bp = parts
+    donated = _donated(g, len(bp))
+    low = to_graph(g, costs(g), workspaces=None if workspace_fn is None else workspace_fn(g), donated=donated)
+    graph = low.graph
+    n = len(graph.compute_nodes)
+    if not 0 < n <= BLOCK_MILP_MAX_NODES:
+        return []
+    order = memory_aware_order(graph)
+    base = evaluate(graph, eager_frees(graph, order))[0]
+    starts: dict[int, tuple[float, tuple[int, ...]]] = {}  # per peak, the cheapest greedy sequence within it
+    for r in greedy:
+        if r.keep != () or r.sequence is None:
+            continue
+        cost, peak = evaluate(graph, eager_frees(graph, r.sequence))
+        if cost > base * (1 + 1e-9) and (peak not in starts or cost < starts[peak][0]):
+            starts[peak] = (cost, r.sequence)  # it recomputes: something to improve
+    out: list[Recipe] = []
+    for peak in sorted(starts):
+        cost, seq = starts[peak]
+        found = None
+        if n <= BLOCK_MILP_EXACT_NODES:
+            try:
+                found = solve_milp(graph, peak, order=order, time_limit=BLOCK_MILP_SAFETY_SECONDS,
+                                   node_limit=BLOCK_MILP_NODE_LIMIT)
+            except (BudgetTooSmall, NoSolutionFound):
+                found = None
+        else:
+            start = make_plan(graph, list(seq), solver="greedy", status="heuristic", seconds=0.0)
+            search = improve_in_windows(graph, start, peak, time_limit=BLOCK_MILP_SAFETY_SECONDS,
+                                        max_vars=BLOCK_WINDOW_MAX_VARS)
+            if "time_limit" not in search.statuses:
+                found = search.plan
+        if found is None or found.peak > peak or found.cost >= cost * (1 - 1e-9):
+            continue
+        rec = Recipe((), tuple(schedule_computes(found.schedule)))
+        if rec not in out and rec not in greedy:
+            out.append(rec)
+    return out
+
+
 @dataclass
 class StageOption:
     """One way to run a stage: the stage (itself or a variant), its profile, and what it is."""
@@ -169,6 +268,7 @@ class StageOption:
     stage: ChainStage
     profile: "StageProfile"
     what: str  # "" for the stage as differentiated, else how its backward recomputes
+    exact: bool = False  # its recompute sequence is the block MILP's (:func:`milp_recipes`)
 
 
 def need(q: "StageProfile") -> int:
@@ -180,29 +280,47 @@ def need(q: "StageProfile") -> int:
 
 def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile"], kinds: Sequence[int],
                   costs: Callable[[Function], dict[Instruction, float]],
-                  workspace_fn: WorkspaceFn | None = None) -> list[list[StageOption]]:
+                  workspace_fn: WorkspaceFn | None = None, milp: bool = False,
+                  cache: dict | None = None) -> list[list[StageOption]]:
     """Per stage, its options: the stage as it is first, then its variants that need fewer bytes
     (:func:`need`). Recipes are found once per kind of block and applied to every stage of it.
-    A variant's backward time is the stage's scaled by the ratio of their static costs."""
+    A variant's backward time is the stage's scaled by the ratio of their static costs. With
+    ``milp``, the block MILP's recipes (:func:`milp_recipes`) are options too, each one that no
+    option before it matches in both bytes and backward time (Rockmate's split: MILP plans inside
+    blocks, the chain DP across them). ``cache``: recipes by block text, shared across calls (the
+    cuts of one step hold many of the same blocks)."""
     from .chain.profile import _profile
     from .costmodel import function_cost
 
-    by_kind: dict[int, list[Recipe]] = {}
+    by_kind: dict[int, tuple[list[Recipe], list[Recipe]]] = {}
     out: list[list[StageOption]] = []
     for st, prof, kind in zip(stages, profiles, kinds):
         if kind not in by_kind:
-            by_kind[kind] = recipes(st, costs, workspace_fn)
+            key = (milp, str(st.split.forward.clone("block")), str(st.split.backward.clone("block")))
+            hit = None if cache is None else cache.get(key)
+            if hit is None:
+                found = recipes(st, costs, workspace_fn)
+                hit = (found, milp_recipes(st, costs, workspace_fn, found) if milp else [])
+                if cache is not None:
+                    cache[key] = hit
+            by_kind[kind] = hit
         opts = [StageOption(st, prof, "")]
         base = function_cost(st.split.backward)
-        for r in by_kind[kind]:
+        greedy, exact = by_kind[kind]
+        for r in greedy + exact:
             v = build_variant(st, r, workspace_fn)
             if v is None:
                 continue
             scale = function_cost(v.split.backward) / base if base > 0 else 1.0
             q = _profile(v, prof.fwd_time, prof.bwd_time * scale, workspace_fn)
-            if need(q) < min(need(o.profile) for o in opts):
-                opts.append(StageOption(v, q, f"keeps its input, its backward recomputes the rest "
-                                              f"({len(v.split.backward.entry.instrs)} instructions)"))
+            n = len(v.split.backward.entry.instrs)
+            if r in exact:
+                if need(q) < need(prof) and not any(need(o.profile) <= need(q) and o.profile.bwd_time <= q.bwd_time
+                                                    for o in opts):
+                    opts.append(StageOption(v, q, f"keeps its input, its backward recomputes the rest as the block "
+                                                  f"MILP planned it ({n} instructions)", True))
+            elif need(q) < min(need(o.profile) for o in opts):
+                opts.append(StageOption(v, q, f"keeps its input, its backward recomputes the rest ({n} instructions)"))
         out.append(opts)
     return out
 
@@ -212,7 +330,7 @@ def option_levels(options: Sequence[Sequence[StageOption]], fractions: Sequence[
     as they are (all zeros, left out): the stages needing more than the least bytes any stage can be
     brought to switch to their cheapest option within it (a floor as low as the leanest level's, with less
     recomputation), and every stage at its leanest option."""
-    leanest = [min(range(len(o)), key=lambda k: (need(o[k].profile), k)) for o in options]
+    leanest = [min(range(len(o)), key=lambda k: (need(o[k].profile), o[k].profile.bwd_time, k)) for o in options]
     floor = max(need(o[k].profile) for o, k in zip(options, leanest))
     top = max(need(o[0].profile) for o in options)
 

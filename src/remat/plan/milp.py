@@ -351,12 +351,15 @@ class MinPeak:
 
 
 def milp_min_peak(
-    graph: Graph, *, time_limit: float = 10.0, order: Sequence[int] | None = None
+    graph: Graph, *, time_limit: float = 10.0, order: Sequence[int] | None = None,
+    node_limit: int | None = None,
 ) -> MinPeak:
     """Minimise the peak memory (ignoring cost) with the same MILP.
 
     The minimum is over schedules whose first computations follow ``order``
-    (default: index order), like :func:`solve_milp`.
+    (default: index order), like :func:`solve_milp`. ``node_limit``: branch-and-bound nodes
+    (deterministic work); with it, a solve the time limit stops gives no plan (``plan`` None, the
+    bound from :func:`.graph.min_memory_lower_bound`), so the answer never depends on the machine.
     """
     t0 = time.perf_counter()
     g, back = _maybe_permute(graph, order)
@@ -365,7 +368,9 @@ def milp_min_peak(
         return MinPeak(lb, True, None, 0.0)
     unit = max(lb, 1) / 1000.0
     model = _build(g, None, unit, peak_lb=lb / unit)
-    res = _solve(model, time_limit - (time.perf_counter() - t0), 0.0)
+    res = _solve(model, time_limit - (time.perf_counter() - t0), 0.0, node_limit=node_limit)
+    if node_limit is not None and _timed_out(res):
+        return MinPeak(lb, False, None, time.perf_counter() - t0)
     plan = None
     if res.x is not None:
         seq = [back[v] for v in _extract(model, res.x)]
@@ -455,6 +460,7 @@ def solve_milp(
             mp = milp_min_peak(
                 graph, order=order,
                 time_limit=min_peak_time_limit if min_peak_time_limit is not None else time_limit,
+                node_limit=node_limit,
             )
             if mp.plan is not None and mp.plan.peak <= budget:
                 # only reachable through solver tolerances: the peak-optimal plan fits

@@ -449,8 +449,9 @@ def plan_inner(p: StepProblem, deferred: list) -> list[Plan | int]:
     per cut, its new candidate, or its minimum (bytes) when still none fits; a cut where they do
     no better than the chain as it was gives nothing."""
     out: list[Plan | int] = []
+    cache: dict = {}  # recipes by block, shared by the cuts
     for blocks, profiles, what, t0, before in deferred:
-        r = _with_inner_plans(p, blocks, profiles, what, t0, before)
+        r = _with_inner_plans(p, blocks, profiles, what, t0, before, cache)
         if r is not before:
             out.append(r)
     return out
@@ -487,20 +488,32 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
 
 
 def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,
-                      best: Plan | int) -> Plan | int:
+                      best: Plan | int, cache: dict | None = None) -> Plan | int:
     """The chain DP again with block-internal plans (:mod:`.inner`: stages whose backward recomputes
     part of their tape) at a few levels, when the stages as they are give no plan or one near the
     floor: the cheapest candidate, or the smallest minimum."""
+    from . import inner as inner_mod, registry
     from .chain.profile import chain_costs
     from .costmodel import static_costs
     from .inner import option_levels, stage_options
 
     base = chain_costs(profiles).no_recompute_cost()  # overheads of every level against the stages as they are
-    options = stage_options(blocks.stages, profiles, blocks.kinds, static_costs, p.workspace_fn)
-    for level in option_levels(options):
+    # Under the options that run the MILP on the greedy's neighbourhood, the block MILP improves the
+    # greedy's recipes too (deterministic: node limits); "greedy" (golden plans) plans them by the greedy alone.
+    options = stage_options(blocks.stages, profiles, blocks.kinds, static_costs, p.workspace_fn,
+                            milp=inner_mod.BLOCK_MILP and p.solver in registry.NEIGHBOURHOOD_OPTIONS, cache=cache)
+    # The greedy's options' levels, then those with the block MILP's options too: a superset, so the
+    # block MILP never makes the block-internal plan costlier than the greedy's recipes alone.
+    greedy = [[k for k, c in enumerate(o) if not c.exact] for o in options]
+    levels = [[ks[k] for ks, k in zip(greedy, lv)] for lv in option_levels([[o[k] for k in ks]
+                                                                           for o, ks in zip(options, greedy)])]
+    levels += [lv for lv in option_levels(options) if lv not in levels]
+    for level in levels:
         chosen = [o[k] for o, k in zip(options, level)]
+        exact = sum(1 for o, k in zip(options, level) if o[k].exact)
         inner = (f"block-internal plans: {sum(1 for k in level if k)} of {len(level)} blocks keep only their "
-                 f"input and recompute the rest of their tape in their backward (planned by the greedy on that backward)")
+                 f"input and recompute the rest of their tape in their backward (planned by the greedy on that backward"
+                 + (f"; {exact} of them improved by the block MILP)" if exact else ")"))
         r = _solve_chain(p, blocks, [c.stage for c in chosen], [c.profile for c in chosen], what, t0, inner, base)
         if isinstance(r, Plan):
             if not isinstance(best, Plan) or r.overhead < best.overhead:
