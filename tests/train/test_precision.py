@@ -191,6 +191,12 @@ class _ConvBN(torch.nn.Module):
         return self.net(x)
 
 
+def _conv_bn_case():
+    """(:class:`_ConvBN`, images, per-pixel targets, loss), seeded."""
+    torch.manual_seed(0)
+    return _ConvBN(), torch.randn(4, 3, 16, 16), torch.randint(0, 4, (4, 16, 16)), torch.nn.functional.cross_entropy
+
+
 def _bn_input_dtypes(fn) -> list[tuple[str, str, str]]:
     """(op, input dtype, per-channel dtype) of every batch norm of ``fn`` and of its backward."""
     return [(i.op.name, i.operands[1 if i.op.name == "batch_norm_grad" else 0].type.dtype.value,
@@ -204,10 +210,7 @@ def test_bf16_batch_norm_keeps_its_bf16_input_not_a_float32_copy(budget):
     mixed-dtype batch norm, as ATen's kernel (and eager autograd, which saves the bf16 input and f32
     statistics), so no f32 copy of an activation is made or kept for the backward. Gradients and
     running statistics are eager autocast's, the peak is the one predicted."""
-    torch.manual_seed(0)
-    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
-    target = torch.randint(0, 4, (4, 16, 16))
-    loss_fn = torch.nn.functional.cross_entropy
+    model, x, target, loss_fn = _conv_bn_case()
     ref = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = loss_fn(ref(x), target)
@@ -287,10 +290,7 @@ def test_bf16_eval_mode_batch_norm_is_mixed_too():
 def test_fp16_batch_norm_is_mixed_too():
     """precision="fp16" (loss scaling): the batch norms are the f16 form of the mixed op, and a step
     updates the fp32 master weights as eager autocast's step does."""
-    torch.manual_seed(0)
-    model, x = _ConvBN(), torch.randn(4, 3, 16, 16)
-    target = torch.randint(0, 4, (4, 16, 16))
-    loss_fn = torch.nn.functional.cross_entropy
+    model, x, target, loss_fn = _conv_bn_case()
     ref = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.float16):
         loss_fn(ref(x), target).backward()
