@@ -102,3 +102,40 @@ def test_flash_drops_a_mask_that_hides_nothing_and_takes_the_causal_mask_as_is_c
     assert tk._flash_args(holes, q, k, False)[0] is not None
     out, _ = fwd(q, k, v, holes, scale=0.5)
     assert torch.equal(out[0], causal[0]) and not torch.equal(out[1], causal[1])
+
+
+@pytest.mark.parametrize("lead", [(3,), (2, 3)], ids=["rank3", "rank4"])
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("t", [5, tk.FLASH_MIN_LOWP_QUERIES])
+def test_low_precision_short_sequences_take_the_explicit_kernels(lead, mask, causal, t):
+    """bf16 attention over fewer than FLASH_MIN_LOWP_QUERIES queries runs ``attention_lowp`` (the
+    CPU flash kernels are slow there), forward and backward, within bf16 rounding of the f64
+    reference, with no f32 copy of q, k, v as its workspace; from that length on, the flash kernels."""
+    if causal and mask:
+        pytest.skip("a mask or is_causal, not both")
+    rng = np.random.default_rng(t + len(lead) * 7 + len(mask or "") + causal)
+    args = [a if a.dtype == bool else a.astype(DType.bf16.numpy) for a in _case(rng, lead, t, t, 8, mask)]
+    attrs = {"scale": 0.35, "is_causal": causal}
+    ins, attrs = build("attention", args, attrs)
+    want = "attention_flash" if t >= tk.FLASH_MIN_LOWP_QUERIES else "attention_lowp"
+    assert backends.kernel_for(ins, "torch").fn.__name__ == want
+    wide = [a if a.dtype == bool else a.astype(np.float64) for a in args]
+    wins, wattrs = build("attention", wide, attrs)
+    _, ref = run_kernel(wins, wattrs, wide, "numpy")
+    ops, outs = run_kernel(ins, attrs, args, "torch")
+    check_contract(ins, ops, outs, "torch")
+    np.testing.assert_allclose(as_f64(outs[0]), ref[0], rtol=3e-2, atol=3e-2)
+    np.testing.assert_allclose(as_f64(outs[1]), ref[1], rtol=1e-2, atol=1e-2)
+    g = rng.standard_normal(ref[0].shape)
+    gargs = [g.astype(DType.bf16.numpy), *args[:3], as_f64(outs[0]).astype(DType.bf16.numpy),
+             as_f64(outs[1]).astype(np.float32)] + args[3:]
+    gins, gattrs = build("attention_grad", gargs, attrs)
+    assert backends.kernel_for(gins, "torch").fn.__name__ == want.replace("attention", "attention_grad")
+    wg = [a if a.dtype == bool else a.astype(np.float64) for a in gargs]
+    wgins, wgattrs = build("attention_grad", wg, attrs)
+    _, gref = run_kernel(wgins, wgattrs, wg, "numpy")
+    gops, gouts = run_kernel(gins, gattrs, gargs, "torch")
+    check_contract(gins, gops, gouts, "torch")
+    for a, b in zip(gouts, gref):
+        np.testing.assert_allclose(as_f64(a), b, rtol=5e-2, atol=5e-2 * max(1.0, float(np.abs(b).max())))

@@ -941,12 +941,31 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+FLASH_MIN_LOWP_QUERIES = 128
+"""Below this many queries per head, f16/bf16 attention runs :func:`attention_lowp` instead of the CPU
+flash kernels, whose blocked loops are slow on short sequences in low precision (forward and
+backward, 8192 query rows of width 32-64, two threads: flash 1.4-4.9x the explicit kernels' time at
+16-64 queries, about even at 128). Swin's 4x4 windows (16 queries) are where it shows."""
+
+
+def _queries(ins) -> int:
+    q = (ins.operands[0] if ins.op.name == "attention" else ins.operands[1]).type
+    return q.shape[-3] if ins.attrs.get("seq_first", False) and q.rank >= 3 else q.shape[-2] if q.rank >= 2 else 0
+
+
+def _short_lowp(ins) -> bool:
+    q = (ins.operands[0] if ins.op.name == "attention" else ins.operands[1]).type
+    return q.dtype.value in ("bf16", "f16") and _queries(ins) < FLASH_MIN_LOWP_QUERIES
+
+
 def _flash_ok(ins) -> bool:
     """The flash kernels accept rank 2-4 operands with equal q/k and v head sizes, on CPU; grouped-query
-    (fewer key/value heads) at rank 4, where they read the shared heads themselves."""
+    (fewer key/value heads) at rank 4, where they read the shared heads themselves; in f16/bf16, at
+    least :data:`FLASH_MIN_LOWP_QUERIES` queries per head."""
     q, k, v = (o.type for o in (ins.operands[:3] if ins.op.name == "attention" else ins.operands[1:4]))
     grouped = q.shape[-2] != k.shape[-2] if ins.attrs.get("seq_first", False) else q.shape[:-2] != k.shape[:-2]
-    return DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1] and (not grouped or q.rank == 4)
+    return (DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1] and (not grouped or q.rank == 4)
+            and not _short_lowp(ins))
 
 
 def _as4(x: torch.Tensor) -> torch.Tensor:
@@ -1047,6 +1066,34 @@ def _sum_groups(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if g.shape == like.shape:
         return g
     return g.unflatten(-3, (like.shape[-3], g.shape[-3] // like.shape[-3])).sum(-3)
+
+
+@kernel("attention", "torch", checker=_short_lowp, priority=7)
+def attention_lowp(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
+    """f16/bf16 attention over short sequences, as eager's math path computes it: products in the
+    low precision (scores rounded to it, as eager's), the logsumexp in f32, probabilities rounded
+    to the low precision for the product with v; no f32 copy of q, k or v."""
+    q, k, v = (_heads_first(x, seq_first) for x in (q, k, v))
+    k, v = _repeat_kv(k, q), _repeat_kv(v, q)
+    s = _math_scores(q, k, mask, scale, is_causal).float()
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.matmul(torch.exp(s.sub_(lse.unsqueeze(-1))).to(q.dtype), v)
+    return _fresh(_heads_first(out, seq_first)), _fresh(lse)
+
+
+@kernel("attention_grad", "torch", checker=_short_lowp, priority=7)
+def attention_grad_lowp(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+    """The backward of :func:`attention_lowp`: its products in the low precision, the element-wise
+    work on the scores in f32."""
+    g, q, k0, v0, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
+    k, v = _repeat_kv(k0, q), _repeat_kv(v0, q)
+    p = torch.exp(_math_scores(q, k, mask, scale, is_causal).float().sub_(_lse_for(lse, q).unsqueeze(-1)))
+    dv = torch.matmul(p.to(q.dtype).transpose(-1, -2), g)
+    rows = (g.float() * out.float()).sum(-1, keepdim=True)
+    ds = p.mul_(torch.matmul(g, v.transpose(-1, -2)).float().sub_(rows)).to(q.dtype)
+    dq = torch.matmul(ds, k) * scale
+    dk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q) * scale, k0)
+    return tuple(_fresh(_heads_first(x, seq_first)) for x in (dq, dk, _sum_groups(dv, v0)))
 
 
 @kernel("attention", "torch", priority=5)
