@@ -93,6 +93,11 @@ def const(b: Builder, value: float, dtype: DType, shape: Sequence[int] = ()) -> 
     return b.op("constant", value=v, shape=tuple(shape), dtype=dtype)
 
 
+def cast_to(b: Builder, v: Value, dtype: DType) -> Value:
+    """``v`` in ``dtype``: itself when it is of that dtype already, else a cast."""
+    return v if v.type.dtype == dtype else b.op("cast", v, dtype=dtype)
+
+
 def scalar_like(b: Builder, value: float, v: Value) -> Value:
     return const(b, value, v.type.dtype)
 

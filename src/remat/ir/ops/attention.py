@@ -353,17 +353,12 @@ declare(OpDef("dropout_attention_grad", None, _DROP_ATTRS, _dropout_attention_gr
 
 # ================================================================ VJP rules (reverse mode)
 from ..opdef import def_vjp  # noqa: E402
-from ._vjp import Saves, const as _const, unbroadcast as _unb  # noqa: E402
+from ._vjp import Saves, cast_to as _wide, const as _const, unbroadcast as _unb  # noqa: E402
 
 
 def _swap_heads(b, v):
     r = v.type.rank
     return b.op("transpose", v, perm=list(range(r - 3)) + [r - 2, r - 3, r - 1])
-
-
-def _wide(b, x, dt):
-    """``x`` in ``dt`` (a cast when it is of another dtype)."""
-    return x if x.type.dtype == dt else b.op("cast", x, dtype=dt)
 
 
 def _mask_cotangent(b, p, g, q, k, v, out, lse, mask, seq_first=False):

@@ -378,7 +378,7 @@ declare(OpDef("group_norm_grad", None, (Attr("groups", "int"), _GN_AXIS), _group
 # rule(b, p, g) -> one cotangent per operand; see remat.ir.ops._vjp. The forward ops have several
 # results, so ``g`` is the list of their cotangents (None: zero).
 from ..opdef import def_vjp  # noqa: E402
-from ._vjp import Saves, scalar_like as _c  # noqa: E402
+from ._vjp import Saves, cast_to as _to, scalar_like as _c  # noqa: E402
 
 
 def _add(b, a, c):
@@ -552,11 +552,6 @@ def _norm_grad_x(b, gh, xhat, rstd, axes: list[int]):
 
 def _affine_grads(b, gy, xhat, axes: list[int]):
     return [b.op("reduce_sum", b.op("mul", gy, xhat), axes=axes), b.op("reduce_sum", gy, axes=axes)]
-
-
-def _to(b, v, dt):
-    """``v`` cast to ``dt`` (itself when it is of that dtype already)."""
-    return v if v.type.dtype == dt else b.op("cast", v, dtype=dt)
 
 
 @def_decomposition("layer_norm")
