@@ -1,5 +1,5 @@
 """The numba dialect's generated ``fused`` kernels: bit-identical to running the body's nodes one by
-one with the torch kernels (random data with inf, nan and -0.0; f32 and f64; broadcasting; sizes
+one with the torch kernels (random data with inf, nan and -0.0; f32, f64 and bf16; broadcasting; sizes
 that take the threaded path), refused bodies fall back to torch, and the disk cache makes a second
 process compile nothing."""
 from __future__ import annotations
@@ -61,10 +61,10 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equal, NaN payloads aside (torch itself gives different NaN bits on different paths)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" and a.dtype != DType.bf16.numpy:
         return np.array_equal(a, b)
-    na, nb = np.isnan(a), np.isnan(b)
-    iv = {4: np.int32, 8: np.int64}[a.dtype.itemsize]
+    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    iv = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
     return bool(np.array_equal(na, nb) and np.array_equal(a[~na].view(iv), b[~nb].view(iv)))
 
 
@@ -83,7 +83,7 @@ BODIES = [
 ]
 
 
-@pytest.mark.parametrize("dt", [DType.f32, DType.f64])
+@pytest.mark.parametrize("dt", [DType.f32, DType.f64, DType.bf16])
 @pytest.mark.parametrize("case", range(len(BODIES)))
 def test_numba_bitwise_equals_torch_op_by_op(case: int, dt: DType) -> None:
     body, shapes, kinds = BODIES[case]
@@ -116,6 +116,33 @@ def test_casts_and_int_comparisons() -> None:
     (got,), _ = vm.run("f", *args)
     (want,), _ = VM(ref, dialects=("torch", "numpy")).run("f", *args)
     assert same_bits(got, want)
+
+
+def test_bf16_rounds_after_every_node_as_torch_does() -> None:
+    """bf16 operands and results mixed with f32: casts both ways, a residual add in f32, a division by
+    a bf16 scalar, and f32 values halfway between two bf16s (ties go to even), bit for bit."""
+    body = ("%3 = cast(%0) {dtype=f32} %4 = add(%3, %1) %5 = cast(%4) {dtype=bf16} %6 = div(%5, %2) "
+            "%7 = mul(%0, %2) %8 = sub(%7, %0) -> %4, %6, %8")
+    types = [TensorType(DType.bf16, (64, 33)), TensorType(DType.f32, (64, 33)), TensorType(DType.bf16, ())]
+    fused, ref = programs(body, types)
+    rng = np.random.default_rng(3)
+    ties = (rng.integers(0, 1 << 15, (64, 33), dtype=np.uint32) << 16 | np.uint32(0x8000)).view(np.float32)
+    for x1 in (special(rng, (64, 33), DType.f32), ties):
+        args = [special(rng, (64, 33), DType.bf16), x1, np.asarray(rng.standard_normal(()), DType.bf16.numpy)]
+        vm = VM(fused)
+        assert vm.function("f").entry.instrs[0].dialect == "numba"
+        got, _ = vm.run("f", *args)
+        want, _ = VM(ref, dialects=("torch", "numpy")).run("f", *args)
+        for a, b in zip(got, want):
+            assert same_bits(a, b)
+
+
+def test_bf16_mixed_with_f64_is_left_to_torch() -> None:
+    """torch computes an f64 operand of a bf16 op in f32: the generator refuses such a node."""
+    assert not nk.node_supported("mul", (DType.bf16, DType.f64), {})
+    assert not nk.node_supported("cast", (DType.f64,), {"dtype": DType.bf16})
+    assert nk.node_supported("mul", (DType.bf16, DType.f32), {})
+    assert nk.node_supported("cast", (DType.f32,), {"dtype": DType.bf16})
 
 
 @pytest.mark.parametrize("op", ["exp", "sqrt"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import pytest
 import torch
 
 from remat.ir import Module, parse, verify
@@ -159,19 +160,27 @@ def test_non_fusible_path_between_members_is_not_a_cycle() -> None:
     run_both(m, out, [np.random.default_rng(2).standard_normal((4, 8)).astype(np.float32)])
 
 
-def test_zoo_training_program_fuses_bit_identically() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_zoo_training_program_fuses_bit_identically(precision: str) -> None:
+    """fp32, and bf16 (its casts fused into the residual adds, the attention's scale into its mask),
+    run by the numba dialect's kernels bit for bit as the nodes one by one."""
     import remat
     from remat import zoo
 
     model, ex, loss_fn = zoo.make("gpt", "tiny", dropout=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-    step = remat.compile(model, ex, loss_fn, optimizer=opt, dialects=("torch", "numpy"))  # no numba: unfused
+    step = remat.compile(model, ex, loss_fn, optimizer=opt, dialects=("torch", "numpy"),  # no numba: unfused
+                         precision=precision)
     prog = step.program
     assert not any(i.op.name == "fused" for i in prog.instructions())
     st = FuseStats()
     fused = fuse(prog, stats=st)
     verify(fused)
     assert st.groups > 0 and st.instructions_after < st.instructions_before
+    kinds = {v.type.dtype.value for i in fused.instructions() if i.op.name == "fused" for v in i.operands}
+    assert precision != "bf16" or "bf16" in kinds
+    ran = VM(Module([fused])).function(fused.name).entry.instrs
+    assert all(i.dialect == "numba" for i in ran if i.op.name == "fused")
     assert str(parse(str(Module([fused])))) == str(Module([fused]))
     oa, sa = VM(Module([prog.clone()])).run(prog.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
     ob, sb = VM(Module([fused])).run(fused.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")

@@ -11,7 +11,11 @@ Bit-exactness with the torch kernels of the same nodes: each node is one IEEE op
 node's dtype (no fast-math, so no FMA contraction or reassociation; ``error_model="numpy"`` so a
 division by zero gives inf/nan as torch does). :data:`NODE_CODE` lists what the generator supports;
 the checker refuses any other body, which then runs on the torch dialect's interpreter.
-Not in the table because torch's CPU kernels are not correctly rounded, so no generated code can
+bf16 values travel through a kernel as f32 (every bf16 is exactly an f32): loaded from the uint16
+bits of their arrays, each node computed in f32, as torch's bf16 kernels compute, and its result
+rounded to bf16 (round to nearest even, :func:`_bf16_round_lines`) when the node's dtype is bf16,
+so a chain of bf16 nodes rounds after every node exactly as the nodes run one by one do. A node mixing
+bf16 with f64 is refused (torch computes such a scalar operand in f32). Not in the table because torch's CPU kernels are not correctly rounded, so no generated code can
 match them bit for bit: ``sqrt``/``rsqrt`` (torch's f32 sqrt is off by one ulp against IEEE, measured
 on AVX-512) and every transcendental (exp, log, tanh, erf, …). ``maximum``/``minimum`` are left out
 because torch's signed-zero and NaN results differ between its vector and scalar paths.
@@ -38,33 +42,37 @@ from ..ir.ops.fused import Body, parse_body
 from ..ir.types import DType
 from . import kernel, out_kernel
 
-FLOATS = (DType.f32, DType.f64)
+FLOATS = (DType.f32, DType.f64)  # what the pooling and statistics kernels take
+BODY_FLOATS = FLOATS + (DType.bf16,)  # what generated element-wise kernels take
 _NB_TYPE = {DType.f32: "float32", DType.f64: "float64", DType.bool: "boolean", DType.i32: "int32",
-            DType.i64: "int64"}
+            DType.i64: "int64", DType.bf16: "float32"}  # a bf16 value is held as the f32 of the same value
+_ARRAY_TYPE = {**_NB_TYPE, DType.bf16: "uint16"}  # bf16 arrays are passed as their bits
 
 # op -> (operand dtypes accepted, code template over the operands {0}, {1}, …; {z}/{o} zero/one of the dtype)
 NODE_CODE: dict[str, tuple[tuple[DType, ...], str]] = {
-    "add": (FLOATS, "({0} + {1})"),
-    "sub": (FLOATS, "({0} - {1})"),
-    "mul": (FLOATS, "({0} * {1})"),
-    "div": (FLOATS, "({0} / {1})"),
-    "neg": (FLOATS, "(-{0})"),
-    "abs": (FLOATS, "abs({0})"),
-    "relu": (FLOATS, "({z} if {0} < {z} else {0})"),  # torch's clamp_min(x, 0): keeps -0.0 and nan
-    "relu_grad": (FLOATS, "({z} if {1} <= {z} else {0})"),  # torch's threshold_backward(g, y, 0)
-    "eq": (FLOATS + (DType.i32, DType.i64), "({0} == {1})"),
-    "ne": (FLOATS + (DType.i32, DType.i64), "({0} != {1})"),
-    "lt": (FLOATS + (DType.i32, DType.i64), "({0} < {1})"),
-    "le": (FLOATS + (DType.i32, DType.i64), "({0} <= {1})"),
-    "gt": (FLOATS + (DType.i32, DType.i64), "({0} > {1})"),
-    "ge": (FLOATS + (DType.i32, DType.i64), "({0} >= {1})"),
-    "select": ((DType.bool,) + FLOATS, "({1} if {0} else {2})"),
+    "add": (BODY_FLOATS, "({0} + {1})"),
+    "sub": (BODY_FLOATS, "({0} - {1})"),
+    "mul": (BODY_FLOATS, "({0} * {1})"),
+    "div": (BODY_FLOATS, "({0} / {1})"),
+    "neg": (BODY_FLOATS, "(-{0})"),
+    "abs": (BODY_FLOATS, "abs({0})"),
+    "relu": (BODY_FLOATS, "({z} if {0} < {z} else {0})"),  # torch's clamp_min(x, 0): keeps -0.0 and nan
+    "relu_grad": (BODY_FLOATS, "({z} if {1} <= {z} else {0})"),  # torch's threshold_backward(g, y, 0)
+    "eq": (BODY_FLOATS + (DType.i32, DType.i64), "({0} == {1})"),
+    "ne": (BODY_FLOATS + (DType.i32, DType.i64), "({0} != {1})"),
+    "lt": (BODY_FLOATS + (DType.i32, DType.i64), "({0} < {1})"),
+    "le": (BODY_FLOATS + (DType.i32, DType.i64), "({0} <= {1})"),
+    "gt": (BODY_FLOATS + (DType.i32, DType.i64), "({0} > {1})"),
+    "ge": (BODY_FLOATS + (DType.i32, DType.i64), "({0} >= {1})"),
+    "select": ((DType.bool,) + BODY_FLOATS, "({1} if {0} else {2})"),
     "not": ((DType.bool,), "(not {0})"),
     "and": ((DType.bool,), "({0} and {1})"),
     "or": ((DType.bool,), "({0} or {1})"),
-    "cast": ((DType.bool, DType.i32, DType.i64) + FLOATS, "np.{dt}({0})"),
+    "cast": ((DType.bool, DType.i32, DType.i64) + BODY_FLOATS, "np.{dt}({0})"),
 }
-_CAST_TO = FLOATS  # casts to f32/f64 are exactly rounded by the hardware, as in torch
+_CAST_TO = BODY_FLOATS  # casts to f32/f64 are exactly rounded by the hardware, as in torch; to bf16 by
+# _bf16_round_lines, as torch rounds (from f32, bf16 and bool only: torch rounds a wider source twice)
+_BF16_SOURCES = (DType.f32, DType.bf16, DType.bool)
 
 PARALLEL_MIN_ELEMENTS = 1 << 20  # below this, handing half the work to a thread costs more than it gives
 # (vectorised kernels take ~0.3 ns per f32 element: 1 << 20 elements are ~0.3 ms, where a thread hand-off
@@ -86,7 +94,17 @@ def _empty(shape, dtype) -> np.ndarray:
     torch = sys.modules.get("torch")
     if torch is None:
         return np.empty(shape, dtype)
+    if np.dtype(dtype) == _BF16:  # NumPy has no bf16: the tensor's bits, viewed as ml_dtypes' bfloat16
+        return torch.empty(tuple(shape), dtype=torch.bfloat16).view(torch.int16).numpy().view(_BF16)
     return torch.empty(tuple(shape), dtype=_torch_dtype(np.dtype(dtype))).numpy()
+
+
+_BF16 = DType.bf16.numpy
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """What a generated kernel takes for an array: the uint16 bits of a bf16 one, any other as it is."""
+    return a.view(np.uint16) if a.dtype == _BF16 else a
 
 
 _TORCH_DTYPES: dict = {}
@@ -116,15 +134,18 @@ def _run_parts(fn: Callable, rows: int, parts: int, *args: Any) -> None:
 def node_supported(op: str, in_dtypes: tuple[DType, ...], attrs: dict) -> bool:
     """Whether the generator emits ``op`` on these operand dtypes bit-exactly (see :data:`NODE_CODE`)."""
     if op == "constant":
-        return attrs["dtype"] in FLOATS + (DType.bool, DType.i32, DType.i64)
+        return attrs["dtype"] in BODY_FLOATS + (DType.bool, DType.i32, DType.i64)
     spec = NODE_CODE.get(op)
     if spec is None:
         return False
     ok, _ = spec
+    if DType.bf16 in in_dtypes and DType.f64 in in_dtypes:
+        return False
     if op == "select":
-        return in_dtypes[0] == DType.bool and in_dtypes[1] in FLOATS
+        return in_dtypes[0] == DType.bool and in_dtypes[1] in BODY_FLOATS and in_dtypes[2] in BODY_FLOATS
     if op == "cast":
-        return in_dtypes[0] in ok and attrs["dtype"] in _CAST_TO
+        to = attrs["dtype"]
+        return in_dtypes[0] in ok and to in _CAST_TO and (to != DType.bf16 or in_dtypes[0] in _BF16_SOURCES)
     return all(d in ok for d in in_dtypes)
 
 
@@ -165,7 +186,7 @@ class Pattern:
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-_GEN_VERSION = 4  # bump when the generated code changes (4: a checked header; compiled by load_kernel)
+_GEN_VERSION = 5  # bump when the generated code changes (5: bf16 operands and results)
 
 
 def collapse(out_shape: tuple[int, ...], in_shapes: list[tuple[int, ...]]
@@ -201,9 +222,34 @@ def _const(value: Any, dt: DType) -> str:
         return "True" if value else "False"
     if dt.is_int:
         return f"np.{_NB_TYPE[dt]}({int(value)})"
-    v = float(value)
+    v = float(np.asarray(value, dtype=dt.numpy))  # a bf16 constant: its bf16 value
     lit = "math.nan" if math.isnan(v) else ("math.inf" if v == math.inf else ("-math.inf" if v == -math.inf else repr(v)))
     return f"np.{_NB_TYPE[dt]}({lit})"
+
+
+_VALUE_KEEPING = frozenset({"select", "relu", "relu_grad", "neg", "abs"})
+"""Ops whose result is one of their operands' values (or zero, or its sign flipped): on bf16 operands,
+a bf16 value, with nothing to round."""
+
+
+def _bf16_load(array_item: str) -> str:
+    """The f32 value of a bf16 array element (its bits are the high half of the f32's)."""
+    return f"np.uint32(np.uint32({array_item}) << np.uint32(16)).view(np.float32)"
+
+
+def _bf16_round_lines(ind: str, name: str, expr: str) -> list[str]:
+    """Lines binding ``name`` to the f32 ``expr`` rounded to bf16 (to nearest, ties to even), as torch's
+    f32 -> bf16 conversion rounds; NaN stays NaN (its payload aside: torch's vector and scalar paths
+    give different NaN bits)."""
+    return [f"{ind}t_{name} = np.float32({expr})",
+            f"{ind}u_{name} = t_{name}.view(np.uint32)",
+            f"{ind}{name} = (np.uint32((u_{name} + np.uint32(32767) + ((u_{name} >> np.uint32(16)) & np.uint32(1)))"
+            f" & np.uint32(0xFFFF0000)).view(np.float32) if t_{name} == t_{name} else np.float32(math.nan))"]
+
+
+def _bf16_bits(value: str) -> str:
+    """The uint16 bits of a bf16 value held as an f32."""
+    return f"np.uint16(np.float32({value}).view(np.uint32) >> np.uint32(16))"
 
 
 def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
@@ -222,7 +268,7 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     if p.over >= 0:
         ins[p.over] = outs[0]
     lines = ["import math", "import numpy as np", ""]
-    sig = ", ".join(f"{_NB_TYPE[t]}[{', '.join([':'] * (rank - 1) + ['::1'])}]"
+    sig = ", ".join(f"{_ARRAY_TYPE[t]}[{', '.join([':'] * (rank - 1) + ['::1'])}]"
                     for t in list(out_dtypes) + [p.in_dtypes[k] for k in own])
     lines += [f'SIGNATURE = "void(int64, int64, {sig})"  # compiled by load_kernel: Numba, cache=True', "",
               f"def kernel({', '.join(['lo', 'hi'] + outs + [ins[k] for k in own])}):"]
@@ -232,7 +278,7 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
             a = n.attr_dict
             consts[n_in + k] = f"c{n_in + k}"
             lines.append(f"    c{n_in + k} = {_const(a['value'], a['dtype'])}")
-    zero = {DType.f32: "np.float32(0.0)", DType.f64: "np.float64(0.0)"}
+    zero = {DType.f32: "np.float32(0.0)", DType.f64: "np.float64(0.0)", DType.bf16: "np.float32(0.0)"}
     # Rows lo:hi as views indexed from 0: a loop starting at 0 lets LLVM drop the negative-index
     # wrap-around and vectorise (a loop over range(lo, hi) runs ~8x slower on f32).
     for a in outs + [ins[k] for k in own if p.full[k][0]]:
@@ -248,7 +294,7 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     hoisted: list[int] = []
     for k, n in enumerate(body.nodes):  # in order: a node is hoisted when its node operands are
         v = n_in + k
-        if (rank > 1 and n.op != "constant" and deps[v] == {inner} and vals[v].dtype in FLOATS
+        if (rank > 1 and n.op != "constant" and deps[v] == {inner} and vals[v].dtype in BODY_FLOATS
                 and all(a < n_in or a in hoisted or a in consts for a in n.args)):
             hoisted.append(v)
 
@@ -260,7 +306,8 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
             if k in needed:
                 sub = ", ".join(index[d] if p.full[k][d] else "0" for d in range(rank))
                 names[k] = f"v{k}"
-                lines.append(f"{ind}v{k} = {ins[k]}[{sub}]")
+                item = f"{ins[k]}[{sub}]"
+                lines.append(f"{ind}v{k} = {_bf16_load(item) if p.in_dtypes[k] == DType.bf16 else item}")
         for v in nodes:
             n = body.nodes[v - n_in]
             _, tmpl = NODE_CODE[n.op]
@@ -268,7 +315,10 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
             expr = tmpl.format(*(names[a] for a in n.args), z=zero.get(a0, "0"),
                                dt=_NB_TYPE.get(n.attr_dict.get("dtype"), ""))
             names[v] = f"v{v}"
-            lines.append(f"{ind}v{v} = {expr}")
+            if vals[v].dtype == DType.bf16 and n.op not in _VALUE_KEEPING:
+                lines.extend(_bf16_round_lines(ind, f"v{v}", expr))
+            else:
+                lines.append(f"{ind}v{v} = {expr}")
 
     rest = [n_in + k for k, n in enumerate(body.nodes) if n.op != "constant" and n_in + k not in hoisted]
     read = set(body.outputs).union(*(body.nodes[v - n_in].args for v in rest))
@@ -289,7 +339,8 @@ def generate(p: Pattern, out_dtypes: tuple[DType, ...]) -> str:
     emit(ind, rest, names, idx)
     sub = ", ".join(idx)
     for k, o in enumerate(body.outputs):
-        lines.append(f"{ind}{outs[k]}[{sub}] = {names[o]}")
+        value = _bf16_bits(names[o]) if out_dtypes[k] == DType.bf16 else names[o]
+        lines.append(f"{ind}{outs[k]}[{sub}] = {value}")
     return "\n".join(lines) + "\n"
 
 
@@ -459,7 +510,7 @@ def _fused(args, body, first):
         outs.insert(0, first)
     ins = [a.reshape(s) if a.flags.c_contiguous and a.flags.writeable else np.ascontiguousarray(a).reshape(s)
            for k, (a, s) in enumerate(zip(args, p.in_shapes)) if k != over]
-    arrays = [o.reshape(p.cshape) for o in outs] + ins
+    arrays = [_bits(a) for a in [o.reshape(p.cshape) for o in outs] + ins]
     if len(p.bounds) == 1 or threads() == 1:
         p.fn(0, p.cshape[0], *arrays)
     else:  # the kernel releases the GIL: the other parts run on pool threads meanwhile

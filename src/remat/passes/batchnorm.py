@@ -18,9 +18,11 @@ the chain planner's stages). Eval-mode batch norm (running statistics, no reduct
 
 Mixed-dtype batch norms (a bf16 or f16 input with float32 weight and statistics, as
 ``precision="bf16"`` captures them) are left whole, forward and backward: ATen's mixed-dtype kernel
-reads the half-precision x and writes y (or grad_x) with no float32 copy of x, where the element-wise
-instruction (the numba dialect has no half-precision kernels) would run through the torch dialect's
-node-by-node interpretation of its body, each node's float32 result an input-sized temporary.
+reads the half-precision x and writes y (or grad_x) with no float32 copy of x, where the split form
+needs statistics of a half-precision input (the numba statistics kernel takes f32 and f64 only), and
+an f16 normalisation would run through the torch dialect's node-by-node interpretation of its body
+(the numba dialect's element-wise kernels take bf16, not f16), each node's float32 result an
+input-sized temporary.
 
 Channels-last batch norms (channel ``axis`` not 1: ``remat.passes.layout``) are left whole too: ATen's
 channels-last kernel computes statistics and normalisation together faster than its statistics pass
