@@ -150,3 +150,21 @@ def test_neighbourhood_windows_never_cost_more_nor_peak_higher(kind, n, improves
         assert search.plan.peak <= greedy.peak and search.plan.cost < greedy.cost
     else:
         assert search.improved == 0
+
+
+def test_highs_native_prints_do_not_reach_the_users_output(capfd) -> None:
+    """SciPy's HiGHS prints debugging lines with C's printf whatever ``disp`` says: while it solves, fd 1
+    goes to the null device; C's buffer is flushed before it comes back, and Python's output before
+    and after is kept."""
+    import ctypes
+
+    from remat.plan.milp import _native_stdout_silenced
+
+    libc = ctypes.CDLL(None)
+    print("before", flush=True)
+    with _native_stdout_silenced():
+        libc.printf(b"HighsMipSolverData::transformNewIntegerFeasibleSolution\n")
+    print("after", flush=True)
+    libc.fflush(None)
+    out = capfd.readouterr().out
+    assert "Highs" not in out and "before" in out and "after" in out

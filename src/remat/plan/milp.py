@@ -44,9 +44,13 @@ suffix reads), re-solved with the rest of the schedule fixed, window after windo
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -303,6 +307,31 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
     )
 
 
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 points at the null device meanwhile: the HiGHS built into SciPy prints
+    debugging lines (``HighsMipSolverData::transformNewIntegerFeasibleSolution ...``) with C's
+    ``printf``, whatever ``disp`` says, into a user's output. C's buffer is flushed before fd 1 is
+    given back, so nothing it printed meanwhile surfaces later; Python's ``sys.stdout`` is flushed
+    first, so nothing of the program's own is lost."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):  # no fd 1 (an embedding host): nothing to silence
+        yield
+        return
+    libc = ctypes.CDLL(None)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int | None = None):  # -> OptimizeResult
     """HiGHS on ``model``. ``node_limit``: branch-and-bound nodes, a deterministic bound on the work
     (HiGHS runs single-threaded, so the same model gives the same answer under any machine load);
@@ -312,13 +341,14 @@ def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int
     options = {"time_limit": max(0.05, time_limit), "mip_rel_gap": mip_rel_gap, "disp": False}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
-    return milp(
-        model.c,
-        constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
-        integrality=model.integrality,
-        bounds=Bounds(model.lb, model.ub),
-        options=options,
-    )
+    with _native_stdout_silenced():
+        return milp(
+            model.c,
+            constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
+            integrality=model.integrality,
+            bounds=Bounds(model.lb, model.ub),
+            options=options,
+        )
 
 
 def _timed_out(res) -> bool:
