@@ -30,7 +30,6 @@ from ..ir import Function, Module, verify
 from .costmodel import CostModel, function_cost, program_overhead
 from .frontier import frontier_for
 from .graph import Graph
-from .simulator import predict_peak
 from .milp import MILP_MAX_NODES
 from .problem import StepProblem, fit_peak
 from .record import Plan, Solution
@@ -352,7 +351,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     # peaking at ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
     # a portfolio of model budgets around that point, on a grid fixed by the step (neighbouring
     # budgets see the same plans), is solved and the cheapest plan whose exact program peak fits is kept.
-    hi = predict_peak(p.joint)
+    hi = low.peak  # the joint's, without recomputation (``low`` lowers ``p.joint``)
     start = p.budget - p.extra_bytes
     models = model_budgets(start, hi, probes)
     main = max((m for m in models if m <= start), default=None)  # the whole-graph MILP's probe
@@ -484,7 +483,8 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     if inner:
         notes.append(inner)
     base = costs.no_recompute_cost() if base is None else base
-    return Plan(f"chain DP ({SOLVERS['chain'].method})", notes, pol.program, pol.solution.cost / base - 1.0, pol.solution)
+    return Plan(f"chain DP ({SOLVERS['chain'].method})", notes, pol.program, pol.solution.cost / base - 1.0, pol.solution,
+                pol.peak)  # the planner's peak_fn: fit_peak of this very program
 
 
 def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,
