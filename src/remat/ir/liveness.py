@@ -78,13 +78,13 @@ def liveness(fn: Function) -> Liveness:
             dead = [r for r in ins.results if r not in live]
             live.difference_update(ins.results)
             last: list[Value] = []
-            for v in _uses(ins):
+            for v in (_uses(ins) if ins.successors else ins.operands):
                 if v not in live:
                     live.add(v)
                     if ins.op.name != "return":
                         last.append(v)
             # Several results can share the slot; sort for a deterministic order.
-            vs = sorted(set(last), key=key) + dead
+            vs = (sorted(set(last), key=key) if len(last) > 1 else last) + dead
             if vs:
                 dies_at[ins] = tuple(vs)
         dead_args[b] = tuple(a for a in b.args if a not in live)
