@@ -27,6 +27,22 @@ def clone_into(b: Builder, ins: Instruction, vmap: dict[Value, Value]) -> Instru
     return new
 
 
+def move_into(b: Builder, ins: Instruction, vmap: dict[Value, Value]) -> Instruction:
+    """:func:`clone_into` without the copy: insert ``ins`` itself at ``b``, taken over from its
+    block, its operands mapped through ``vmap`` and its results recorded there as themselves.
+    For a function built only to be rebuilt around (its own block is left unusable): the result
+    is the program :func:`clone_into` would give, less one allocation per instruction and value."""
+    if ins.successors:
+        raise ValueError(f"move_into moves straight-line instructions; '{ins.op.name}' branches")
+    ins.operands = [vmap[o] for o in ins.operands]
+    b._insert(ins)
+    for r in ins.results:
+        vmap[r] = r
+    if ins.recomputes is not None:
+        ins.recomputes = vmap.get(ins.recomputes)
+    return ins
+
+
 def single_block(f: Function, why: str = "stage splitting") -> Block:
     """``f``'s only block, or a ValueError saying that ``why`` needs straight-line code."""
     if len(f.blocks) != 1:
@@ -75,4 +91,4 @@ def inline_body(b: Builder, f: Function, args: Sequence[Value]) -> list[Value]:
     return [vmap[v] for v in block.instrs[-1].operands]
 
 
-__all__ = ["clone_into", "inline_body", "single_block", "slice_function"]
+__all__ = ["clone_into", "inline_body", "move_into", "single_block", "slice_function"]

@@ -73,6 +73,9 @@ class OpResult(Value):
         return f"<{self.instr.op.name} result {self.index}: {self.type}>"
 
 
+_new_result = object.__new__
+
+
 @dataclass
 class Successor:
     """A branch target with the values passed to its block arguments."""
@@ -98,7 +101,16 @@ class Instruction:
         self.op = op
         self.operands = list(operands)
         self.attrs = dict(attrs)
-        self.results = [OpResult(t, self, i) for i, t in enumerate(result_types)]
+        # Results made without OpResult.__init__'s call (the same check): planning builds and drops
+        # hundreds of thousands of instructions.
+        results = []
+        for t in result_types:
+            if t.__class__ is not TensorType and not isinstance(t, TensorType):
+                raise TypeError(f"value type must be a TensorType, got {t!r}")
+            r = _new_result(OpResult)
+            r.type, r.instr, r.index = t, self, len(results)
+            results.append(r)
+        self.results = results
         self.successors = list(successors)
         self.dialect = dialect
         self.block: Block | None = None
@@ -335,4 +347,11 @@ class Builder:
         return tuple(ins.results)
 
     def free(self, *values: Value) -> Instruction:
-        return self.create("free", values)
+        """A ``free`` of ``values``: :meth:`create` less the attribute check and the type rule, which
+        a free (no attributes, no results) does not need; rematerialised programs are half frees."""
+        op = get_op("free")
+        for i, v in enumerate(values):
+            if not isinstance(v, Value):
+                raise TypeError(f"operand {i} of 'free' is not an IR value: {v!r}")
+        op.check_arity(len(values))
+        return self._insert(Instruction(op, values, {}, (), loc=self.loc))

@@ -67,6 +67,44 @@ def liveness(fn: Function) -> Liveness:
         for ins in b.instrs:
             for r in ins.results:
                 order[r] = len(order)
+    live_in, live_out = _block_liveness(fn)
+    key = order.__getitem__
+    dies_at: dict[Instruction, tuple[Value, ...]] = {}
+    dead_args: dict[Block, tuple[BlockArg, ...]] = {}
+    edge_kills: dict[tuple[Block, int], tuple[Value, ...]] = {}
+    for b in fn.blocks:
+        live = set(live_out[b])
+        for ins in reversed(b.instrs):
+            dead = [r for r in ins.results if r not in live]
+            live.difference_update(ins.results)
+            last: list[Value] = []
+            for v in (_uses(ins) if ins.successors else ins.operands):
+                if v not in live:
+                    live.add(v)
+                    if ins.op.name != "return":
+                        last.append(v)
+            # Several results can share the slot; sort for a deterministic order.
+            vs = (sorted(set(last), key=key) if len(last) > 1 else last) + dead
+            if vs:
+                dies_at[ins] = tuple(vs)
+        dead_args[b] = tuple(a for a in b.args if a not in live)
+        if b not in live_in:  # one block, no successors: what it reads before defining, but its arguments
+            live_in[b] = live.difference(b.args)
+        t = b.terminator
+        for i, s in enumerate(t.successors if t is not None else ()):
+            ks = live_out[b] - live_in[s.block]
+            if ks:
+                edge_kills[(b, i)] = tuple(sorted(ks, key=key))
+    return Liveness(fn, {b: frozenset(v) for b, v in live_in.items()}, {b: frozenset(v) for b, v in live_out.items()},
+                    dies_at, {b: a for b, a in dead_args.items() if a}, edge_kills, order)
+
+
+def _block_liveness(fn: Function) -> tuple[dict[Block, set[Value]], dict[Block, set[Value]]]:
+    """Live-in and live-out sets of ``fn``'s blocks by backward data-flow to a fixed point. A
+    function of one block without successors needs none: nothing is live out of it, and its
+    live-in set (left out here) is what :func:`liveness`'s backward walk finds live at its start."""
+    if len(fn.blocks) == 1 and (fn.entry.terminator is None or not fn.entry.terminator.successors):
+        return {}, {fn.entry: set()}
     gen: dict[Block, set[Value]] = {}
     kill: dict[Block, set[Value]] = {}
     succs: dict[Block, list[Block]] = {}
@@ -91,34 +129,7 @@ def liveness(fn: Function) -> Liveness:
             inn = gen[b] | (out - kill[b])
             if out != live_out[b] or inn != live_in[b]:
                 live_out[b], live_in[b], changed = out, inn, True
-
-    key = order.__getitem__
-    dies_at: dict[Instruction, tuple[Value, ...]] = {}
-    dead_args: dict[Block, tuple[BlockArg, ...]] = {}
-    edge_kills: dict[tuple[Block, int], tuple[Value, ...]] = {}
-    for b in fn.blocks:
-        live = set(live_out[b])
-        for ins in reversed(b.instrs):
-            dead = [r for r in ins.results if r not in live]
-            live.difference_update(ins.results)
-            last: list[Value] = []
-            for v in _uses(ins):
-                if v not in live:
-                    live.add(v)
-                    if ins.op.name != "return":
-                        last.append(v)
-            # Several results can share the slot; sort for a deterministic order.
-            vs = sorted(set(last), key=key) + dead
-            if vs:
-                dies_at[ins] = tuple(vs)
-        dead_args[b] = tuple(a for a in b.args if a not in live)
-        t = b.terminator
-        for i, s in enumerate(t.successors if t is not None else ()):
-            ks = live_out[b] - live_in[s.block]
-            if ks:
-                edge_kills[(b, i)] = tuple(sorted(ks, key=key))
-    return Liveness(fn, {b: frozenset(v) for b, v in live_in.items()}, {b: frozenset(v) for b, v in live_out.items()},
-                    dies_at, {b: a for b, a in dead_args.items() if a}, edge_kills, order)
+    return live_in, live_out
 
 
 __all__ = ["Liveness", "liveness"]

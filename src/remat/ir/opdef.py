@@ -186,6 +186,7 @@ class OpDef:
     flops: Callable[[Sequence[TensorType], Sequence[TensorType], Mapping[str, Any]], float] | None = None
     index_bounds: Callable[[Sequence[TensorType], Mapping[str, Any]], "IndexBounds"] | None = None
     decompose: "DecomposeFn | None" = None
+    attr_names: frozenset[str] = field(init=False, repr=False, compare=False)  # of ``attrs``
 
     def __post_init__(self) -> None:
         unknown = set(self.tags) - TAGS
@@ -195,6 +196,7 @@ class OpDef:
             if a.kind not in ATTR_KINDS:
                 raise ValueError(f"op '{self.name}' attribute '{a.name}' has unknown kind {a.kind!r}")
         self.tags = frozenset(self.tags)
+        self.attr_names = frozenset(a.name for a in self.attrs)
 
     def attr(self, name: str) -> Attr | None:
         for a in self.attrs:
@@ -205,9 +207,9 @@ class OpDef:
     def check_attrs(self, types: Sequence[TensorType], attrs: Mapping[str, Any]) -> dict[str, Any]:
         """Coerce attributes, fill defaults, reject unknown or missing ones, normalise."""
         self.check_arity(len(types))
-        known = {a.name for a in self.attrs}
-        extra = set(attrs) - known
-        if extra:
+        known = self.attr_names
+        if not known.issuperset(attrs):
+            extra = set(attrs) - known
             valid = ", ".join(sorted(known)) or "none"
             raise TypeError(f"'{self.name}' has no attribute {', '.join(sorted(map(repr, extra)))}; valid attributes: {valid}")
         out: dict[str, Any] = {}

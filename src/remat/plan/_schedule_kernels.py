@@ -138,3 +138,86 @@ def measure(kinds, nodes, indptr, indices, is_input, is_output, recomputable, nb
         if (not is_input[v] and times[v] == 0) or (is_output[v] and not live[v]):
             return False, 0.0, 0
     return True, total, peak
+
+
+LIST_KEYS = {"delta": 0, "peak": 1, "delta_peak": 2}
+"""The priorities of :func:`list_schedule` by :func:`.scheduling._list_schedule`'s names."""
+
+
+@numba.njit(cache=True)
+def list_schedule(indptr, indices, cons_ptr, cons, is_input, is_output, nbytes, workspace, key_kind, lookahead):
+    """:func:`.scheduling._list_schedule`: repeatedly run the ready node of least priority
+    (``key_kind``, :data:`LIST_KEYS`; ties on the index). ``cons_ptr``/``cons``: each node's
+    consumers, ascending (CSR). Returns the order of the compute nodes."""
+    n = is_input.shape[0]
+    remaining = cons_ptr[1:] - cons_ptr[:-1]  # consumers not yet run: a value is released at 0
+    missing = np.zeros(n, np.int64)  # inputs not yet computed
+    for v in range(n):
+        for k in range(indptr[v], indptr[v + 1]):
+            if not is_input[indices[k]]:
+                missing[v] += 1
+    ready = np.empty(n, np.int64)
+    n_ready = 0
+    for v in range(n):
+        if not is_input[v] and missing[v] == 0:
+            ready[n_ready] = v
+            n_ready += 1
+    order = np.empty(n, np.int64)
+    m = 0
+    while n_ready > 0:
+        at = -1
+        b0 = b1 = b2 = 0
+        for p in range(n_ready):
+            v = ready[p]
+            freed = 0  # net live bytes of running v now: its output, less the inputs it releases
+            for k in range(indptr[v], indptr[v + 1]):
+                u = indices[k]
+                if remaining[u] == 1 and not is_output[u]:
+                    freed += nbytes[u]
+            own = nbytes[v] if (cons_ptr[v + 1] > cons_ptr[v] or is_output[v]) else 0
+            d = own - freed
+            if lookahead and d > 0:  # a consumer v makes ready may release much: the two steps' effect
+                best = 0
+                for kk in range(cons_ptr[v], cons_ptr[v + 1]):
+                    w = cons[kk]
+                    if missing[w] != 1:
+                        continue
+                    fr = 0
+                    for k2 in range(indptr[w], indptr[w + 1]):
+                        u = indices[k2]
+                        read = 0
+                        for k3 in range(indptr[v], indptr[v + 1]):
+                            if indices[k3] == u:
+                                read = 1
+                                break
+                        left = remaining[u] - read
+                        if u == v:
+                            left = cons_ptr[v + 1] - cons_ptr[v]
+                        if left == 1 and not is_output[u]:
+                            fr += nbytes[u]
+                    if nbytes[w] - fr < best:
+                        best = nbytes[w] - fr
+                d += best
+            transient = nbytes[v] + workspace[v]
+            if key_kind == 0:
+                k0, k1, k2_ = d, v, 0
+            elif key_kind == 1:
+                k0, k1, k2_ = transient, d, v
+            else:
+                k0, k1, k2_ = d, transient, v
+            if at < 0 or k0 < b0 or (k0 == b0 and (k1 < b1 or (k1 == b1 and k2_ < b2))):
+                at, b0, b1, b2 = p, k0, k1, k2_
+        v = ready[at]
+        n_ready -= 1
+        ready[at] = ready[n_ready]  # the ready set's order does not matter: the least key is unique
+        order[m] = v
+        m += 1
+        for k in range(indptr[v], indptr[v + 1]):
+            remaining[indices[k]] -= 1
+        for kk in range(cons_ptr[v], cons_ptr[v + 1]):
+            w = cons[kk]
+            missing[w] -= 1
+            if missing[w] == 0:
+                ready[n_ready] = w
+                n_ready += 1
+    return order[:m]

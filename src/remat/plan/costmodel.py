@@ -75,8 +75,9 @@ def static_costs(fn: Function) -> dict[Instruction, float]:
 
 
 def _signature(ins: Instruction) -> tuple:
-    """What makes two instructions cost the same: op, operand and result types, attributes."""
-    return (ins.op.name, tuple(str(o.type) for o in ins.operands), tuple(str(r.type) for r in ins.results),
+    """What makes two instructions cost the same: op, operand and result types, attributes. (Types
+    compare as their printed forms do, and hash once: cheaper than the text on every candidate.)"""
+    return (ins.op.name, tuple([o.type for o in ins.operands]), tuple([r.type for r in ins.results]),
             repr(sorted(ins.attrs.items())))
 
 

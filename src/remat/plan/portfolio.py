@@ -30,7 +30,6 @@ from ..ir import Function, Module, verify
 from .costmodel import CostModel, function_cost, program_overhead
 from .frontier import frontier_for
 from .graph import Graph
-from .simulator import predict_peak
 from .milp import MILP_MAX_NODES
 from .problem import StepProblem, fit_peak
 from .record import Plan, Solution
@@ -121,6 +120,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
         lows.append((replace(p, solver="greedy"), to_graph(p.joint, p.costs, workspaces=p.workspaces)))
     lows = [(q, g, memory_aware_orders(g.graph)) for q, g in lows]  # siblings together, then as scheduled
     lowered: list[Plan] = []
+    programs: dict = {}  # step programs lowered from the graph models' schedules, shared by them (plan_graph)
     minimums: list[int] = []
     remarks: list[str] = []
     deferred: list = []  # the cuts' contexts, for block-internal plans when nothing cheap enough fits
@@ -132,7 +132,8 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
             # Under "auto" the whole-graph MILP (a small graph's) runs once, on the first order.
             qk = replace(q, solver="greedy") if k and q.solver == "auto" else q
             try:
-                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan), lowered=lowered)
+                plan_graph(qk, g, order, need_minimum=k == 0 and not isinstance(chain, Plan), lowered=lowered,
+                           programs=programs)
             except BudgetTooSmall as e:
                 minimums.append(e.minimum)
 
@@ -144,7 +145,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
 
     score(lowered, p.budget)
     best = _cheapest(lowered, p.budget)
-    ladder = _plan_ladder(p, peak, lows, frontier, score, None if best is None else best.overhead)
+    ladder = _plan_ladder(p, peak, lows, frontier, score, None if best is None else best.overhead, programs)
     lowered += ladder
     best = _cheapest(lowered, p.budget)
     if ladder:
@@ -191,14 +192,15 @@ def _cheapest(cands: Sequence[Plan], budget: int) -> Plan | None:
     return cands[min(fits)[2]] if fits else None
 
 
-def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: float | None) -> list[Plan]:
+def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: float | None,
+                 programs: dict | None = None) -> list[Plan]:
     """The greedy's plans (on each graph model, first order) at the ladder points below ``p.budget``
     (:func:`ladder_points`), highest first, while they improve on the best plan so far (``best``: the
     overhead of the cheapest plan made at the budget itself; ``None``, none fits): the descent stops
     after :data:`LADDER_PATIENCE` points in a row whose plans are no cheaper, or at one that fits
     nothing. Each point's plans depend on the step and the point alone (and are cached as such in
     ``frontier``), so a plan a lower budget gets from a point this descent reaches, this budget gets
-    too. Scored (``score``) and returned, fitting or not."""
+    too. Scored (``score``) and returned, fitting or not. ``programs``: as :func:`plan_graph`'s."""
     out: list[Plan] = []
     misses = 0
     for g in ladder_points(top, p.budget):
@@ -207,7 +209,7 @@ def _plan_ladder(p: StepProblem, top: int, lows: list, frontier, score, best: fl
             plans = []
             for q, low, orders in lows:  # the first order only (siblings together): the ladder is a safety net
                 plan_graph(replace(q, budget=g, solver="greedy"), low, orders[0], need_minimum=False, lowered=plans,
-                           probes=LADDER_PROBES)
+                           probes=LADDER_PROBES, programs=programs)
             for c in plans:
                 c.budget = g
             score(plans, g)
@@ -329,18 +331,28 @@ def model_budgets(start: int, hi: int, probes: tuple[tuple[float, ...], tuple[fl
 
 def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = True,
                max_overhead: float = 2.0, lowered: list[Plan] | None = None,
-               probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES) -> Plan | None:
+               probes: tuple[tuple[float, ...], tuple[float, ...]] = PROBES,
+               programs: dict | None = None) -> Plan | None:
     """Instruction-level rematerialisation (MILP / RAF greedy) of the joint. None when no plan fits
     and ``need_minimum`` is false; ``BudgetTooSmall`` when none fits and it is true. Every plan
-    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier)."""
+    lowered on the way, fitting or not, is appended to ``lowered`` (for the frontier).
+    ``programs``: the step programs (and their peaks) of schedules lowered before, by joint and
+    schedule, filled here; the graph models of one joint number their nodes alike, so a schedule
+    one of them found lowers to the same program on all (two models' greedy plans often agree)."""
     from .greedy import solve_greedy
     from .rematerialize import from_schedule
 
     notes = [f"instruction-level plan over {len(low.graph.compute_nodes)} nodes after memory-aware scheduling"]
 
     def lower(plan: Solution) -> tuple[Solution, Function, int]:
-        prog = p.finish(from_schedule(low, plan.schedule, check=False))
-        peak = fit_peak(p, prog)
+        key = (low.fn, tuple(plan.schedule))
+        made = None if programs is None else programs.get(key)
+        if made is None:
+            prog = p.finish(from_schedule(low, plan.schedule, check=False))
+            made = (prog, fit_peak(p, prog))
+            if programs is not None:
+                programs[key] = made
+        prog, peak = made
         if lowered is not None:
             lowered.append(Plan(f"{plan.solver} ({plan.status})", notes + list(plan.notes), prog,
                                      plan.overhead or 0.0, plan, peak))
@@ -352,7 +364,7 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
     # peaking at ``budget - state`` in the model fits. Heuristic plans are not monotone in the budget, so
     # a portfolio of model budgets around that point, on a grid fixed by the step (neighbouring
     # budgets see the same plans), is solved and the cheapest plan whose exact program peak fits is kept.
-    hi = predict_peak(p.joint)
+    hi = low.peak  # the joint's, without recomputation (``low`` lowers ``p.joint``)
     start = p.budget - p.extra_bytes
     models = model_budgets(start, hi, probes)
     main = max((m for m in models if m <= start), default=None)  # the whole-graph MILP's probe
@@ -484,7 +496,8 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     if inner:
         notes.append(inner)
     base = costs.no_recompute_cost() if base is None else base
-    return Plan(f"chain DP ({SOLVERS['chain'].method})", notes, pol.program, pol.solution.cost / base - 1.0, pol.solution)
+    return Plan(f"chain DP ({SOLVERS['chain'].method})", notes, pol.program, pol.solution.cost / base - 1.0, pol.solution,
+                pol.peak)  # the planner's peak_fn: fit_peak of this very program
 
 
 def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,

@@ -23,7 +23,9 @@ class StepProblem:
     joint: Function             # forward + backward: -> (loss, others..., grads...)
     unconstrained: Function     # the step program without recomputation
     budget: int | None
-    finish: Callable[[Function], Function]  # a joint-shaped program -> the step program (adds the updates)
+    # A joint-shaped program -> the step program (adds the updates). The planners hand it programs
+    # built for it and dropped after, so it may take their instructions over.
+    finish: Callable[[Function], Function]
     extra_bytes: int            # what the step adds to the joint: optimizer state and step counter
     costs: dict[Instruction, float]  # per-instruction seconds (estimated or measured)
     solver: str = "auto"

@@ -17,6 +17,7 @@ orders keep together (:func:`.scheduling.with_siblings`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Collection
 
 from ..ir import Builder, Function, Instruction, Module, Value, verify
@@ -35,6 +36,13 @@ class Lowered:
     result_of: dict[int, int] = field(default_factory=dict)  # node -> index of its result in instr_of
     arg_of: dict[int, BlockArg] = field(default_factory=dict)
     root: dict[Value, Value] = field(default_factory=dict)  # view value -> its storage root value
+
+    @cached_property
+    def peak(self) -> int:
+        """The VM's peak of ``fn`` as it is, without recomputation (bytes; ``predict_peak``), computed once."""
+        from .simulator import predict_peak
+
+        return predict_peak(self.fn)
 
 
 def _is_view(ins: Instruction) -> bool:

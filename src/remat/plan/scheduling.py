@@ -17,8 +17,10 @@ import heapq
 import time
 from typing import Callable, Sequence
 
+import numpy as np
+
 from .record import Solution
-from .graph import Graph, check_order, eager_frees, evaluate
+from .graph import Graph, check_order, eager_frees, evaluate, node_arrays
 
 __all__ = ["memory_aware_order", "memory_aware_orders", "order_peak", "schedule_plan", "no_remat_plan", "with_siblings"]
 
@@ -55,68 +57,21 @@ def _list_schedule(graph: Graph, key_kind: str, lookahead: bool) -> list[int]:
 
     ``delta``: net bytes p - c;  ``peak``: (transient bytes while running, delta);
     ``delta_peak``: delta, then transient bytes.  Ties break on the original index,
-    so the pass is deterministic.
+    so the pass is deterministic.  With ``lookahead``, an op with p - c > 0 is ranked by
+    the combined effect of running it and then a consumer it makes ready, when that consumer
+    releases much (one step of lookahead).  Compiled (:func:`._schedule_kernels.list_schedule`):
+    each step weighs every ready op.
     """
-    nodes = graph.nodes
+    from ._schedule_kernels import LIST_KEYS, list_schedule
+
+    indptr, indices, _, is_input, is_output, _, nbytes, workspace, _ = node_arrays(graph)
     cons = graph.consumers
-    n = len(nodes)
-    # remaining[u]: consumers of u not yet scheduled (u is released when it hits 0)
-    remaining = [len(c) for c in cons]
-    missing = [sum(1 for j in nd.inputs if not nodes[j].is_input) for nd in nodes]
-
-    def releasable(u: int) -> bool:
-        return not nodes[u].is_output
-
-    def delta(v: int) -> int:
-        """Net change of live bytes (p - c) from running v now."""
-        nd = nodes[v]
-        freed = sum(
-            nodes[u].bytes for u in nd.inputs if remaining[u] == 1 and releasable(u)
-        )
-        own = nd.bytes if (cons[v] or nd.is_output) else 0  # a dead value is freed at once
-        return own - freed
-
-    def key(v: int) -> tuple:
-        nd = nodes[v]
-        d = delta(v)
-        if lookahead and d > 0:
-            # one-step lookahead: running v (net +d) may make a consumer w ready whose
-            # run releases a lot; rank v by the combined two-step effect if that helps.
-            best = 0
-            for w in cons[v]:
-                if missing[w] != 1:
-                    continue
-                freed = 0
-                for u in nodes[w].inputs:
-                    left = remaining[u] - (1 if u in nd.inputs else 0)
-                    if u == v:
-                        left = len(cons[v])
-                    if left == 1 and releasable(u):
-                        freed += nodes[u].bytes
-                best = min(best, nodes[w].bytes - freed)
-            d += best
-        transient = nd.bytes + nd.workspace
-        if key_kind == "delta":
-            return (d, v)
-        if key_kind == "peak":
-            return (transient, d, v)
-        return (d, transient, v)
-
-    ready = [v for v in range(n) if not nodes[v].is_input and missing[v] == 0]
-    order: list[int] = []
-    done = [False] * n
-    while ready:
-        v = min(ready, key=key)
-        ready.remove(v)
-        order.append(v)
-        done[v] = True
-        for u in nodes[v].inputs:
-            remaining[u] -= 1
-        for w in cons[v]:
-            missing[w] -= 1
-            if missing[w] == 0:
-                ready.append(w)
-    return order
+    cons_ptr = np.zeros(len(cons) + 1, dtype=np.int64)
+    cons_ptr[1:] = np.cumsum([len(c) for c in cons])
+    flat = np.array([w for c in cons for w in c], dtype=np.int64)
+    order = list_schedule(indptr, indices, cons_ptr, flat, is_input, is_output, nbytes, workspace,
+                          LIST_KEYS[key_kind], lookahead)
+    return [int(v) for v in order]
 
 
 def _dfs_order(graph: Graph) -> list[int]:

@@ -259,7 +259,7 @@ def measure_workspaces(instrs: Sequence[Instruction], dialects: Sequence[str] | 
     peak of a run beyond its new results. Kernels refusing zeros (none known) count 0. ``device``:
     a torch device off the CPU (None: the CPU), where the peak is the device allocator's own
     statistic (``torch.cuda.max_memory_allocated``) around each run."""
-    _measure([(ins, key) for ins in instrs if (key := _kernel_key(ins, dialects, device)) is not None],
+    _measure([(ins, key) for ins, key in zip(instrs, _kernel_keys(instrs, dialects, device)) if key is not None],
              dialects, device)
 
 
@@ -281,27 +281,41 @@ def _resolved(dialects: Sequence[str] | None) -> tuple[str, ...]:
 
 
 def _kernel_key(ins: Instruction, dialects: Sequence[str] | None, device: Any = None) -> str | None:
-    """The cache key of ``ins``'s kernel; None when it has no workspace to measure: control ops and
-    collectives (effects other than in-place updates: run alone, a collective would wait for ranks
-    that do not take part) and NumPy / Numba kernels (their memory is not PyTorch's allocator's).
-    Memoised by the instruction's signature (op, types, attributes, dialects, threads): planners
-    ask for every instruction of every candidate program, and the key's dialect choice and text
-    cost ~20 µs each (64-layer GPT: 9 of its 25 s of planning)."""
-    if ins.op.has("effect") and not ins.op.has("inplace"):
-        return None
-    try:
-        sig = (ins.op.name, tuple(v.type for v in ins.operands), tuple(r.type for r in ins.results),
-               tuple(sorted(ins.attrs.items())), ins.dialect, _resolved(dialects), _threads(), device)
-        return _KEYS[sig]
-    except TypeError:  # an unhashable attribute value: not memoised
-        sig = None
-    except KeyError:
-        pass
-    dialect = _dialect_of(ins, dialects)
-    key = None if dialect in ("numpy", "numba") else _key(ins, dialect, device)
-    if sig is not None:
-        _KEYS[sig] = key
-    return key
+    """The cache key of ``ins``'s kernel (:func:`_kernel_keys` of one instruction)."""
+    return _kernel_keys([ins], dialects, device)[0]
+
+
+def _kernel_keys(instrs: Sequence[Instruction], dialects: Sequence[str] | None, device: Any = None) -> list[str | None]:
+    """The cache key of each instruction's kernel; None for one with no workspace to measure:
+    control ops and collectives (effects other than in-place updates: run alone, a collective would
+    wait for ranks that do not take part) and NumPy / Numba kernels (their memory is not PyTorch's
+    allocator's). Memoised by the instruction's signature (op, types, attributes, dialects, threads):
+    planners ask for every instruction of every candidate program, and the key's dialect choice and
+    text cost ~20 µs each (64-layer GPT: 9 of its 25 s of planning). The dialects and threads, the
+    same for every instruction, are looked up once per call."""
+    context = (_resolved(dialects), _threads(), device)
+    keys = _KEYS
+    out: list[str | None] = []
+    for ins in instrs:
+        tags = ins.op.tags
+        if "effect" in tags and "inplace" not in tags:
+            out.append(None)
+            continue
+        try:
+            sig = (ins.op.name, tuple([v.type for v in ins.operands]), tuple([r.type for r in ins.results]),
+                   tuple(sorted(ins.attrs.items())), ins.dialect, context)
+            out.append(keys[sig])
+            continue
+        except TypeError:  # an unhashable attribute value: not memoised
+            sig = None
+        except KeyError:
+            pass
+        dialect = _dialect_of(ins, dialects)
+        key = None if dialect in ("numpy", "numba") else _key(ins, dialect, device)
+        if sig is not None:
+            keys[sig] = key
+        out.append(key)
+    return out
 
 
 def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] | None, device: Any = None) -> None:
@@ -381,8 +395,8 @@ def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None, de
 def workspaces(fn: Function, dialects: Sequence[str] | None = None, device: Any = None) -> dict[Instruction, int]:
     """Each instruction of ``fn``'s entry block to its kernel's workspace (bytes) on ``device``
     (None: the CPU); the kernels not cached yet are measured together, in one profiler session."""
-    dialects = _resolved(dialects)  # once per function, not per instruction
-    keyed = [(ins, _kernel_key(ins, dialects, device)) for ins in fn.entry.instrs]
+    dialects = _resolved(dialects)
+    keyed = list(zip(fn.entry.instrs, _kernel_keys(fn.entry.instrs, dialects, device)))
     _measure([(ins, k) for ins, k in keyed if k is not None], dialects, device)
     return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
 
@@ -394,8 +408,7 @@ def cached_workspaces(fn: Function, dialects: Sequence[str] | None = None) -> tu
     _load()
     dialects = _resolved(dialects)
     out, missing = {}, set()
-    for ins in fn.entry.instrs:
-        k = _kernel_key(ins, dialects)
+    for ins, k in zip(fn.entry.instrs, _kernel_keys(fn.entry.instrs, dialects)):
         if k is not None and k not in _CACHE:
             missing.add(k)
         out[ins] = 0 if k is None else _CACHE.get(k, 0)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..autodiff import joint
 from ..ir import Builder, DType, Function, GradientSpec, Instruction, Module, TensorType, Value, verify
-from ..ir.build import clone_into
+from ..ir.build import clone_into, move_into
 from ..pipeline import run_pipeline
 from ..ir.ops.optim import SKIP
 from .optim import (ParamUpdate, UpdateArgs, clip_by_global_norm, clip_coefficient, emit_update, nonfinite_flag,
@@ -154,7 +154,8 @@ def last_new_index_check(body: list[Instruction]) -> int:
 def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | None,
                  state_types: list[list[TensorType]], keep_grads: bool, name: str = "train_step",
                  check: bool = True, max_grad_norm: float | None = None, guard: str | None = None,
-                 loss_scaled: bool = False, atomic: bool = False, norm_pass: bool = False) -> Function:
+                 loss_scaled: bool = False, atomic: bool = False, norm_pass: bool = False,
+                 take_joint: bool = False) -> Function:
     """The whole training step: ``(joint args..., optimizer state..., step, hyper...) -> (loss,
     buffers...[, grads...][, skipped])`` (``hyper``: each param group's hyperparameters, ``step.optim``).
 
@@ -190,6 +191,10 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     buffers are the step's. Nothing of the first pass outlives it but scalars, so the program's
     peak is the larger of the two passes' peaks. The coefficient and the flag are computed by the
     same instructions from the same values as with the gradients kept, so both give the same bits.
+
+    ``take_joint``: the joint's instructions are moved into the program (:func:`~remat.ir.build.move_into`),
+    not copied, leaving ``joint`` unusable: for a joint built only to become this program (a
+    planner's candidate), the same program built faster.
     """
     guard = guard if updates else None
     ptypes = list(joint.param_types)
@@ -263,8 +268,9 @@ def step_program(joint: Function, layout: Layout, updates: list[ParamUpdate] | N
     if two_pass:
         coef, uargs.skip = _norm_pass(b, joint, layout, fn, max_grad_norm, guard, unscaled if loss_scaled else None)
     emit(at.get(-1, []))
+    place = move_into if take_joint else clone_into
     for i, ins in enumerate(body):
-        clone_into(b, ins, vmap)
+        place(b, ins, vmap)
         emit(at.get(i, []))
     outs = [vmap[v] for v in ret.operands[:n_out]] + ([vmap[g] for g in grads] if keep_grads else [])
     if loss_scaled:  # the loss as the model computed it (dividing by a power of two is exact)

@@ -280,9 +280,11 @@ class Compilation:
         """The step has a non-finite guard (:attr:`guard`)."""
         return self.guard is not None
 
-    def step_program(self, joint: Function, check: bool) -> Function:
+    def step_program(self, joint: Function, check: bool, take_joint: bool = False) -> Function:
         """The step program of a joint: one process (micro-batched or not), or this rank's
-        (``remat.distributed.passes``)."""
+        (``remat.distributed.passes``). ``take_joint``: ``joint`` is a planner's candidate, built
+        for this and dropped after, whose instructions a single process's program may take over
+        (:func:`~remat.step.program.step_program`)."""
         b = self.binding
         guard = self.guard
         if self.micro_batches > 1:
@@ -291,7 +293,8 @@ class Compilation:
         if self.dp is None:
             return step_program(joint, b.layout, b.updates, b.state_types, self.keep_grads, check=check,
                                 max_grad_norm=self.options.max_grad_norm, guard=guard, loss_scaled=b.loss_scaled,
-                                atomic=self.options.atomic, norm_pass=self.clip_strategy == CLIP_STRATEGIES[1])
+                                atomic=self.options.atomic, norm_pass=self.clip_strategy == CLIP_STRATEGIES[1],
+                                take_joint=take_joint)
         from ..distributed.passes import data_parallel_step
 
         return data_parallel_step(joint, b.layout, b.updates, b.state_types, self.dp, check=check, guard=guard)
@@ -523,7 +526,8 @@ def _problem(c: Compilation) -> StepProblem:
     if c.clip_strategy == CLIP_STRATEGIES[1]:
         unconstrained = c.step_program(c.joint, check=True)
     problem = StepProblem(c.forward, c.imported.state_count, len(c.imported.param_names), c.joint, unconstrained,
-                          c.budget, partial(c.step_program, check=False), c.binding.extra_bytes(), c.costs, o.solver,
+                          c.budget, partial(c.step_program, check=False, take_joint=True), c.binding.extra_bytes(),
+                          c.costs, o.solver,
                           o.milp_time_limit,
                           c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
                           c.dialects)
