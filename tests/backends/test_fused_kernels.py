@@ -63,7 +63,8 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
         return False
     if a.dtype.kind != "f" and a.dtype != DType.bf16.numpy:
         return np.array_equal(a, b)
-    na, nb = np.isnan(a.astype(np.float32)), np.isnan(b.astype(np.float32))
+    isnan = np.isnan if a.dtype.kind == "f" else (lambda x: np.isnan(x.astype(np.float32)))  # bf16: exact in f32
+    na, nb = isnan(a), isnan(b)
     iv = {2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
     return bool(np.array_equal(na, nb) and np.array_equal(a[~na].view(iv), b[~nb].view(iv)))
 
