@@ -110,14 +110,14 @@ def test_a_window_over_every_stage_is_the_whole_milp(seed):
     outputs, is the Checkmate MILP in the greedy's order: the same optimum, below the greedy's."""
     from remat.plan.graph import schedule_computes
     from remat.plan.greedy import greedy_min_budget, solve_greedy
-    from remat.plan.milp import improve_in_windows
+    from remat.plan.milp import WINDOW_STAGES, WindowPass, improve_in_windows
     from remat.plan.scheduling import memory_aware_order
 
     g = synthetic_training_graph("chain", 4, seed=seed)
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
     T = len(g.compute_nodes)
-    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, window_stages=T, max_vars=(10**9,),
+    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, passes=(WindowPass(T, 10**9),),
                                 node_limit=None)
     assert search.statuses == ["optimal"] and search.status == "optimal" and search.improved == 1
     first = list(dict.fromkeys(schedule_computes(greedy.schedule)))
@@ -132,15 +132,15 @@ def test_neighbourhood_windows_never_cost_more_nor_peak_higher(kind, n, improves
     """Small windows (re-solved with the rest fixed) keep the schedule valid, within the cap, and
     only ever lower its cost; each window's HiGHS status is recorded."""
     from remat.plan.greedy import greedy_min_budget, solve_greedy
-    from remat.plan.milp import improve_in_windows
+    from remat.plan.milp import WINDOW_STAGES, WindowPass, improve_in_windows
     from remat.plan.scheduling import memory_aware_order
 
     g = synthetic_training_graph(kind, n, seed=0)
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
-    search = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
+    search = improve_in_windows(g, greedy, greedy.peak, time_limit=20, passes=(WindowPass(WINDOW_STAGES, 300),))
     assert search.statuses and set(search.statuses) <= {"optimal", "node_limit", "no_solution", "infeasible"}
-    again = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
+    again = improve_in_windows(g, greedy, greedy.peak, time_limit=20, passes=(WindowPass(WINDOW_STAGES, 300),))
     assert again.statuses == search.statuses and (again.plan is None) == (search.plan is None)  # node-limited: deterministic
     if search.plan is not None:
         assert again.plan.schedule == search.plan.schedule
