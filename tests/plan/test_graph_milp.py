@@ -150,3 +150,40 @@ def test_neighbourhood_windows_never_cost_more_nor_peak_higher(kind, n, improves
         assert search.plan.peak <= greedy.peak and search.plan.cost < greedy.cost
     else:
         assert search.improved == 0
+
+
+def test_wide_windows_reach_the_optimum_the_small_ones_miss():
+    """On a synthetic U-Net of 22 nodes the optimum keeps the first encoder's output over 16 stages:
+    no 4-stage window sees that, the wide pass of a small graph's neighbourhood search does, and
+    finds the whole-graph MILP's optimum."""
+    from remat.plan.greedy import greedy_min_budget, try_greedy_best
+    from remat.plan.milp import WINDOW_PASSES, improve_in_windows
+    from remat.plan.registry import improves_neighbourhood, neighbourhood_passes
+    from remat.plan.scheduling import memory_aware_order
+
+    g = synthetic_training_graph("unet", 2, seed=0)
+    order = memory_aware_order(g)
+    n = len(g.compute_nodes)
+    lo, hi = greedy_min_budget(g, order), evaluate(g, no_remat_schedule(g))[1]
+    budget = lo + (hi - lo) // 10
+    greedy = try_greedy_best(g, budget, order)
+    assert improves_neighbourhood("auto", greedy.overhead, n)
+    assert improve_in_windows(g, greedy, budget, passes=WINDOW_PASSES).plan is None
+    assert len(neighbourhood_passes(n)) > len(WINDOW_PASSES) == len(neighbourhood_passes(10 * n))
+    wide = improve_in_windows(g, greedy, budget, passes=neighbourhood_passes(n)).plan
+    best = solve_milp(g, budget, order=order, time_limit=60)
+    assert best.status == "optimal" and wide.peak <= budget
+    assert wide.cost == pytest.approx(best.cost, rel=1e-9) and wide.cost < greedy.cost
+
+
+def test_the_neighbourhood_runs_near_the_floor_or_on_small_graphs():
+    """Under "auto" and "milp", the MILP searches a greedy plan's neighbourhood when it recomputes much or the
+    graph is small enough for the whole-graph MILP; never under "greedy"."""
+    from remat.plan.milp import MILP_MAX_NODES
+    from remat.plan.registry import NEAR_FLOOR_OVERHEAD, improves_neighbourhood
+
+    cheap, costly = NEAR_FLOOR_OVERHEAD / 2, 2 * NEAR_FLOOR_OVERHEAD
+    assert improves_neighbourhood("auto", cheap, MILP_MAX_NODES)
+    assert not improves_neighbourhood("auto", cheap, MILP_MAX_NODES + 1)
+    assert improves_neighbourhood("auto", costly, 10 * MILP_MAX_NODES) and improves_neighbourhood("milp", costly, 10)
+    assert not improves_neighbourhood("greedy", costly, 10)

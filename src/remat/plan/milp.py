@@ -74,6 +74,7 @@ __all__ = [
     "WindowSearch",
     "WindowPass",
     "WINDOW_PASSES",
+    "WIDE_WINDOW_PASS",
 ]
 
 
@@ -577,6 +578,17 @@ class WindowPass:
 WINDOW_PASSES: tuple[WindowPass, ...] = (WindowPass(WINDOW_STAGES, 300), WindowPass(WINDOW_STAGES, 800))
 """The passes of :func:`improve_in_windows` by default: first small windows (solved to optimality in
 milliseconds), then the same with larger models allowed (where live sets are large)."""
+
+WIDE_WINDOW_PASS = WindowPass(16, 2000, windows=2)
+"""A last pass of wide windows, for graphs small enough for the whole-graph MILP
+(:data:`MILP_MAX_NODES`, ``registry.neighbourhood_passes``): it reaches plans that keep a value across
+many stages to recompute something else (synthetic U-Net of 22 nodes at 65% of its peak: keeping the
+first encoder's output over 16 stages, +23.3% for the greedy's +30.6%, the proven optimum; residual
+chain of 32 nodes at 80%: +1.7% for +7.9%, where the 4-stage windows improve neither). A window of
+~1,800 variables may take HiGHS 5-12 s to its node limit, so larger graphs, whose windows are
+wider in variables, do without it (zoo ResNet tiny near its floor: 2.5 s of planning became 14 s),
+and it solves at most two windows: on a chain of 37 nodes near its floor each takes HiGHS 3-8 s
+(most of it at the root node) and improves nothing."""
 
 WINDOW_NODE_LIMIT = 30
 """Branch-and-bound nodes one window's HiGHS may explore: the search's work limit. A node count,
