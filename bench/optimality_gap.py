@@ -8,7 +8,7 @@ minimum to its unconstrained peak; and synthetic training graphs (``tests/plan/g
 by the portfolio's instruction-level solvers as under ``"auto"`` (greedy at the budget; the
 node-limited MILP (10 s guard, as ``StepProblem.milp_time_limit``) with the greedy as fallback on at
 most ``MILP_MAX_NODES`` nodes; the MILP on the
-greedy's neighbourhood when its plan recomputes more than ``NEAR_FLOOR_OVERHEAD``), at budgets between
+greedy's neighbourhood when the registry's ``improves_neighbourhood`` says so), at budgets between
 the greedy's minimum and the no-remat peak.
 
 The reference: the Checkmate MILP on the whole graph model (``solve_milp``, memory-aware order,
@@ -49,7 +49,7 @@ from remat.plan.milp import MILP_MAX_NODES, MILP_NODE_LIMIT, NoSolutionFound, im
     solve_with_fallback
 from remat.plan.portfolio import minimum_budget, plan_step
 from remat.plan.problem import fit_peak
-from remat.plan.registry import NEAR_FLOOR_OVERHEAD
+from remat.plan.registry import improves_neighbourhood, neighbourhood_passes
 from remat.plan.rematerialize import from_schedule, to_graph
 from remat.plan.scheduling import memory_aware_order, memory_aware_orders
 
@@ -144,8 +144,9 @@ def graph_rows(name: str, fractions: list[float], time_limit: float) -> list[dic
                 cands.append(solve_with_fallback(g, budget, order=order, node_limit=MILP_NODE_LIMIT, time_limit=10.0))
             except BudgetTooSmall:
                 pass
-        if greedy is not None and greedy.overhead > NEAR_FLOOR_OVERHEAD:
-            search = improve_in_windows(g, greedy, budget)
+        n = len(g.compute_nodes)
+        if greedy is not None and improves_neighbourhood("auto", greedy.overhead, n):
+            search = improve_in_windows(g, greedy, budget, passes=neighbourhood_passes(n))
             if search.plan is not None:
                 cands.append(search.plan)
         best = min((c for c in cands if c.peak <= budget), key=lambda c: c.cost, default=None)

@@ -110,14 +110,14 @@ def test_a_window_over_every_stage_is_the_whole_milp(seed):
     outputs, is the Checkmate MILP in the greedy's order: the same optimum, below the greedy's."""
     from remat.plan.graph import schedule_computes
     from remat.plan.greedy import greedy_min_budget, solve_greedy
-    from remat.plan.milp import improve_in_windows
+    from remat.plan.milp import WINDOW_STAGES, WindowPass, improve_in_windows
     from remat.plan.scheduling import memory_aware_order
 
     g = synthetic_training_graph("chain", 4, seed=seed)
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
     T = len(g.compute_nodes)
-    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, window_stages=T, max_vars=(10**9,),
+    search = improve_in_windows(g, greedy, greedy.peak, time_limit=60, passes=(WindowPass(T, 10**9),),
                                 node_limit=None)
     assert search.statuses == ["optimal"] and search.status == "optimal" and search.improved == 1
     first = list(dict.fromkeys(schedule_computes(greedy.schedule)))
@@ -132,15 +132,15 @@ def test_neighbourhood_windows_never_cost_more_nor_peak_higher(kind, n, improves
     """Small windows (re-solved with the rest fixed) keep the schedule valid, within the cap, and
     only ever lower its cost; each window's HiGHS status is recorded."""
     from remat.plan.greedy import greedy_min_budget, solve_greedy
-    from remat.plan.milp import improve_in_windows
+    from remat.plan.milp import WINDOW_STAGES, WindowPass, improve_in_windows
     from remat.plan.scheduling import memory_aware_order
 
     g = synthetic_training_graph(kind, n, seed=0)
     order = memory_aware_order(g)
     greedy = solve_greedy(g, greedy_min_budget(g, order), order=order)
-    search = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
+    search = improve_in_windows(g, greedy, greedy.peak, time_limit=20, passes=(WindowPass(WINDOW_STAGES, 300),))
     assert search.statuses and set(search.statuses) <= {"optimal", "node_limit", "no_solution", "infeasible"}
-    again = improve_in_windows(g, greedy, greedy.peak, time_limit=20, max_vars=(300,))
+    again = improve_in_windows(g, greedy, greedy.peak, time_limit=20, passes=(WindowPass(WINDOW_STAGES, 300),))
     assert again.statuses == search.statuses and (again.plan is None) == (search.plan is None)  # node-limited: deterministic
     if search.plan is not None:
         assert again.plan.schedule == search.plan.schedule
@@ -168,3 +168,40 @@ def test_highs_native_prints_do_not_reach_the_users_output(capfd) -> None:
     libc.fflush(None)
     out = capfd.readouterr().out
     assert "Highs" not in out and "before" in out and "after" in out
+
+
+def test_wide_windows_reach_the_optimum_the_small_ones_miss():
+    """On a synthetic U-Net of 22 nodes the optimum keeps the first encoder's output over 16 stages:
+    no 4-stage window sees that, the wide pass of a small graph's neighbourhood search does, and
+    finds the whole-graph MILP's optimum."""
+    from remat.plan.greedy import greedy_min_budget, try_greedy_best
+    from remat.plan.milp import WINDOW_PASSES, improve_in_windows
+    from remat.plan.registry import improves_neighbourhood, neighbourhood_passes
+    from remat.plan.scheduling import memory_aware_order
+
+    g = synthetic_training_graph("unet", 2, seed=0)
+    order = memory_aware_order(g)
+    n = len(g.compute_nodes)
+    lo, hi = greedy_min_budget(g, order), evaluate(g, no_remat_schedule(g))[1]
+    budget = lo + (hi - lo) // 10
+    greedy = try_greedy_best(g, budget, order)
+    assert improves_neighbourhood("auto", greedy.overhead, n)
+    assert improve_in_windows(g, greedy, budget, passes=WINDOW_PASSES).plan is None
+    assert len(neighbourhood_passes(n)) > len(WINDOW_PASSES) == len(neighbourhood_passes(10 * n))
+    wide = improve_in_windows(g, greedy, budget, passes=neighbourhood_passes(n)).plan
+    best = solve_milp(g, budget, order=order, time_limit=60)
+    assert best.status == "optimal" and wide.peak <= budget
+    assert wide.cost == pytest.approx(best.cost, rel=1e-9) and wide.cost < greedy.cost
+
+
+def test_the_neighbourhood_runs_near_the_floor_or_on_small_graphs():
+    """Under "auto" and "milp", the MILP searches a greedy plan's neighbourhood when it recomputes much or the
+    graph is small enough for the whole-graph MILP; never under "greedy"."""
+    from remat.plan.milp import MILP_MAX_NODES
+    from remat.plan.registry import NEAR_FLOOR_OVERHEAD, improves_neighbourhood
+
+    cheap, costly = NEAR_FLOOR_OVERHEAD / 2, 2 * NEAR_FLOOR_OVERHEAD
+    assert improves_neighbourhood("auto", cheap, MILP_MAX_NODES)
+    assert not improves_neighbourhood("auto", cheap, MILP_MAX_NODES + 1)
+    assert improves_neighbourhood("auto", costly, 10 * MILP_MAX_NODES) and improves_neighbourhood("milp", costly, 10)
+    assert not improves_neighbourhood("greedy", costly, 10)

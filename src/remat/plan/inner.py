@@ -25,6 +25,7 @@ from ..ir.analysis import ancestors
 from ..ir.build import clone_into, inline_body, slice_function
 from .chain.executor import ChainStage
 from .partition import Split, released
+from .milp import WINDOW_STAGES, WindowPass
 
 if TYPE_CHECKING:
     from .chain.profile import StageProfile
@@ -190,8 +191,8 @@ BLOCK_MILP_NODE_LIMIT = 50
 single-threaded, so the same block gives the same recipes under any machine load). The windows keep
 :data:`.milp.WINDOW_NODE_LIMIT`."""
 
-BLOCK_WINDOW_MAX_VARS: tuple[int, ...] = (300,)
-"""The window passes of the block MILP (``max_vars`` of :func:`.milp.improve_in_windows`): small
+BLOCK_WINDOW_PASSES: tuple[WindowPass, ...] = (WindowPass(WINDOW_STAGES, 300),)
+"""The window passes of the block MILP (``passes`` of :func:`.milp.improve_in_windows`): small
 windows only, solved to optimality in milliseconds. A second pass of wider ones (800 variables, as
 the whole-graph neighbourhood search) found no cheaper block plan of zoo ResNet tiny near its floor
 and took zoo ResNet small's plan at 50% from 3.0 to 10.5 s."""
@@ -250,7 +251,7 @@ def milp_recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction
         else:
             start = make_plan(graph, list(seq), solver="greedy", status="heuristic", seconds=0.0)
             search = improve_in_windows(graph, start, peak, time_limit=BLOCK_MILP_SAFETY_SECONDS,
-                                        max_vars=BLOCK_WINDOW_MAX_VARS)
+                                        passes=BLOCK_WINDOW_PASSES)
             if "time_limit" not in search.statuses:
                 found = search.plan
         if found is None or found.peak > peak or found.cost >= cost * (1 - 1e-9):

@@ -76,6 +76,9 @@ __all__ = [
     "MILP_NODE_LIMIT",
     "improve_in_windows",
     "WindowSearch",
+    "WindowPass",
+    "WINDOW_PASSES",
+    "WIDE_WINDOW_PASS",
 ]
 
 
@@ -586,14 +589,36 @@ def solve_with_fallback(
 
 # ---------------------------------------------------------------- neighbourhood search
 WINDOW_STAGES = 4
-"""Stages a neighbourhood MILP frees at once (the rest of the schedule stays fixed)."""
+"""Stages a small neighbourhood MILP frees at once (the rest of the schedule stays fixed)."""
 
 MAX_WINDOWS = 8
-"""Windows one :func:`improve_in_windows` solves at most (costliest recomputation first)."""
+"""Windows one pass of :func:`improve_in_windows` solves at most (costliest recomputation first)."""
 
-WINDOW_MAX_VARS: tuple[int, ...] = (300, 800)
-"""Per pass of :func:`improve_in_windows`, the variables a window's MILP may have before its
-stages are halved: first small windows (solved to optimality in milliseconds), then wider ones."""
+
+@dataclass(frozen=True)
+class WindowPass:
+    """One pass of :func:`improve_in_windows`: at most ``windows`` windows of at most ``stages``
+    consecutive stages each, halved until a window's MILP has at most ``max_vars`` variables."""
+
+    stages: int
+    max_vars: int
+    windows: int = MAX_WINDOWS
+
+
+WINDOW_PASSES: tuple[WindowPass, ...] = (WindowPass(WINDOW_STAGES, 300), WindowPass(WINDOW_STAGES, 800))
+"""The passes of :func:`improve_in_windows` by default: first small windows (solved to optimality in
+milliseconds), then the same with larger models allowed (where live sets are large)."""
+
+WIDE_WINDOW_PASS = WindowPass(16, 2000, windows=2)
+"""A last pass of wide windows, for graphs small enough for the whole-graph MILP
+(:data:`MILP_MAX_NODES`, ``registry.neighbourhood_passes``): it reaches plans that keep a value across
+many stages to recompute something else (synthetic U-Net of 22 nodes at 65% of its peak: keeping the
+first encoder's output over 16 stages, +23.3% for the greedy's +30.6%, the proven optimum; residual
+chain of 32 nodes at 80%: +1.7% for +7.9%, where the 4-stage windows improve neither). A window of
+~1,800 variables may take HiGHS 5-12 s to its node limit, so larger graphs, whose windows are
+wider in variables, do without it (zoo ResNet tiny near its floor: 2.5 s of planning became 14 s),
+and it solves at most two windows: on a synthetic chain of 37 nodes near its floor each takes HiGHS
+3-8 s, most of it at the root node, for +51.8% instead of +52.3%."""
 
 WINDOW_NODE_LIMIT = 30
 """Branch-and-bound nodes one window's HiGHS may explore: the search's work limit. A node count,
@@ -665,16 +690,15 @@ def _live_at_stages(g: Graph, seq: Sequence[int], ends: Sequence[int]) -> list[f
 
 
 def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: float = WINDOW_SAFETY_SECONDS,
-                       window_stages: int = WINDOW_STAGES, max_windows: int = MAX_WINDOWS,
-                       node_limit: int | None = WINDOW_NODE_LIMIT,
-                       max_vars: Sequence[int] = WINDOW_MAX_VARS) -> WindowSearch:
+                       passes: Sequence[WindowPass] = WINDOW_PASSES,
+                       node_limit: int | None = WINDOW_NODE_LIMIT) -> WindowSearch:
     """The MILP on the neighbourhood of ``plan`` (a large-neighbourhood search): a window of at
-    most ``window_stages`` consecutive stages of its schedule is re-solved by HiGHS with
-    everything before and after it fixed, peak <= ``cap`` bytes, the window of the costliest
+    most ``stages`` consecutive stages of its schedule (per :class:`WindowPass`) is re-solved by
+    HiGHS with everything before and after it fixed, peak <= ``cap`` bytes, the window of the costliest
     recomputation first, each improvement kept. Stages follow the order of ``plan``'s first
-    computations. One pass per entry of ``max_vars``, each of at most ``max_windows`` windows:
-    a window's stages are halved until its model has at most that many variables (small models
-    are solved to optimality in milliseconds; the later, larger ones may stop at the node limit).
+    computations. One pass per entry of ``passes``, each of at most its ``windows`` windows:
+    a window's stages are halved until its model has at most the pass's ``max_vars`` variables
+    (small models are solved to optimality in milliseconds; the later, larger ones may stop at the node limit).
     The work is bounded by counts (windows, variables, ``node_limit`` branch-and-bound nodes per
     window), so the result is a function of the inputs alone; ``time_limit`` (seconds) is only a
     guard against a runaway solve: a window it stops is discarded and the search ends there."""
@@ -688,9 +712,10 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
     nodes = g.nodes
     statuses: list[str] = []
     improved = 0
-    for cap_vars in max_vars:
+    solved: set[tuple[int, int, int]] = set()  # windows (a, b) solved, with the count of improvements before
+    for step in passes:
         visited: set[int] = set()
-        for _ in range(max_windows):
+        for _ in range(step.windows):
             if "time_limit" in statuses:
                 break
             ends = _stage_ends(g, seq)
@@ -703,8 +728,8 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
             if not todo:
                 break
             s_hot = max(todo, key=lambda s: (recompute[s], -s))
-            width = window_stages
-            while True:  # the widest window up to ``window_stages`` whose model stays small
+            width = step.stages
+            while True:  # the widest window up to ``step.stages`` whose model stays small
                 a = max(0, min(s_hot - width // 2, T - width))
                 b = min(T, a + width)
                 inside = seq[starts[a]:ends[b - 1] + 1]
@@ -712,10 +737,13 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
                 again = set(inside) | {u for v in inside for u in nodes[v].inputs if not nodes[u].is_input}
                 win = _Window(a, b, frozenset(set(live[a]) | again), live[a], live[b], frozenset(again))
                 model = _build(g, cap, max(cap, 1) / 1000.0, window=win)
-                if model.n_vars <= cap_vars or width == 1:
+                if model.n_vars <= step.max_vars or width == 1:
                     break
                 width //= 2
             visited.update(range(a, b))
+            if (a, b, improved) in solved:
+                continue  # an earlier pass solved this very model (the same schedule): the same answer
+            solved.add((a, b, improved))
             res = _solve(model, time_limit - (time.perf_counter() - t0), 1e-4, node_limit=node_limit)
             if _timed_out(res):
                 statuses.append("time_limit")  # load-dependent: discarded
@@ -738,7 +766,7 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
     out = make_plan(graph, [back[v] for v in seq], solver="milp window", status=search.status,
                     seconds=seconds, budget=cap)
     out.notes = [f"MILP on the neighbourhood of the {plan.solver} plan: {len(statuses)} windows of at most "
-                 f"{window_stages} stages (of {T}), {improved} improved it, HiGHS statuses: "
+                 f"{max(q.stages for q in passes)} stages (of {T}), {improved} improved it, HiGHS statuses: "
                  + ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses)) + f"; {seconds:.2f} s"]
     search.plan = out if out.peak <= cap else None  # pruning never raises the peak: a guard on the model
     return search

@@ -14,7 +14,8 @@ computed it. A larger budget should never get a costlier plan; heuristics are no
 budget, so the greedy also plans the points of a ladder of budgets fixed by the step
 (:func:`ladder_points`) below the budget asked for, and its plans there compete. When the winner
 recomputes much (near the floor), block-internal plans and the MILP on the greedy's neighbourhood
-(:func:`.milp.improve_in_windows`) may improve it; the notes say which plan won.
+(:func:`.milp.improve_in_windows`; on a graph small enough for the whole-graph MILP, at any budget)
+may improve it; the notes say which plan won.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from .milp import MILP_MAX_NODES
 from .problem import StepProblem, fit_peak
 from .record import Plan, Solution
 from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
-                       improves_neighbourhood, small_for_exact)
+                       improves_neighbourhood, neighbourhood_passes, small_for_exact)
 
 
 def uses_milp(solver: str, n_nodes: int) -> bool:
@@ -92,7 +93,8 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     greedy also at the points of the step's ladder below it (:func:`ladder_points`, while they give
     cheaper plans; the chain DP is monotone in its model already); every candidate is scored on one
     cost model and the cheapest that fits wins. Near the floor, block-internal plans
-    and the MILP on the greedy's neighbourhood (deterministic: node limits) may improve it. The
+    and the MILP on the greedy's neighbourhood (deterministic: node limits; on a small graph at any
+    budget) may improve it. The
     answer is a function of the step and the budget alone: plans cached from earlier budgets
     (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
     minimum found that plans (``check_minimum``; :func:`_plannable_minimum`)."""
@@ -240,16 +242,18 @@ def minimum_budget(p: StepProblem) -> int:
 
 def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model: CostModel, base: float,
                         remarks: list[str], lowered: Sequence[Plan] = ()) -> Plan | None:
-    """When the winning plan recomputes much (near the floor; the registry's ``improves_neighbourhood``),
-    the MILP on the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one
-    a chain plan beat: the MILP often improves the greedy's past it), its work bounded by node counts
-    and its result a function of that plan alone (cached per plan in ``frontier``): its plan, peaking
-    no higher in the graph model, lowered and scored on the one cost model, or None. Says what it
-    did in ``remarks``."""
+    """When the winning plan recomputes much (near the floor), or the graph is small enough for the
+    whole-graph MILP (the registry's ``improves_neighbourhood``; wide windows then too), the MILP on
+    the neighbourhood of the cheapest greedy plan that fits (the winner itself, or one a chain plan
+    beat: the MILP often improves the greedy's past it), its work bounded by node counts and its
+    result a function of that plan alone (cached per plan in ``frontier``): its plan, peaking no
+    higher in the graph model, lowered and scored on the one cost model, or None. Says what it did
+    in ``remarks``."""
     from .milp import improve_in_windows
     from .rematerialize import from_schedule
 
-    if best is None or not improves_neighbourhood(p.solver, best.overhead):
+    n = len(low.graph.compute_nodes)
+    if best is None or not improves_neighbourhood(p.solver, best.overhead, n):
         return None
     greedy = [c for c in lowered
               if c.solution is not None and c.solution.solver == "greedy" and c.peak is not None and c.peak <= p.budget]
@@ -258,9 +262,10 @@ def _improve_near_floor(p: StepProblem, low, best: Plan | None, frontier, model:
     start = greedy[min((c.overhead, c.peak, k) for k, c in enumerate(greedy))[2]]
     plan = start.solution
     key = ("windows", tuple(plan.schedule))
-    search = frontier.cached(key, lambda: improve_in_windows(low.graph, plan, plan.peak,
+    search = frontier.cached(key, lambda: improve_in_windows(low.graph, plan, plan.peak, passes=neighbourhood_passes(n),
                                                              time_limit=NEIGHBOURHOOD_TIME_LIMIT))
-    what = (f"near the floor (the greedy's plan: predicted overhead {start.overhead:+.1%}): MILP on its neighbourhood, "
+    where = "near the floor" if best.overhead > NEAR_FLOOR_OVERHEAD else f"a small graph ({n} nodes)"
+    what = (f"{where} (the greedy's plan: predicted overhead {start.overhead:+.1%}): MILP on its neighbourhood, "
             f"{len(search.statuses)} windows in {search.seconds:.2f} s, status {search.status}")
     if search.plan is None:
         remarks.append(what + ", no cheaper plan found")
