@@ -948,21 +948,24 @@ backward, 8192 query rows of width 32-64, two threads: flash 1.4-4.9x the explic
 16-64 queries, about even at 128). Swin's 4x4 windows (16 queries) are where it shows."""
 
 
-def _queries(ins) -> int:
-    q = (ins.operands[0] if ins.op.name == "attention" else ins.operands[1]).type
-    return q.shape[-3] if ins.attrs.get("seq_first", False) and q.rank >= 3 else q.shape[-2] if q.rank >= 2 else 0
+def _qkv(ins):
+    """The types of q, k and v of an ``attention`` (operands 0-2) or ``attention_grad`` (1-3)."""
+    first = 0 if ins.op.name == "attention" else 1
+    return tuple(o.type for o in ins.operands[first:first + 3])
 
 
 def _short_lowp(ins) -> bool:
-    q = (ins.operands[0] if ins.op.name == "attention" else ins.operands[1]).type
-    return q.dtype.value in ("bf16", "f16") and _queries(ins) < FLASH_MIN_LOWP_QUERIES
+    """f16/bf16 attention with fewer than :data:`FLASH_MIN_LOWP_QUERIES` queries per head."""
+    q = _qkv(ins)[0]
+    queries = q.shape[-3] if ins.attrs.get("seq_first", False) and q.rank >= 3 else q.shape[-2] if q.rank >= 2 else 0
+    return q.dtype.value in ("bf16", "f16") and queries < FLASH_MIN_LOWP_QUERIES
 
 
 def _flash_ok(ins) -> bool:
     """The flash kernels accept rank 2-4 operands with equal q/k and v head sizes, on CPU; grouped-query
     (fewer key/value heads) at rank 4, where they read the shared heads themselves; in f16/bf16, at
     least :data:`FLASH_MIN_LOWP_QUERIES` queries per head."""
-    q, k, v = (o.type for o in (ins.operands[:3] if ins.op.name == "attention" else ins.operands[1:4]))
+    q, k, v = _qkv(ins)
     grouped = q.shape[-2] != k.shape[-2] if ins.attrs.get("seq_first", False) else q.shape[:-2] != k.shape[:-2]
     return (DEVICE.type == "cpu" and 2 <= q.rank <= 4 and q.shape[-1] == v.shape[-1] and (not grouped or q.rank == 4)
             and not _short_lowp(ins))

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -310,6 +311,12 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
     )
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library of this process (for ``fflush``), loaded once."""
+    return ctypes.CDLL(None)
+
+
 @contextlib.contextmanager
 def _native_stdout_silenced() -> Iterator[None]:
     """File descriptor 1 points at the null device meanwhile: the HiGHS built into SciPy prints
@@ -324,12 +331,11 @@ def _native_stdout_silenced() -> Iterator[None]:
     except (OSError, ValueError, AttributeError):  # no fd 1 (an embedding host): nothing to silence
         yield
         return
-    libc = ctypes.CDLL(None)
     try:
         os.dup2(null, 1)
         yield
     finally:
-        libc.fflush(None)
+        _libc().fflush(None)
         os.dup2(saved, 1)
         os.close(saved)
         os.close(null)
