@@ -45,6 +45,7 @@ _LAZY = {
     "VM": "remat.runtime.vm",
     "dialects": "remat.backends",
     "grad": "remat.autodiff.api",
+    "autocast": "remat.passes.autocast",  # mixed precision over the IR (a staged function or a Function)
     "value_and_grad": "remat.autodiff.api",
     "compile": "remat.train.api",
     "max_batch": "remat.train.max_batch",

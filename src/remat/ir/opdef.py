@@ -41,6 +41,9 @@ TAGS = frozenset({
     "shape",        # moves data without arithmetic
     "constant",     # no operands; value given by attributes
     "control",      # run by the VM and the passes themselves (call, branches, return, free): no kernel, no VJP
+    "autocast_low",  # computes in the low precision under autocast (torch.autocast's lower_precision_fp list)
+    "autocast_f32",  # computes in float32 under autocast (torch.autocast's fp32 list)
+    "promote",       # mixed floating-point operands are cast to the widest (torch.autocast's promote list)
 })
 
 

@@ -9,6 +9,7 @@ from typing import Sequence
 
 from ..ir import Module
 from .attention import attention_pass, fold_head_transposes_pass, fold_kv_repeats_pass
+from .autocast import autocast_f16_pass, autocast_pass
 from .batchnorm import split_batch_norm, split_batch_norm_grad
 from .concatconv import split_concat_conv_pass
 from .convblock import split_conv_bn_relu_pool, tile_conv_bn_pool_pass
@@ -42,6 +43,8 @@ PASSES: dict[str, PassFn] = {
     "split-conv-bn-relu-pool": split_conv_bn_relu_pool,
     "tile-conv-bn-pool": tile_conv_bn_pool_pass,
     "channels-last": channels_last,
+    "autocast": autocast_pass,
+    "autocast-f16": autocast_f16_pass,
 }
 """The passes of this package by name."""
 

@@ -246,7 +246,7 @@ def _attention_grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-declare(OpDef("attention", None, _SEQ_ATTRS, _attention_infer, frozenset({"dense"}), num_results=2, min_operands=3,
+declare(OpDef("attention", None, _SEQ_ATTRS, _attention_infer, frozenset({"dense", "autocast_low"}), num_results=2, min_operands=3,
               doc="softmax(q @ kᵀ · scale, masked) @ v and the scores' row logsumexp; mask: bool (keep) or additive",
               sample=_attention_samples, flops=_attention_flops))
 declare(OpDef("attention_grad", None, _SEQ_ATTRS, _attention_grad_infer, frozenset({"dense"}), num_results=3, min_operands=6,
@@ -340,7 +340,7 @@ def _dropout_attention_grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-declare(OpDef("dropout_attention", None, _DROP_ATTRS, _dropout_attention_infer, frozenset({"dense"}), num_results=2,
+declare(OpDef("dropout_attention", None, _DROP_ATTRS, _dropout_attention_infer, frozenset({"dense", "autocast_low"}), num_results=2,
               min_operands=4,
               doc="attention with inverted dropout (drop probability p, keep mask from the seed) on the probabilities",
               sample=_dropout_attention_samples, flops=lambda t, r, a: _attention_flops(t, r, a) + _scores(t)))

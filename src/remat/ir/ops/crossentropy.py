@@ -254,7 +254,7 @@ def _ce_grad_samples(r: np.random.Generator) -> list[Sample]:
 
 
 _CE_ATTRS = _ATTRS[:2]
-declare(OpDef("cross_entropy", 2, _CE_ATTRS, _ce_infer, frozenset(), num_results=2,
+declare(OpDef("cross_entropy", 2, _CE_ATTRS, _ce_infer, frozenset({"autocast_f32"}), num_results=2,
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: 4.0 * ins[0].numel, sample=_ce_samples,
               doc="nll_loss(log_softmax(z, axis=1), target) and the rows' logsumexp [N], from the logits z [N, C]"))

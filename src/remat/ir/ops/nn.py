@@ -165,7 +165,7 @@ def _targets(r, n, c, ignore, *spatial):
 
 
 _NLL_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100))
-declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset(),
+declare(OpDef("nll_loss", 2, _NLL_ATTRS, _nll_infer, frozenset({"autocast_f32"}),
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: float(ins[1].numel),
               doc="-logp[n, target[n]] reduced over rows whose target is not ignore_index (mean: divided by "
@@ -221,7 +221,7 @@ def _matmul_flops(ins, outs, attrs):
 
 
 declare(OpDef("matmul", 2, (Attr("transpose_a", "bool", False), Attr("transpose_b", "bool", False)), _matmul_infer,
-              frozenset({"matmul"}), flops=_matmul_flops,
+              frozenset({"matmul", "autocast_low"}), flops=_matmul_flops,
               doc="batched matrix product a[..., m, k] @ b[..., k, n] with broadcast batch dims; transpose_a / "
                   "transpose_b swap that operand's last two dims first (a view, never a copy)",
               sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 4, 2)]), Sample([rand(r, 2, 3, 4), rand(r, 4, 5)]),
@@ -244,7 +244,7 @@ def _linear_infer(types, attrs):
     return TensorType(dt, x.shape[:-1] + (w.shape[0],))
 
 
-declare(OpDef("linear", 3, (), _linear_infer, frozenset({"matmul"}),
+declare(OpDef("linear", 3, (), _linear_infer, frozenset({"matmul", "autocast_low"}),
               flops=lambda ins, outs, attrs: 2.0 * outs[0].numel * ins[1].shape[1] + outs[0].numel,
               doc="x @ weight^T + bias, x [..., in], weight [out, in], bias [out] (PyTorch's linear / addmm)",
               sample=lambda r: [Sample([rand(r, 3, 4), rand(r, 5, 4), rand(r, 5)]),
@@ -409,7 +409,7 @@ def _conv_flops(ins, outs, attrs):
     return 2.0 * outs[0].numel * _prod(ins[1].shape[1:])  # O*I*kH*kW / O: the same in either weight layout
 
 
-declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozenset({"conv"}),
+declare(OpDef("conv2d", 2, _CONV_ATTRS + (_INPUT_LAYOUT,), _conv_infer, frozenset({"conv", "autocast_low"}),
               doc="2-d cross-correlation, NCHW (or NHWC: layout) input, OIHW (or OHWI: weight_layout) weight", flops=_conv_flops,
               sample=with_nhwc(lambda r: [
                   Sample([rand(r, 2, 3, 6, 6), rand(r, 4, 3, 3, 3)], {"padding": (1, 1)}),
@@ -437,7 +437,7 @@ def _conv_w_grad_infer(types, attrs):
     return w
 
 
-declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _conv_in_grad_infer, frozenset({"conv"}),
+declare(OpDef("conv2d_input_grad", 2, (ints("input_shape"),) + _CONV_ATTRS, _conv_in_grad_infer, frozenset({"conv", "autocast_low"}),
               doc="gradient of conv2d wrt its input, from (grad_output, weight)",
               flops=lambda ins, outs, attrs: 2.0 * ins[0].numel * _prod(ins[1].shape[1:]),
               sample=with_nhwc(lambda r: [

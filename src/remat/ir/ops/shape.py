@@ -117,7 +117,7 @@ def _axis_norm(types, attrs):
     return {**attrs, "axis": norm_axis(attrs["axis"], types[0].rank)} if types else attrs
 
 
-declare(OpDef("concat", None, (Attr("axis", "int"),), _concat_infer, frozenset({"shape"}), normalize=_axis_norm,
+declare(OpDef("concat", None, (Attr("axis", "int"),), _concat_infer, frozenset({"shape", "promote"}), normalize=_axis_norm,
               doc="join along an axis", flops=max_numel,
               sample=lambda r: [Sample([rand(r, 2, 3), rand(r, 2, 1), rand(r, 2, 2)], {"axis": 1}),
                                 Sample([rand(r, 1, 2), rand(r, 3, 2)], {"axis": 0})]))
