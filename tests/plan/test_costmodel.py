@@ -102,3 +102,15 @@ def test_without_measurements_the_static_estimate_prices_the_rest():
     fn = _chain(2)
     model = costmodel.CostModel({fn.entry.instrs[0]: 1.0})
     assert model.program_cost(fn) == pytest.approx(2.0 + costmodel.instruction_cost(fn.entry.instrs[2]))
+
+
+def test_dispatch_prices_every_instruction_a_run_dispatches():
+    """The VM's time beyond the priced instructions' own, measured on a run, is spread over every
+    instruction it dispatched, so a run of the same program is priced at its measured total."""
+    fn = _chain(2)
+    costs = {ins: 1e-3 for ins in fn.entry.instrs if ins.op.name != "return"}
+    measured = costmodel.MeasuredSignatures(lambda instrs: pytest.fail(f"measured {instrs}"))
+    measured.record(costs)
+    measured.set_dispatch(fn, costs, 3e-3 + 3 * 2e-6)  # three instructions, 2 µs each beyond their times
+    assert measured.dispatch == pytest.approx(2e-6)
+    assert costmodel.CostModel(costs, measured).program_cost(fn) == pytest.approx(3e-3 + 3 * 2e-6)

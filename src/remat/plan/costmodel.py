@@ -91,6 +91,11 @@ def _priced(fn: Function) -> Iterator[Instruction]:
                 yield ins
 
 
+def _instructions(fn: Function) -> int:
+    """The instructions of ``fn`` a run dispatches: all but returns."""
+    return sum(1 for b in fn.blocks for ins in b.instrs if ins.op.name != "return")
+
+
 class MeasuredSignatures:
     """Measured seconds by instruction signature, shared by every cost model of one profiled compile:
     those measured in the step's own runs (:meth:`record`: the joint's, a lean variant's joint's, the
@@ -104,12 +109,29 @@ class MeasuredSignatures:
         self.measure = measure
         self.seconds: dict[tuple, float] = {}
         self.measured_alone = 0  # signatures ``measure`` timed (the others came from the step's own runs)
+        # Seconds a run spends per instruction (frees and views too) beyond the priced instructions'
+        # own times: the VM's dispatch and bookkeeping, measured on the unconstrained step
+        # (:meth:`set_dispatch`). A plan recomputing many small instructions pays it on each.
+        self.dispatch = 0.0
+
+    def set_dispatch(self, fn: Function, costs: Mapping[Instruction, float], total: float) -> None:
+        """:attr:`dispatch` from a run of ``fn`` taking ``total`` seconds, ``costs`` its instructions' times."""
+        n = _instructions(fn)
+        priced = sum(costs.get(ins, 0.0) for ins in _priced(fn))
+        self.dispatch = max(0.0, total - priced) / n if n else 0.0
 
     def record(self, costs: Mapping[Instruction, float]) -> None:
-        """Per-instruction seconds measured in a run of the step's own programs (the first of a
-        signature kept)."""
+        """Per-instruction seconds measured in a run of the step's own programs (of a signature, the
+        fastest recorded: another process only ever adds time)."""
+        seconds = self.seconds
         for ins, sec in costs.items():
-            self.seconds.setdefault(_signature(ins), sec)
+            k = _signature(ins)
+            seconds[k] = min(sec, seconds.get(k, sec))
+
+    def fastest(self, costs: Mapping[Instruction, float]) -> dict[Instruction, float]:
+        """``costs`` with each instruction's seconds the fastest recorded for its signature."""
+        seconds = self.seconds
+        return {ins: seconds.get(_signature(ins), sec) for ins, sec in costs.items()}
 
     def price(self, instrs: Sequence[Instruction]) -> list[float]:
         """Seconds of each of ``instrs``: recorded, else measured now (and kept), else static."""
@@ -148,8 +170,9 @@ class CostModel:
 
     def _measured_cost(self, fn: Function) -> float:
         """:meth:`program_cost` with ``measured``: the instructions of signatures not known yet
-        priced together (:meth:`MeasuredSignatures.price`), then known."""
-        total = 0.0
+        priced together (:meth:`MeasuredSignatures.price`), then known; and the VM's dispatch of
+        every instruction (:attr:`MeasuredSignatures.dispatch`)."""
+        total = self.measured.dispatch * _instructions(fn)
         missing: dict[tuple, list] = {}  # signature -> [an instruction of it, how many]
         for ins in _priced(fn):
             sig = _signature(ins)
