@@ -21,6 +21,8 @@ def test_one_round_on_the_tiny_resnet() -> None:
         assert r.peak_ok and r.solver != "none"
         assert r.measured_recompute_s == pytest.approx(r.step_s - r.unconstrained_step_s)
         assert r.measured_overhead == pytest.approx(r.step_s / r.unconstrained_step_s - 1.0)
+        assert r.measured_recompute_run_s == pytest.approx(r.run_s - r.unconstrained_run_s)
+        assert 0 < r.run_s <= r.step_s  # the program's run is part of the step call
         assert r.predicted_recompute_s == pytest.approx(max(0.0, r.predicted_step_s - r.predicted_unconstrained_s))
     static, profiled = rows
     assert static.profile_s is None and static.measured_alone is None
