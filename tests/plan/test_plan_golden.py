@@ -69,7 +69,7 @@ def _record(step) -> dict:
     r = step.report()
     return {"budget": r.budget, "solver": r.solver, "predicted_peak": r.predicted_peak,
             "unconstrained_peak": r.unconstrained_peak,
-            "predicted_overhead": round(r.predicted_overhead, 12),
+            "predicted_overhead": round(step.compilation.plan.overhead, 12),  # the planner's (over the joint's compute)
             "recomputed_instructions": r.recomputed_instructions, "ir": _ir_hash(step.program)}
 
 

@@ -80,9 +80,11 @@ def test_lean_plan_predicts_its_overhead_against_the_reference_step(case):
     step, _, _ = _run(model, inputs, budget=lean_min)
     c = step.compilation
     cost = CostModel(c.costs)  # static: the lean step's own instructions are priced the same way
-    want = (cost.program_cost(step.program) - cost.program_cost(c.unconstrained)) / CostModel(c.costs).base
+    reference = cost.program_cost(c.unconstrained)
+    want = cost.program_cost(c.plan.program) - reference
     r = step.report()
-    assert r.predicted_overhead == pytest.approx(max(0.0, want), rel=1e-9, abs=1e-12)
+    assert r.predicted_recompute_seconds == pytest.approx(max(0.0, want), rel=1e-9, abs=1e-15)
+    assert r.predicted_overhead == pytest.approx(max(0.0, want) / reference, rel=1e-9, abs=1e-12)
     assert r.predicted_overhead > 0 and any("against the reference algorithms' unconstrained step" in n
                                             for n in r.solver_notes)
 

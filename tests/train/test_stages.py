@@ -171,3 +171,44 @@ def test_profiled_cost_model_measures_the_lean_variants_too():
             assert all(t >= 0 for t in p.costs.values())
         else:
             assert p.example_args is None and p.costs == static
+
+
+def test_profiled_costs_cover_every_instruction_of_the_step():
+    """With ``cost_model="profiled"`` every instruction the cost model prices is priced by measurement:
+    the step program as it runs (a lean algorithm's instructions, fused kernels, the updates) and the
+    unconstrained step's, each signature measured in the step's own runs or alone; costs steer
+    choices only, so the predicted peak is still the measured one."""
+    from remat.plan.costmodel import _priced, _signature
+
+    model, inputs, loss_fn = make("resnet")  # a lean (tiled stem) variant at low budgets
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step = remat.compile(model, inputs, loss_fn, optimizer=opt, budget=0.75, cost_model="profiled")
+    step(*inputs)
+    c = step.compilation
+    r = step.report()
+    assert c.plan.unconstrained is not None and c.recomputes  # a lean algorithm, and recomputation
+    assert r.measured_peak == r.predicted_peak <= r.budget
+    known = set(c.measured.seconds)
+    for fn in (c.program, c.plan.program, c.unconstrained_program):
+        missing = {ins.op.name for ins in _priced(fn) if _signature(ins) not in known}
+        assert not missing, f"priced by the static estimate: {sorted(missing)}"
+    cost = c.cost_model()
+    assert c.predicted_seconds == pytest.approx(cost.program_cost(c.program))
+    assert c.unconstrained_predicted_seconds == pytest.approx(cost.program_cost(c.unconstrained_program))
+
+
+def test_report_shows_predicted_and_measured_recomputation_seconds():
+    from _train_util import make_deep_mlp
+
+    model, inputs, loss_fn = make_deep_mlp()
+    step = remat.compile(copy.deepcopy(model), inputs, loss_fn, budget=0.5, cost_model="profiled")
+    step(*inputs)
+    r = step.report()
+    assert r.recomputed_instructions > 0
+    assert r.predicted_recompute_seconds > 0
+    assert r.predicted_overhead == pytest.approx(r.predicted_recompute_seconds
+                                                 / (r.predicted_step_seconds - r.predicted_recompute_seconds))
+    assert r.measured_recompute_seconds == pytest.approx(r.step_seconds - r.unconstrained_step_seconds)
+    lines = {ln.split("  ")[0]: ln for ln in str(r).splitlines()}
+    assert f"{r.predicted_recompute_seconds * 1e3:+.2f} ms of a" in lines["predicted recompute overhead"]
+    assert f"{r.measured_recompute_seconds * 1e3:+.2f} ms of a" in lines["measured step overhead"]

@@ -62,7 +62,7 @@ def against_reference(p: StepProblem, q: StepProblem, alt: Plan) -> tuple[float,
     that a plan's predicted overhead compares with the measured one (step time over the
     unconstrained step's) whichever algorithms it runs."""
     ref = CostModel(p.costs)
-    both = CostModel({**q.costs, **p.costs})
+    both = CostModel({**q.costs, **p.costs}, p.measured)
     if ref.base <= 0:
         return alt.overhead, 0.0
     base = both.program_cost(p.unconstrained)

@@ -5,13 +5,15 @@ with it are deterministic (the same model and budget give the same plan on any m
 plans made from measured timings. Rates are nominal CPU figures unless a device is named
 (:func:`priced_on` a :class:`~remat.plan.device.DeviceSpec`: a roofline on its rates, so plans for
 different devices can differ); only ratios between instructions matter to the planners. :class:`CostModel` prices any program of one step from those per-instruction
-seconds (static or measured), so every planner's plan is scored the same way (:func:`program_overhead`).
+seconds (static or measured), so every planner's plan is scored the same way (:func:`program_overhead`); in
+a profiled compile, instructions its measured runs lack are measured alone, once per signature
+(:class:`MeasuredSignatures`), not estimated.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ..ir import Function, Instruction
 from .device import DeviceSpec
@@ -81,26 +83,111 @@ def _signature(ins: Instruction) -> tuple:
             repr(sorted(ins.attrs.items())))
 
 
+def _priced(fn: Function) -> Iterator[Instruction]:
+    """The instructions of ``fn`` a program's cost counts: not frees, returns or views."""
+    for b in fn.blocks:
+        for ins in b.instrs:
+            if ins.op.name not in ("free", "return") and not ins.op.has("view"):
+                yield ins
+
+
+def _instructions(fn: Function) -> int:
+    """The instructions of ``fn`` a run dispatches: all but returns."""
+    return sum(1 for b in fn.blocks for ins in b.instrs if ins.op.name != "return")
+
+
+class MeasuredSignatures:
+    """Measured seconds by instruction signature, shared by every cost model of one profiled compile:
+    those measured in the step's own runs (:meth:`record`: the joint's, a lean variant's joint's, the
+    unconstrained step program's), and those of instructions none of them ran (a lean algorithm's
+    recomputed copy, a fused kernel, an optimizer update of another shape) measured once each when
+    first priced, by ``measure`` (instructions -> seconds each, None where one cannot be measured:
+    then the static estimate). Costs only steer the planners' choices: peaks and gradients do not
+    depend on them."""
+
+    def __init__(self, measure: Callable[[Sequence[Instruction]], Sequence[float | None]]):
+        self.measure = measure
+        self.seconds: dict[tuple, float] = {}
+        self.measured_alone = 0  # signatures ``measure`` timed (the others came from the step's own runs)
+        # Seconds a run spends per instruction (frees and views too) beyond the priced instructions'
+        # own times: the VM's dispatch and bookkeeping, measured on the unconstrained step
+        # (:meth:`set_dispatch`). A plan recomputing many small instructions pays it on each.
+        self.dispatch = 0.0
+
+    def set_dispatch(self, fn: Function, costs: Mapping[Instruction, float], total: float) -> None:
+        """:attr:`dispatch` from a run of ``fn`` taking ``total`` seconds, ``costs`` its instructions' times."""
+        n = _instructions(fn)
+        priced = sum(costs.get(ins, 0.0) for ins in _priced(fn))
+        self.dispatch = max(0.0, total - priced) / n if n else 0.0
+
+    def record(self, costs: Mapping[Instruction, float]) -> None:
+        """Per-instruction seconds measured in a run of the step's own programs (of a signature, the
+        fastest recorded: another process only ever adds time)."""
+        seconds = self.seconds
+        for ins, sec in costs.items():
+            k = _signature(ins)
+            seconds[k] = min(sec, seconds.get(k, sec))
+
+    def fastest(self, costs: Mapping[Instruction, float]) -> dict[Instruction, float]:
+        """``costs`` with each instruction's seconds the fastest recorded for its signature."""
+        seconds = self.seconds
+        return {ins: seconds.get(_signature(ins), sec) for ins, sec in costs.items()}
+
+    def price(self, instrs: Sequence[Instruction]) -> list[float]:
+        """Seconds of each of ``instrs``: recorded, else measured now (and kept), else static."""
+        keys = [_signature(i) for i in instrs]
+        todo = {k: i for k, i in zip(keys, instrs) if k not in self.seconds}
+        if todo:
+            got = self.measure(list(todo.values()))
+            for (k, ins), sec in zip(todo.items(), got):
+                self.seconds[k] = instruction_cost(ins) if sec is None else sec
+            self.measured_alone += sum(1 for sec in got if sec is not None)
+        return [self.seconds[k] for k in keys]
+
+
 class CostModel:
     """Seconds per instruction of any program of one step: the step's own per-instruction costs
-    (estimated or measured on the joint), looked up by signature for recomputed copies, and the
-    static estimate for instructions the joint lacks (the optimizer updates, the same in every plan)."""
+    (estimated or measured on the joint), looked up by signature for recomputed copies; for
+    instructions the joint lacks (a lean algorithm's, the optimizer updates, fused kernels),
+    ``measured``'s seconds (a profiled compile: :class:`MeasuredSignatures`), else the static estimate."""
 
-    def __init__(self, costs: dict[Instruction, float]):
+    def __init__(self, costs: dict[Instruction, float], measured: MeasuredSignatures | None = None):
         self.by_signature: dict[tuple, float] = {}
         for ins, sec in costs.items():
             self.by_signature.setdefault(_signature(ins), sec)
         self.base = sum(costs.values())  # the joint's compute seconds: the overhead's denominator
+        self.measured = measured
 
     def program_cost(self, fn: Function) -> float:
         """Seconds of one run of ``fn``."""
+        if self.measured is not None:
+            return self._measured_cost(fn)
         total = 0.0
-        for b in fn.blocks:
-            for ins in b.instrs:
-                if ins.op.name in ("free", "return") or ins.op.has("view"):
-                    continue
-                sec = self.by_signature.get(_signature(ins))
-                total += instruction_cost(ins) if sec is None else sec
+        for ins in _priced(fn):
+            sec = self.by_signature.get(_signature(ins))
+            total += instruction_cost(ins) if sec is None else sec
+        return total
+
+    def _measured_cost(self, fn: Function) -> float:
+        """:meth:`program_cost` with ``measured``: the instructions of signatures not known yet
+        priced together (:meth:`MeasuredSignatures.price`), then known; and the VM's dispatch of
+        every instruction (:attr:`MeasuredSignatures.dispatch`)."""
+        total = self.measured.dispatch * _instructions(fn)
+        missing: dict[tuple, list] = {}  # signature -> [an instruction of it, how many]
+        for ins in _priced(fn):
+            sig = _signature(ins)
+            sec = self.by_signature.get(sig)
+            if sec is not None:
+                total += sec
+            elif sig in missing:
+                missing[sig][1] += 1
+            else:
+                missing[sig] = [ins, 1]
+        if missing:
+            prices = self.measured.price([ins for ins, _ in missing.values()])
+            for (sig, (_, n)), sec in zip(missing.items(), prices):
+                self.by_signature[sig] = sec
+                total += n * sec
         return total
 
 
@@ -110,5 +197,5 @@ def program_overhead(model: CostModel, program: Function, unconstrained: float) 
     return max(0.0, (model.program_cost(program) - unconstrained) / model.base) if model.base > 0 else 0.0
 
 
-__all__ = ["BYTES_PER_SECOND", "CostModel", "FLOPS_PER_SECOND", "OVERHEAD_SECONDS", "flops", "function_cost",
+__all__ = ["BYTES_PER_SECOND", "CostModel", "FLOPS_PER_SECOND", "MeasuredSignatures", "OVERHEAD_SECONDS", "flops", "function_cost",
            "instruction_cost", "priced_on", "pricing_device", "program_overhead", "static_costs"]

@@ -109,7 +109,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     from .scheduling import memory_aware_orders
 
     frontier = frontier_for(p)
-    model = CostModel(p.costs)
+    model = CostModel(p.costs, p.measured)
     base = model.program_cost(p.unconstrained)
     # The graph model, with the gradients the step consumes at once as transients (``p.consumed``),
     # and when there are such, also the greedy on it with every gradient held to the end: the same

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..ir import Function, Instruction
+from .costmodel import MeasuredSignatures
 from .simulator import predict_peak
 from .workspace import allocator_bound
 
@@ -44,6 +45,10 @@ class StepProblem:
     # gradients, when each one's update follows it (one process, an optimizer, gradients not kept).
     # The graph model then counts each as its node's workspace rather than holding it to the end.
     consumed: tuple[int, ...] = ()
+    # A profiled compile's measured seconds by signature (remat.plan.costmodel.MeasuredSignatures):
+    # the cost model prices instructions ``costs`` lacks by them (measured alone once each), not by
+    # the static estimate. None: static.
+    measured: MeasuredSignatures | None = None
 
 
 def fit_peak(p: StepProblem, program: Function) -> int:

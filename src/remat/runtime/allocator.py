@@ -91,7 +91,7 @@ def _zeros(t, device: Any = None) -> Any:
     return torch.zeros(t.shape, dtype=_torch_dtype(t.dtype.value), device=device)
 
 
-def _operands(ins: Instruction, device: Any = None) -> list:
+def kernel_operands(ins: Instruction, device: Any = None) -> list:
     """The operands a kernel's workspace is measured on: zeros, but an optimizer update's
     (``UPDATE_OPS``) step count 2 and hyperparameters 0.5: its steady state (SGD's first step only
     copies the gradient into the momentum buffer and allocates nothing; every later step's
@@ -232,13 +232,14 @@ def _segments(events: list[tuple[int, int]]) -> list[list[int]]:
     return segs
 
 
-def _dialect_of(ins: Instruction, dialects: Sequence[str] | None) -> str:
+def kernel_dialect(ins: Instruction, dialects: Sequence[str] | None) -> str:
+    """The dialect whose kernel runs ``ins``: its assigned one, else the VM's choice among ``dialects``."""
     from .. import backends
 
     return ins.dialect or backends.select(ins, backends.resolve(dialects)).dialect
 
 
-def _kernel_vm(ins: Instruction, dialect: str, device: Any = None):
+def kernel_vm(ins: Instruction, dialect: str, device: Any = None):
     """A VM running ``ins`` alone (its kernel in ``dialect``) as ``@kernel``."""
     from ..ir import Builder
     from .vm import VM
@@ -310,7 +311,7 @@ def _kernel_keys(instrs: Sequence[Instruction], dialects: Sequence[str] | None, 
             sig = None
         except KeyError:
             pass
-        dialect = _dialect_of(ins, dialects)
+        dialect = kernel_dialect(ins, dialects)
         key = None if dialect in ("numpy", "numba") else _key(ins, dialect, device)
         if sig is not None:
             keys[sig] = key
@@ -325,18 +326,18 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
     todo: dict[str, tuple[Instruction, str]] = {}
     for ins, key in keyed:
         if key not in _CACHE and key not in todo:
-            todo[key] = (ins, _dialect_of(ins, dialects))
+            todo[key] = (ins, kernel_dialect(ins, dialects))
     if not todo:
         return
     runs = []
     for key, (ins, dialect) in todo.items():
         try:
-            vm = _kernel_vm(ins, dialect, device)
+            vm = kernel_vm(ins, dialect, device)
         except Exception:  # noqa: BLE001 - a kernel that cannot run alone costs nothing extra
             _CACHE[key] = 0
             continue
         fresh = sum(r.type.nbytes for k, r in enumerate(ins.results) if k not in ins.op.aliases)
-        runs.append((key, vm, _operands(ins, device), fresh))
+        runs.append((key, vm, kernel_operands(ins, device), fresh))
     if device is not None:
         _measure_on_device(runs, device)
         return
@@ -463,5 +464,6 @@ def _measure_on_device(runs: list, device: Any) -> None:
     save_cache()
 
 
-__all__ = ["allocation_trace", "cache_file", "cached_workspaces", "clear_cache", "device_allocation", "kernel_workspace", "measure_allocator_peak",
+__all__ = ["allocation_trace", "cache_file", "cached_workspaces", "clear_cache", "device_allocation", "kernel_dialect",
+           "kernel_operands", "kernel_vm", "kernel_workspace", "measure_allocator_peak",
            "measure_workspaces", "peak_of_trace", "save_cache", "workspaces"]

@@ -293,14 +293,17 @@ class TrainStep:
         """What was planned, and measured on the last step (see :class:`Report` for the overheads)."""
         c, stats = self.compilation, self.last_stats
         step_s = None if stats is None else stats.total_seconds
-        overhead = None
-        if not c.recomputes:
-            overhead = 0.0  # the unconstrained program itself: nothing is recomputed
+        overhead = measured_s = None
+        if c.runs_unconstrained:
+            overhead = measured_s = 0.0  # the unconstrained program itself: nothing is recomputed
         elif step_s is not None and c.unconstrained_step_seconds:
             overhead = step_s / c.unconstrained_step_seconds - 1.0
+            measured_s = step_s - c.unconstrained_step_seconds
+        predicted_s, predicted_overhead = c.predicted_recompute()
         report = Report(
             budget=c.budget, predicted_peak=c.predicted_peak, measured_peak=None if stats is None else stats.peak_bytes,
-            unconstrained_peak=c.unconstrained_peak, overhead=overhead, predicted_overhead=c.plan.overhead,
+            unconstrained_peak=c.unconstrained_peak, overhead=overhead, predicted_overhead=predicted_overhead,
+            predicted_recompute_seconds=predicted_s, measured_recompute_seconds=measured_s,
             solver=c.plan.solver, solver_notes=list(c.notes), plan_seconds=c.stage_seconds["plan"],
             setup_seconds=self.setup_seconds, step_seconds=step_s,
             unconstrained_step_seconds=c.unconstrained_step_seconds, instructions=c.instructions,

@@ -21,7 +21,6 @@ global norm (``max_grad_norm``), whose strategy ``plan`` chooses (:func:`plan_cl
 from __future__ import annotations
 
 
-import statistics
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
@@ -35,7 +34,7 @@ from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Instruction, Module
 from ..passes.pipeline import run_passes
 from ..plan.algorithms import plan_choosing_algorithms
-from ..plan.costmodel import CostModel, priced_on, program_overhead, static_costs
+from ..plan.costmodel import CostModel, MeasuredSignatures, priced_on, program_overhead, static_costs
 from ..plan.portfolio import SOLVER_OPTIONS, plan_step
 from ..plan.problem import StepProblem
 from ..plan.record import Plan
@@ -211,13 +210,16 @@ class Compilation:
     budget: int | None = None
     costs: dict | None = None          # per-instruction seconds of the joint (static or measured)
     unconstrained_step_seconds: float | None = None  # measured ("profiled" only)
+    unconstrained_program: Function | None = None    # the unconstrained step as it runs, fused ("profiled" only)
+    measured: MeasuredSignatures | None = None       # measured seconds by signature ("profiled" only)
     # ---- plan
     problem: StepProblem | None = None
     plan: Plan | None = None
     workspace_bytes: int = 0                       # the largest kernel workspace (budgeted steps)
     predicted_allocator_peak: int | None = None    # VM high-water marks + kernel workspaces
-    predicted_seconds: float = 0.0                 # the cost model's seconds for the planned step (every micro-batch)
-    unconstrained_predicted_seconds: float = 0.0   # and for the unconstrained step
+    predicted_seconds: float = 0.0                 # the cost model's seconds for the planned step (every micro-batch;
+                                                   # "profiled": the program as it runs, after ``fuse``)
+    unconstrained_predicted_seconds: float = 0.0   # and for the unconstrained step (the reference algorithms')
     # ---- lower, fuse
     program: Function | None = None
     instructions: int = 0                          # of the lowered program (control flow not counted)
@@ -312,12 +314,37 @@ class Compilation:
         return workspaces(fn, self.dialects, self.placement)
 
     def measured_costs(self, joint: Function) -> dict[Instruction, float]:
-        """Measured per-instruction seconds of a joint (on copies of the example's arguments)."""
+        """Measured per-instruction seconds of a joint (on copies of the example's arguments), also
+        recorded by signature in :attr:`measured` (a lean variant's joint's, for the cost models of
+        the whole compile)."""
         from ..runtime.vm import VM
 
-        return _median_instr_costs(VM(Module([joint]), dialects=self.dialects, device=self.placement), joint,
-                                   self.binding.joint_args(self.capture_example, copy=True),
-                                   self.options.profile_repeats)[0]
+        costs = _fastest_instr_costs(VM(Module([joint]), dialects=self.dialects, device=self.placement), joint,
+                                    self.binding.joint_args(self.capture_example, copy=True),
+                                    self.options.profile_repeats)[0]
+        if self.measured is not None:
+            self.measured.record(costs)
+        return costs
+
+    @property
+    def runs_unconstrained(self) -> bool:
+        """The step runs the unconstrained step's program: nothing recomputed, the reference algorithms."""
+        return not self.recomputes and self.plan.unconstrained is None
+
+    def predicted_recompute(self) -> tuple[float, float]:
+        """The planned step's predicted seconds beyond the unconstrained step's (recomputation, and a
+        lean algorithm's own cost; never below 0, and 0 when it runs the unconstrained step's program),
+        and that over the unconstrained step's predicted seconds: the overhead, as the measured one is
+        (:class:`~remat.train.report.Report`)."""
+        if self.runs_unconstrained or self.unconstrained_predicted_seconds <= 0:
+            return 0.0, 0.0
+        extra = max(0.0, self.predicted_seconds - self.unconstrained_predicted_seconds)
+        return extra, extra / self.unconstrained_predicted_seconds
+
+    def cost_model(self) -> CostModel:
+        """The cost model of this compile's programs: the joint's costs, and with ``cost_model="profiled"``
+        every other instruction measured (:class:`~remat.plan.costmodel.MeasuredSignatures`)."""
+        return CostModel(self.costs, self.measured)
 
 
 # ---------------------------------------------------------------------------------------------- stages
@@ -387,14 +414,36 @@ def prepare(c: Compilation) -> Compilation:
 
 
 def profile(c: Compilation) -> Compilation:
-    """Measured per-instruction seconds of the joint, and the unconstrained step's time (on copies)."""
+    """Measured seconds: each instruction of the joint (on copies of the example), and the
+    unconstrained step program as an unconstrained compile runs it (fused: :func:`fused_program`),
+    each of its instructions (the updates, fused kernels) and its fastest run as steps run (recording
+    the peak only); an instruction of both, the faster of its two times. All are recorded by
+    signature in the compile's :class:`~remat.plan.costmodel.MeasuredSignatures` (with the VM's
+    dispatch per instruction), which measures any other instruction a cost model prices (a lean
+    algorithm's, a fused kernel of a plan) alone, once per signature
+    (:func:`remat.runtime.kernel_timing.kernel_seconds`)."""
+    from ..runtime.kernel_timing import kernel_seconds
     from ..runtime.vm import VM
 
+    c = replace(c, measured=MeasuredSignatures(partial(kernel_seconds, dialects=c.dialects, device=c.placement)))
     costs = c.measured_costs(c.joint)
-    vm = VM(Module([c.unconstrained]), dialects=c.dialects, device=c.placement)
-    args = partial(c.binding.step_args, c.signature.example, copy=True, step=1)
-    seconds = min(vm.run(c.unconstrained.name, *args())[1].total_seconds for _ in range(c.options.profile_repeats))
-    return replace(c, costs=costs, unconstrained_step_seconds=seconds)
+    program = fused_program(c.unconstrained, _numba(c))
+    if _kernels(c):
+        from ..backends import numba_kernels
+
+        numba_kernels.prepare(Module([program]))
+    vm = VM(Module([program]), dialects=c.dialects, device=c.placement)
+    args = c.binding.step_args(c.signature.example, copy=True, step=2)
+    step_costs, timed = _fastest_instr_costs(vm, program, args, c.options.profile_repeats)
+    # The step's time as steps run, recording the peak only (timing each instruction costs ~1 µs
+    # more); the fastest of all runs, so that a burst of load in the few runs taken is not its time.
+    seconds = min([timed] + [vm.run(program.name, *args, record="peak")[1].total_seconds
+                             for _ in range(c.options.profile_repeats)])
+    c.measured.record(step_costs)
+    c.measured.set_dispatch(program, step_costs, seconds)
+    # The joint's instructions run in the step too: each priced by the faster of its two measurements
+    # (the joint's first runs in a process pay for fresh memory; ResNet's batch_norm_grad 1.9 ms there, 1.2 ms in the step).
+    return replace(c, costs=c.measured.fastest(costs), unconstrained_step_seconds=seconds, unconstrained_program=program)
 
 
 def plan(c: Compilation) -> Compilation:
@@ -436,7 +485,7 @@ def plan_clipping(c: Compilation) -> Compilation:
     if forced == KEEP or (forced == "auto" and c.budget is None):
         return keeping(_plan(keep), asked if forced == KEEP else
                        "no budget: a second backward (recomputing them) is not considered")
-    cost = CostModel(c.costs)
+    cost = c.cost_model()
     planned: dict[str, Compilation] = {}
     refused: dict[str, BudgetTooSmall] = {}
 
@@ -504,7 +553,7 @@ def _plan(c: Compilation) -> Compilation:
         raise
     if counted:
         bound = allocator_bound(chosen.program, c.workspaces(chosen.program))
-    cost = CostModel(c.costs)
+    cost = c.cost_model()
     notes = tuple(chosen.notes)
     grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
     if c.guard == "all" and not c.keep_grads and not c.clipped and c.micro_batches == 1:
@@ -530,7 +579,7 @@ def _problem(c: Compilation) -> StepProblem:
                           c.costs, o.solver,
                           o.milp_time_limit,
                           c.binding.joint_args(c.capture_example, copy=True) if o.cost_model == "profiled" else None,
-                          c.dialects)
+                          c.dialects, measured=c.measured)
     kept = c.clip_strategy != CLIP_STRATEGIES[1] and (c.clipped or c.guard == "all")  # until the norm or the flag
     if c.binding.updates and not c.keep_grads and c.dp is None and c.micro_batches == 1 and not kept:
         g0 = c.binding.layout.first_grad  # each gradient's update follows it (step.program.update_points)
@@ -595,30 +644,49 @@ def lower(c: Compilation) -> Compilation:
 
 def fuse(c: Compilation) -> Compilation:
     """Sibling convolution gradients become one call (:mod:`remat.lower.siblings`) and, with the numba
-    dialect, element-wise DAGs fused kernels (:mod:`remat.lower.fuse`). Neither raises the VM's
-    peak, but they move high-water marks; with workspaces counted, a rewrite whose span holds an
-    allocator high-water mark above the budget is undone (the others are kept), and the fused
-    program is kept only if its allocator bound stays within the budget (else the planned program
-    runs unfused). Merged and fused kernels are bit-identical to the ops they replace, so the
-    plan's promises carry over."""
-    from ..lower.fuse import fuse_function
-    from ..lower.siblings import merge_conv_grads
+    dialect, element-wise DAGs fused kernels (:mod:`remat.lower.fuse`): :func:`fused_program`. Neither
+    raises the VM's peak, but they move high-water marks; with workspaces counted, a rewrite whose
+    span holds an allocator high-water mark above the budget is undone (the others are kept), and
+    the fused program is kept only if its allocator bound stays within the budget (else the planned
+    program runs unfused). Merged and fused kernels are bit-identical to the ops they replace, so
+    the plan's promises carry over. With ``cost_model="profiled"`` the predicted seconds are the
+    programs' as they run: this one, and the unconstrained step's as ``profile`` fused it."""
     from ..plan.workspace import allocator_bound, allocator_excess
 
     counted = c.budget is not None and c.options.count_workspaces
     judge = None
     if counted and (c.predicted_allocator_peak or 0) <= c.budget:
         judge = partial(_excess, c.workspaces, c.budget, allocator_excess)  # rewrites breaking the budget are undone
-    fused = merge_conv_grads(c.program, judge)
-    if _numba(c):
-        fused = fuse_function(fused, judge=judge)
-    if not counted:
-        return replace(c, program=fused)
-    bound = allocator_bound(fused, c.workspaces(fused))
-    if bound > c.budget >= (c.predicted_allocator_peak or 0):
-        return replace(c, notes=c.notes + (f"fusion left out: the fused program's allocator bound "
-                                           f"{format_bytes(bound)} exceeds the budget",))
-    return replace(c, program=fused, predicted_allocator_peak=bound)
+    fused = fused_program(c.program, _numba(c), judge)
+    if counted:
+        bound = allocator_bound(fused, c.workspaces(fused))
+        if bound > c.budget >= (c.predicted_allocator_peak or 0):
+            return _priced_as_run(replace(c, notes=c.notes + (f"fusion left out: the fused program's allocator bound "
+                                                              f"{format_bytes(bound)} exceeds the budget",)))
+        c = replace(c, predicted_allocator_peak=bound)
+    return _priced_as_run(replace(c, program=fused))
+
+
+def fused_program(program: Function, numba: bool, judge: Callable | None = None) -> Function:
+    """``program`` with sibling convolution gradients merged into one call and, with ``numba``,
+    element-wise DAGs fused into generated kernels; ``judge`` (an excess of a rewritten program, None
+    for none) undoes rewrites breaking the budget (:func:`fuse`)."""
+    from ..lower.fuse import fuse_function
+    from ..lower.siblings import merge_conv_grads
+
+    fused = merge_conv_grads(program, judge)
+    return fuse_function(fused, judge=judge) if numba else fused
+
+
+def _priced_as_run(c: Compilation) -> Compilation:
+    """With ``cost_model="profiled"``, the predicted seconds of the step and of the unconstrained step
+    priced on the programs that run (fused; the unconstrained one measured by ``profile``); the
+    static cost model keeps the plan's."""
+    if c.unconstrained_program is None:
+        return c
+    cost = c.cost_model()
+    return replace(c, predicted_seconds=cost.program_cost(c.program),
+                   unconstrained_predicted_seconds=cost.program_cost(c.unconstrained_program))
 
 
 def _excess(workspaces: Callable, budget: int, excess: Callable, out: Function) -> int | None:
@@ -845,9 +913,12 @@ def _count(fn: Function, views: bool = True) -> int:
     return sum(1 for i in fn.entry.instrs if not i.op.has("control") and (views or not i.op.has("view")))
 
 
-def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dict, float]:
-    """Per-instruction median seconds of ``fn`` on the VM over ``repeats`` runs after an untimed one
-    (kernels compile or load on their first call), and the fastest total."""
+def _fastest_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dict, float]:
+    """Per-instruction fastest seconds of ``fn`` on the VM over ``repeats`` runs after an untimed one
+    (kernels compile or load on their first call), and the fastest total. The fastest, not the
+    median: another process on the machine only ever adds time (on a 2-core machine, two intra-op
+    threads sharing a core with it made single runs of ResNet's joint 40x slower), and of two runs
+    the median is their mean."""
     per: list[list[float]] = [[] for _ in fn.entry.instrs]
     totals = []
     vm.run(fn.name, *args)
@@ -857,5 +928,4 @@ def _median_instr_costs(vm, fn: Function, args: list, repeats: int) -> tuple[dic
         for idx, _op, sec in st.instr_times:
             if idx < len(per):
                 per[idx].append(sec)
-    # The step time is the fastest run.
-    return ({ins: statistics.median(ts) for ins, ts in zip(fn.entry.instrs, per) if ts}, min(totals))
+    return {ins: min(ts) for ins, ts in zip(fn.entry.instrs, per) if ts}, min(totals)

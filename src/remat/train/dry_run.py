@@ -162,14 +162,13 @@ def curve(c: Compilation, minimum: int, budgets: Sequence[int] | None = None, n_
 
 def dry_report(report, c: Compilation, minimum: int):
     """``report`` (a :class:`~remat.train.report.Report`) completed for a dry run: nothing measured;
-    the minimum budget, the device, the recomputation seconds, the peak at the allocator's rounding
-    and what was assumed of workspaces."""
+    the minimum budget, the device, the peak at the allocator's rounding and what was assumed of
+    workspaces."""
     from ..plan.simulator import simulate
 
     device = c.options.device_spec
     note = workspace_note(c)
     return replace(report, dry_run=True, device=None if device is None else device.name, minimum_budget=minimum,
-                   predicted_recompute_seconds=max(0.0, c.predicted_seconds - c.unconstrained_predicted_seconds),
                    device_peak=simulate(c.program, granularity=1 if device is None else device.granularity).peak_bytes,
                    solver_notes=report.solver_notes + ([note] if note else []))
 

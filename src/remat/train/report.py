@@ -22,11 +22,16 @@ def recomputed_layers(fn: Function) -> dict[str, int]:
 class Report:
     """What a compiled step planned and measured. Bytes and seconds.
 
-    Overheads are fractions of the unconstrained step (0.1 = +10%). ``predicted_overhead``: the
-    plan's recompute cost over the unconstrained compute cost, from the cost model. ``overhead``
-    (measured): the last step's time over the unconstrained step program's measured time, minus
-    1; exactly 0 when nothing is recomputed (the program is the unconstrained one), and None when
-    there is no unconstrained measurement (the static cost model runs nothing at compile time)."""
+    Overheads are fractions of the unconstrained step (0.1 = +10%), predicted and measured alike.
+    ``predicted_overhead``: ``predicted_recompute_seconds`` (the planned step's seconds on the cost
+    model less the unconstrained step's: recomputation, and a lean algorithm's own cost) over the
+    unconstrained step's (``predicted_step_seconds`` less it). With ``cost_model="profiled"`` both
+    programs are priced as they run (fused, every instruction measured), so it compares with the
+    measured one. ``overhead`` (measured): the last step's time over the unconstrained step
+    program's measured time, minus 1 (``measured_recompute_seconds``: their difference); exactly 0
+    when nothing is recomputed (the program is the unconstrained one), and None when there is no
+    unconstrained measurement (the static cost model runs nothing at compile time). The planner's
+    notes give overheads over the joint's compute alone (forward and backward, no updates)."""
 
     budget: int | None
     predicted_peak: int
@@ -70,6 +75,7 @@ class Report:
     device: str | None = None    # the device the cost model priced (``device=``), None: the nominal CPU
     minimum_budget: int | None = None  # the smallest budget a plan fits (dry runs: always computed)
     predicted_recompute_seconds: float | None = None  # the plan's step minus the unconstrained step, on the cost model
+    measured_recompute_seconds: float | None = None   # the last step minus the unconstrained step, measured
     device_peak: int | None = None  # the predicted peak with every storage rounded to the device allocator's granularity
     clip_strategy: str | None = None  # max_grad_norm: "keep gradients" or "second backward" (the notes say why, what it cost)
 
@@ -102,9 +108,10 @@ class Report:
             ("recomputed instructions", f"{self.recomputed_instructions} of {self.instructions}"),
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
-            ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}"),
+            ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}" + _seconds(
+                self.predicted_recompute_seconds, self.predicted_step_seconds, "predicted step")),
             ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
-             else f"{self.overhead:+.1%}"),
+             else f"{self.overhead:+.1%}" + _seconds(self.measured_recompute_seconds, self.step_seconds, "last step")),
             ("step time (last)", "-" if self.step_seconds is None else f"{self.step_seconds * 1e3:.1f} ms"),
             ("unconstrained step time (profiled)", "-" if self.unconstrained_step_seconds is None
              else f"{self.unconstrained_step_seconds * 1e3:.1f} ms"),
@@ -140,6 +147,13 @@ class Report:
         lines += [f"  algorithm: {a}" for a in self.algorithms]
         lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
         return "\n".join(lines)
+
+
+def _seconds(recompute: float | None, step: float | None, what: str) -> str:
+    """`` (x ms of a y ms <what>)``: an overhead's seconds, or nothing when unknown."""
+    if recompute is None or step is None:
+        return ""
+    return f" ({recompute * 1e3:+.2f} ms of a {step * 1e3:.1f} ms {what})"
 
 
 COMPUTE_OPS = ("matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad", "conv2d_grads", "attention",
