@@ -210,5 +210,5 @@ def test_report_shows_predicted_and_measured_recomputation_seconds():
                                                  / (r.predicted_step_seconds - r.predicted_recompute_seconds))
     assert r.measured_recompute_seconds == pytest.approx(r.step_seconds - r.unconstrained_step_seconds)
     lines = {ln.split("  ")[0]: ln for ln in str(r).splitlines()}
-    assert f"{r.predicted_recompute_seconds * 1e3:+.2f} ms of a" in lines["predicted recompute overhead"]
-    assert f"{r.measured_recompute_seconds * 1e3:+.2f} ms of a" in lines["measured step overhead"]
+    assert f"{r.predicted_recompute_seconds * 1e3:+.2f} ms on a" in lines["predicted recompute overhead"]
+    assert f"{r.measured_recompute_seconds * 1e3:+.2f} ms on a" in lines["measured step overhead"]

@@ -109,9 +109,9 @@ class Report:
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
             ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}" + _seconds(
-                self.predicted_recompute_seconds, self.predicted_step_seconds, "predicted step")),
+                self.predicted_recompute_seconds, self.predicted_step_seconds, "predicted")),
             ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
-             else f"{self.overhead:+.1%}" + _seconds(self.measured_recompute_seconds, self.step_seconds, "last step")),
+             else f"{self.overhead:+.1%}" + _seconds(self.measured_recompute_seconds, self.step_seconds, "measured")),
             ("step time (last)", "-" if self.step_seconds is None else f"{self.step_seconds * 1e3:.1f} ms"),
             ("unconstrained step time (profiled)", "-" if self.unconstrained_step_seconds is None
              else f"{self.unconstrained_step_seconds * 1e3:.1f} ms"),
@@ -150,10 +150,11 @@ class Report:
 
 
 def _seconds(recompute: float | None, step: float | None, what: str) -> str:
-    """`` (x ms of a y ms <what>)``: an overhead's seconds, or nothing when unknown."""
+    """`` (+x ms on a y ms <what> unconstrained step)``: an overhead's seconds and the unconstrained
+    step's (``step`` less them), or nothing when unknown."""
     if recompute is None or step is None:
         return ""
-    return f" ({recompute * 1e3:+.2f} ms of a {step * 1e3:.1f} ms {what})"
+    return f" ({recompute * 1e3:+.2f} ms on a {(step - recompute) * 1e3:.1f} ms {what} unconstrained step)"
 
 
 COMPUTE_OPS = ("matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad", "conv2d_grads", "attention",
