@@ -92,11 +92,11 @@ def test_block_milp_options_only_add_non_dominated_variants(gpt):
     blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=False)
     from remat.plan.chain.profile import profile_stages
     from remat.plan.inner import need
-    from remat.plan.portfolio import _static_times
+    from remat.plan.portfolio import _priced_times
 
     profs = profile_stages(blocks.stages, None, None, None, repeats=1, measure=False, kinds=blocks.kinds,
                            workspace_fn=p.workspace_fn)
-    _static_times(profs, blocks)
+    _priced_times(profs, blocks, None)
     plain = stage_options(blocks.stages, profs, blocks.kinds, static_costs, p.workspace_fn)
     both = stage_options(blocks.stages, profs, blocks.kinds, static_costs, p.workspace_fn, milp=True, cache={})
     assert any(o.exact for opts in both for o in opts)

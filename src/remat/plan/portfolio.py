@@ -437,7 +437,11 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
                  split_bn_grad=p.split_bn_grad)
     if blocks is None:
         return None
-    measure = p.example_args is not None
+    # A profiled compile prices blocks by its measured instruction seconds (those of the step's own
+    # runs, the others timed alone once each), as the portfolio scores every plan; a block run once
+    # would be timed as a burst of load on the machine finds it. Running the blocks is left to
+    # problems measured without them.
+    measure = p.example_args is not None and p.measured is None
     lead_args = x = one = None
     if measure:
         args = p.example_args
@@ -447,7 +451,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure,
                               kinds=blocks.kinds, workspace_fn=p.workspace_fn)
     if not measure:
-        _static_times(profiles, blocks)
+        _priced_times(profiles, blocks, CostModel(p.costs, p.measured) if p.measured is not None else None)
     what = f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks " \
            f"({blocks.n_distinct} distinct, each differentiated and costed once)"
     best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)
@@ -541,12 +545,14 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
     return best
 
 
-def _static_times(profiles: list, blocks) -> None:
-    """Static forward/backward seconds of each stage, estimated once per distinct block."""
+def _priced_times(profiles: list, blocks, model: CostModel | None) -> None:
+    """Forward/backward seconds of each stage, priced once per distinct block: on ``model`` (a
+    profiled compile's measured seconds), else the static estimates."""
+    cost = function_cost if model is None else model.program_cost
     by_kind: dict[int, tuple[float, float]] = {}
     for prof, st, kind in zip(profiles, blocks.stages, blocks.kinds):
         if kind not in by_kind:
-            by_kind[kind] = (function_cost(st.split.forward), function_cost(st.split.backward))
+            by_kind[kind] = (cost(st.split.forward), cost(st.split.backward))
         prof.fwd_time, prof.bwd_time = by_kind[kind]
 
 
