@@ -27,8 +27,7 @@ The pass runs on the forward before differentiation, so the backward is built in
 (a ``transpose``'s cotangent is a transpose), and every budget plans the same program: gradients stay
 bit-identical across budgets. Values equal the NCHW program's up to the kernels' summation order.
 
-Weights: a parameter read only as the weight of NHWC convolutions (directly, or through its casts
-under mixed precision) is stored OHWI
+Weights: a parameter read only as the weight of NHWC convolutions is stored OHWI
 (``weight_layout``): its bytes are those of the PyTorch weight in ``torch.channels_last`` memory
 format, which oneDNN reads as it is, so neither the forward nor the backward copies it to that
 format, and the weight gradient comes out OHWI without a copy back to OIHW (the zoo ResNet's step:
@@ -205,64 +204,42 @@ def _algorithm_convs(f: Function, uses: dict[Value, int]) -> set[Instruction]:
     return out
 
 
-def _conv_weight(ins: Instruction, v: Value, skip: set[Instruction]) -> bool:
-    """Whether ``ins`` reads ``v`` only as its OIHW weight: a ``conv2d`` no memory-lean algorithm may rewrite."""
-    return (ins.op.name == "conv2d" and ins not in skip and ins.operands[1] is v and ins.operands[0] is not v
-            and ins.attrs.get("weight_layout", "OIHW") == "OIHW")
-
-
-def _weight_readers(f: Function) -> dict[Value, tuple[list[Instruction], list[Instruction]]]:
-    """For each float rank-4 parameter of ``f`` read only as the OIHW weight of ``conv2d`` s, directly or
-    through casts read only so (mixed precision: the weight cast to bf16 for its convolutions), those
-    casts and convolutions, but for convolutions a memory-lean algorithm may rewrite."""
+def _weight_readers(f: Function) -> dict[Value, list[Instruction]]:
+    """For each float rank-4 parameter of ``f`` that only ``conv2d`` s read, as their OIHW weight
+    and nothing else, those convolutions, but for the ones a memory-lean algorithm may rewrite."""
     uses = use_counts(f)
-    readers: dict[Value, list[Instruction]] = {}
+    readers: dict[Value, list[Instruction]] = {p: [] for p in f.params if p.type.rank == 4 and p.type.dtype.is_float}
     for ins in f.instructions():
         for v in ins.operands:
-            readers.setdefault(v, []).append(ins)
+            if v in readers:
+                readers[v].append(ins)
     skip = _algorithm_convs(f, uses)
-    out = {}
-    for p in f.params:
-        users = readers.get(p)
-        if not users or p.type.rank != 4 or not p.type.dtype.is_float:
-            continue
-        if all(_conv_weight(ins, p, skip) for ins in users):
-            out[p] = ([], users)
-        elif all(ins.op.name == "cast" for ins in users):
-            pairs = [(c, ins.results[0]) for ins in users for c in readers.get(ins.results[0], [])]
-            if all(readers.get(ins.results[0]) for ins in users) and all(_conv_weight(c, v, skip) for c, v in pairs):
-                out[p] = (users, [c for c, _ in pairs])
-    return out
+    return {p: users for p, users in readers.items()
+            if users and all(ins.op.name == "conv2d" and ins not in skip and ins.operands[1] is p
+                             and ins.operands[0] is not p and ins.attrs.get("weight_layout", "OIHW") == "OIHW"
+                             for ins in users)}
 
 
 def _weights_ohwi(f: Function) -> None:
-    """Store OHWI every weight of :func:`_weight_readers` whose convolutions are all NHWC (and its casts)."""
-    for p, (casts, convs) in _weight_readers(f).items():
-        if all(ins.attrs.get("layout") == "NHWC" for ins in convs):
-            ohwi = tuple(p.type.shape[i] for i in TO_OHWI)
-            p.type = p.type.with_shape(ohwi)
-            for ins in casts:
-                ins.results[0].type = ins.results[0].type.with_shape(ohwi)
-            for ins in convs:
+    """Store OHWI every weight of :func:`_weight_readers` whose convolutions are all NHWC."""
+    for p, users in _weight_readers(f).items():
+        if all(ins.attrs.get("layout") == "NHWC" for ins in users):
+            p.type = p.type.with_shape(tuple(p.type.shape[i] for i in TO_OHWI))
+            for ins in users:
                 ins.attrs = {**ins.attrs, "weight_layout": "OHWI"}
 
 
 def ohwi_params(f: Function) -> tuple[int, ...]:
     """The indices of ``f``'s parameters stored OHWI: read only as convolution weights with
-    ``weight_layout="OHWI"``, directly or through casts (the caller passes them as OHWI views of
-    channels-last weights)."""
+    ``weight_layout="OHWI"`` (the caller passes them as OHWI views of channels-last weights)."""
     index = {p: i for i, p in enumerate(f.params)}
-    readers: dict[Value, list[tuple[Instruction, int]]] = {}
+    ohwi: dict[int, bool] = {}
     for ins in f.instructions():
         for k, v in enumerate(ins.operands):
-            readers.setdefault(v, []).append((ins, k))
-
-    def ohwi_weight(v: Value) -> bool:
-        return all(k == 1 and ins.attrs.get("weight_layout") == "OHWI" for ins, k in readers[v])
-
-    return tuple(sorted(i for p, i in index.items() if p in readers and all(
-        ohwi_weight(ins.results[0]) if ins.op.name == "cast" and ins.results[0] in readers else
-        k == 1 and ins.attrs.get("weight_layout") == "OHWI" for ins, k in readers[p])))
+            i = index.get(v)
+            if i is not None:
+                ohwi[i] = ohwi.get(i, True) and k == 1 and ins.attrs.get("weight_layout") == "OHWI"
+    return tuple(sorted(i for i, yes in ohwi.items() if yes))
 
 
 def _eligible(f: Function) -> bool:
