@@ -212,3 +212,25 @@ def test_report_shows_predicted_and_measured_recomputation_seconds():
     lines = {ln.split("  ")[0]: ln for ln in str(r).splitlines()}
     assert f"{r.predicted_recompute_seconds * 1e3:+.2f} ms on a" in lines["predicted recompute overhead"]
     assert f"{r.measured_recompute_seconds * 1e3:+.2f} ms on a" in lines["measured step overhead"]
+
+
+def test_profiled_plans_price_blocks_by_measured_signatures_and_consider_the_static_plan(monkeypatch):
+    """A profiled compile's chain DP prices its blocks on the compile's measured instruction seconds,
+    never by timing a block once (its plans would follow the machine's load), and the portfolio also
+    prices the plan the static cost model makes: the notes name it, as the winner or as tried."""
+    import remat.plan.chain.profile as chain_profile
+
+    real = chain_profile.profile_stages
+
+    def no_block_timing(*args, measure=True, **kw):
+        assert not measure, "a profiled compile timed the chain's blocks"
+        return real(*args, measure=measure, **kw)
+
+    monkeypatch.setattr(chain_profile, "profile_stages", no_block_timing)
+    model, inputs, loss_fn = make("resnet")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step = remat.compile(model, inputs, loss_fn, optimizer=opt, budget=0.6, cost_model="profiled")
+    step(*inputs)
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak <= r.budget
+    assert "on the static cost model" in r.solver or any("on the static cost model" in n for n in r.solver_notes)
