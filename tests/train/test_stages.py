@@ -167,10 +167,10 @@ def test_profiled_cost_model_measures_the_lean_variants_too():
         static = static_costs(p.joint)
         assert set(p.costs) == set(static)
         if cost_model == "profiled":
-            assert p.example_args is not None and p.costs != static
+            assert p.measured is not None and p.costs != static
             assert all(t >= 0 for t in p.costs.values())
         else:
-            assert p.example_args is None and p.costs == static
+            assert p.measured is None and p.costs == static
 
 
 def test_profiled_costs_cover_every_instruction_of_the_step():

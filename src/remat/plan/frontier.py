@@ -49,7 +49,7 @@ def step_key(p: StepProblem) -> str:
     h = hashlib.sha256(print_function(p.unconstrained).encode())
     h.update(print_function(p.joint).encode())
     h.update(repr([p.costs.get(i) for b in p.joint.blocks for i in b.instrs]).encode())
-    h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.example_args is not None,
+    h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.measured is not None,
                    p.workspace_fn is not None)).encode())  # with workspaces, peaks are allocator bounds
     return h.hexdigest()
 

@@ -23,8 +23,6 @@ import time
 from dataclasses import replace
 from typing import Sequence
 
-import numpy as np
-
 from .._gc import old_objects_frozen
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Module, verify
@@ -200,7 +198,7 @@ def _static_plan(p: StepProblem) -> Plan | None:
     profiled compile, which scores every candidate on what it measured, plans no worse than a
     static one by its own prices."""
     try:
-        alt = _plan_step(replace(p, costs=static_costs(p.joint), measured=None, example_args=None),
+        alt = _plan_step(replace(p, costs=static_costs(p.joint), measured=None),
                          check_minimum=False)
     except BudgetTooSmall:
         return None
@@ -458,21 +456,12 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
                  split_bn_grad=p.split_bn_grad)
     if blocks is None:
         return None
-    # A profiled compile prices blocks by its measured instruction seconds (those of the step's own
-    # runs, the others timed alone once each), as the portfolio scores every plan; a block run once
-    # would be timed as a burst of load on the machine finds it. Running the blocks is left to
-    # problems measured without them.
-    measure = p.example_args is not None and p.measured is None
-    lead_args = x = one = None
-    if measure:
-        args = p.example_args
-        lead_args = [[args[i] for i in lead] for lead in blocks.binding.lead]
-        x = args[blocks.binding.x]
-        one = np.array(1.0, dtype=blocks.stages[-1].output_type.dtype.numpy)
-    profiles = profile_stages(blocks.stages, lead_args, x, one, repeats=1, dialects=p.dialects, measure=measure,
-                              kinds=blocks.kinds, workspace_fn=p.workspace_fn)
-    if not measure:
-        _priced_times(profiles, blocks, CostModel(p.costs, p.measured) if p.measured is not None else None)
+    # Blocks are priced as the portfolio scores every plan: by the static cost model, or a profiled
+    # compile's measured instruction seconds (those of the step's own runs, the others timed alone
+    # once each), never by running a block once, which would time it as a burst of load finds it.
+    profiles = profile_stages(blocks.stages, None, None, None, measure=False, kinds=blocks.kinds,
+                              workspace_fn=p.workspace_fn)
+    _priced_times(profiles, blocks, CostModel(p.costs, p.measured) if p.measured is not None else None)
     what = f"cut at {'backward-kept' if coarse else 'all'} separators into a chain of {len(blocks.stages)} blocks " \
            f"({blocks.n_distinct} distinct, each differentiated and costed once)"
     best = _solve_chain(p, blocks, blocks.stages, profiles, what, t0)

@@ -31,7 +31,6 @@ class StepProblem:
     costs: dict[Instruction, float]  # per-instruction seconds (estimated or measured)
     solver: str = "auto"
     milp_time_limit: float = 10.0
-    example_args: list | None = None  # the joint's arguments, to measure block times ("profiled"); None: static
     dialects: tuple[str, ...] | None = None
     workspaces: dict[Instruction, int] | None = None  # kernels' own bytes per joint instruction (graph solvers)
     # Kernels' own bytes of any function's instructions (remat.runtime.allocator.workspaces). When

@@ -102,7 +102,6 @@ def _build(c: "Compilation", reference: StepProblem) -> list[Variant]:
             profiled = c.options.cost_model == "profiled"
             return replace(reference, forward=fwd, joint=joint, unconstrained=unconstrained,
                            costs=c.measured_costs(joint) if profiled else static_costs(joint),
-                           example_args=c.binding.joint_args(c.capture_example, copy=True) if profiled else None,
                            workspaces=None, split_bn_grad=bns > 0)
 
         stems = [f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
