@@ -34,6 +34,7 @@ result (``bench/vm_overhead.py`` measures the per-instruction cost of each). Wit
 """
 from __future__ import annotations
 
+import functools
 import operator
 import sys
 import time
@@ -245,6 +246,8 @@ class VM:
             module = module.module if module.module is not None else Module([module.clone()])
         verify(module)
         self.device = None if device is None or str(device) == "cpu" else _torch().device(device)
+        # Timed runs (record="full") wait for a device's kernels at each instruction (_Recorder).
+        self._sync = None if self.device is None else functools.partial(_torch().accelerator.synchronize, self.device)
         if self.device is not None:  # kernels are chosen for the device (their checkers read it)
             with _tk().on_device(self.device):
                 self._prepare(module, device_dialects(self.device, dialects))
@@ -468,7 +471,7 @@ class VM:
         xs, stor = self._arguments(plan, args)
 
         tracker = KindTracker(self.kind_names) if by_kind else MemoryTracker()
-        rec = _Recorder(on_step) if record == "full" else _PeakRecorder()
+        rec = _Recorder(on_step, self._sync) if record == "full" else _PeakRecorder()
         t0 = time.perf_counter()
         # IEEE semantics: NaN and inf are values, not errors (NumPy would warn; torch does not).
         with np.errstate(all="ignore"):
@@ -789,15 +792,26 @@ class _PeakRecorder:
 
 
 class _Recorder(_PeakRecorder):
-    """Per-instruction live bytes, high-water marks and times of the top-level frame (``record="full"``)."""
+    """Per-instruction live bytes, high-water marks and times of the top-level frame (``record="full"``).
+    ``sync``: waits for the device's queued kernels (a CUDA VM's), called before the run and at the end
+    of each instruction, so that an instruction's time is its kernels' and not their launch's."""
 
-    __slots__ = ("on_step",)
+    __slots__ = ("on_step", "sync")
 
-    def __init__(self, on_step: Callable[[TimelineEntry], None] | None = None) -> None:
+    def __init__(self, on_step: Callable[[TimelineEntry], None] | None = None,
+                 sync: Callable[[], None] | None = None) -> None:
         super().__init__()
         self.on_step = on_step
+        self.sync = sync
+
+    def start(self, tracker: MemoryTracker) -> None:
+        if self.sync is not None:
+            self.sync()
+        super().start(tracker)
 
     def step(self, st: _Step, tracker: MemoryTracker, t0: float, saved_peak: int) -> None:
+        if self.sync is not None:
+            self.sync()
         hw = tracker.end_instruction(saved_peak)
         e = TimelineEntry(st.index, tracker.live_bytes, hw)
         self.timeline.append(e)
