@@ -188,6 +188,18 @@ def _fmt(ins: Instruction) -> str:
     return format_instruction(ins, Namer(fn)) if fn is not None else ins.op.name
 
 
+def _kernel_error(plan: "_FnPlan", st: "_Step", e: Exception) -> Exception:
+    """The error a run raises when the kernel of ``st`` raised ``e``: naming the kernel, the function
+    and the instruction, with its index as ``remat_instruction`` (the caller's frames rewrite it: the
+    top level's). An out-of-range index is the caller's data, not a kernel bug: it stays an
+    IndexError (as in eager PyTorch), with the instruction as context."""
+    kind = IndexError if isinstance(e, IndexError) else RuntimeError
+    err = kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
+               f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}")
+    err.remat_instruction = st.index
+    return err
+
+
 # ---------------------------------------------------------------- execution plan
 class _Step:
     """One precomputed instruction: what to call, which slots to read and write, what to release.
@@ -213,7 +225,7 @@ class _BlockPlan:
 
 class _FnPlan:
     __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs",
-                 "param_written", "param_kinds", "tagged")
+                 "param_written", "param_kinds", "tagged", "straight")
 
 
 def _expect(t: TensorType, dialect: str):
@@ -239,6 +251,10 @@ class VM:
     to the host and back, and could not update a device tensor in place): its default dialects are
     ``("torch",)``, and others asked for are refused.
     """
+
+    straight_runs = True
+    """Lean runs of straight-line functions take their generated form (:mod:`remat.runtime.straight`);
+    False: every run is interpreted (for comparing the two)."""
 
     def __init__(self, module: Module | Function, dialects: Sequence[str] | str | None = None,
                  device: Any = None):
@@ -297,6 +313,7 @@ class VM:
         p.param_written = _written_params(fn)
         p.param_kinds = (0,) * len(fn.params)
         p.tagged = False
+        p.straight = None  # the lean run generated (remat.runtime.straight), on first use; False: not eligible
         # The converter family every slot's value is known to be in (see _is_family): parameters
         # (converted on entry), kernel results (converted by _store). Block arguments and call
         # results may come from several places: unknown (None), converted at each use.
@@ -427,6 +444,8 @@ class VM:
             for st in bp.steps:
                 st.kinds = tuple(at[r] for r in st.ins.results)
         plan.tagged = True
+        if plan.straight:
+            plan.straight = None  # generated with the old kinds: again on its next use
 
     # -------------------------------------------------------------- running
     def function(self, name: str | Function) -> Function:
@@ -477,7 +496,10 @@ class VM:
         with np.errstate(all="ignore"):
             if self._uses_torch:
                 with _torch().no_grad():
-                    res = self._exec(plan, xs, stor, tracker, donate, rec)
+                    if record == "peak" and not by_kind and not donate and self._straight(plan):
+                        res = plan.straight(xs, stor, tracker, rec)
+                    else:
+                        res = self._exec(plan, xs, stor, tracker, donate, rec)
             else:
                 res = self._exec(plan, xs, stor, tracker, donate, rec)
         total = time.perf_counter() - t0
@@ -494,6 +516,16 @@ class VM:
                          None if at is None else plan.instrs[at], at, tracker.live_bytes, rec.arg_bytes, record,
                          tracker.by_kind() if by_kind else None)
         return outs, stats
+
+    def _straight(self, plan: _FnPlan) -> bool:
+        """Whether ``plan``'s lean runs take its generated straight-line function
+        (:mod:`remat.runtime.straight`), generating it on first use."""
+        if plan.straight is None:
+            from . import straight
+
+            plan.straight = (straight.generate(plan, self._store, _kernel_error)
+                             if self.straight_runs and straight.eligible(plan) else False)
+        return plan.straight is not False
 
     def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> tuple[list, list]:
         """Check the arguments against the parameter types; dense copies where needed; convert.
@@ -594,13 +626,7 @@ class VM:
                             out = st.fn(*[frame[s] if c is None else c(frame[s])
                                           for s, c in zip(st.ins_slots, st.convs)], **st.attrs)
                     except Exception as e:
-                        # An out-of-range index is the caller's data, not a kernel bug: it stays an
-                        # IndexError (as in eager PyTorch), with the instruction as context.
-                        kind = IndexError if isinstance(e, IndexError) else RuntimeError
-                        err = kind(f"kernel '{st.ins.dialect}.{st.name}' failed in @{plan.fn.name} at "
-                                   f"instruction {st.index}: {_fmt(st.ins)}\n  {type(e).__name__}: {e}")
-                        err.remat_instruction = st.index  # the caller's frames rewrite it: the top level's
-                        raise err from e
+                        raise _kernel_error(plan, st, e) from e
                     if st.post is not None:
                         out = st.post(out) if st.single else tuple(map(st.post, out))
                     if st.fast:

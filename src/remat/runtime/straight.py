@@ -1,0 +1,164 @@
+"""A straight-line function's run as generated Python: the VM's lean run (``record="peak"``) without
+its interpreter loop.
+
+A training step is one block of kernel calls run thousands of times, and interpreting it costs a few
+microseconds per instruction: reading the step's fields, unpacking its attributes, calling the
+tracker's methods. :func:`generate` writes the same run out as the source of one Python function,
+instruction by instruction, with each operand slot, attribute, expected dtype, shape and byte count a
+constant of it and the byte count kept in local variables, and compiles it once per function. It
+does exactly what :meth:`VM._exec <remat.runtime.vm.VM._exec>` does on its lean top-level path, in
+the same order: the same contract checks on every result of every run (the interpreter's fast path,
+with its general path, ``VM._store``, for anything else), the same counting by storage, the same
+releases after each instruction, the same peak and the instruction that first reached it, and the
+same error for a failing kernel. Functions with control flow or calls, or results off the CPU, are
+left to the interpreter, as are runs that record more (a timeline, bytes by kind) or donate their
+arguments.
+"""
+from __future__ import annotations
+
+import keyword
+from typing import Any, Callable
+
+MAX_INSTRUCTIONS = 200_000
+"""Functions longer than this are left to the interpreter (the generated source grows with them)."""
+
+
+def eligible(plan: Any) -> bool:
+    """Whether :func:`generate` can write ``plan``'s function out: one block of kernels (their results
+    checked on the fast path: torch tensors on the CPU), frees and the return."""
+    from .vm import _K_FREE, _K_KERNEL, _K_RETURN
+
+    if len(plan.blocks) != 1 or len(plan.instrs) > MAX_INSTRUCTIONS:
+        return False
+    for st in plan.blocks[0].steps:
+        if st.kind == _K_KERNEL:
+            if not st.fast:
+                return False
+        elif st.kind not in (_K_FREE, _K_RETURN):
+            return False
+    return True
+
+
+def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
+    """The lean top-level run of ``plan`` (:func:`eligible`) as a compiled function
+    ``run(xs, stor, tracker, rec) -> (outs, keys)``, with the signature and effects of
+    ``VM._exec(plan, xs, stor, tracker, False, rec)`` for a ``_PeakRecorder`` ``rec``.
+    ``store(plan, st, r, o, frame, keys, tracker)``: the general path for a result; ``kernel_error(plan,
+    st, e)``: the exception to raise for a kernel's exception ``e``."""
+    import torch
+
+    from .vm import _K_FREE, _K_KERNEL, _K_RETURN
+
+    g: dict[str, Any] = {"T": torch.Tensor, "store": store, "kerr": kernel_error, "plan": plan}
+    lines = ["def run(xs, stor, tracker, rec):",
+             "    refs = tracker._refs",
+             f"    frame = [None] * {plan.nslots}",
+             f"    keys = [None] * {plan.nslots}"]
+    emit = lines.append
+
+    def const(name: str, value: Any) -> str:
+        g[name] = value
+        return name
+
+    for i, s in enumerate(plan.param_slots):
+        emit(f"    k, n, w = stor[{i}]")
+        emit(f"    tracker.add(k, n, w, {plan.param_kinds[i]})")
+        emit(f"    frame[{s}] = xs[{i}]")
+        emit(f"    keys[{s}] = k")
+    emit("    live = tracker.live_bytes")
+    emit("    peak = tracker.peak_bytes")
+    emit("    rec.arg_bytes = rec.peak = live")  # _PeakRecorder.start
+    emit("    pk = peak")
+    emit("    pk_at = None")
+
+    def releases(slots: tuple, indent: str = "    ") -> None:
+        for s in slots:
+            emit(f"{indent}e = refs[keys[{s}]]")
+            emit(f"{indent}e[0] -= 1")
+            emit(f"{indent}if not e[0]:")
+            emit(f"{indent}    del refs[keys[{s}]]")
+            emit(f"{indent}    live -= e[1]")
+            emit(f"{indent}frame[{s}] = keys[{s}] = None")
+        if slots:
+            emit(f"{indent}e = None")
+
+    def slow(step: str, r: int, indent: str) -> None:
+        """The general path for result ``r`` (``VM._store``), the counts handed over and back."""
+        emit(f"{indent}tracker.live_bytes = live")
+        emit(f"{indent}tracker.peak_bytes = peak")
+        emit(f"{indent}store(plan, {step}, {r}, o, frame, keys, tracker)")
+        emit(f"{indent}live = tracker.live_bytes")
+        emit(f"{indent}peak = tracker.peak_bytes")
+
+    bp = plan.blocks[0]
+    releases(bp.dead_top)
+    for st in bp.steps:
+        i = st.index
+        if st.kind == _K_FREE:
+            releases(st.rel_top)
+            continue
+        if st.kind == _K_RETURN:
+            emit(f"    outs = [{', '.join(f'frame[{s}]' for s in st.ins_slots)}]")
+            emit(f"    okeys = [{', '.join(f'keys[{s}]' for s in st.ins_slots)}]")
+            emit("    for k in okeys:")
+            emit("        refs[k][0] += 1")
+            emit("    if peak > pk:")
+            emit(f"        pk, pk_at = peak, {i}")
+            emit("    rec.peak, rec.peak_index = pk, pk_at")
+            emit("    tracker.live_bytes = live")
+            emit("    tracker.peak_bytes = peak")
+            emit("    return outs, okeys")
+            break
+        step = const(f"ST{i}", st)
+        fn = f"{step}.fn"  # read at each call, as the interpreter does (a kernel may be replaced)
+        convs = st.convs or (None,) * len(st.ins_slots)
+        args = [f"frame[{s}]" if c is None else f"{const(f'C{i}_{j}', c)}(frame[{s}])"
+                for j, (s, c) in enumerate(zip(st.ins_slots, convs))]
+        if all(k.isidentifier() and not keyword.iskeyword(k) for k in st.attrs):
+            args += [f"{k}={const(f'A{i}_{k}', v)}" for k, v in st.attrs.items()]
+        elif st.attrs:
+            args.append(f"**{const(f'A{i}', dict(st.attrs))}")
+        emit("    try:")
+        emit(f"        out = {fn}({', '.join(args)})")
+        emit("    except Exception as ex:")
+        emit(f"        raise kerr(plan, {step}, ex) from ex")
+        if st.post is not None:
+            post = const(f"P{i}", st.post)
+            emit(f"    out = {post}(out)" if st.single else f"    out = tuple(map({post}, out))")
+        for r in range(len(st.out_slots)):
+            _, tdt, shape, nbytes = st.expect[r]
+            dt, sh = const(f"D{i}_{r}", tdt), const(f"S{i}_{r}", shape)
+            s = st.out_slots[r]
+            emit("    o = out" if st.single else f"    o = out[{r}]")
+            emit(f"    if type(o) is T and o.dtype is {dt} and o.shape == {sh} and o.is_cpu:")
+            emit("        sto = o.untyped_storage()")
+            emit("        k = sto.data_ptr()")
+            a = st.alias[r]
+            if a < 0:
+                emit(f"        if k not in refs and sto.nbytes() == {nbytes} and o.is_contiguous():")
+                emit(f"            refs[k] = [1, {nbytes}, sto, {st.kinds[r]}]")
+                emit(f"            live += {nbytes}")
+                emit("            if live > peak:")
+                emit("                peak = live")
+            else:
+                emit(f"        if k == keys[{st.ins_slots[a]}]:")
+                emit("            refs[k][0] += 1")
+            emit(f"            frame[{s}] = o")
+            emit(f"            keys[{s}] = k")
+            emit("        else:")
+            slow(step, r, "            ")
+            emit("    else:")
+            slow(step, r, "        ")
+        # No reference to a released result: a local would keep its memory past the counted release.
+        emit("    out = o = sto = None")
+        releases(st.rel_top)
+        emit("    if peak > pk:")
+        emit(f"        pk, pk_at = peak, {i}")
+    else:
+        raise ValueError(f"@{plan.fn.name} ends without a return")
+    code = compile("\n".join(lines) + "\n", f"<remat straight-line @{plan.fn.name}>", "exec")
+    exec(code, g)  # noqa: S102 - source generated above from the plan's own constants
+    return g["run"]
+
+
+__all__ = ["MAX_INSTRUCTIONS", "eligible", "generate"]
