@@ -19,8 +19,14 @@ from __future__ import annotations
 import keyword
 from typing import Any, Callable
 
-MAX_INSTRUCTIONS = 200_000
-"""Functions longer than this are left to the interpreter (the generated source grows with them)."""
+MAX_INSTRUCTIONS = 50_000
+"""Functions longer than this are left to the interpreter. Generating costs about 0.13 ms per
+instruction, almost all of it Python compiling the source (a 5,736-instruction step: 0.75 s)."""
+
+INTERPRETED_RUNS = 2
+"""Lean runs of a function interpreted before its straight-line form is generated, so that a
+function run once or twice (a test, a probe, a dry run) never pays for generating it; a training
+loop pays once, early."""
 
 
 def eligible(plan: Any) -> bool:
@@ -49,11 +55,27 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
 
     from .vm import _K_FREE, _K_KERNEL, _K_RETURN
 
-    g: dict[str, Any] = {"T": torch.Tensor, "store": store, "kerr": kernel_error, "plan": plan}
+    def slow(st, r: int, o, frame: list, keys: list, tracker, live: int, peak: int) -> tuple[int, int]:
+        """The general path for result ``r`` of ``st`` (``VM._store``), the counts handed over and back."""
+        tracker.live_bytes, tracker.peak_bytes = live, peak
+        store(plan, st, r, o, frame, keys, tracker)
+        return tracker.live_bytes, tracker.peak_bytes
+
+    def release(refs: dict, key) -> int:
+        """One reference to ``key`` dropped (``StorageCounter.release``); the bytes freed with it."""
+        e = refs[key]
+        e[0] -= 1
+        if e[0]:
+            return 0
+        del refs[key]
+        return e[1]
+
+    g: dict[str, Any] = {"T": torch.Tensor, "slow": slow, "rel": release, "kerr": kernel_error, "plan": plan}
     lines = ["def run(xs, stor, tracker, rec):",
              "    refs = tracker._refs",
              f"    frame = [None] * {plan.nslots}",
-             f"    keys = [None] * {plan.nslots}"]
+             f"    keys = [None] * {plan.nslots}",
+             "    add = tracker.add"]
     emit = lines.append
 
     def const(name: str, value: Any) -> str:
@@ -61,34 +83,13 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
         return name
 
     for i, s in enumerate(plan.param_slots):
-        emit(f"    k, n, w = stor[{i}]")
-        emit(f"    tracker.add(k, n, w, {plan.param_kinds[i]})")
-        emit(f"    frame[{s}] = xs[{i}]")
-        emit(f"    keys[{s}] = k")
-    emit("    live = tracker.live_bytes")
-    emit("    peak = tracker.peak_bytes")
-    emit("    rec.arg_bytes = rec.peak = live")  # _PeakRecorder.start
-    emit("    pk = peak")
-    emit("    pk_at = None")
+        emit(f"    k, n, w = stor[{i}]; add(k, n, w, {plan.param_kinds[i]}); frame[{s}] = xs[{i}]; keys[{s}] = k")
+    emit("    live = tracker.live_bytes; peak = tracker.peak_bytes")
+    emit("    rec.arg_bytes = rec.peak = live; pk = peak; pk_at = None")  # _PeakRecorder.start
 
-    def releases(slots: tuple, indent: str = "    ") -> None:
+    def releases(slots: tuple) -> None:
         for s in slots:
-            emit(f"{indent}e = refs[keys[{s}]]")
-            emit(f"{indent}e[0] -= 1")
-            emit(f"{indent}if not e[0]:")
-            emit(f"{indent}    del refs[keys[{s}]]")
-            emit(f"{indent}    live -= e[1]")
-            emit(f"{indent}frame[{s}] = keys[{s}] = None")
-        if slots:
-            emit(f"{indent}e = None")
-
-    def slow(step: str, r: int, indent: str) -> None:
-        """The general path for result ``r`` (``VM._store``), the counts handed over and back."""
-        emit(f"{indent}tracker.live_bytes = live")
-        emit(f"{indent}tracker.peak_bytes = peak")
-        emit(f"{indent}store(plan, {step}, {r}, o, frame, keys, tracker)")
-        emit(f"{indent}live = tracker.live_bytes")
-        emit(f"{indent}peak = tracker.peak_bytes")
+            emit(f"    live -= rel(refs, keys[{s}]); frame[{s}] = keys[{s}] = None")
 
     bp = plan.blocks[0]
     releases(bp.dead_top)
@@ -100,17 +101,13 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
         if st.kind == _K_RETURN:
             emit(f"    outs = [{', '.join(f'frame[{s}]' for s in st.ins_slots)}]")
             emit(f"    okeys = [{', '.join(f'keys[{s}]' for s in st.ins_slots)}]")
-            emit("    for k in okeys:")
-            emit("        refs[k][0] += 1")
-            emit("    if peak > pk:")
-            emit(f"        pk, pk_at = peak, {i}")
+            emit("    for k in okeys: refs[k][0] += 1")
+            emit(f"    if peak > pk: pk, pk_at = peak, {i}")
             emit("    rec.peak, rec.peak_index = pk, pk_at")
-            emit("    tracker.live_bytes = live")
-            emit("    tracker.peak_bytes = peak")
+            emit("    tracker.live_bytes = live; tracker.peak_bytes = peak")
             emit("    return outs, okeys")
             break
-        step = const(f"ST{i}", st)
-        fn = f"{step}.fn"  # read at each call, as the interpreter does (a kernel may be replaced)
+        step = const(f"S{i}", st)
         convs = st.convs or (None,) * len(st.ins_slots)
         args = [f"frame[{s}]" if c is None else f"{const(f'C{i}_{j}', c)}(frame[{s}])"
                 for j, (s, c) in enumerate(zip(st.ins_slots, convs))]
@@ -118,42 +115,35 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
             args += [f"{k}={const(f'A{i}_{k}', v)}" for k, v in st.attrs.items()]
         elif st.attrs:
             args.append(f"**{const(f'A{i}', dict(st.attrs))}")
-        emit("    try:")
-        emit(f"        out = {fn}({', '.join(args)})")
-        emit("    except Exception as ex:")
-        emit(f"        raise kerr(plan, {step}, ex) from ex")
+        # The kernel is read at each call, as the interpreter reads it (a kernel may be replaced).
+        emit(f"    try: out = {step}.fn({', '.join(args)})")
+        emit(f"    except Exception as ex: raise kerr(plan, {step}, ex) from ex")
         if st.post is not None:
             post = const(f"P{i}", st.post)
             emit(f"    out = {post}(out)" if st.single else f"    out = tuple(map({post}, out))")
         for r in range(len(st.out_slots)):
             _, tdt, shape, nbytes = st.expect[r]
-            dt, sh = const(f"D{i}_{r}", tdt), const(f"S{i}_{r}", shape)
+            dt, sh = const(f"D{i}_{r}", tdt), const(f"H{i}_{r}", shape)
             s = st.out_slots[r]
-            emit("    o = out" if st.single else f"    o = out[{r}]")
-            emit(f"    if type(o) is T and o.dtype is {dt} and o.shape == {sh} and o.is_cpu:")
-            emit("        sto = o.untyped_storage()")
-            emit("        k = sto.data_ptr()")
             a = st.alias[r]
+            emit("    o = out" if st.single else f"    o = out[{r}]")
+            # VM._exec's fast path: a plain CPU tensor of the result's dtype and shape that is either
+            # fresh (contiguous, alone in a storage of exactly its bytes, not live) or a view of its
+            # aliased operand's storage; anything else takes the general path.
+            fast = f"type(o) is T and o.dtype is {dt} and o.shape == {sh} and o.is_cpu and "
             if a < 0:
-                emit(f"        if k not in refs and sto.nbytes() == {nbytes} and o.is_contiguous():")
-                emit(f"            refs[k] = [1, {nbytes}, sto, {st.kinds[r]}]")
-                emit(f"            live += {nbytes}")
-                emit("            if live > peak:")
-                emit("                peak = live")
+                emit(f"    if {fast}(k := (sto := o.untyped_storage()).data_ptr()) not in refs "
+                     f"and sto.nbytes() == {nbytes} and o.is_contiguous():")
+                emit(f"        refs[k] = [1, {nbytes}, sto, {st.kinds[r]}]; live += {nbytes}; frame[{s}] = o; keys[{s}] = k")
+                emit("        if live > peak: peak = live")
             else:
-                emit(f"        if k == keys[{st.ins_slots[a]}]:")
-                emit("            refs[k][0] += 1")
-            emit(f"            frame[{s}] = o")
-            emit(f"            keys[{s}] = k")
-            emit("        else:")
-            slow(step, r, "            ")
-            emit("    else:")
-            slow(step, r, "        ")
+                emit(f"    if {fast}(k := o.untyped_storage().data_ptr()) == keys[{st.ins_slots[a]}]:")
+                emit(f"        refs[k][0] += 1; frame[{s}] = o; keys[{s}] = k")
+            emit(f"    else: live, peak = slow({step}, {r}, o, frame, keys, tracker, live, peak)")
         # No reference to a released result: a local would keep its memory past the counted release.
         emit("    out = o = sto = None")
         releases(st.rel_top)
-        emit("    if peak > pk:")
-        emit(f"        pk, pk_at = peak, {i}")
+        emit(f"    if peak > pk: pk, pk_at = peak, {i}")
     else:
         raise ValueError(f"@{plan.fn.name} ends without a return")
     code = compile("\n".join(lines) + "\n", f"<remat straight-line @{plan.fn.name}>", "exec")

@@ -225,7 +225,7 @@ class _BlockPlan:
 
 class _FnPlan:
     __slots__ = ("fn", "nslots", "param_slots", "param_expect", "blocks", "arg_dialect", "uses_torch", "instrs",
-                 "param_written", "param_kinds", "tagged", "straight")
+                 "param_written", "param_kinds", "tagged", "straight", "lean_runs")
 
 
 def _expect(t: TensorType, dialect: str):
@@ -313,7 +313,8 @@ class VM:
         p.param_written = _written_params(fn)
         p.param_kinds = (0,) * len(fn.params)
         p.tagged = False
-        p.straight = None  # the lean run generated (remat.runtime.straight), on first use; False: not eligible
+        p.straight = None  # the lean run generated (remat.runtime.straight); False: not eligible
+        p.lean_runs = 0  # lean runs interpreted before it is generated
         # The converter family every slot's value is known to be in (see _is_family): parameters
         # (converted on entry), kernel results (converted by _store). Block arguments and call
         # results may come from several places: unknown (None), converted at each use.
@@ -518,13 +519,19 @@ class VM:
         return outs, stats
 
     def _straight(self, plan: _FnPlan) -> bool:
-        """Whether ``plan``'s lean runs take its generated straight-line function
-        (:mod:`remat.runtime.straight`), generating it on first use."""
+        """Whether this lean run of ``plan`` takes its generated straight-line function
+        (:mod:`remat.runtime.straight`): from its ``straight.INTERPRETED_RUNS + 1``-th lean run on
+        (generating it then), when the function is eligible."""
         if plan.straight is None:
             from . import straight
 
-            plan.straight = (straight.generate(plan, self._store, _kernel_error)
-                             if self.straight_runs and straight.eligible(plan) else False)
+            if not (self.straight_runs and straight.eligible(plan)):
+                plan.straight = False
+            elif plan.lean_runs < straight.INTERPRETED_RUNS:
+                plan.lean_runs += 1
+                return False
+            else:
+                plan.straight = straight.generate(plan, self._store, _kernel_error)
         return plan.straight is not False
 
     def _arguments(self, plan: _FnPlan, args: Sequence[Any]) -> tuple[list, list]:
