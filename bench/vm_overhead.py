@@ -11,8 +11,10 @@ round; reported per executed instruction (µs) and as the ratio VM / plain loop.
 
 The plain loop's arguments are captured from one VM run (each kernel wrapped once to record the
 operands it received, already converted to its dialect). Each VM variant is timed: recording
-``full`` (timeline and per-instruction times), ``peak`` (bytes only) and ``peak+kinds`` (``peak`` with
-bytes by kind, ``run(..., by_kind=True)``: what a training step records), and with ``--baseline REV``
+``full`` (timeline and per-instruction times), ``peak`` (bytes only: from its third run on, the
+generated straight-line form of a function without control flow, ``remat.runtime.straight``),
+``peak-interpreted`` (the same, always interpreted) and ``peak+kinds`` (``peak`` with bytes by kind,
+``run(..., by_kind=True)``: what a training step records on its first call), and with ``--baseline REV``
 the VM of git revision REV too (its ``vm.py`` and ``memory.py`` loaded under private module names;
 the kernels are this checkout's), so before/after comparisons come from one process. ``--steps``
 also times whole training steps (``TrainStep.__call__``) of the zoo models with each VM swapped in.
@@ -129,19 +131,21 @@ def plain_loop(calls: list) -> None:
 
 
 def time_variants(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[str, dict[str, float]]:
-    """Median wall and CPU seconds of each variant over ``rounds`` alternating rounds (after a warm-up).
+    """Median wall and CPU seconds of each variant over ``rounds`` alternating rounds (after three
+    untimed ones).
 
     CPU time is the calling thread's (``time.thread_time``; torch runs single-threaded here): on a
     shared machine it leaves out the time the process waited for a core, which wall time includes."""
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
-    for r in range(rounds + 1):
+    warm = 3  # untimed rounds: kernels load, and lean runs take their generated form from the third on
+    for r in range(rounds + warm):
         for k, f in variants.items():
             gc.collect()
             c0, t0 = time.thread_time(), time.perf_counter()
             f()
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-            if r:
+            if r >= warm:
                 wall[k].append(dt)
                 cpu[k].append(dc)
     return {k: {"wall": statistics.median(wall[k]), "cpu": statistics.median(cpu[k])} for k in variants}
@@ -180,9 +184,9 @@ class _Recording:
         if self.record is None:  # a baseline VM: no by_kind
             kw.pop("by_kind", None)
             return self.vm.run(*a, **kw)
+        kw.pop("by_kind", None)
         if self.record == "peak+kinds":
             return self.vm.run(*a, record="peak", by_kind=True, **kw)
-        kw.pop("by_kind", None)
         return self.vm.run(*a, record=self.record, **kw)
 
 
@@ -237,6 +241,10 @@ def main() -> None:
         if lean:
             out["full"] = (vm_mod.VM(module, dialects=dialects), "full")
             out["peak"] = (vm_mod.VM(module, dialects=dialects), "peak")
+            if hasattr(vm_mod.VM, "straight_runs"):  # "peak" runs generated: the interpreter's lean run too
+                vm = vm_mod.VM(module, dialects=dialects)
+                vm.straight_runs = False
+                out["peak-interpreted"] = (vm, "peak")
             if hasattr(vm_mod.VM, "set_kinds"):
                 vm = vm_mod.VM(module, dialects=dialects)
                 fn = next(iter(module)) if isinstance(module, Module) else module
@@ -260,7 +268,7 @@ def main() -> None:
         for m in models:
             step, ex = zoo_step(m, size)
             args = step.binding.step_args(ex, copy=True, step=1)
-            vms = variants_for(Module([step.program]), step.dialects, step._kinds)
+            vms = variants_for(Module([step.program]), step.dialects, step.compilation.kinds)
             rows.append(overhead_row(f"zoo/{m}/{size}", vms, step.program.name, args,
                                      rounds if size == "tiny" else max(3, rounds // 2), outputs="torch"))
             print(rows[-1], flush=True)
