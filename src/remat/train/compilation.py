@@ -643,13 +643,14 @@ def lower(c: Compilation) -> Compilation:
 
 
 def fuse(c: Compilation) -> Compilation:
-    """Sibling convolution gradients become one call (:mod:`remat.lower.siblings`) and, with the numba
-    dialect, element-wise DAGs fused kernels (:mod:`remat.lower.fuse`): :func:`fused_program`. Neither
-    raises the VM's peak, but they move high-water marks; with workspaces counted, a rewrite whose
+    """Recomputed batch norm outputs normalised from the saved statistics on the CPU
+    (:mod:`remat.lower.bn_recompute`), sibling convolution gradients as one call
+    (:mod:`remat.lower.siblings`) and, with the numba dialect, element-wise DAGs as fused kernels
+    (:mod:`remat.lower.fuse`): :func:`fused_program`. None raises the VM's peak, but they move high-water marks; with workspaces counted, a rewrite whose
     span holds an allocator high-water mark above the budget is undone (the others are kept), and
     the fused program is kept only if its allocator bound stays within the budget (else the planned
-    program runs unfused). Merged and fused kernels are bit-identical to the ops they replace, so
-    the plan's promises carry over. With ``cost_model="profiled"`` the predicted seconds are the
+    program runs unfused). The rewritten, merged and fused kernels are bit-identical to the ops they
+    replace, so the plan's promises carry over. With ``cost_model="profiled"`` the predicted seconds are the
     programs' as they run: this one, and the unconstrained step's as ``profile`` fused it."""
     from ..plan.workspace import allocator_bound, allocator_excess
 
@@ -657,7 +658,8 @@ def fuse(c: Compilation) -> Compilation:
     judge = None
     if counted and (c.predicted_allocator_peak or 0) <= c.budget:
         judge = partial(_excess, c.workspaces, c.budget, allocator_excess)  # rewrites breaking the budget are undone
-    fused = fused_program(c.program, _numba(c), judge)
+    fused = fused_program(c.program, _numba(c), judge, None if c.placement is not None else backends.resolve(c.dialects),
+                          c.budget)
     if counted:
         bound = allocator_bound(fused, c.workspaces(fused))
         if bound > c.budget >= (c.predicted_allocator_peak or 0):
@@ -667,13 +669,19 @@ def fuse(c: Compilation) -> Compilation:
     return _priced_as_run(replace(c, program=fused))
 
 
-def fused_program(program: Function, numba: bool, judge: Callable | None = None) -> Function:
-    """``program`` with sibling convolution gradients merged into one call and, with ``numba``,
-    element-wise DAGs fused into generated kernels; ``judge`` (an excess of a rewritten program, None
-    for none) undoes rewrites breaking the budget (:func:`fuse`)."""
+def fused_program(program: Function, numba: bool, judge: Callable | None = None,
+                  cpu_dialects: Sequence[str] | None = None, budget: int | None = None) -> Function:
+    """``program`` with its recomputed batch norm outputs normalised from the saved statistics when it
+    runs on the CPU with ``cpu_dialects`` (:mod:`remat.lower.bn_recompute`; its peak within ``budget``),
+    sibling convolution gradients merged into one call and, with ``numba``, element-wise DAGs fused
+    into generated kernels; ``judge`` (an excess of a rewritten program, None for none) undoes
+    rewrites breaking the budget (:func:`fuse`)."""
+    from ..lower.bn_recompute import recompute_from_stats
     from ..lower.fuse import fuse_function
     from ..lower.siblings import merge_conv_grads
 
+    if cpu_dialects is not None:
+        program = recompute_from_stats(program, cpu_dialects, judge, budget)
     fused = merge_conv_grads(program, judge)
     return fuse_function(fused, judge=judge) if numba else fused
 
