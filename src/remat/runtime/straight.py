@@ -19,6 +19,8 @@ from __future__ import annotations
 import keyword
 from typing import Any, Callable
 
+from .steps import K_FREE, K_KERNEL, K_RETURN
+
 MAX_INSTRUCTIONS = 50_000
 """Functions longer than this are left to the interpreter. Generating costs about 0.13 ms per
 instruction, almost all of it Python compiling the source (a 5,736-instruction step: 0.75 s)."""
@@ -32,15 +34,13 @@ loop pays once, early."""
 def eligible(plan: Any) -> bool:
     """Whether :func:`generate` can write ``plan``'s function out: one block of kernels (their results
     checked on the fast path: torch tensors on the CPU), frees and the return."""
-    from .vm import _K_FREE, _K_KERNEL, _K_RETURN
-
     if len(plan.blocks) != 1 or len(plan.instrs) > MAX_INSTRUCTIONS:
         return False
     for st in plan.blocks[0].steps:
-        if st.kind == _K_KERNEL:
+        if st.kind == K_KERNEL:
             if not st.fast:
                 return False
-        elif st.kind not in (_K_FREE, _K_RETURN):
+        elif st.kind not in (K_FREE, K_RETURN):
             return False
     return True
 
@@ -52,8 +52,6 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
     ``store(plan, st, r, o, frame, keys, tracker)``: the general path for a result; ``kernel_error(plan,
     st, e)``: the exception to raise for a kernel's exception ``e``."""
     import torch
-
-    from .vm import _K_FREE, _K_KERNEL, _K_RETURN
 
     def slow(st, r: int, o, frame: list, keys: list, tracker, live: int, peak: int) -> tuple[int, int]:
         """The general path for result ``r`` of ``st`` (``VM._store``), the counts handed over and back."""
@@ -95,10 +93,10 @@ def generate(plan: Any, store: Callable, kernel_error: Callable) -> Callable:
     releases(bp.dead_top)
     for st in bp.steps:
         i = st.index
-        if st.kind == _K_FREE:
+        if st.kind == K_FREE:
             releases(st.rel_top)
             continue
-        if st.kind == _K_RETURN:
+        if st.kind == K_RETURN:
             emit(f"    outs = [{', '.join(f'frame[{s}]' for s in st.ins_slots)}]")
             emit(f"    okeys = [{', '.join(f'keys[{s}]' for s in st.ins_slots)}]")
             emit("    for k in okeys: refs[k][0] += 1")

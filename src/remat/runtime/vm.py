@@ -53,7 +53,7 @@ from ..ir.reuse import buffer_reuse
 from ..ir.types import DType
 from .memory import KindTracker, MemoryTracker, storage_of
 
-_K_KERNEL, _K_CALL, _K_FREE, _K_BR, _K_COND_BR, _K_RETURN = range(6)
+from .steps import K_BR, K_CALL, K_COND_BR, K_FREE, K_KERNEL, K_RETURN
 RECORD_LEVELS = ("full", "peak")
 
 _TK: Any = None
@@ -349,18 +349,18 @@ class VM:
                 st.expect = ()
                 name = st.name
                 if name == "call":
-                    st.kind = _K_CALL
+                    st.kind = K_CALL
                     st.callee = ins.attrs["callee"]
                     callee = fn.module[st.callee]
                     if callee.is_declaration:
                         raise ValueError(f"@{fn.name} calls @{st.callee}, a gradient declaration not yet "
                                          f"differentiated; run the 'grad' pass first")
                 elif name == "free":
-                    st.kind = _K_FREE
+                    st.kind = K_FREE
                 elif name == "return":
-                    st.kind = _K_RETURN
+                    st.kind = K_RETURN
                 elif name in ("br", "cond_br"):
-                    st.kind = _K_BR if name == "br" else _K_COND_BR
+                    st.kind = K_BR if name == "br" else K_COND_BR
                     st.cond = st.ins_slots[0] if name == "cond_br" else None
                     st.targets = []
                     for i, s in enumerate(ins.successors):
@@ -371,7 +371,7 @@ class VM:
                         t.rel, t.rel_top = rels(lv.edge_kills.get((b, i), ()))
                         st.targets.append(t)
                 else:
-                    st.kind = _K_KERNEL
+                    st.kind = K_KERNEL
                     impl = backends.kernel_for(ins, ins.dialect)
                     st.fn = impl.fn
                     if ins in reuse:
@@ -622,7 +622,7 @@ class VM:
                     t0 = perf()
                     saved_peak = tracker.begin_instruction()
                 kind = st.kind
-                if kind == _K_KERNEL:
+                if kind == K_KERNEL:
                     try:
                         if st.convs is None:  # every operand already of the dialect's type
                             if st.nargs == 1:
@@ -678,7 +678,7 @@ class VM:
                     # Hold no reference to a released (dead) result: a storage object kept by a
                     # local would keep its memory allocated past the release the VM counts.
                     out = sto = None
-                elif kind == _K_CALL:
+                elif kind == K_CALL:
                     callee = self._plans[st.callee]
                     cconv = _CONVERT[callee.arg_dialect] if callee.arg_dialect else None
                     xs_ = [frame[s] for s in st.ins_slots]
@@ -692,7 +692,7 @@ class VM:
                     for s, o, k in zip(st.out_slots, outs, okeys):
                         frame[s] = o
                         keys[s] = k  # the callee took this reference on our behalf
-                elif kind == _K_RETURN:
+                elif kind == K_RETURN:
                     outs = [frame[s] for s in st.ins_slots]
                     okeys = [keys[s] for s in st.ins_slots]
                     for k in okeys:
@@ -708,10 +708,10 @@ class VM:
                             pk, pk_at = tracker.peak_bytes, st.index
                         rec.peak, rec.peak_index = pk, pk_at
                     return outs, okeys
-                elif kind == _K_FREE:
+                elif kind == K_FREE:
                     pass
                 else:  # br, cond_br
-                    if kind == _K_BR:
+                    if kind == K_BR:
                         t = st.targets[0]
                     else:
                         t = st.targets[0] if bool(frame[st.cond]) else st.targets[1]
