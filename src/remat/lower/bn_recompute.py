@@ -20,7 +20,8 @@ bit the first run's (every dtype, the mixed bf16/f16 kernels, NCHW and channels-
 [4, 16, 64, 64] channels-last, 2 threads, 81 µs for the training kernel against 27 µs.
 
 Only where that holds: the torch dialect on the CPU (another kernel may normalise otherwise), and an
-affine batch norm whose x reaches ATen dense (channel axis 1, or 3 of a rank-4 channels-last x; other
+affine batch norm with float32 or float64 statistics (ATen multiplies invstd and weight in float32
+for half-precision ones too, which a half-precision ``mul`` would round) whose x reaches ATen dense (channel axis 1, or 3 of a rank-4 channels-last x; other
 layouts reach its element-wise fallback, which computes in another order). Where the backward reads
 the recomputation's statistics too (a chain plan recomputes whole blocks), it reads the first run's
 instead, the same values, which then live to their last read: a few [C] vectors longer. The
@@ -30,7 +31,7 @@ budget (without one, within the program's own peak), and a rewrite whose span ho
 """
 from __future__ import annotations
 
-from ..ir import Builder, Function, Instruction, Module, Value
+from ..ir import Builder, DType, Function, Instruction, Module, Value
 from ..ir.build import clone_into
 from ..plan.simulator import simulate
 from .fuse import Judge, keep_accepted, within_peak
@@ -55,6 +56,7 @@ def find_recomputed(fn: Function, dialect_of) -> list[Instruction]:
             continue
         first = ins.recomputes.instr
         if (first.op.name == "batch_norm" and first in pos and pos[first] < pos[ins] and ins.attrs.get("affine", True)
+                and first.results[2].type.dtype in (DType.f32, DType.f64)
                 and not any(r in used for r in ins.results[3:]) and _dense_for_aten(ins)
                 and dialect_of(ins) == "torch"):
             out.append(ins)
