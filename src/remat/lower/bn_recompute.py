@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from ..ir import Builder, DType, Function, Instruction, Module, Value
 from ..ir.build import clone_into
-from ..plan.simulator import simulate
 from .fuse import Judge, keep_accepted, within_peak
 
 
@@ -110,21 +109,6 @@ def _rewrite(fn: Function, items: list[Instruction]) -> tuple[Function, dict[int
     return out, spans
 
 
-def _within(fn: Function, limit: int | None, judge: Judge | None) -> Judge:
-    """The check of a rewrite of ``fn``: its VM peak (``simulate``) at most ``limit`` (None: ``fn``'s),
-    and ``judge`` when given; None, or the index of an instruction at the excess."""
-    if limit is None:
-        return within_peak(fn, judge)
-
-    def check(out: Function) -> int | None:
-        pred = simulate(out)
-        if pred.peak_bytes > limit:
-            return -1 if pred.peak_index is None else pred.peak_index
-        return None if judge is None else judge(out)
-
-    return check
-
-
 def recompute_from_stats(fn: Function, dialects, judge: Judge | None = None, limit: int | None = None) -> Function:
     """``fn`` with its recomputed batch norm outputs normalised from the saved statistics (single-block
     functions without calls; others are returned unchanged); ``dialects``: those the program runs
@@ -137,7 +121,7 @@ def recompute_from_stats(fn: Function, dialects, judge: Judge | None = None, lim
     items = find_recomputed(fn, lambda ins: ins.dialect or backends.select(ins, dialects).dialect)
     if not items:
         return fn
-    return keep_accepted(fn, items, _rewrite, _within(fn, limit, judge), "batch norm recomputation")[0]
+    return keep_accepted(fn, items, _rewrite, within_peak(fn, judge, limit), "batch norm recomputation")[0]
 
 
 def recompute_from_stats_pass(module: Module) -> Module:

@@ -359,10 +359,10 @@ def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge, wh
     return fn, items
 
 
-def within_peak(fn: Function, judge: Judge | None = None) -> Judge:
-    """The check a rewrite of ``fn`` must pass: its VM peak (``simulate``) at most ``fn``'s, and
-    ``judge`` when given; it returns None, or the index of an instruction at the excess."""
-    base = simulate(fn).peak_bytes
+def within_peak(fn: Function, judge: Judge | None = None, limit: int | None = None) -> Judge:
+    """The check a rewrite of ``fn`` must pass: its VM peak (``simulate``) at most ``limit`` (None:
+    ``fn``'s), and ``judge`` when given; it returns None, or the index of an instruction at the excess."""
+    base = simulate(fn).peak_bytes if limit is None else limit
 
     def check(out: Function) -> int | None:
         pred = simulate(out)
