@@ -11,7 +11,7 @@ round; reported per executed instruction (µs) and as the ratio VM / plain loop.
 
 The plain loop's arguments are captured from one VM run (each kernel wrapped once to record the
 operands it received, already converted to its dialect). Each VM variant is timed: recording
-``full`` (timeline and per-instruction times), ``peak`` (bytes only: from its third run on, the
+``full`` (timeline and per-instruction times), ``peak`` (bytes only: from its second run on, the
 generated straight-line form of a function without control flow, ``remat.runtime.straight``),
 ``peak-interpreted`` (the same, always interpreted) and ``peak+kinds`` (``peak`` with bytes by kind,
 ``run(..., by_kind=True)``: what a training step records on its first call), and with ``--baseline REV``
@@ -138,7 +138,7 @@ def time_variants(variants: dict[str, Callable[[], Any]], rounds: int) -> dict[s
     shared machine it leaves out the time the process waited for a core, which wall time includes."""
     wall: dict[str, list[float]] = {k: [] for k in variants}
     cpu: dict[str, list[float]] = {k: [] for k in variants}
-    warm = 3  # untimed rounds: kernels load, and lean runs take their generated form from the third on
+    warm = 3  # untimed rounds: kernels load, and lean runs are generated (from the second on)
     for r in range(rounds + warm):
         for k, f in variants.items():
             gc.collect()

@@ -25,10 +25,10 @@ MAX_INSTRUCTIONS = 50_000
 """Functions longer than this are left to the interpreter. Generating costs about 0.13 ms per
 instruction, almost all of it Python compiling the source (a 5,736-instruction step: 0.75 s)."""
 
-INTERPRETED_RUNS = 2
+INTERPRETED_RUNS = 1
 """Lean runs of a function interpreted before its straight-line form is generated, so that a
-function run once or twice (a test, a probe, a dry run) never pays for generating it; a training
-loop pays once, early."""
+function run once (a probe, a test's single step) never pays for generating it; a training loop
+pays once, at its third step (a step's first run counts bytes by kind, and is interpreted)."""
 
 
 def eligible(plan: Any) -> bool:
