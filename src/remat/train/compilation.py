@@ -646,20 +646,22 @@ def fuse(c: Compilation) -> Compilation:
     """Recomputed batch norm outputs normalised from the saved statistics on the CPU
     (:mod:`remat.lower.bn_recompute`), sibling convolution gradients as one call
     (:mod:`remat.lower.siblings`) and, with the numba dialect, element-wise DAGs as fused kernels
-    (:mod:`remat.lower.fuse`): :func:`fused_program`. None raises the VM's peak, but they move high-water marks; with workspaces counted, a rewrite whose
-    span holds an allocator high-water mark above the budget is undone (the others are kept), and
-    the fused program is kept only if its allocator bound stays within the budget (else the planned
-    program runs unfused). The rewritten, merged and fused kernels are bit-identical to the ops they
-    replace, so the plan's promises carry over. With ``cost_model="profiled"`` the predicted seconds are the
-    programs' as they run: this one, and the unconstrained step's as ``profile`` fused it."""
+    (:mod:`remat.lower.fuse`): :func:`fused_program`. None raises the VM's peak above the budget (the
+    first may keep a few per-channel statistics alive longer; the others never raise it), but they
+    move high-water marks; with workspaces counted, a rewrite whose span holds an allocator high-water
+    mark above the budget is undone (the others are kept), and the fused program is kept only if its
+    allocator bound stays within the budget (else the planned program runs unfused). The rewritten,
+    merged and fused kernels are bit-identical to the ops they replace, so the plan's promises carry
+    over. With ``cost_model="profiled"`` the predicted seconds are the programs' as they run: this
+    one, and the unconstrained step's as ``profile`` fused it."""
     from ..plan.workspace import allocator_bound, allocator_excess
 
     counted = c.budget is not None and c.options.count_workspaces
     judge = None
     if counted and (c.predicted_allocator_peak or 0) <= c.budget:
         judge = partial(_excess, c.workspaces, c.budget, allocator_excess)  # rewrites breaking the budget are undone
-    fused = fused_program(c.program, _numba(c), judge, None if c.placement is not None else backends.resolve(c.dialects),
-                          c.budget)
+    cpu_dialects = None if c.placement is not None else backends.resolve(c.dialects)
+    fused = fused_program(c.program, _numba(c), judge, cpu_dialects, c.budget)
     if counted:
         bound = allocator_bound(fused, c.workspaces(fused))
         if bound > c.budget >= (c.predicted_allocator_peak or 0):
