@@ -549,3 +549,37 @@ def test_index_put_with_repeated_indices_keeps_the_last_in_every_dialect(axis):
     np.testing.assert_array_equal(outs[0], outs[1])
     want = upd[1, 1] if axis == 0 else upd[:, 1, 1]
     np.testing.assert_array_equal(np.take(outs[0], 1, axis=axis), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_upcast_cross_entropy_is_the_loss_of_the_f32_logits_bit_for_bit(dtype, reduction):
+    """``cross_entropy {upcast}`` of low-precision logits (rows in several chunks) gives the loss,
+    logsumexp and gradient of the logits converted to f32, the gradient rounded as a cast rounds it;
+    on both dialects, the gradient also written over the logits."""
+    import ml_dtypes
+
+    from remat.backends import numpy_kernels as npk
+
+    n, c = 300, 4000  # 131 rows a chunk: three chunks, the last partial
+    gen = torch.Generator().manual_seed(1)
+    z = (torch.randn(n, c, generator=gen) * 3).to(dtype)
+    t = torch.randint(0, c, (n,), generator=gen)
+    t[::7] = -100
+    kw = dict(reduction=reduction, ignore_index=-100)
+    loss, lse = tk.cross_entropy(z, t, upcast=True, **kw)
+    want_loss, want_lse = tk.cross_entropy(z.float(), t, **kw)
+    assert loss.dtype == lse.dtype == torch.float32
+    assert torch.equal(loss, want_loss) and torch.equal(lse, want_lse)
+    g = torch.rand(n if reduction == "none" else (), generator=gen)
+    want = tk.cross_entropy_grad(g, z.float(), want_lse, t, **kw).to(dtype)
+    got = tk.cross_entropy_grad(g, z, lse, t, upcast=True, **kw)
+    assert got.dtype == dtype and torch.equal(got, want)
+    over = z.clone()
+    assert torch.equal(tk.cross_entropy_grad_out(over, g, over, lse, t, upcast=True, **kw), want)
+    nz = z[:40].float().numpy().astype(ml_dtypes.bfloat16 if dtype == torch.bfloat16 else np.float16)
+    nl, nlse = npk.cross_entropy(nz, t[:40].numpy(), upcast=True, **kw)
+    wl, wlse = npk.cross_entropy(nz.astype(np.float32), t[:40].numpy(), **kw)
+    assert nl.dtype == nlse.dtype == np.float32
+    np.testing.assert_array_equal(nl, wl)
+    np.testing.assert_array_equal(nlse, wlse)

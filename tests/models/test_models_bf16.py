@@ -68,3 +68,25 @@ def test_bf16_step_at_half_the_peak_matches_eager_autocast(zm):
         assert _rel(got, fp32) <= FAR[zm.name] * _rel(want, fp32)
     else:
         assert _rel(got, want) < 2e-2, zm.name
+
+
+def test_bf16_llama_loss_reads_its_bf16_logits(monkeypatch):
+    """Llama's loss upcasts its logits (``logits.float()``, then rows): the step reads the bf16 logits
+    itself, with gradients bit-identical to the step holding the f32 copy, and a lower peak."""
+    import remat.passes.crossentropy as ce
+
+    monkeypatch.setenv("REMAT_CAPTURE_CACHE", "0")
+    model, inputs = next(m for m in MODELS if m.name == "llama").build()
+    runs = {}
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(ce, "fold_upcast", lambda f: (f, 0))
+        m = copy.deepcopy(model)
+        step = remat.compile(m, inputs, precision="bf16")
+        step(**inputs)
+        names = [i.op.name for i in step.program.instructions() if i.attrs.get("upcast")]
+        runs[fold] = _grads(m), step.report(), names
+    (g1, r1, up), (g0, r0, none) = runs[True], runs[False]
+    assert up == ["cross_entropy", "cross_entropy_grad"] and none == []
+    assert all(torch.equal(a, b) for a, b in zip(g1, g0))
+    assert r1.measured_peak == r1.predicted_peak < r0.predicted_peak

@@ -35,10 +35,10 @@ def test_the_reported_minimum_compiles():
 
 
 def test_a_minimum_from_a_plan_made_at_a_lower_budget_is_checked():
-    """Planning Hugging Face GPT-2 tiny in bf16 at half its peak, the greedy made a plan peaking at
-    663,044 B, over that budget; asked for 663,044 B, the greedy's plan peaks higher (it is not
-    monotone in the budget) and nothing fitted. A refusal checks such a minimum by planning it, so
-    the minimum it reports compiles."""
+    """A refusal's minimum can come from a plan made at a lower budget, whose peak a plan asked for
+    that minimum need not reach (the greedy is not monotone in the budget); a refusal checks its
+    minimum by planning it, so the minimum it reports compiles: Hugging Face GPT-2 tiny in bf16,
+    asked for 45% of its peak, below its floor."""
     import sys
     from pathlib import Path
 
@@ -48,7 +48,7 @@ def test_a_minimum_from_a_plan_made_at_a_lower_budget_is_checked():
     model, inputs = next(m for m in MODELS if m.name == "gpt2").build()
     opts = dict(precision="bf16", count_workspaces=False)
     with pytest.raises(remat.BudgetTooSmall) as e:
-        remat.compile(model, inputs, budget=0.5, **opts)
+        remat.compile(model, inputs, budget=0.45, **opts)
     step = remat.compile(model, inputs, budget=e.value.minimum, **opts)
     step(**inputs)
     assert step.last_stats.peak_bytes == step.report().predicted_peak <= e.value.minimum

@@ -104,3 +104,86 @@ def test_the_head_rewrite_also_matches_cross_entropy():
     assert len(sites) == 1 and sites[0].held == 1
     assert "linear_cross_entropy" in _ops(g) and not {"matmul", "cross_entropy"} & set(_ops(g))
     assert fuse_cross_entropy(_head(), chunk=2)[1][0].held == 3
+
+
+# ---------------------------------------------------------------- low-precision logits read as they are
+BF16 = DType.bf16
+
+
+def _upcast_loss(dtype: DType = BF16, to: DType = F32, reshaped: bool = False, extra_use: bool = False,
+                 reduction: str = "mean") -> Function:
+    """cross_entropy(cast(z, to)) of logits z [6, 5] (or [2, 3, 5] cast, then reshaped to rows)."""
+    f = Function("f", [TensorType(dtype, (2, 3, 5) if reshaped else (6, 5)), TensorType(I64, (6,))])
+    b = Builder(f.entry)
+    z, t = f.params
+    zf = b.op("cast", z, dtype=to)
+    rows = b.op("reshape", zf, shape=(6, 5)) if reshaped else zf
+    loss, _ = b.op("cross_entropy", rows, t, reduction=reduction, ignore_index=3)
+    if extra_use:
+        loss = b.op("add", loss, b.op("reduce_sum", zf, axes=[0, 1] if not reshaped else [0, 1, 2]))
+    f.result_types = [loss.type]
+    b.ret(loss)
+    return f
+
+
+@pytest.mark.parametrize("reshaped", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cast_logits_fold_into_an_upcast_cross_entropy(reshaped, reduction):
+    """The f32 copy of bf16 logits goes: the loss reads them as they are, and gives the same loss,
+    bit for bit, on the torch and numpy dialects; its text round-trips."""
+    import numpy as np
+    import torch
+
+    import remat
+    from remat.ir import parse
+    from remat.passes.crossentropy import fold_upcast
+
+    f = _upcast_loss(reshaped=reshaped, reduction=reduction)
+    g, n = fold_upcast(f)
+    verify(Module([g]))
+    assert n == 1 and "cast" not in _ops(g)
+    ce = next(i for i in g.entry.instrs if i.op.name == "cross_entropy")
+    assert ce.attrs["upcast"] and ce.operands[0].type.dtype == BF16 and ce.results[0].type == f.result_types[0]
+    assert ce.attrs["reduction"] == reduction and ce.attrs["ignore_index"] == 3
+    assert str(parse(str(Module([g])))) == str(Module([g])) and "upcast" in str(g)
+    z = torch.randn(f.param_types[0].shape, generator=torch.Generator().manual_seed(0)).mul(4).to(torch.bfloat16)
+    t = torch.tensor([0, 3, 4, 1, 2, 3])
+    for dialect in ("torch", "numpy"):
+        want = remat.run(f, z, t, dialects=(dialect,), outputs="torch")[0][0]
+        got = remat.run(g, z, t, dialects=(dialect,), outputs="torch")[0][0]
+        assert got.dtype == want.dtype == torch.float32
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+@pytest.mark.parametrize("case", [dict(dtype=F32), dict(to=DType.f64), dict(extra_use=True),
+                                  dict(reshaped=True, extra_use=True)])
+def test_other_casts_into_a_loss_are_left_alone(case):
+    """An f32 copy read elsewhere, logits already f32 (a cast from f32), or a cast to f64 stay as they are."""
+    from remat.passes.crossentropy import fold_upcast
+
+    f = _upcast_loss(**case) if case.get("to") != DType.f64 else _upcast_loss(dtype=F32, to=DType.f64)
+    g, n = fold_upcast(f)
+    assert n == 0 and str(g) == str(f)
+
+
+def test_upcast_needs_low_precision_logits():
+    f = Function("f", [TensorType(F32, (6, 5)), TensorType(I64, (6,))])
+    b = Builder(f.entry)
+    with pytest.raises(TypeError, match="upcast computes bf16 or f16 logits in f32, got f32"):
+        b.op("cross_entropy", *f.params, upcast=True)
+
+
+def test_the_head_rewrite_leaves_an_upcast_loss_alone():
+    """linear_cross_entropy computes in its operands' dtype: an f32 loss of bf16 logits is not its."""
+    from remat.passes.crossentropy import fold_upcast
+
+    f = Function("f", [TensorType(BF16, (6, 4)), TensorType(BF16, (5, 4)), TensorType(I64, (6,))])
+    b = Builder(f.entry)
+    x, w, t = f.params
+    loss, _ = b.op("cross_entropy", b.op("cast", b.op("matmul", x, w, transpose_b=True), dtype=F32), t)
+    f.result_types = [loss.type]
+    b.ret(loss)
+    g, n = fold_upcast(f)
+    assert n == 1
+    h, sites = fuse_cross_entropy(g)
+    assert sites == [] and _ops(h) == _ops(g)

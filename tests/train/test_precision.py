@@ -337,3 +337,31 @@ def test_bf16_learned_attention_mask_gradient_is_as_accurate_as_eager_autocast()
     got = _grads(m)
     for i, name in enumerate(n for n, _ in model.named_parameters()):
         assert _global_rel([got[i]], [fp32[i]]) <= 1.25 * _global_rel([bf16[i]], [fp32[i]]), name
+
+
+def test_bf16_loss_reads_the_bf16_logits_and_trains_bit_identically(monkeypatch):
+    """Autocast computes the loss in f32: the step reads the bf16 logits a chunk of rows at a time
+    (``cross_entropy {upcast}``), with no f32 copy of them or of their gradient in the program, and
+    trains bit for bit as the step with the f32 copy does (fold off), in no more bytes."""
+    import remat.passes.crossentropy as ce
+
+    monkeypatch.setenv("REMAT_CAPTURE_CACHE", "0")
+    model, inputs, loss_fn = make("gpt")
+    runs = {}
+    for fold in (True, False):
+        if not fold:
+            monkeypatch.setattr(ce, "fold_upcast", lambda f: (f, 0))
+        m = copy.deepcopy(model)
+        step = remat.compile(m, inputs, loss_fn, optimizer=torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                             precision="bf16")
+        losses = [step(*inputs) for _ in range(3)]
+        runs[fold] = losses, [p.detach().clone() for p in m.parameters()], step.report(), step.program
+    (l1, p1, r1, prog), (l0, p0, r0, _) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(l1, l0)) and all(torch.equal(a, b) for a, b in zip(p1, p0))
+    ces = [i for i in prog.instructions() if i.op.name in ("cross_entropy", "cross_entropy_grad")]
+    assert len(ces) == 2 and all(i.attrs["upcast"] and i.operands[-3 if i.op.name == "cross_entropy_grad" else 0]
+                                 .type.dtype == remat.ir.DType.bf16 for i in ces)
+    logits = ces[0].operands[0].type.shape
+    assert not any(r.type.shape == logits and r.type.dtype == remat.ir.DType.f32
+                   for i in prog.instructions() for r in i.results)
+    assert r1.measured_peak == r1.predicted_peak <= r0.predicted_peak

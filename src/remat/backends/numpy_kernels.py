@@ -941,14 +941,15 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
 
 
 @k("cross_entropy")
-def cross_entropy(z, target, *, reduction="mean", ignore_index=-100):
+def cross_entropy(z, target, *, reduction="mean", ignore_index=-100, upcast=False):
     check_targets("cross_entropy", target, z.shape[1], ignore_index)
     loss, lse = _ce.logits_forward(_up(z), target, reduction=reduction, ignore_index=ignore_index)
-    return _fresh(loss, z.dtype), _fresh(lse, z.dtype)
+    out = np.float32 if upcast else z.dtype
+    return _fresh(loss, out), _fresh(lse, out)
 
 
 @k("cross_entropy_grad")
-def cross_entropy_grad(g, z, lse, target, *, reduction="mean", ignore_index=-100):
+def cross_entropy_grad(g, z, lse, target, *, reduction="mean", ignore_index=-100, upcast=False):
     check_targets("cross_entropy_grad", target, z.shape[1], ignore_index)
     return _fresh(_ce.logits_backward(_up(g), _up(z), _up(lse), target, reduction=reduction,
                                       ignore_index=ignore_index), z.dtype)

@@ -1357,7 +1357,7 @@ def _ce_chunk(c: int) -> int:
 
 
 @k("cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
-def cross_entropy(z, target, reduction="mean", ignore_index=-100):
+def cross_entropy(z, target, reduction="mean", ignore_index=-100, upcast=False):
     n, c = z.shape
     all_kept = npk.check_targets("cross_entropy", target, c, ignore_index)
     dt = torch.float32 if z.dtype in _LOWP else z.dtype
@@ -1372,12 +1372,15 @@ def cross_entropy(z, target, reduction="mean", ignore_index=-100):
     per = lse - z.gather(1, t[:, None])[:, 0].to(dt)
     if keep is not None:
         per = torch.where(keep, per, torch.zeros((), dtype=dt, device=z.device))
-    return _fresh(_ce_reduce(per, keep, reduction).to(z.dtype)), _fresh(lse.to(z.dtype))
+    out = dt if upcast else z.dtype  # upcast: the f32 loss of the logits converted to f32, never made whole
+    return _fresh(_ce_reduce(per, keep, reduction).to(out)), _fresh(lse.to(out))
 
 
 def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
     """softmax(z) - onehot(target), times each row's weight, written into ``out`` (which may be ``z``:
-    each chunk of z is read before that chunk of ``out`` is written)."""
+    each chunk of z is read before that chunk of ``out`` is written). Low-precision logits are computed
+    in f32 a chunk at a time and rounded into ``out``: what the f32 gradient of the logits converted to
+    f32 rounds to, so ``upcast`` (an f32 ``g`` and ``lse``) needs nothing else."""
     n, c = z.shape
     all_kept = npk.check_targets("cross_entropy_grad", target, c, ignore_index)
     dt = torch.float32 if z.dtype in _LOWP else z.dtype
@@ -1402,13 +1405,13 @@ def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
 
 
 @k("cross_entropy_grad", checker=lambda ins: ins.operands[1].type.dtype.is_float)
-def cross_entropy_grad(g, z, lse, target, reduction="mean", ignore_index=-100):
+def cross_entropy_grad(g, z, lse, target, reduction="mean", ignore_index=-100, upcast=False):
     return _cross_entropy_grad_into(torch.empty_like(z, memory_format=torch.contiguous_format), g, z, lse, target,
                                     reduction, ignore_index)
 
 
 @_out("cross_entropy_grad")
-def cross_entropy_grad_out(out, g, z, lse, target, reduction="mean", ignore_index=-100):
+def cross_entropy_grad_out(out, g, z, lse, target, reduction="mean", ignore_index=-100, upcast=False):
     return _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index)
 
 # ---------------------------------------------------------------- attention with dropout (one score matrix at a time)

@@ -111,7 +111,8 @@ def rewrite_matches(f: Function, match: Callable[[Instruction, dict[Value, int]]
     ``emit(builder, ins, data)`` builds in its place, and the sites ``emit`` reports.
 
     ``match`` returns (the other instructions the rewrite removes, all in ``ins``'s block, data for
-    ``emit``) or None; ``emit`` returns (the value replacing ``ins``'s first result, a site record).
+    ``emit``) or None; ``emit`` returns (the value replacing ``ins``'s first result, or a tuple of
+    values replacing its results in order, a site record).
     ``uses``: each value's use count in ``f``."""
     g = f.clone()
     if g.is_declaration:
@@ -136,7 +137,7 @@ def rewrite_matches(f: Function, match: Callable[[Instruction, dict[Value, int]]
                 for ni in scratch.instrs:
                     ni.block = blk
                 out.extend(scratch.instrs)
-                repl[ins.results[0]] = value
+                repl.update(zip(ins.results, value) if isinstance(value, tuple) else [(ins.results[0], value)])
                 sites.append(site)
             elif ins not in dead:
                 out.append(ins)

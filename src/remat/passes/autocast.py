@@ -14,7 +14,8 @@ The forward computes in float32; the pass rewrites it so that (RAF §3.1.2)
 * the bias of a convolution, which the importer adds after it (``add(conv2d(x, w), reshape(b))``),
   is cast with the convolution's operands, as ``torch.autocast`` casts it;
 * a ``log_softmax`` read only by ``nll_loss`` (a cross-entropy as torch.export decomposes it) is
-  float32 with its loss;
+  float32 with its loss; a ``cross_entropy`` reads low-precision logits itself, in float32 a chunk
+  at a time (``upcast``, as the import pipeline folds a capture's cast: ``fold_upcast``);
 * every other op computes in the dtype its operands now have (a norm, a softmax, a pool or an
   activation of a bf16 value is bf16, as under ``torch.autocast``), its result types given again by
   its type rule. An op whose type rule refuses its operands' new dtypes reads them in their float32
@@ -46,8 +47,7 @@ from ..ir import Block, Builder, Function, Instruction, Module, Value
 from ..ir.core import Successor
 from ..ir.types import DType, promote
 from ._rewrite import use_counts
-
-LOW_DTYPES = (DType.bf16, DType.f16)
+from .crossentropy import LOW_DTYPES, fold_upcast
 
 
 def _is_constant(v: Value) -> bool:
@@ -121,6 +121,8 @@ class _Autocast:
         if op.has("autocast_low") or ins in self.biases:
             target = self.low
         elif op.has("autocast_f32") or ins in self.losses:
+            if ins.attrs.get("upcast"):  # computes its low-precision operands in f32 itself
+                return ops
             target = DType.f32
         elif op.has("elementwise") or op.has("promote"):
             dims = ([i for i in floats if ops[i].type.rank > 0]
@@ -201,7 +203,7 @@ def autocast(f: Any, dtype: DType | str = DType.bf16) -> Any:
         return f.derive(lambda m, entry: (Module([autocast(g, low) for g in m]), entry))
     if f.is_declaration:
         return f.clone()
-    return _Autocast(f, low).run()
+    return fold_upcast(_Autocast(f, low).run())[0]
 
 
 def _pass(dtype: DType):

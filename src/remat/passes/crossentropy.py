@@ -6,7 +6,10 @@ target)``. Its backward writes the logits' gradient over the logits, so the step
 tensor where the pair holds three at once (the log-probabilities, nll_loss's one-hot gradient and
 log_softmax's gradient), and runs two passes over it instead of five. Values change by rounding
 only (the softmax comes from ``exp(z - logsumexp)``, not from exp of the log-probabilities), as after
-the attention and GELU passes.
+the attention and GELU passes. In the same pass, ``fold_upcast``: a ``cross_entropy`` of bf16 or f16
+logits converted to f32 (``torch.autocast`` computes the loss in f32; Hugging Face's losses call
+``.float()``) reads the low-precision logits itself (``upcast``), so the step never holds their f32
+copy nor its f32 gradient; values are unchanged, bit for bit.
 
 ``fuse_cross_entropy``: a language-model head's ``matmul -> cross_entropy`` (or ``matmul ->
 log_softmax -> nll_loss``) as the chunked ``linear_cross_entropy`` op (issue 10: the memory-lean
@@ -27,7 +30,11 @@ from dataclasses import dataclass
 
 from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.ops.crossentropy import DEFAULT_CHUNK
+from ..ir.types import DType
 from ._rewrite import rewrite_matches
+
+LOW_DTYPES = (DType.bf16, DType.f16)
+"""The low precisions of mixed precision (``remat.passes.autocast``), whose logits a loss upcasts."""
 
 CHUNK_BYTES = 8 * 2**20
 """Target size of one chunk's logits (bytes): small against the whole [N, V] logits, large enough
@@ -72,8 +79,8 @@ def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list
     if nll.operands[0].type.rank != 2:
         return None  # one class per position of an image ([N, C, H, W]), not a head's rows
     if nll.op.name == "cross_entropy":
-        if uses.get(nll.results[1], 0):
-            return None  # the logsumexp is read
+        if uses.get(nll.results[1], 0) or nll.attrs["upcast"]:
+            return None  # the logsumexp is read, or an f32 loss of low-precision logits (not chunked with its head)
         chain, z = [nll], nll.operands[0]
     else:
         ls = _log_softmax_feeding(nll, uses)
@@ -133,9 +140,42 @@ def fuse_log_softmax_nll(f: Function) -> tuple[Function, int]:
     return g, len(sites)
 
 
+def fold_upcast(f: Function) -> tuple[Function, int]:
+    """A copy of ``f`` with each ``cross_entropy(cast(z, f32), t)`` of bf16 or f16 logits ``z`` whose
+    f32 copy has no other user (possibly reshaped to rows after the cast, as Hugging Face's losses do)
+    replaced by ``cross_entropy(z, t) {upcast}``, and how many were. The values are the same bit for
+    bit (the kernel converts a chunk of rows at a time, the gradient is rounded to z's dtype as the
+    cast's gradient is); the f32 logits and their f32 gradient, each twice the bytes of z, are never
+    whole."""
+    def match(ins: Instruction, uses: dict[Value, int]):
+        if ins.op.name != "cross_entropy" or ins.attrs["upcast"]:
+            return None
+        gone, v = [], ins.operands[0]
+        r = _def(v, "reshape")
+        if r is not None and uses.get(v, 0) == 1:
+            gone.append(r)
+            v = r.operands[0]
+        c = _def(v, "cast")
+        if (c is None or c.attrs["dtype"] != DType.f32 or c.operands[0].type.dtype not in LOW_DTYPES
+                or uses.get(v, 0) != 1):
+            return None
+        return gone + [c], (c.operands[0], r)
+
+    def emit(b: Builder, ins: Instruction, m: tuple[Value, Instruction | None]) -> tuple[tuple[Value, Value], None]:
+        z, r = m
+        b.loc = ins.loc
+        if r is not None:
+            z = b.op("reshape", z, **r.attrs)
+        return tuple(b.op("cross_entropy", z, ins.operands[1], **{**ins.attrs, "upcast": True})), None
+
+    g, sites = rewrite_matches(f, match, emit)
+    return g, len(sites)
+
+
 def logits_cross_entropy_pass(module: Module) -> Module:
-    """Replace each ``log_softmax -> nll_loss`` by one ``cross_entropy`` (:func:`fuse_log_softmax_nll`)."""
-    return Module([fuse_log_softmax_nll(f)[0] for f in module])
+    """Replace each ``log_softmax -> nll_loss`` by one ``cross_entropy`` (:func:`fuse_log_softmax_nll`),
+    reading low-precision logits without an f32 copy where it read one (:func:`fold_upcast`)."""
+    return Module([fold_upcast(fuse_log_softmax_nll(f)[0])[0] for f in module])
 
 
 def cross_entropy_pass(module: Module) -> Module:

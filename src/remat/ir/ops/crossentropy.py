@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..opdef import Attr, IndexBounds, OpDef, Sample, declare
-from ..types import TensorType
+from ..types import DType, TensorType
 from ._util import expect_float, rand
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -193,7 +193,9 @@ declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset({"d
 # one-hot target, times each row's weight in the loss: one [N, C] result, which may be written over the
 # logits it reads (tag "overwrite"), against the reference's log-probabilities, one-hot gradient and
 # log-softmax gradient (three [N, C] tensors at once). The import pipeline makes it from the pair
-# (``remat.passes.crossentropy.fuse_log_softmax_nll``).
+# (``remat.passes.crossentropy.fuse_log_softmax_nll``). With ``upcast``, bf16 or f16 logits are read
+# as they are and computed in f32 a chunk of rows at a time: the loss and logsumexp are f32, and the
+# gradient is the f32 gradient rounded to the logits' dtype (``fold_upcast`` makes it from a cast).
 def _ce_check(name: str, z: TensorType, target: TensorType, attrs) -> None:
     expect_float(name, z, "logits")
     if z.rank != 2:
@@ -201,21 +203,33 @@ def _ce_check(name: str, z: TensorType, target: TensorType, attrs) -> None:
     _check_rows(name, z.shape[0], target, attrs)
 
 
+def _loss_type(name: str, z: TensorType, attrs) -> TensorType:
+    """The dtype of the loss and the logsumexp: the logits', or f32 with ``upcast`` (bf16 or f16 logits)."""
+    if not attrs["upcast"]:
+        return z
+    if z.dtype not in (DType.bf16, DType.f16):
+        raise TypeError(f"'{name}': upcast computes bf16 or f16 logits in f32, got {z}; without upcast "
+                        "the loss is computed in the logits' dtype")
+    return z.with_dtype(DType.f32)
+
+
 def _ce_infer(types, attrs):
     z, target = types
     _ce_check("cross_entropy", z, target, attrs)
-    return z.with_shape((z.shape[0],) if attrs["reduction"] == "none" else ()), z.with_shape((z.shape[0],))
+    t = _loss_type("cross_entropy", z, attrs)
+    return t.with_shape((z.shape[0],) if attrs["reduction"] == "none" else ()), t.with_shape((z.shape[0],))
 
 
 def _ce_grad_infer(types, attrs):
     g, z, lse, target = types
     _ce_check("cross_entropy_grad", z, target, attrs)
+    t = _loss_type("cross_entropy_grad", z, attrs)
     want = (z.shape[0],) if attrs["reduction"] == "none" else ()
-    if g != z.with_shape(want):
-        raise TypeError(f"'cross_entropy_grad': output gradient must be {z.with_shape(want)} for reduction "
+    if g != t.with_shape(want):
+        raise TypeError(f"'cross_entropy_grad': output gradient must be {t.with_shape(want)} for reduction "
                         f"{attrs['reduction']!r}, got {g}")
-    if lse != z.with_shape((z.shape[0],)):
-        raise TypeError(f"'cross_entropy_grad': logsumexp must be {z.with_shape((z.shape[0],))}, got {lse}")
+    if lse != t.with_shape((z.shape[0],)):
+        raise TypeError(f"'cross_entropy_grad': logsumexp must be {t.with_shape((z.shape[0],))}, got {lse}")
     return z
 
 
@@ -253,16 +267,18 @@ def _ce_grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-_CE_ATTRS = _ATTRS[:2]
+_CE_ATTRS = _ATTRS[:2] + (Attr("upcast", "bool", False),)
 declare(OpDef("cross_entropy", 2, _CE_ATTRS, _ce_infer, frozenset({"autocast_f32"}), num_results=2,
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: 4.0 * ins[0].numel, sample=_ce_samples,
-              doc="nll_loss(log_softmax(z, axis=1), target) and the rows' logsumexp [N], from the logits z [N, C]"))
+              doc="nll_loss(log_softmax(z, axis=1), target) and the rows' logsumexp [N], from the logits z [N, C]; "
+                  "with upcast, of bf16 or f16 logits converted to f32 (loss and logsumexp f32) a chunk at a time"))
 declare(OpDef("cross_entropy_grad", 4, _CE_ATTRS, _ce_grad_infer, frozenset({"overwrite"}),
               index_bounds=lambda types, attrs: IndexBounds(3, types[1].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: 4.0 * outs[0].numel, sample=_ce_grad_samples,
               doc="gradient of cross_entropy wrt the logits, from (grad_output, logits, logsumexp, target): "
-                  "(softmax(z) - onehot(target)) times each row's weight; may be written over the logits"))
+                  "(softmax(z) - onehot(target)) times each row's weight; may be written over the logits; with "
+                  "upcast, computed in f32 (grad_output and logsumexp f32) and rounded to the logits' dtype"))
 
 
 # ================================================================ VJP rules (reverse mode)
@@ -320,9 +336,16 @@ def _row_logsumexp_ir(b, z):
     return b.op("reshape", b.op("add", m, b.op("log", s)), shape=(z.type.shape[0],))
 
 
+def _upcast_logits(b, z, attrs):
+    """(the logits the loss computes on: converted to f32 with ``upcast``; the other attributes)."""
+    rest = {k: v for k, v in attrs.items() if k != "upcast"}
+    return (b.op("cast", z, dtype=DType.f32) if attrs.get("upcast") else z), rest
+
+
 @def_decomposition("cross_entropy")
 def _cross_entropy_decomp(b, xs, attrs):
     z, target = xs
+    z, attrs = _upcast_logits(b, z, attrs)
     loss = b.op("nll_loss", b.op("log_softmax", z, axis=1), target, **attrs)
     return [loss, _row_logsumexp_ir(b, z)]
 
@@ -330,9 +353,11 @@ def _cross_entropy_decomp(b, xs, attrs):
 @def_decomposition("cross_entropy_grad")
 def _cross_entropy_grad_decomp(b, xs, attrs):
     # nll_loss_grad puts -w_n at each kept row's target (w_n: the row's weight), so its row sums are -w.
-    g, z, lse, target = xs
+    g, z0, lse, target = xs
+    z, attrs = _upcast_logits(b, z0, attrs)
     n, c = z.type.shape
     hot = b.op("nll_loss_grad", g, target, num_classes=c, **attrs)
     w = b.op("neg", b.op("reduce_sum", hot, axes=[1], keepdims=True))
     p = b.op("exp", b.op("sub", z, b.op("reshape", lse, shape=(n, 1))))
-    return [b.op("add", b.op("mul", p, w), hot)]
+    dz = b.op("add", b.op("mul", p, w), hot)
+    return [dz if z is z0 else b.op("cast", dz, dtype=z0.type.dtype)]
