@@ -583,3 +583,27 @@ def test_upcast_cross_entropy_is_the_loss_of_the_f32_logits_bit_for_bit(dtype, r
     assert nl.dtype == nlse.dtype == np.float32
     np.testing.assert_array_equal(nl, wl)
     np.testing.assert_array_equal(nlse, wlse)
+
+
+def test_low_precision_cross_entropy_keeps_one_f32_chunk_and_handles_infinite_rows():
+    """The low-precision loss computes each chunk's logsumexp as ATen does on its f32 conversion,
+    infinite rows included, with one f32 chunk as its only large temporary."""
+    from remat.backends import torch_kernels as tk
+
+    c = 3000
+    rows = tk._ce_chunk(c)
+    z = (torch.randn(2 * rows + 3, c, generator=torch.Generator().manual_seed(2)) * 5).to(torch.bfloat16)
+    z[1, 7] = float("inf")
+    z[rows + 1] = float("-inf")
+    t = torch.zeros(z.shape[0], dtype=torch.int64)
+    _, lse = tk.cross_entropy(z, t, reduction="none", upcast=True)
+    torch.testing.assert_close(lse, torch.logsumexp(z.float(), dim=1), rtol=0, atol=0, equal_nan=True)
+    from remat.runtime.allocator import kernel_workspace
+
+    f = Function("f", [TensorType(DType.bf16, tuple(z.shape)), TensorType(DType.i64, (z.shape[0],))])
+    loss, lse = Builder(f.entry).op("cross_entropy", *f.params, upcast=True)
+    grad = Builder(f.entry).op("cross_entropy_grad", Builder(f.entry).op("constant", value=1.0), f.params[0], lse,
+                               f.params[1], upcast=True)
+    chunk = rows * c * 4
+    for ins in (loss.instr, grad.instr):  # one f32 chunk, and row vectors
+        assert chunk <= kernel_workspace(ins, ("torch",)) <= chunk + 64 * z.shape[0]

@@ -9,6 +9,7 @@ bit-identical samples. Checkers refuse what torch cannot do here
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Iterator
 
@@ -1356,6 +1357,18 @@ def _ce_chunk(c: int) -> int:
     return max(1, CE_CHUNK_BYTES // (4 * max(c, 1)))
 
 
+def _lowp_logsumexp(zc, buf, out):
+    """``torch.logsumexp(zc.to(f32), 1)`` of a low-precision chunk ``zc`` [m, C] into ``out`` [m], with
+    ATen's own steps (``logsumexp_out_impl``: the row maxima, an infinite one taken as 0, the sum of
+    the exponentials of the differences, its log plus the maximum) and ``buf`` [m, C] f32 as their
+    only temporary (a mixed-dtype ``sub`` would convert the chunk into another one first)."""
+    maxes = torch.amax(zc, dim=1, keepdim=True).to(out.dtype)
+    squeezed = maxes[:, 0]  # a view, as ATen's squeeze: the fill below sets maxes too
+    squeezed.masked_fill_(squeezed.abs() == math.inf, 0)
+    torch.sum(buf.copy_(zc).sub_(maxes).exp_(), dim=1, out=out)
+    out.log_().add_(squeezed)
+
+
 @k("cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
 def cross_entropy(z, target, reduction="mean", ignore_index=-100, upcast=False):
     n, c = z.shape
@@ -1365,10 +1378,17 @@ def cross_entropy(z, target, reduction="mean", ignore_index=-100, upcast=False):
     rows = _ce_chunk(c)
     if n <= rows and dt == z.dtype:  # one chunk, no conversion: no separate buffer to fill
         lse = torch.logsumexp(z, dim=1)
-    else:
+    elif dt == z.dtype:
         lse = torch.empty(n, dtype=dt, device=z.device)
         for a in range(0, n, rows):
-            torch.logsumexp(z[a:a + rows].to(dt), dim=1, out=lse[a:a + rows])
+            torch.logsumexp(z[a:a + rows], dim=1, out=lse[a:a + rows])
+    else:  # low precision: one f32 chunk buffer for the whole loss
+        lse = torch.empty(n, dtype=dt, device=z.device)
+        buf = torch.empty((min(rows, n), c), dtype=dt, device=z.device)
+        for a in range(0, n, rows):
+            m = min(rows, n - a)
+            _lowp_logsumexp(z[a:a + m], buf[:m], lse[a:a + m])
+        del buf
     per = lse - z.gather(1, t[:, None])[:, 0].to(dt)
     if keep is not None:
         per = torch.where(keep, per, torch.zeros((), dtype=dt, device=z.device))
@@ -1378,9 +1398,10 @@ def cross_entropy(z, target, reduction="mean", ignore_index=-100, upcast=False):
 
 def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
     """softmax(z) - onehot(target), times each row's weight, written into ``out`` (which may be ``z``:
-    each chunk of z is read before that chunk of ``out`` is written). Low-precision logits are computed
-    in f32 a chunk at a time and rounded into ``out``: what the f32 gradient of the logits converted to
-    f32 rounds to, so ``upcast`` (an f32 ``g`` and ``lse``) needs nothing else."""
+    each chunk of z is read before that chunk of ``out`` is written). Low-precision logits are converted
+    to f32 a chunk at a time into one buffer, computed there and rounded into ``out``: what the f32
+    gradient of the logits converted to f32 rounds to, so ``upcast`` (an f32 ``g`` and ``lse``) needs
+    nothing else."""
     n, c = z.shape
     all_kept = npk.check_targets("cross_entropy_grad", target, c, ignore_index)
     dt = torch.float32 if z.dtype in _LOWP else z.dtype
@@ -1390,10 +1411,11 @@ def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
     lowp = dt != z.dtype  # computed in f32 a chunk at a time, then rounded into ``out``
     rows = _ce_chunk(c)
     idx = torch.arange(min(rows, n), device=z.device)
+    buf = torch.empty((min(rows, n), c), dtype=dt, device=z.device) if lowp else None
     for a in range(0, n, rows):
         m = min(rows, n - a)
         if lowp:
-            p = z[a:a + m].to(dt) - lse[a:a + m, None]
+            p = buf[:m].copy_(z[a:a + m]).sub_(lse[a:a + m, None])
         else:
             p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
         p.exp_()
