@@ -113,3 +113,38 @@ def test_tiled_stem_temporaries_are_a_few_tiles(op):
     activation = n * 16 * 32 * 32 * 4
     ws = kernel_workspace(ins)
     assert 0 < ws <= 8 * activation * tile // n, f"{op}: {ws} B of temporaries, one activation is {activation} B"
+
+
+@pytest.mark.parametrize("upcast", [True, False])
+def test_low_precision_head_computes_its_logits_in_bf16_and_its_loss_in_f32(upcast):
+    """A bf16 chunked head gives what the reference head gives under autocast (bf16 product, the loss
+    in f32 from it; the logits' gradient rounded to bf16): loss and dx as the reference's to f32
+    rounding, dw (summed chunk by chunk in f32) to bf16 rounding; its temporaries within the bound."""
+    import torch
+
+    from remat.backends import torch_kernels as tk
+
+    n, d, v, chunk = 300, 32, 700, 64
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, d, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(v, d, generator=gen) * 0.3).to(torch.bfloat16)
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::5] = -100
+    loss, lse = tk.linear_cross_entropy(x, w, t, chunk=chunk, upcast=upcast)
+    assert loss.dtype == lse.dtype == (torch.float32 if upcast else torch.bfloat16)
+    z = (x @ w.t()).float().requires_grad_()
+    want = torch.nn.functional.cross_entropy(z, t)
+    torch.testing.assert_close(loss.float(), want.detach(), rtol=1e-5 if upcast else 1e-2, atol=0)
+    want.backward()
+    gz = z.grad.to(torch.bfloat16)
+    dx, dw = tk.linear_cross_entropy_grad(torch.ones((), dtype=loss.dtype), x, w, t, lse, chunk=chunk, upcast=upcast)
+    assert dx.dtype == dw.dtype == torch.bfloat16
+    for got, ref in ((dx, gz @ w), (dw, gz.float().t() @ x.float())):
+        assert float((got.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
+    f = Function("k", [TensorType(DType.bf16, (n, d)), TensorType(DType.bf16, (v, d)), TensorType(DType.i64, (n,))])
+    b = Builder(f.entry)
+    ins = b.create("linear_cross_entropy", list(f.params),
+                   OPS["linear_cross_entropy"].check_attrs([p.type for p in f.params], {"chunk": chunk, "upcast": upcast}),
+                   dialect="torch")
+    b.ret(*ins.results)
+    assert kernel_workspace(ins) <= workspace_bytes(n, v, 2, chunk, d)

@@ -173,8 +173,8 @@ def test_upcast_needs_low_precision_logits():
         b.op("cross_entropy", *f.params, upcast=True)
 
 
-def test_the_head_rewrite_leaves_an_upcast_loss_alone():
-    """linear_cross_entropy computes in its operands' dtype: an f32 loss of bf16 logits is not its."""
+def test_the_head_rewrite_keeps_an_upcast_loss_in_f32():
+    """A bf16 head whose loss upcasts becomes a chunked head with an f32 loss: the same result type."""
     from remat.passes.crossentropy import fold_upcast
 
     f = Function("f", [TensorType(BF16, (6, 4)), TensorType(BF16, (5, 4)), TensorType(I64, (6,))])
@@ -186,4 +186,7 @@ def test_the_head_rewrite_leaves_an_upcast_loss_alone():
     g, n = fold_upcast(f)
     assert n == 1
     h, sites = fuse_cross_entropy(g)
-    assert sites == [] and _ops(h) == _ops(g)
+    verify(Module([h]))
+    assert len(sites) == 1 and _ops(h) == ["linear_cross_entropy", "return"]
+    lce = h.entry.instrs[0]
+    assert lce.attrs["upcast"] and lce.results[0].type == TensorType(F32, ())

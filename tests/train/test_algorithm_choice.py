@@ -319,3 +319,27 @@ def test_resnet_stem_is_tiled_over_the_batch_below_the_reference_minimum():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     for (name, b), c in zip(model.named_buffers(), eager.buffers()):
         torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bf16_head_is_chunked_below_the_reference_minimum(case):
+    """In bf16 the loss of the bf16 logits is f32 (autocast's): below the reference's minimum the head
+    is chunked with it, each chunk's logits a bf16 product and the loss in f32, within the budget
+    and as close to eager autocast's gradients as bf16 allows."""
+    model, inputs, _, _ = case
+    with pytest.raises(remat.BudgetTooSmall) as e:
+        remat.compile(copy.deepcopy(model), inputs, _loss, budget=1, count_workspaces=False, precision="bf16")
+    step, loss, grads = _run(model, inputs, budget=e.value.minimum, precision="bf16")
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak <= e.value.minimum
+    assert any("linear_cross_entropy at head" in a and ": chosen;" in a for a in r.algorithms)
+    lce = [i for i in step.program.instructions() if i.op.name == "linear_cross_entropy"]
+    assert len(lce) == 1 and lce[0].attrs["upcast"] and lce[0].operands[0].type.dtype == remat.ir.DType.bf16
+    assert loss.dtype == torch.float32
+    m = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_loss = _loss(m(inputs[0]), inputs[1])
+    want_loss.backward()
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=2e-3, atol=0)
+    want = grads_of(m)
+    num = sum(((grads[n].double() - g.double()) ** 2).sum() for n, g in want.items()) ** 0.5
+    assert float(num / sum((g.double() ** 2).sum() for g in want.values()) ** 0.5) < 2e-2

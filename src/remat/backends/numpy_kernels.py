@@ -924,16 +924,18 @@ from ..ir.ops import crossentropy as _ce  # noqa: E402
 
 
 @k("linear_cross_entropy")
-def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=_ce.DEFAULT_CHUNK):
+def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=_ce.DEFAULT_CHUNK,
+                         upcast=False):
     check_targets("linear_cross_entropy", target, w.shape[0], ignore_index)
     loss, lse = _ce.reference_forward(_up(x), _up(w), target, reduction=reduction, ignore_index=ignore_index,
                                       chunk=chunk)
-    return _fresh(loss, x.dtype), _fresh(lse, x.dtype)
+    out = np.float32 if upcast else x.dtype
+    return _fresh(loss, out), _fresh(lse, out)
 
 
 @k("linear_cross_entropy_grad")
 def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_index=-100,
-                              chunk=_ce.DEFAULT_CHUNK):
+                              chunk=_ce.DEFAULT_CHUNK, upcast=False):
     check_targets("linear_cross_entropy_grad", target, w.shape[0], ignore_index)
     dx, dw = _ce.reference_backward(_up(g), _up(x), _up(w), target, _up(lse), reduction=reduction,
                                     ignore_index=ignore_index, chunk=chunk)

@@ -1307,44 +1307,61 @@ def _rows(scale, a, m):
 
 
 @k("linear_cross_entropy", checker=lambda ins: ins.operands[0].type.dtype.is_float)
-def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=1024):
+def linear_cross_entropy(x, w, target, *, reduction="mean", ignore_index=-100, chunk=1024, upcast=False):
     npk.check_targets("linear_cross_entropy", target, w.shape[0], ignore_index)
-    dt = torch.float32 if x.dtype in _LOWP else x.dtype
-    x32, w32 = x.to(dt), w.to(dt)
+    lowp = x.dtype in _LOWP  # the head's product in x's dtype, the loss from it in f32
+    dt = torch.float32 if lowp else x.dtype
     keep, t = _ce_rows(target, ignore_index)
     n = x.shape[0]
     lse = torch.empty(n, dtype=dt, device=x.device)
     rows = torch.empty(n, dtype=dt, device=x.device)
+    buf = torch.empty((min(chunk, n), w.shape[0]), dtype=dt, device=x.device) if lowp else None
     for a in range(0, n, chunk):
-        z = torch.mm(x32[a:a + chunk], w32.t())
-        s = torch.logsumexp(z, dim=1)
-        lse[a:a + chunk] = s
-        picked = z.gather(1, t[a:a + chunk, None])[:, 0]
-        rows[a:a + chunk] = torch.where(keep[a:a + chunk], s - picked, torch.zeros((), dtype=dt, device=x.device))
+        z = torch.mm(x[a:a + chunk], w.t())
+        m = z.shape[0]
+        if lowp:
+            _lowp_logsumexp(z, buf[:m], lse[a:a + m])
+        else:
+            torch.logsumexp(z, dim=1, out=lse[a:a + m])
+        picked = z.gather(1, t[a:a + m, None])[:, 0].to(dt)
+        rows[a:a + m] = torch.where(keep[a:a + m], lse[a:a + m] - picked, torch.zeros((), dtype=dt, device=x.device))
         del z
-    return _fresh(_ce_reduce(rows, keep, reduction).to(x.dtype).contiguous()), _fresh(lse.to(x.dtype).contiguous())
+    out = dt if upcast else x.dtype
+    return _fresh(_ce_reduce(rows, keep, reduction).to(out).contiguous()), _fresh(lse.to(out).contiguous())
 
 
 @k("linear_cross_entropy_grad", checker=lambda ins: ins.operands[0].type.dtype.is_float)
-def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_index=-100, chunk=1024):
+def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_index=-100, chunk=1024,
+                              upcast=False):
     npk.check_targets("linear_cross_entropy_grad", target, w.shape[0], ignore_index)
-    dt = torch.float32 if x.dtype in _LOWP else x.dtype
-    x32, w32, lse32 = x.to(dt), w.to(dt), lse.to(dt)
+    lowp = x.dtype in _LOWP  # the logits' gradient rounded to x's dtype, as the reference's; dw summed in f32
+    dt = torch.float32 if lowp else x.dtype
+    lse32 = lse.to(dt)
     keep, t = _ce_rows(target, ignore_index)
     scale = _ce_scale(g, keep, reduction, dt, x.shape[0])
-    dx = torch.empty_like(x32)
-    dw = torch.zeros_like(w32)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dw = torch.zeros(w.shape, dtype=dt, device=x.device)
+    buf = torch.empty((min(chunk, x.shape[0]), w.shape[0]), dtype=dt, device=x.device) if lowp else None
     for a in range(0, x.shape[0], chunk):
-        xc = x32[a:a + chunk]
-        p = torch.mm(xc, w32.t())
-        p.sub_(lse32[a:a + chunk, None]).exp_()
-        idx = torch.arange(p.shape[0], device=x.device)
-        p[idx, t[a:a + chunk]] -= 1
-        p.mul_(scale[a:a + chunk, None])
-        torch.mm(p, w32, out=dx[a:a + chunk])
-        dw.addmm_(p.t(), xc)
+        xc = x[a:a + chunk]
+        z = torch.mm(xc, w.t())
+        m = z.shape[0]
+        p = buf[:m].copy_(z) if lowp else z
+        del z
+        p.sub_(lse32[a:a + m, None]).exp_()
+        idx = torch.arange(m, device=x.device)
+        p[idx, t[a:a + m]] -= 1
+        p.mul_(scale[a:a + m, None])
+        if lowp:
+            pl = p.to(x.dtype)
+            torch.mm(pl, w, out=dx[a:a + m])
+            dw.add_(torch.mm(pl.t(), xc))
+            del pl
+        else:
+            torch.mm(p, w, out=dx[a:a + m])
+            dw.addmm_(p.t(), xc)
         del p
-    return _fresh(dx.to(x.dtype).contiguous()), _fresh(dw.to(x.dtype).contiguous())
+    return _fresh(dx), _fresh(dw.to(x.dtype).contiguous())
 
 
 # ---------------------------------------------------------------- cross-entropy on logits

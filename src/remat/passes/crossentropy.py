@@ -79,8 +79,8 @@ def _match(nll: Instruction, uses: dict[Value, int]) -> tuple[Value, Value, list
     if nll.operands[0].type.rank != 2:
         return None  # one class per position of an image ([N, C, H, W]), not a head's rows
     if nll.op.name == "cross_entropy":
-        if uses.get(nll.results[1], 0) or nll.attrs["upcast"]:
-            return None  # the logsumexp is read, or an f32 loss of low-precision logits (not chunked with its head)
+        if uses.get(nll.results[1], 0):
+            return None  # the logsumexp is read
         chain, z = [nll], nll.operands[0]
     else:
         ls = _log_softmax_feeding(nll, uses)
@@ -112,11 +112,12 @@ def fuse_cross_entropy(f: Function, chunk: int | None = None) -> tuple[Function,
     def emit(b: Builder, ins: Instruction, m) -> tuple[Value, Site]:
         x, w, chain = m
         n, v = ins.operands[0].type.shape
-        rows = chunk or default_chunk(n, v, x.type.dtype.itemsize)
+        # A low-precision head computes each chunk in f32 too: its chunk is sized by the f32 bytes.
+        rows = chunk or default_chunk(n, v, max(x.type.dtype.itemsize, 4))
         b.loc = loc = chain[-1].loc
         x2 = x if x.type.rank == 2 else b.op("reshape", x, shape=(n, x.type.shape[-1]))
         loss, _ = b.op("linear_cross_entropy", x2, w, ins.operands[1], reduction=ins.attrs["reduction"],
-                       ignore_index=ins.attrs["ignore_index"], chunk=rows)
+                       ignore_index=ins.attrs["ignore_index"], chunk=rows, upcast=ins.attrs.get("upcast", False))
         return loss, Site("(unknown)" if loc is None else (loc.path or "(top level)"), n, v, rows,
                           ins.operands[0].type.nbytes, 1 if ins.op.name == "cross_entropy" else 3)
 

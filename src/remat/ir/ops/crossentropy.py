@@ -14,7 +14,10 @@ kernels' own temporaries are one chunk's logits and their gradient, ``chunk × V
 (:func:`workspace_bytes`), against the ``N × V`` logits that ``cross_entropy`` holds (``3 × N × V`` at
 once for ``log_softmax -> nll_loss``).
 Time: the backward recomputes the head's matmul (one more ``2·N·d·V`` flops than the reference).
-Values equal the reference's up to summation order (``dw`` sums chunk by chunk), so the planner
+With bf16 or f16 operands each chunk's logits are the head's product in that dtype, as the
+reference's matmul computes them, and the loss is computed from them in f32 (an f32 loss with
+``upcast``, the fold of an autocast loss); ``dw`` is summed in f32 from each chunk's low-precision
+product. Values equal the reference's up to summation order (``dw`` sums chunk by chunk), so the planner
 uses it only as a choice it reports (``remat.plan.algorithms``).
 """
 from __future__ import annotations
@@ -29,13 +32,18 @@ _REDUCTIONS = ("mean", "sum", "none")
 DEFAULT_CHUNK = 1024
 """Rows per chunk unless the rewrite chooses: 1024 rows of a 50k vocabulary is 200 MB of f32 logits."""
 
-_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100), Attr("chunk", "int", DEFAULT_CHUNK))
+_UPCAST = Attr("upcast", "bool", False)
+_ATTRS = (Attr("reduction", "str", "mean"), Attr("ignore_index", "int", -100), Attr("chunk", "int", DEFAULT_CHUNK),
+          _UPCAST)
 
 
-def workspace_bytes(n: int, v: int, itemsize: int, chunk: int) -> int:
+def workspace_bytes(n: int, v: int, itemsize: int, chunk: int, d: int = 0) -> int:
     """A bound on the kernels' temporaries beyond their results (bytes): two chunks of logits (the
-    logits and their exponentials, or their gradient) and a few row vectors ([N] weights, indices)."""
-    return 2 * min(chunk, n) * v * itemsize + 8 * n * max(itemsize, 8)
+    logits and their exponentials, or their gradient), a few row vectors ([N] weights, indices), and
+    for low-precision operands (``itemsize`` 2) an f32 chunk and the f32 sum of ``dw`` ([V, d]) with
+    one chunk's low-precision share of it."""
+    lowp = 3 * min(chunk, n) * v * 4 + 6 * v * d if itemsize < 4 else 0
+    return 2 * min(chunk, n) * v * itemsize + 8 * n * max(itemsize, 8) + lowp
 
 
 def _check_rows(name: str, n: int, target: TensorType, attrs) -> None:
@@ -55,22 +63,33 @@ def _check(name: str, x: TensorType, w: TensorType, target: TensorType, attrs) -
         raise TypeError(f"'{name}': chunk (rows per chunk) must be >= 1, got {attrs['chunk']}")
 
 
+def _loss_type(name: str, z: TensorType, attrs) -> TensorType:
+    """The dtype of the loss and the logsumexp: the logits', or f32 with ``upcast`` (bf16 or f16 logits)."""
+    if not attrs["upcast"]:
+        return z
+    if z.dtype not in (DType.bf16, DType.f16):
+        raise TypeError(f"'{name}': upcast computes bf16 or f16 logits in f32, got {z}; without upcast "
+                        "the loss is computed in the logits' dtype")
+    return z.with_dtype(DType.f32)
+
+
 def _infer(types, attrs):
     x, w, target = types
     _check("linear_cross_entropy", x, w, target, attrs)
-    loss = x.with_shape((x.shape[0],) if attrs["reduction"] == "none" else ())
-    return loss, x.with_shape((x.shape[0],))
+    t = _loss_type("linear_cross_entropy", x, attrs)
+    return t.with_shape((x.shape[0],) if attrs["reduction"] == "none" else ()), t.with_shape((x.shape[0],))
 
 
 def _grad_infer(types, attrs):
     g, x, w, target, lse = types
     _check("linear_cross_entropy_grad", x, w, target, attrs)
+    t = _loss_type("linear_cross_entropy_grad", x, attrs)
     want = (x.shape[0],) if attrs["reduction"] == "none" else ()
-    if g.dtype != x.dtype or g.shape != want:
-        raise TypeError(f"'linear_cross_entropy_grad': output gradient must be {x.with_shape(want)} for reduction "
+    if g != t.with_shape(want):
+        raise TypeError(f"'linear_cross_entropy_grad': output gradient must be {t.with_shape(want)} for reduction "
                         f"{attrs['reduction']!r}, got {g}")
-    if lse != x.with_shape((x.shape[0],)):
-        raise TypeError(f"'linear_cross_entropy_grad': logsumexp must be {x.with_shape((x.shape[0],))}, got {lse}")
+    if lse != t.with_shape((x.shape[0],)):
+        raise TypeError(f"'linear_cross_entropy_grad': logsumexp must be {t.with_shape((x.shape[0],))}, got {lse}")
     return x, w
 
 
@@ -180,7 +199,7 @@ def _grad_samples(r: np.random.Generator) -> list[Sample]:
 declare(OpDef("linear_cross_entropy", 3, _ATTRS, _infer, frozenset({"dense"}), num_results=2, index_bounds=_bounds,
               flops=_flops, sample=_samples,
               doc="nll_loss(log_softmax(x @ wᵀ), target) and the rows' logsumexp, `chunk` rows at a time "
-                  "(never the whole [N, V] logits)"))
+                  "(never the whole [N, V] logits); with upcast, the bf16 or f16 logits' loss in f32"))
 declare(OpDef("linear_cross_entropy_grad", 5, _ATTRS, _grad_infer, frozenset({"dense"}), num_results=2,
               index_bounds=_bounds_grad, flops=_grad_flops, sample=_grad_samples,
               doc="(dx, dw) of linear_cross_entropy from (grad_output, x, w, target, logsumexp), each chunk's "
@@ -201,16 +220,6 @@ def _ce_check(name: str, z: TensorType, target: TensorType, attrs) -> None:
     if z.rank != 2:
         raise TypeError(f"'{name}' needs logits [N, C], got {z}")
     _check_rows(name, z.shape[0], target, attrs)
-
-
-def _loss_type(name: str, z: TensorType, attrs) -> TensorType:
-    """The dtype of the loss and the logsumexp: the logits', or f32 with ``upcast`` (bf16 or f16 logits)."""
-    if not attrs["upcast"]:
-        return z
-    if z.dtype not in (DType.bf16, DType.f16):
-        raise TypeError(f"'{name}': upcast computes bf16 or f16 logits in f32, got {z}; without upcast "
-                        "the loss is computed in the logits' dtype")
-    return z.with_dtype(DType.f32)
 
 
 def _ce_infer(types, attrs):
@@ -267,7 +276,7 @@ def _ce_grad_samples(r: np.random.Generator) -> list[Sample]:
     return out
 
 
-_CE_ATTRS = _ATTRS[:2] + (Attr("upcast", "bool", False),)
+_CE_ATTRS = _ATTRS[:2] + (_UPCAST,)
 declare(OpDef("cross_entropy", 2, _CE_ATTRS, _ce_infer, frozenset({"autocast_f32"}), num_results=2,
               index_bounds=lambda types, attrs: IndexBounds(1, types[0].shape[1], attrs["ignore_index"]),
               flops=lambda ins, outs, attrs: 4.0 * ins[0].numel, sample=_ce_samples,
