@@ -212,6 +212,11 @@ def test_report_shows_predicted_and_measured_recomputation_seconds():
     lines = {ln.split("  ")[0]: ln for ln in str(r).splitlines()}
     assert f"{r.predicted_recompute_seconds * 1e3:+.2f} ms on a" in lines["predicted recompute overhead"]
     assert f"{r.measured_recompute_seconds * 1e3:+.2f} ms on a" in lines["measured step overhead"]
+    assert r.priced_by == "measured" and "static cost model" not in lines["predicted recompute overhead"]
+    static = remat.compile(copy.deepcopy(model), inputs, loss_fn, budget=0.5).report()
+    assert static.priced_by == "nominal CPU"  # seconds at the nominal rates, not this machine's: said so
+    line = next(ln for ln in str(static).splitlines() if ln.startswith("predicted recompute overhead"))
+    assert line.endswith("predicted unconstrained step, static cost model at nominal CPU rates)")
 
 
 def test_profiled_plans_price_blocks_by_measured_signatures_and_consider_the_static_plan(monkeypatch):

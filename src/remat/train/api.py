@@ -322,7 +322,7 @@ class TrainStep:
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
             weights=_weights_dtype(self.binding.params),
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
-            clip_strategy=c.clip_strategy,
+            clip_strategy=c.clip_strategy, priced_by=_priced_by(c.options),
             skipped_steps=self.skipped_steps + sum(s.skipped_steps for s in self._variants.values()),
             **dict(zip(("low_precision_ops", "casts", "cast_bytes"), precision_summary(self.program))))
         if c.options.dry_run:
@@ -377,6 +377,15 @@ class TrainStep:
         args = self.binding.step_args(inputs, copy=True, step=1)
         self.measured_allocator_peak = measure_allocator_peak(self.program, args, self.dialects, self.device)
         return self.measured_allocator_peak
+
+
+def _priced_by(options) -> str:
+    """What the report's predicted seconds are: measured (``cost_model="profiled"``), or the rates the
+    static cost model prices on (the nominal CPU's, or the named device's), not this machine's."""
+    if options.cost_model == "profiled":
+        return "measured"
+    spec = options.device_spec
+    return "nominal CPU" if spec is None or spec.name == "cpu" else spec.name
 
 
 def _weights_dtype(params) -> str:

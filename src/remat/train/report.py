@@ -66,6 +66,8 @@ class Report:
     precision: str = "fp32"      # the ``precision`` option
     weights: str = "fp32"        # the parameters' dtype (fp32: master weights under bf16/fp16 autocast)
     low_precision_ops: dict[str, int] = field(default_factory=dict)  # op -> instructions computing in bf16/f16
+    priced_by: str = "measured"  # what predicted seconds are: "measured" (cost_model="profiled"), or whose rates
+                                 # the static cost model priced them at ("nominal CPU", or a named device)
     casts: int = 0               # dtype casts in the program (mixed precision), and the bytes they produce
     cast_bytes: int = 0
     on_nonfinite: str | None = None  # the non-finite guard ("skip", "raise"; None: unguarded or no optimizer)
@@ -109,7 +111,8 @@ class Report:
             ("recomputed layers", ", ".join(f"{p or '(top level)'} ({n})" for p, n in self.recomputed_layers.items())
              or "-"),
             ("predicted recompute overhead", f"{self.predicted_overhead:+.1%}" + _seconds(
-                self.predicted_recompute_seconds, self.predicted_step_seconds, "predicted")),
+                self.predicted_recompute_seconds, self.predicted_step_seconds, "predicted",
+                None if self.priced_by == "measured" else f"static cost model at {self.priced_by} rates")),
             ("measured step overhead", "- (no unconstrained measurement)" if self.overhead is None
              else f"{self.overhead:+.1%}" + _seconds(self.measured_recompute_seconds, self.step_seconds, "measured")),
             ("step time (last)", "-" if self.step_seconds is None else f"{self.step_seconds * 1e3:.1f} ms"),
@@ -149,12 +152,14 @@ class Report:
         return "\n".join(lines)
 
 
-def _seconds(recompute: float | None, step: float | None, what: str) -> str:
-    """`` (+x ms on a y ms <what> unconstrained step)``: an overhead's seconds and the unconstrained
-    step's (``step`` less them), or nothing when unknown."""
+def _seconds(recompute: float | None, step: float | None, what: str, rates: str | None = None) -> str:
+    """`` (+x ms on a y ms <what> unconstrained step[, <rates>])``: an overhead's seconds and the
+    unconstrained step's (``step`` less them), or nothing when unknown; ``rates`` says what seconds
+    they are when not this machine's (the static cost model's)."""
     if recompute is None or step is None:
         return ""
-    return f" ({recompute * 1e3:+.2f} ms on a {(step - recompute) * 1e3:.1f} ms {what} unconstrained step)"
+    return (f" ({recompute * 1e3:+.2f} ms on a {(step - recompute) * 1e3:.1f} ms {what} unconstrained step"
+            + ("" if rates is None else f", {rates}") + ")")
 
 
 COMPUTE_OPS = ("matmul", "linear", "conv2d", "conv2d_input_grad", "conv2d_weight_grad", "conv2d_grads", "attention",
