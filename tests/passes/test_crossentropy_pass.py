@@ -190,3 +190,30 @@ def test_the_head_rewrite_keeps_an_upcast_loss_in_f32():
     assert len(sites) == 1 and _ops(h) == ["linear_cross_entropy", "return"]
     lce = h.entry.instrs[0]
     assert lce.attrs["upcast"] and lce.results[0].type == TensorType(F32, ())
+
+
+def test_upcast_loss_decomposes_into_f32_primitives():
+    """The decomposition of an upcast loss and its gradient converts the logits to f32 first and
+    rounds the gradient back: the same dtypes and, here, the same values as the fused ops."""
+    import torch
+
+    import remat
+    from remat.pipeline import run_pipeline
+
+    f = Function("f", [TensorType(BF16, (6, 5)), TensorType(I64, (6,)), TensorType(F32, ())])
+    b = Builder(f.entry)
+    z, t, g = f.params
+    loss, lse = b.op("cross_entropy", z, t, upcast=True, ignore_index=3)
+    dz = b.op("cross_entropy_grad", g, z, lse, t, upcast=True, ignore_index=3)
+    f.result_types = [loss.type, dz.type]
+    b.ret(loss, dz)
+    d = run_pipeline(Module([f]), ["decompose"]).module
+    verify(d)
+    assert not {"cross_entropy", "cross_entropy_grad"} & set(_ops(d["f"]))
+    args = (torch.randn(6, 5, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16),
+            torch.tensor([0, 3, 2, 3, 4, 1]), torch.tensor(0.5))
+    want = remat.run(f, *args, dialects=("torch",), outputs="torch")[0]
+    got = remat.run(d["f"], *args, dialects=("torch",), outputs="torch")[0]
+    assert [x.dtype for x in got] == [x.dtype for x in want] == [torch.float32, torch.bfloat16]
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-7)
