@@ -263,3 +263,27 @@ def test_a_judge_undoes_only_the_groups_whose_span_it_rejects() -> None:
     names = [i.op.name for i in out.instructions()]
     assert names.count("fused") == 1 and "relu" in names and len(seen) == 2
     run_both(m, Module([out]), [np.random.default_rng(4).standard_normal(t.shape).astype(np.float32) for t in fn.param_types])
+
+
+def test_a_rejection_outside_every_rewrite_undoes_them_all():
+    """keep_accepted drops the rewrites whose span holds a rejected instruction; when a rejection
+    falls outside every span (rewrites that together moved a high-water mark), it keeps none, and
+    the program runs as planned instead of failing the compile."""
+    from remat.lower.fuse import keep_accepted
+
+    fn = parse("func @f(%x: f32[4]) -> (f32[4]) {\n  %y = neg %x : f32[4]\n  return %y\n}\n")["f"]
+    rewritten = fn.clone()
+    items = ["a", "b"]
+    spans = {id("a"): (0, 0), id("b"): (0, 0)}
+    seen = []
+
+    def rewrite(f, kept):
+        seen.append(list(kept))
+        return rewritten, spans
+
+    assert keep_accepted(fn, items, rewrite, lambda out: None) == (rewritten, items)
+    out, kept = keep_accepted(fn, items, rewrite, lambda out: 1)  # index 1: outside both spans
+    assert out is fn and kept == []
+    calls = iter([0, None])  # at 0, inside both spans: both undone, nothing left to rewrite
+    out, kept = keep_accepted(fn, items, rewrite, lambda out: next(calls))
+    assert out is fn and kept == [] and seen[-1] == items

@@ -121,7 +121,7 @@ def recompute_from_stats(fn: Function, dialects, judge: Judge | None = None, lim
     items = find_recomputed(fn, lambda ins: ins.dialect or backends.select(ins, dialects).dialect)
     if not items:
         return fn
-    return keep_accepted(fn, items, _rewrite, within_peak(fn, judge, limit), "batch norm recomputation")[0]
+    return keep_accepted(fn, items, _rewrite, within_peak(fn, judge, limit))[0]
 
 
 def recompute_from_stats_pass(module: Module) -> Module:

@@ -330,7 +330,7 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
         st.instructions_after += len(fn.entry.instrs)
         return fn.clone()
     n = len(groups)
-    out, groups = keep_accepted(fn, groups, _rewrite, within_peak(fn, judge), "fuse")
+    out, groups = keep_accepted(fn, groups, _rewrite, within_peak(fn, judge))
     out = out if groups else fn.clone()
     st.dropped_for_peak += n - len(groups)
     st.groups += len(groups)
@@ -341,18 +341,19 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     return out
 
 
-def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge, what: str) -> tuple[Function, list]:
+def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge) -> tuple[Function, list]:
     """``rewrite(fn, items)`` -> (program, span per item by ``id``), then, while ``check`` rejects
     an instruction, the same without the items whose span holds it. Returns the accepted program
-    and the items kept (``fn`` itself when none is)."""
+    and the items kept (``fn`` itself when none is). A rejection outside every span (rewrites that
+    together moved a high-water mark past their spans) undoes them all: ``fn`` runs as planned."""
     out, spans = rewrite(fn, items)
     while items:
         at = check(out)
         if at is None:
             return out, items
         culprits = [x for x in items if spans[id(x)][0] <= at <= spans[id(x)][1]]
-        if not culprits:  # cannot happen: outside every span the live set is the unrewritten one
-            raise AssertionError(f"{what}: @{fn.name} rejected at instruction {at}, outside every rewrite")
+        if not culprits:
+            return fn, []
         items = [x for x in items if x not in culprits]
         if items:
             out, spans = rewrite(fn, items)

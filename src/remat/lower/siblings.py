@@ -149,7 +149,7 @@ def merge_conv_grads(fn: Function, judge: Judge | None = None) -> Function:
     pairs = find_pairs(fn)
     if not pairs:
         return fn
-    return keep_accepted(fn, pairs, _rewrite, within_peak(fn, judge), "siblings")[0]
+    return keep_accepted(fn, pairs, _rewrite, within_peak(fn, judge))[0]
 
 
 def merge_conv_grads_pass(module: Module) -> Module:
