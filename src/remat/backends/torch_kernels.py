@@ -1301,6 +1301,14 @@ def _ce_scale(g, keep, reduction, dt, n):
     return torch.where(keep, scale, torch.zeros((), dtype=dt, device=g.device))
 
 
+def _softmax_grad_(p, idx, t, scale):
+    """Rows ``p`` of logits less their logsumexp become the loss's gradient in place: softmax minus
+    the one-hot targets ``t`` (``idx``: the row numbers), times each row's weight ``scale``."""
+    p.exp_()
+    p[idx, t] -= 1
+    return p.mul_(scale)
+
+
 def _rows(scale, a, m):
     """Rows a..a+m of a per-row weight as a column (a 0-d weight as it is)."""
     return scale if scale.dim() == 0 else scale[a:a + m, None]
@@ -1342,16 +1350,14 @@ def linear_cross_entropy_grad(g, x, w, target, lse, *, reduction="mean", ignore_
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dw = torch.zeros(w.shape, dtype=dt, device=x.device)
     buf = torch.empty((min(chunk, x.shape[0]), w.shape[0]), dtype=dt, device=x.device) if lowp else None
+    idx = torch.arange(min(chunk, x.shape[0]), device=x.device)
     for a in range(0, x.shape[0], chunk):
         xc = x[a:a + chunk]
         z = torch.mm(xc, w.t())
         m = z.shape[0]
         p = buf[:m].copy_(z) if lowp else z
         del z
-        p.sub_(lse32[a:a + m, None]).exp_()
-        idx = torch.arange(m, device=x.device)
-        p[idx, t[a:a + m]] -= 1
-        p.mul_(scale[a:a + m, None])
+        _softmax_grad_(p.sub_(lse32[a:a + m, None]), idx[:m], t[a:a + m], scale[a:a + m, None])
         if lowp:
             pl = p.to(x.dtype)
             torch.mm(pl, w, out=dx[a:a + m])
@@ -1435,9 +1441,7 @@ def _cross_entropy_grad_into(out, g, z, lse, target, reduction, ignore_index):
             p = buf[:m].copy_(z[a:a + m]).sub_(lse[a:a + m, None])
         else:
             p = torch.sub(z[a:a + m], lse[a:a + m, None], out=out[a:a + m])
-        p.exp_()
-        p[idx[:m], t[a:a + m]] -= 1
-        p.mul_(_rows(scale, a, m))
+        _softmax_grad_(p, idx[:m], t[a:a + m], _rows(scale, a, m))
         if lowp:
             out[a:a + m].copy_(p)
     return out

@@ -31,6 +31,11 @@ class DType(enum.Enum):
         return self in (DType.f16, DType.bf16, DType.f32, DType.f64)
 
     @property
+    def is_low(self) -> bool:
+        """bf16 or f16: the low precisions of mixed precision."""
+        return self in (DType.bf16, DType.f16)
+
+    @property
     def is_int(self) -> bool:
         return self in (DType.i32, DType.i64)
 

@@ -47,7 +47,9 @@ from ..ir import Block, Builder, Function, Instruction, Module, Value
 from ..ir.core import Successor
 from ..ir.types import DType, promote
 from ._rewrite import use_counts
-from .crossentropy import LOW_DTYPES, fold_upcast
+from .crossentropy import fold_upcast
+
+LOW_DTYPES = tuple(d for d in DType if d.is_low)
 
 
 def _is_constant(v: Value) -> bool:

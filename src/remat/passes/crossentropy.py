@@ -33,9 +33,6 @@ from ..ir.ops.crossentropy import DEFAULT_CHUNK
 from ..ir.types import DType
 from ._rewrite import rewrite_matches
 
-LOW_DTYPES = (DType.bf16, DType.f16)
-"""The low precisions of mixed precision (``remat.passes.autocast``), whose logits a loss upcasts."""
-
 CHUNK_BYTES = 8 * 2**20
 """Target size of one chunk's logits (bytes): small against the whole [N, V] logits, large enough
 that each chunk's matmul runs at full speed."""
@@ -157,7 +154,7 @@ def fold_upcast(f: Function) -> tuple[Function, int]:
             gone.append(r)
             v = r.operands[0]
         c = _def(v, "cast")
-        if (c is None or c.attrs["dtype"] != DType.f32 or c.operands[0].type.dtype not in LOW_DTYPES
+        if (c is None or c.attrs["dtype"] != DType.f32 or not c.operands[0].type.dtype.is_low
                 or uses.get(v, 0) != 1):
             return None
         return gone + [c], (c.operands[0], r)

@@ -67,7 +67,7 @@ def _loss_type(name: str, z: TensorType, attrs) -> TensorType:
     """The dtype of the loss and the logsumexp: the logits', or f32 with ``upcast`` (bf16 or f16 logits)."""
     if not attrs["upcast"]:
         return z
-    if z.dtype not in (DType.bf16, DType.f16):
+    if not z.dtype.is_low:
         raise TypeError(f"'{name}': upcast computes bf16 or f16 logits in f32, got {z}; without upcast "
                         "the loss is computed in the logits' dtype")
     return z.with_dtype(DType.f32)
