@@ -840,7 +840,11 @@ def adam_step(param, grad, m, v, step, hyper, skip, *, decoupled, maximize):
 @k("nonfinite")
 def nonfinite(*xs):
     """True when an element of an operand is NaN or infinite: each operand's minimum and maximum
-    (one pass, no temporary; NaN propagates through both), then one check of those few scalars."""
+    (one pass, no temporary; NaN propagates through both), then one check of those few scalars.
+    Operands of one element on the host (the loss, the usual only operand) are read directly: the
+    five tiny kernels cost more than the check."""
+    if all(x.numel() == 1 and x.device.type == "cpu" for x in xs):
+        return torch.tensor(not all(math.isfinite(x.item()) for x in xs))
     ends = [e for x in xs if x.numel() for e in torch.aminmax(x.reshape(-1))]
     if not ends:
         return torch.zeros((), dtype=torch.bool)
