@@ -11,13 +11,14 @@ from typing import Callable, Sequence
 from .autodiff.transform import grad_pass
 from .ir import Module
 from .lower.fuse import fuse_pass
+from .lower.small_values import reuse_small_pass
 from .lower.siblings import merge_conv_grads_pass
 from .passes import CLEANUP, PASSES as _LOCAL, PRE_DIFFERENTIATION
 from .passes.pipeline import PassFn, PipelineResult, lookup, run_passes
 from .plan.simulator import insert_frees_pass
 
 PASSES: dict[str, PassFn] = {**_LOCAL, "grad": grad_pass, "insert-frees": insert_frees_pass, "fuse": fuse_pass,
-                            "merge-conv-grads": merge_conv_grads_pass}
+                            "merge-conv-grads": merge_conv_grads_pass, "reuse-small": reuse_small_pass}
 """Every pass by name: those of :mod:`remat.passes`, differentiation, explicit frees and fusion."""
 
 PIPELINES: dict[str, list[str]] = {

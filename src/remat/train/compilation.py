@@ -633,10 +633,22 @@ def _minimum(c: Compilation, problem: StepProblem) -> int:
 
 
 def lower(c: Compilation) -> Compilation:
-    """The plan's step program (rematerialised, its updates and frees placed), and what it
-    recomputes: counted here, since fusion merges instructions but recomputes nothing."""
+    """The plan's step program (rematerialised, its updates and frees placed), its small
+    recomputations read from their first runs where the budget has room (:mod:`remat.lower.small_values`;
+    with workspaces counted, a drop whose span holds an allocator high-water mark above the budget is
+    undone), and what it recomputes: counted here, since fusion merges instructions but recomputes
+    nothing. The predicted seconds stay the plan's (the planners compare plans before this rewrite,
+    which only removes work: a larger budget's prediction is never above a smaller one's)."""
+    from ..lower.small_values import reuse_small
+    from ..plan.workspace import allocator_excess
+
     program = c.plan.program
     unconstrained = c.plan.unconstrained or c.unconstrained  # a lean algorithm won: against its own step
+    if program is not unconstrained:
+        judge = None
+        if c.budget is not None and c.options.count_workspaces and (c.predicted_allocator_peak or 0) <= c.budget:
+            judge = partial(_excess, c.workspaces, c.budget, allocator_excess)
+        program = reuse_small(program, judge, c.budget)
     n = _count(program)
     return replace(c, program=program, instructions=n, recomputed=_count(program, views=False) - _count(unconstrained, views=False),
                    recomputed_layers=recomputed_layers(program), recomputes=program is not unconstrained)
