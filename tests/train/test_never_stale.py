@@ -139,6 +139,58 @@ def test_a_replaced_parameter_is_used():
         assert rel_err(p.grad, q.grad) <= 1e-5, n
 
 
+def test_a_parameter_put_in_an_empty_slot_is_used():
+    """A layer built without a bias gets one after compile (its slot held None, so the count of slots
+    did not change): the step compiles for the new parameter, as eager uses it, instead of running
+    without it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    loss_fn = torch.nn.functional.cross_entropy
+    messages = []
+    step = remat.compile(model, (x, y), loss_fn, progress=messages.append)
+    step(x, y)
+    model[0].bias = torch.nn.Parameter(torch.full((3,), 5.0))
+    for p in model.parameters():
+        p.grad = None
+    got = step(x, y)
+    want = loss_fn(model(x), y)
+    assert abs(float(got) - float(want)) <= 1e-6 * max(1.0, abs(float(want)))
+    assert any("parameter 0.bias was added" in m for m in messages), messages
+    (g_bias,) = torch.autograd.grad(want, [model[0].bias])
+    assert model[0].bias.grad is not None and rel_err(model[0].bias.grad, g_bias) <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["forward", "pre", "global"])
+def test_a_forward_hook_registered_after_compile_runs_like_eager(kind):
+    """The captured forward ran the hooks there were at compile; one registered since (on a module,
+    as a pre-hook, or globally) is run by a step compiled for it, and once it is removed the first
+    step runs again."""
+    import torch.nn.modules.module as tmm
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
+    loss_fn = torch.nn.functional.cross_entropy
+    messages = []
+    step = remat.compile(model, (x, y), loss_fn, progress=messages.append)
+    first = float(step(x, y))
+    if kind == "forward":
+        handle = model[0].register_forward_hook(lambda mod, inp, out: out * 2)
+    elif kind == "pre":
+        handle = model[0].register_forward_pre_hook(lambda mod, inp: (inp[0] * 3,))
+    else:
+        handle = tmm.register_module_forward_hook(lambda mod, inp, out: out * 2 if isinstance(mod, torch.nn.ReLU) else None)
+    try:
+        got = float(step(x, y))
+        want = float(loss_fn(model(x), y))
+    finally:
+        handle.remove()
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)) and abs(got - first) > 1e-3
+    assert any("a forward hook was registered or removed" in m for m in messages), messages
+    assert float(step(x, y)) == first
+
+
 def test_a_replaced_parameter_not_in_the_optimizer_is_a_clear_error():
     model, inputs, loss_fn = make("mlp")
     step = remat.compile(model, inputs, loss_fn, optimizer=_sgd(model))

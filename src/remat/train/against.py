@@ -5,12 +5,12 @@ its parameters and buffers, which parameters train, their dtypes, and the precis
 :class:`Against` records that, and :class:`Watch` reads it again at each call cheaply (the modules
 and parameter slots found at compile, re-walked only when the module tree changed), so that each call
 can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
-replaced, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a caller's
-``torch.autocast``) and follow the change with a step compiled for it, instead of running stale.
+replaced, added, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a
+forward hook registered or removed, a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running stale.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -26,6 +26,8 @@ class Against:
     precision: str
     buffers: tuple[int, ...] = ()
     hooks: int = 0  # backward hooks on the modules and parameters (refused: :func:`refuse_backward_hooks`)
+    forward_hooks: tuple[int, ...] = ()  # the handles of the forward (pre-)hooks, the modules' then the global ones
+    slot_names: tuple[str, ...] = field(default=(), compare=False)  # the parameters' names, for messages
 
     def changes(self, now: "Against", watch: "Watch") -> list[str]:
         """What differs in ``now``, in words (modules and parameters by name)."""
@@ -44,13 +46,15 @@ class Against:
         was = {i: (rg, dt) for i, rg, dt in self.params}
         for name, (i, rg, dt) in zip(watch.slot_names, now.params):
             if i not in was:
-                out.append(f"parameter {name} was replaced")
+                out.append(f"parameter {name} was {'replaced' if name in self.slot_names else 'added'}")
             elif was[i][0] != rg:
                 out.append(f"parameter {name} is {'trainable' if rg else 'frozen'} now")
             elif was[i][1] != dt:
                 out.append(f"parameter {name} is {dt} now, was {was[i][1]}")
         if now.hooks != self.hooks:
             out.append("a backward hook was registered or removed")
+        if now.forward_hooks != self.forward_hooks:
+            out.append("a forward hook was registered or removed")
         if now.buffers != self.buffers:
             was_b = set(self.buffers)
             out += [f"buffer {name} was replaced" for name, i in zip(watch.buffer_names, now.buffers) if i not in was_b]
@@ -65,7 +69,8 @@ class Watch:
     """The model's module tree as last walked: its modules, the edges between them and the parameter
     slots (module, name). :meth:`now` reads modes and parameters through them (a few attribute reads
     per module: cheap enough for every call) and walks the tree again only when a submodule was
-    replaced, added or removed, or a parameter slot added or removed."""
+    replaced, added or removed, or a parameter or buffer slot added, removed, emptied or filled
+    (``module.bias = nn.Parameter(...)`` on a layer built without one)."""
 
     def __init__(self, model, where: str = "cpu"):
         self.model = model
@@ -79,8 +84,12 @@ class Watch:
         self.edges = [(m, k, c) for m in self.modules for k, c in m._modules.items()]
         self.counts = [(len(m._modules), len(m._parameters), len(m._buffers)) for m in self.modules]
         self.slots = [(m, k) for m in self.modules for k, p in m._parameters.items() if p is not None]
-        self.slot_names = [f"{n}.{k}" if n else k for n, m in named for k, p in m._parameters.items() if p is not None]
+        self.slot_names = tuple(f"{n}.{k}" if n else k for n, m in named for k, p in m._parameters.items() if p is not None)
         self.buffer_slots = [(m, k) for m in self.modules for k, t in m._buffers.items() if t is not None]
+        # Slots registered empty (``bias=False`` layers, untracked batch-norm statistics): one filled
+        # later keeps the counts, so each is checked itself.
+        self.empty = ([(m._parameters, k) for m in self.modules for k, p in m._parameters.items() if p is None]
+                      + [(m._buffers, k) for m in self.modules for k, t in m._buffers.items() if t is None])
         self.buffer_names = [f"{n}.{k}" if n else k for n, m in named for k, t in m._buffers.items() if t is not None]
 
     def _intact(self) -> bool:
@@ -89,12 +98,16 @@ class Watch:
         for m, k, c in self.edges:
             if m._modules.get(k) is not c:
                 return False
+        for slots, k in self.empty:  # the dicts walked: a module whose dict was replaced changes a count or
+            if slots.get(k) is not None:  # reads a slot through its own (below)
+                return False
         return True
 
     def now(self, precision: str) -> Against:
         """The model as it is now; ``precision``: the step's own, unless the caller runs it under
         ``torch.autocast`` (then the autocast's dtype: "bf16" or "fp16")."""
         import torch
+        import torch.nn.modules.module as tmm
 
         if torch.is_autocast_enabled(self.where):
             dtype = str(torch.get_autocast_dtype(self.where)).removeprefix("torch.")
@@ -109,9 +122,14 @@ class Watch:
             buffers = [m._buffers[k] for m, k in self.buffer_slots]
         hooks = (sum(len(m._backward_hooks) + len(m._backward_pre_hooks) for m in self.modules)
                  + sum(1 for p in params if p._backward_hooks or p._post_accumulate_grad_hooks))
+        # Forward hooks run in the captured forward: one registered or removed since needs a new capture.
+        forward = tuple(k for m in self.modules if m._forward_hooks or m._forward_pre_hooks
+                        for k in (*m._forward_hooks, *m._forward_pre_hooks))
+        if tmm._global_forward_hooks or tmm._global_forward_pre_hooks:
+            forward += (-1, *tmm._global_forward_hooks, -2, *tmm._global_forward_pre_hooks)
         return Against(tuple(m.training for m in self.modules),
                        tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
-                       tuple(map(id, buffers)), hooks)
+                       tuple(map(id, buffers)), hooks, forward, self.slot_names)
 
 
 def refuse_backward_hooks(model) -> None:
