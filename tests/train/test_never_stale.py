@@ -191,6 +191,44 @@ def test_a_forward_hook_registered_after_compile_runs_like_eager(kind):
     assert float(step(x, y)) == first
 
 
+class _Scaled(torch.nn.Module):
+    """A forward that reads a dropout's ``p``, a float attribute, a flag and a plain tensor attribute."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.inner, self.drop, self.head = torch.nn.Linear(4, 8), torch.nn.Dropout(p), torch.nn.Linear(8, 2)
+        self.scale, self.shift_on = 1.0, False
+        self.shift = torch.full((8,), 0.25)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.inner(x))) * self.scale
+        return self.head(h + self.shift if self.shift_on else h)
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda m: setattr(m.drop, "p", 0.0), "attribute drop.p was changed (0.5 -> 0.0)"),
+    (lambda m: setattr(m, "scale", 3.0), "attribute scale was changed (1.0 -> 3.0)"),
+    (lambda m: setattr(m, "shift_on", True), "attribute shift_on was changed (False -> True)"),
+    (lambda m: (setattr(m, "shift_on", True), m.shift.fill_(2.0)), "attribute shift was changed"),
+])
+def test_a_changed_module_attribute_is_followed_like_eager(change, said):
+    """Attributes the forward reads were constants of the capture: a changed one (by value; a tensor
+    by identity or in place) gets a step compiled for it, as eager reads it at every call."""
+    torch.manual_seed(0)
+    model = _Scaled(0.5 if "drop.p" in said else 0.0)  # ends without dropout: losses compare exactly
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+    loss_fn = torch.nn.functional.cross_entropy
+    messages = []
+    step = remat.compile(model, (x, y), loss_fn, progress=messages.append)
+    step(x, y)
+    step(x, y)
+    assert not any("compiling a step" in m for m in messages)  # nothing changed: no new step
+    change(model)
+    got = float(step(x, y))
+    assert abs(got - float(loss_fn(model(x), y))) <= 1e-6
+    assert any(said in m for m in messages), messages
+
+
 def test_a_replaced_parameter_not_in_the_optimizer_is_a_clear_error():
     model, inputs, loss_fn = make("mlp")
     step = remat.compile(model, inputs, loss_fn, optimizer=_sgd(model))

@@ -10,16 +10,27 @@ forward hook registered or removed, a caller's ``torch.autocast``) and follow th
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 
 
+@functools.lru_cache(maxsize=1)
+def _module_internals() -> frozenset[str]:
+    """The attributes every ``nn.Module`` has (its parameter, buffer, module and hook dicts, ``training``):
+    not the model's own; they are read by name elsewhere."""
+    import torch
+
+    return frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
+
+
 @dataclass(frozen=True)
 class Against:
     """Each module's training mode, each parameter slot's tensor (identity, ``requires_grad``,
-    dtype) and each buffer slot's tensor (identity), in ``model.named_modules()`` order, and the
-    precision the step computes in."""
+    dtype) and each buffer slot's tensor (identity), in ``model.named_modules()`` order, the hooks,
+    each module's own attributes (a dropout's ``p``, a flag, a scale the forward reads: the capture
+    read them as constants) and the precision the step computes in."""
 
     training: tuple[bool, ...]
     params: tuple[tuple[int, bool, object], ...]
@@ -27,6 +38,7 @@ class Against:
     buffers: tuple[int, ...] = ()
     hooks: int = 0  # backward hooks on the modules and parameters (refused: :func:`refuse_backward_hooks`)
     forward_hooks: tuple[int, ...] = ()  # the handles of the forward (pre-)hooks, the modules' then the global ones
+    attributes: tuple = ()  # per module, its own attributes as (name, value): see :func:`attribute_value`
     slot_names: tuple[str, ...] = field(default=(), compare=False)  # the parameters' names, for messages
 
     def changes(self, now: "Against", watch: "Watch") -> list[str]:
@@ -55,6 +67,8 @@ class Against:
             out.append("a backward hook was registered or removed")
         if now.forward_hooks != self.forward_hooks:
             out.append("a forward hook was registered or removed")
+        if now.attributes != self.attributes:
+            out += _attribute_changes(self.attributes, now.attributes, watch.module_names)
         if now.buffers != self.buffers:
             was_b = set(self.buffers)
             out += [f"buffer {name} was replaced" for name, i in zip(watch.buffer_names, now.buffers) if i not in was_b]
@@ -63,6 +77,51 @@ class Against:
         if now.precision != self.precision:
             out.append(f"it is called in {now.precision} (torch.autocast), was compiled for {self.precision}")
         return out
+
+
+def attribute_value(v):
+    """An attribute as the step was compiled against it: a number, flag, string, dtype or device by
+    value, a tuple or list of those likewise, a tensor by identity and version (an in-place change is
+    a change), anything else (a function, a config, a container) by identity: rebinding it is a
+    change, mutating it is not seen."""
+    import torch
+
+    if v is None or isinstance(v, (bool, int, str)):
+        return (type(v).__name__, v)
+    if isinstance(v, float):
+        return ("float", repr(v))  # repr: a NaN equals itself
+    if isinstance(v, (torch.dtype, torch.device, torch.Size)):
+        return (type(v).__name__, str(v))
+    if isinstance(v, (tuple, list)) and len(v) <= 64:
+        items = tuple(attribute_value(x) for x in v)
+        if all(i[0] != "object" for i in items):
+            return (type(v).__name__, items)
+    if isinstance(v, torch.Tensor):
+        return ("tensor", id(v), v._version)
+    return ("object", id(v))
+
+
+def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
+    out = []
+    if len(was) != len(now):
+        return ["a module's attributes changed"]
+    for name, a, b in zip(names, was, now):
+        if a == b:
+            continue
+        old, new = dict(a), dict(b)
+        for k in sorted(set(old) | set(new)):
+            if old.get(k) != new.get(k):
+                path = f"{name}.{k}" if name else k
+                shown = (f" ({_shown(old[k])} -> {_shown(new[k])})" if k in old and k in new
+                         and old[k][0] not in ("tensor", "object") else "")
+                what = "added" if k not in old else "removed" if k not in new else "changed"
+                out.append(f"attribute {path} was {what}{shown}")
+    return out[:8] + ([f"and {len(out) - 8} more attribute changes"] if len(out) > 8 else [])
+
+
+def _shown(v) -> str:
+    kind, value = v
+    return value if kind in ("float", "dtype", "device", "Size") else repr(value) if kind != "tuple" else "a tuple"
 
 
 class Watch:
@@ -91,6 +150,36 @@ class Watch:
         self.empty = ([(m._parameters, k) for m in self.modules for k, p in m._parameters.items() if p is None]
                       + [(m._buffers, k) for m in self.modules for k, t in m._buffers.items() if t is None])
         self.buffer_names = [f"{n}.{k}" if n else k for n, m in named for k, t in m._buffers.items() if t is not None]
+        self._read_attributes()
+
+    def _read_attributes(self) -> None:
+        """Each module's own attributes (:func:`attribute_value`), and what :meth:`now` checks them by:
+        per module its ``__dict__``'s size and the identities of its attributes' values (one
+        ``itemgetter`` call), and the versions of its tensor attributes."""
+        import operator
+
+        import torch
+
+        internal = _module_internals()
+        self.attr_checks, self.tensor_attrs, attributes = [], [], []
+        for m in self.modules:
+            d = m.__dict__
+            keys = [k for k in d if k not in internal]
+            if keys:  # (itemgetter of one key returns the value itself, of two or more a tuple)
+                get = operator.itemgetter(*keys) if len(keys) > 1 else (lambda d, k=keys[0]: (d[k],))
+                values = get(d)  # held, so that no other object takes one of their ids meanwhile
+                self.attr_checks.append((d, len(d), get, values, tuple(map(id, values))))
+            else:
+                self.attr_checks.append((d, len(d), None, (), ()))
+            attributes.append(tuple((k, attribute_value(d[k])) for k in keys))
+            self.tensor_attrs += [(v, v._version) for k in keys if isinstance(v := d[k], torch.Tensor)]
+        self.attributes = tuple(attributes)
+
+    def _attributes_intact(self) -> bool:
+        for d, n, get, _, ids in self.attr_checks:
+            if len(d) != n or get is not None and tuple(map(id, get(d))) != ids:
+                return False
+        return all(t._version == v for t, v in self.tensor_attrs)
 
     def _intact(self) -> bool:
         if [(len(m._modules), len(m._parameters), len(m._buffers)) for m in self.modules] != self.counts:
@@ -114,6 +203,8 @@ class Watch:
             precision = _AUTOCAST_PRECISION.get(dtype, dtype)
         if not self._intact():
             self._walk()
+        elif not self._attributes_intact():
+            self._read_attributes()
         params = [m._parameters.get(k) for m, k in self.slots]
         buffers = [m._buffers.get(k) for m, k in self.buffer_slots]
         if any(t is None for t in params) or any(t is None for t in buffers):  # a slot emptied (``module.bias = None``): walk again
@@ -129,7 +220,7 @@ class Watch:
             forward += (-1, *tmm._global_forward_hooks, -2, *tmm._global_forward_pre_hooks)
         return Against(tuple(m.training for m in self.modules),
                        tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
-                       tuple(map(id, buffers)), hooks, forward, self.slot_names)
+                       tuple(map(id, buffers)), hooks, forward, self.attributes, self.slot_names)
 
 
 def refuse_backward_hooks(model) -> None:
