@@ -29,8 +29,8 @@ def _module_internals() -> frozenset[str]:
 class Against:
     """Each module's training mode, each parameter slot's tensor (identity, ``requires_grad``,
     dtype) and each buffer slot's tensor (identity), in ``model.named_modules()`` order, the hooks,
-    each module's own attributes (a dropout's ``p``, a flag, a scale the forward reads: the capture
-    read them as constants) and the precision the step computes in."""
+    each module's own attributes of plain values and tensors (a dropout's ``p``, a flag, a scale the
+    forward reads: the capture read them as constants) and the precision the step computes in."""
 
     training: tuple[bool, ...]
     params: tuple[tuple[int, bool, object], ...]
@@ -82,8 +82,9 @@ class Against:
 def attribute_value(v):
     """An attribute as the step was compiled against it: a number, flag, string, dtype or device by
     value, a tuple or list of those likewise, a tensor by identity and version (an in-place change is
-    a change), anything else (a function, a config, a container) by identity: rebinding it is a
-    change, mutating it is not seen."""
+    a change); None for anything else (a function, a config, a container), which is not watched:
+    libraries rebind such objects without changing what the forward computes (PEFT's adapter switch
+    rebinds a model's plan dicts), and a step compiled again for each would be compiled for nothing."""
     import torch
 
     if v is None or isinstance(v, (bool, int, str)):
@@ -94,11 +95,11 @@ def attribute_value(v):
         return (type(v).__name__, str(v))
     if isinstance(v, (tuple, list)) and len(v) <= 64:
         items = tuple(attribute_value(x) for x in v)
-        if all(i[0] != "object" for i in items):
+        if all(i is not None and i[0] != "tensor" for i in items):
             return (type(v).__name__, items)
     if isinstance(v, torch.Tensor):
         return ("tensor", id(v), v._version)
-    return ("object", id(v))
+    return None
 
 
 def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
@@ -113,7 +114,7 @@ def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
             if old.get(k) != new.get(k):
                 path = f"{name}.{k}" if name else k
                 shown = (f" ({_shown(old[k])} -> {_shown(new[k])})" if k in old and k in new
-                         and old[k][0] not in ("tensor", "object") else "")
+                         and old[k][0] != "tensor" else "")
                 what = "added" if k not in old else "removed" if k not in new else "changed"
                 out.append(f"attribute {path} was {what}{shown}")
     return out[:8] + ([f"and {len(out) - 8} more attribute changes"] if len(out) > 8 else [])
@@ -171,7 +172,7 @@ class Watch:
                 self.attr_checks.append((d, len(d), get, values, tuple(map(id, values))))
             else:
                 self.attr_checks.append((d, len(d), None, (), ()))
-            attributes.append(tuple((k, attribute_value(d[k])) for k in keys))
+            attributes.append(tuple((k, a) for k in keys if (a := attribute_value(d[k])) is not None))
             self.tensor_attrs += [(v, v._version) for k in keys if isinstance(v := d[k], torch.Tensor)]
         self.attributes = tuple(attributes)
 
