@@ -13,6 +13,8 @@ from remat import zoo
 from remat.backends import torch_kernels as tk
 from remat.ir import verify
 
+from _lower_util import train
+
 SHAPES = [(4, 16, 64, 64), (8, 64, 16, 16), (3, 5, 7, 9), (2, 3, 1, 1), (16, 128, 8, 8), (6, 4), (5, 3, 11)]
 
 
@@ -39,28 +41,13 @@ def test_eval_kernel_from_the_statistics_equals_the_training_kernel(shape, dtype
         assert torch.equal(y, again), (trial, (y.double() - again.double()).abs().max())
 
 
-def _train(name: str, precision: str, budget: float, rewrite: bool, steps: int = 3):
-    real = bn_recompute.find_recomputed
-    if not rewrite:
-        bn_recompute.find_recomputed = lambda fn, dialect_of: []
-    try:
-        torch.manual_seed(0)
-        model, ex, loss_fn = zoo.make(name, "small")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        step = remat.compile(model, ex, loss_fn, optimizer=opt, budget=budget, precision=precision)
-    finally:
-        bn_recompute.find_recomputed = real
-    losses = [float(step(*ex)) for _ in range(steps)]
-    return step, losses, [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
-
-
 @pytest.mark.parametrize("name, precision", [("unet", "bf16"), ("resnet", "fp32")])
 def test_steps_recomputing_batch_norms_train_bit_identically_within_the_budget(name, precision):
     """Zoo U-Net in bf16 (greedy and MILP plans: the first run's statistics alive for the backward
     anyway) and ResNet in fp32 (a chain plan: the backward reads the recomputation's statistics,
     now the first run's) at half their unconstrained peak."""
-    step, losses, state = _train(name, precision, 0.5, rewrite=True)
-    base, base_losses, base_state = _train(name, precision, 0.5, rewrite=False)
+    step, losses, state = train(name, precision, 0.5)
+    base, base_losses, base_state = train(name, precision, 0.5, bn_recompute, "find_recomputed")
     bns = [i for i in step.program.entry.instrs if i.op.name == "batch_norm"]
     rewritten = [i for i in bns if not i.attrs["training"]]
     assert rewritten and all(i.recomputes is not None for i in rewritten)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-import remat
 import remat.lower.small_values as reuse
-from remat import zoo
 from remat.ir import Module, parse, verify
 from remat.plan.simulator import predict_peak
 from remat.runtime.vm import VM
+
+from _lower_util import train
 
 # The row maxima %2 (256 bytes) are dropped after their first use and recomputed (%7) for the
 # backward-like second use; %6 (a large exp) is recomputed too, and only read by the recomputation of
@@ -63,21 +63,6 @@ def test_a_limit_the_kept_value_would_break_undoes_the_rewrite() -> None:
     assert reuse.reuse_small(fn, small=16) is fn  # nothing that small
 
 
-def _train(name: str, precision: str, budget, rewrite: bool, steps: int = 3):
-    real = reuse.find_small
-    if not rewrite:
-        reuse.find_small = lambda fn, limit=0: []
-    try:
-        torch.manual_seed(0)
-        model, ex, loss_fn = zoo.make(name, "small")
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        step = remat.compile(model, ex, loss_fn, optimizer=opt, budget=budget, precision=precision)
-    finally:
-        reuse.find_small = real
-    losses = [float(step(*ex)) for _ in range(steps)]
-    return step, losses, [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
-
-
 def _recomputed(program) -> int:
     return sum(1 for i in program.entry.instrs if i.recomputes is not None and not i.op.has("view"))
 
@@ -86,8 +71,8 @@ def _recomputed(program) -> int:
 def test_steps_reusing_small_values_train_bit_identically_within_the_budget(name, precision):
     """Zoo ResNet in fp32 (a chain plan re-runs whole blocks: the stem's statistics pass, batch-norm
     counters) and the zoo GPT in bf16 (dropout seeds, weight casts) at half their unconstrained peak."""
-    step, losses, state = _train(name, precision, 0.5, rewrite=True)
-    base, base_losses, base_state = _train(name, precision, 0.5, rewrite=False)
+    step, losses, state = train(name, precision, 0.5)
+    base, base_losses, base_state = train(name, precision, 0.5, reuse, "find_small")
     assert _recomputed(step.compilation.plan.program) == _recomputed(base.compilation.plan.program)  # one plan
     assert _recomputed(step.program) < _recomputed(base.program)
     verify(Module([step.program]))

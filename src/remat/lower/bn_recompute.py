@@ -31,9 +31,10 @@ budget (without one, within the program's own peak), and a rewrite whose span ho
 """
 from __future__ import annotations
 
-from ..ir import Builder, DType, Function, Instruction, Module, Value
+from ..ir import Builder, DType, Function, Instruction, Module
 from ..ir.build import clone_into
 from .fuse import Judge, keep_accepted, within_peak
+from .small_values import read_first_runs
 
 
 def _dense_for_aten(ins: Instruction) -> bool:
@@ -69,26 +70,12 @@ def _rewrite(fn: Function, items: list[Instruction]) -> tuple[Function, dict[int
     last read of the statistics."""
     chosen = set(items)
     stats_of = {ins.results[k]: ins.recomputes.instr.results[k] for ins in items for k in (1, 2)}
-    kept = set(stats_of.values())  # the first runs' statistics, read again
-    out = Function(fn.name, fn.param_types, fn.result_types)
-    vmap: dict[Value, Value] = dict(zip(fn.params, out.params))
-    b = Builder(out.entry)
-    new_at: dict[Instruction, int] = {}
-    last_read: dict[Value, int] = {}  # of each kept statistic, in the new program
-    for ins in fn.entry.instrs:
-        new_at[ins] = len(out.entry.instrs)
-        if ins.op.name == "free":
-            keep = [vmap[v] for v in ins.operands if v not in kept and v not in stats_of]
-            if keep:
-                b.free(*keep)
-            continue
-        for v in ins.operands:
-            if v in stats_of:  # the recomputed statistics: the first run's
-                vmap[v] = vmap[stats_of[v]]
-                last_read[stats_of[v]] = new_at[ins]
+    normalised: dict[Instruction, int] = {}  # each item's new index
+
+    def emit(b: Builder, ins: Instruction, vmap: dict) -> None:
         if ins not in chosen:
             clone_into(b, ins, vmap)
-            continue
+            return
         first = ins.recomputes.instr
         x, weight, bias = (vmap[v] for v in ins.operands[:3])
         mean, invstd = vmap[first.results[1]], vmap[first.results[2]]
@@ -99,12 +86,13 @@ def _rewrite(fn: Function, items: list[Instruction]) -> tuple[Function, dict[int
                      {**ins.attrs, "training": False, "eps": 0.0}, loc=ins.loc)
         y.recomputes = vmap.get(ins.recomputes)
         vmap[ins.results[0]] = y.results[0]
-        for k in (1, 2):
-            last_read[first.results[k]] = max(last_read.get(first.results[k], 0), len(out.entry.instrs) - 1)
+        normalised[ins] = len(b.block.instrs) - 1
+
+    out, new_at, last_read = read_first_runs(fn, stats_of, set(), emit)
     spans = {}
     for ins in items:
         first = ins.recomputes.instr
-        hi = max(last_read.get(first.results[k], 0) for k in (1, 2))
+        hi = max([last_read.get(first.results[k], 0) for k in (1, 2)] + [normalised[ins]])
         spans[id(ins)] = (new_at[first], max(hi, new_at[ins] + 2))
     return out, spans
 

@@ -18,6 +18,8 @@ and a drop whose span (the first run to the last read of its results) holds an i
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from ..ir import Builder, Function, Instruction, Module, Value
 from ..ir.build import clone_into
 from .fuse import Judge, keep_accepted, within_peak
@@ -58,6 +60,41 @@ def find_small(fn: Function, limit: int = SMALL_BYTES) -> list[Instruction]:
     return out
 
 
+def read_first_runs(fn: Function, first_of: dict[Value, Value], drop: set[Instruction],
+                    emit: Callable[[Builder, Instruction, dict], None] | None = None
+                    ) -> tuple[Function, dict[Instruction, int], dict[Value, int]]:
+    """``fn`` rebuilt with every read of a value of ``first_of`` reading its first run's value instead
+    (whose frees are dropped: it lives to its last read), without the instructions of ``drop`` (whose
+    frees go too), and ``emit(builder, ins, vmap)`` building ``ins`` where given (else a clone).
+    Returns the program, each old instruction's new index and the new index of each first-run
+    value's last read. The rewrite of :func:`reuse_small` and of :mod:`remat.lower.bn_recompute`."""
+    kept = set(first_of.values())
+    gone = {r for ins in drop for r in ins.results} | set(first_of)
+    out = Function(fn.name, fn.param_types, fn.result_types)
+    vmap: dict[Value, Value] = dict(zip(fn.params, out.params))
+    b = Builder(out.entry)
+    new_at: dict[Instruction, int] = {}
+    last_read: dict[Value, int] = {}
+    for ins in fn.entry.instrs:
+        new_at[ins] = len(out.entry.instrs)
+        if ins.op.name == "free":
+            keep = [vmap[v] for v in ins.operands if v not in kept and v not in gone]
+            if keep:
+                b.free(*keep)
+            continue
+        if ins in drop:
+            continue
+        for v in ins.operands:
+            if v in first_of:
+                vmap[v] = vmap[first_of[v]]
+                last_read[first_of[v]] = new_at[ins]
+        if emit is None:
+            clone_into(b, ins, vmap)
+        else:
+            emit(b, ins, vmap)
+    return out, new_at, last_read
+
+
 def _rewrite(fn: Function, items: list[Instruction]) -> tuple[Function, dict[int, tuple[int, int]]]:
     """``fn`` without ``items`` (and the recomputations only they read), their reads reading their
     first runs' results; per item (by ``id``) the span of new indices where it changed what is live."""
@@ -73,27 +110,7 @@ def _rewrite(fn: Function, items: list[Instruction]) -> tuple[Function, dict[int
         if all(u in dead or u.op.name == "free" for r in ins.results for u in users.get(r, ())):
             dead.add(ins)
     first_of = {ins.results[k]: ins.recomputes.instr.results[k] for ins in items for k in range(len(ins.results))}
-    kept = set(first_of.values())
-    out = Function(fn.name, fn.param_types, fn.result_types)
-    vmap: dict[Value, Value] = dict(zip(fn.params, out.params))
-    b = Builder(out.entry)
-    new_at: dict[Instruction, int] = {}
-    last_read: dict[Value, int] = {}  # of each kept first-run result, in the new program
-    gone = {r for ins in dead for r in ins.results}
-    for ins in fn.entry.instrs:
-        new_at[ins] = len(out.entry.instrs)
-        if ins.op.name == "free":
-            keep = [vmap[v] for v in ins.operands if v not in kept and v not in gone]
-            if keep:
-                b.free(*keep)
-            continue
-        if ins in dead:
-            continue
-        for v in ins.operands:
-            if v in first_of:
-                vmap[v] = vmap[first_of[v]]
-                last_read[first_of[v]] = new_at[ins]
-        clone_into(b, ins, vmap)
+    out, new_at, last_read = read_first_runs(fn, first_of, dead)
     spans = {}
     for ins in items:
         first = ins.recomputes.instr
@@ -121,4 +138,4 @@ def reuse_small_pass(module: Module) -> Module:
     return Module([reuse_small(f) for f in module])
 
 
-__all__ = ["SMALL_BYTES", "find_small", "reuse_small", "reuse_small_pass"]
+__all__ = ["SMALL_BYTES", "find_small", "read_first_runs", "reuse_small", "reuse_small_pass"]
