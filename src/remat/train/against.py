@@ -6,7 +6,9 @@ its parameters and buffers, which parameters train, their dtypes, and the precis
 and parameter slots found at compile, re-walked only when the module tree changed), so that each call
 can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
 replaced, added, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a
-forward hook registered or removed, a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running stale.
+forward hook registered or removed, a dropout's ``p`` or another plain attribute the forward reads,
+a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running
+stale.
 """
 from __future__ import annotations
 
