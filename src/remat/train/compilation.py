@@ -640,15 +640,11 @@ def lower(c: Compilation) -> Compilation:
     nothing. The predicted seconds stay the plan's (the planners compare plans before this rewrite,
     which only removes work: a larger budget's prediction is never above a smaller one's)."""
     from ..lower.small_values import reuse_small
-    from ..plan.workspace import allocator_excess
 
     program = c.plan.program
     unconstrained = c.plan.unconstrained or c.unconstrained  # a lean algorithm won: against its own step
     if program is not unconstrained:
-        judge = None
-        if c.budget is not None and c.options.count_workspaces and (c.predicted_allocator_peak or 0) <= c.budget:
-            judge = partial(_excess, c.workspaces, c.budget, allocator_excess)
-        program = reuse_small(program, judge, c.budget)
+        program = reuse_small(program, _budget_judge(c), c.budget)
     n = _count(program)
     return replace(c, program=program, instructions=n, recomputed=_count(program, views=False) - _count(unconstrained, views=False),
                    recomputed_layers=recomputed_layers(program), recomputes=program is not unconstrained)
@@ -666,12 +662,10 @@ def fuse(c: Compilation) -> Compilation:
     merged and fused kernels are bit-identical to the ops they replace, so the plan's promises carry
     over. With ``cost_model="profiled"`` the predicted seconds are the programs' as they run: this
     one, and the unconstrained step's as ``profile`` fused it."""
-    from ..plan.workspace import allocator_bound, allocator_excess
+    from ..plan.workspace import allocator_bound
 
     counted = c.budget is not None and c.options.count_workspaces
-    judge = None
-    if counted and (c.predicted_allocator_peak or 0) <= c.budget:
-        judge = partial(_excess, c.workspaces, c.budget, allocator_excess)  # rewrites breaking the budget are undone
+    judge = _budget_judge(c)
     cpu_dialects = None if c.placement is not None else backends.resolve(c.dialects)
     fused = fused_program(c.program, _numba(c), judge, cpu_dialects, c.budget)
     if counted:
@@ -713,6 +707,16 @@ def _priced_as_run(c: Compilation) -> Compilation:
 
 def _excess(workspaces: Callable, budget: int, excess: Callable, out: Function) -> int | None:
     return excess(out, workspaces(out), budget)
+
+
+def _budget_judge(c: Compilation) -> Callable | None:
+    """With workspaces counted and the plan's allocator bound within the budget, the judge that undoes
+    a lowering rewrite whose program's allocator bound breaks the budget (None: no such judge)."""
+    from ..plan.workspace import allocator_excess
+
+    if c.budget is None or not c.options.count_workspaces or (c.predicted_allocator_peak or 0) > c.budget:
+        return None
+    return partial(_excess, c.workspaces, c.budget, allocator_excess)
 
 
 def compile_kernels(c: Compilation) -> Compilation:
