@@ -1250,7 +1250,7 @@ def _group_norm(L: Lowerer, x, weight, bias, N, C, HxW, group, eps):
     ``torch.autocast``: ATen's mixed-type kernel); parameters of another dtype than x's are
     normalised with reductions instead."""
     dt = x.type.dtype
-    mixed = (dt in (DType.f16, DType.bf16) and weight is not None and bias is not None
+    mixed = (dt.is_low and weight is not None and bias is not None
              and weight.type.dtype == bias.type.dtype == DType.f32)
     if (mixed or all(v is None or v.type.dtype == dt for v in (weight, bias))) and x.type.rank >= 2:
         affine = []
@@ -1285,7 +1285,7 @@ def _batch_norm(L: Lowerer, x, weight, bias, running_mean, running_var, training
     per-channel dtype and rounded back."""
     vectors = [v for v in (weight, bias, running_mean, running_var) if v is not None]
     wide = next((v.type.dtype for v in vectors if v.type.dtype != x.type.dtype), None)
-    mixed = (wide == DType.f32 and x.type.dtype in (DType.f16, DType.bf16)
+    mixed = (wide == DType.f32 and x.type.dtype.is_low
              and all(v.type.dtype == wide for v in vectors))
     if wide is not None and mixed:
         outs = _batch_norm_op(L, x, weight, bias, running_mean, running_var, training, momentum, eps, wide)
@@ -1329,7 +1329,7 @@ def _bn_functional(L: Lowerer, x, weight, bias, running_mean, running_var, train
     out = _batch_norm(L, x, weight, bias, running_mean, running_var, training, momentum, eps)
     if not training:  # same five outputs: running statistics unchanged
         return out[0], out[1], out[2], running_mean, running_var
-    if running_mean is not None and x.type.dtype in (DType.f16, DType.bf16) and out[3].type.dtype != DType.f32:
+    if running_mean is not None and x.type.dtype.is_low and out[3].type.dtype != DType.f32:
         # PyTorch's functional form updates the running statistics in f32 for a half-precision input
         # (its statistics are f32); the model's copy into its buffers rounds them back.
         return out[:3] + tuple(L.cast(v, DType.f32) for v in out[3:])

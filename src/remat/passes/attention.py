@@ -43,10 +43,6 @@ from ..ir.types import DType
 from ._rewrite import apply_replacements, splat_value, use_counts
 
 
-LOW_PRECISION = (DType.f16, DType.bf16)
-"""Dtypes in which the import pass keeps explicit attention explicit (the lean variants fuse it)."""
-
-
 @dataclass
 class Match:
     """One recognised attention: its operands, attributes and the instructions it replaces."""
@@ -191,7 +187,7 @@ def match(pv: Instruction, uses: dict[Value, int], dropout: bool = False, low_pr
             or v.type.numel != batch * n * v.type.shape[-1] or q.type.shape[-2] != t
             or not q.type.dtype.is_float or pv.results[0].type.numel != batch * t * v.type.shape[-1]):
         return None  # e.g. a key or value shared across the batch (matmul broadcasting)
-    if not low_precision and q.type.dtype in LOW_PRECISION:
+    if not low_precision and q.type.dtype.is_low:
         return None
     if mask is not None and mask.type.dtype != DType.bool and mask.type.dtype != q.type.dtype:
         return None
@@ -247,7 +243,7 @@ def _emit(b: Builder, m: Match) -> Value:
 def recognise_attention(f: Function, dropout: bool = False, low_precision: bool = True) -> tuple[Function, int]:
     """A copy of ``f`` with every explicit attention replaced by the op; also the number replaced.
     ``dropout``: attention with dropout on its probabilities too (as ``dropout_attention``);
-    ``low_precision`` False: not attention in f16/bf16 (the import pass, :data:`LOW_PRECISION`)."""
+    ``low_precision`` False: not attention in f16/bf16 (the import pass)."""
     g, made = _recognise(f, dropout, low_precision)
     return g, len(made)
 
@@ -290,7 +286,7 @@ def _recognise(f: Function, dropout: bool, low_precision: bool) -> tuple[Functio
 
 def attention_pass(module: Module) -> Module:
     """Replace explicit attention (matmul, scale, mask, softmax, matmul) by the ``attention`` op,
-    except in f16/bf16 (:data:`LOW_PRECISION`)."""
+    except in f16/bf16."""
     return Module([recognise_attention(f, low_precision=False)[0] for f in module])
 
 

@@ -60,7 +60,7 @@ def _heads_first(name: str, types, attrs):
 
 def lse_dtype(dt: DType) -> DType:
     """The logsumexp result's dtype: f32 for f16/bf16 inputs (as PyTorch's kernels), else the input's."""
-    return DType.f32 if dt in (DType.f16, DType.bf16) else dt
+    return DType.f32 if dt.is_low else dt
 
 
 def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: TensorType | None,

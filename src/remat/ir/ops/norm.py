@@ -44,7 +44,7 @@ def _ln_param_dtype(x: TensorType, affine: list[TensorType]) -> DType:
     f32 for an f16/bf16 input with f32 weight and bias (ATen's mixed-type kernels, as under
     ``torch.autocast``: they compute in f32 and give the output in the input's dtype, the statistics
     and the parameters' gradients in f32)."""
-    if affine and affine[0].dtype == DType.f32 and x.dtype in (DType.f16, DType.bf16):
+    if affine and affine[0].dtype == DType.f32 and x.dtype.is_low:
         return DType.f32
     return x.dtype
 
@@ -54,7 +54,7 @@ def _check_ln_affine(name: str, params: list[TensorType], shape: tuple[int, ...]
     dt = _ln_param_dtype(x, params)
     for p, pname in zip(params, ("weight", "bias")):
         if p.shape != shape or p.dtype != dt:
-            mixed = " (or f32, for an f16/bf16 input)" if x.dtype in (DType.f16, DType.bf16) else ""
+            mixed = " (or f32, for an f16/bf16 input)" if x.dtype.is_low else ""
             raise TypeError(f"'{name}': {pname} {p} must be {dt}{list(shape)}{mixed} ({what} of input {x})")
     return dt
 
@@ -152,7 +152,6 @@ def _bn_split(types, attrs) -> tuple[TensorType, list[TensorType], list[TensorTy
     return x, rest[:na], rest[na:]
 
 
-MIXED = (DType.f16, DType.bf16)
 """Input dtypes batch norm takes with float32 per-channel operands (ATen's mixed-dtype CPU kernel)."""
 
 
@@ -167,7 +166,7 @@ def stats_dtype(x: TensorType, vectors) -> DType:
         raise TypeError(f"'batch_norm': weight, bias and running statistics must share one dtype, got "
                         f"{', '.join(str(v) for v in vectors)}")
     dt = dts.pop() if dts else x.dtype
-    if dt != x.dtype and not (x.dtype in MIXED and dt == DType.f32):
+    if dt != x.dtype and not (x.dtype.is_low and dt == DType.f32):
         raise TypeError(f"'batch_norm': per-channel operands of {dt} with an input {x}: only an f16/bf16 input "
                         f"may have f32 ones (the mixed-dtype kernel); insert a cast")
     return dt
