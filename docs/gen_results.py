@@ -143,7 +143,9 @@ def speed_section(name: str, title: str, command: str, extra_methods: tuple[tupl
         f"`{command}` → `bench/results/{name}.json` ({_machine(data)}; optimizer: {data['config']['optimizer']}"
         + (f"; precision: {data['config']['precision']}" if data["config"].get("precision") else "") + ").",
         "Each cell is step time / allocator peak as ratios to eager PyTorch's (medians over "
-        f"{data['config'].get('processes_per_model', 1)} process(es) of {data['config']['rounds']} alternating rounds). "
+        f"{data['config'].get('processes_per_model', 1)} process(es) of {data['config']['rounds']} alternating rounds"
+        + (f", each method's {data['config']['loop']} consecutive steps, the first untimed" if data["config"].get("loop") else "")
+        + "). "
         "Under a budget, the planner that won and the number of recomputed instructions follow.",
         "",
         "| " + " | ".join(head) + " |",
