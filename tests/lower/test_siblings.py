@@ -169,9 +169,9 @@ def test_a_merge_that_would_raise_the_peak_is_left_apart() -> None:
 
 
 def test_no_pair_when_neither_position_has_the_operands() -> None:
-    # %5 (the weight gradient) needs %9, made after %3 is read: merged early its operand does not
-    # exist yet; merged late, %3's consumer is in between.
-    src = EARLY.replace("%5 = conv2d_weight_grad %0, %2", "%9 = relu %0 : f32[2,3,6,6]\n  %5 = conv2d_weight_grad %9, %2")
+    # %5 (the weight gradient) needs %9, made from %3's consumer: merged early its operand cannot be
+    # made yet; merged late, %3's consumer is in between.
+    src = EARLY.replace("%5 = conv2d_weight_grad %0, %2", "%9 = mul %0, %4 : f32[2,3,6,6]\n  %5 = conv2d_weight_grad %9, %2")
     assert find_pairs(parse(src)["f"]) == []
 
 
@@ -201,3 +201,62 @@ def test_zoo_resnet_step_merges_every_pair_bit_identically() -> None:
     ob, sb = VM(Module([prog.clone()])).run(prog.name, *step.binding.step_args(ex, copy=True, step=1), outputs="torch")
     assert all(torch.equal(a, b) for a, b in zip(oa, ob))
     assert sb.peak_bytes == predict_peak(prog) <= sa.peak_bytes == predict_peak(unmerged)
+
+
+# A plan's order around a pair in a low-precision step: the weight gradient, the update of the weight
+# it feeds (reading the gradient: no late merge), the weight's cast made again for the input gradient.
+# The cast moves before the merged call (the update comes after it, so it reads the same weight).
+CAST_BETWEEN = """func @f(%0: f32[2,3,6,6], %1: f32[4,3,3,3], %2: f32[2,4,6,6], %9: f32[4,3,3,3], %11: i64[], %12: f64[4], %13: bool[]) -> (f32[2,3,6,6], f32[4,3,3,3], f32[4,3,3,3]) {
+  %20 = cumsum %2 {axis=3} : f32[2,4,6,6]
+  %21 = cumsum %20 {axis=3} : f32[2,4,6,6]
+  %22 = cumsum %21 {axis=3} : f32[2,4,6,6]
+  free %20, %21, %22
+  %4 = conv2d_weight_grad %0, %2 {weight_shape=[4,3,3,3], padding=[1,1]} : f32[4,3,3,3]
+  free %0
+  %5 = neg %4 : f32[4,3,3,3]
+  free %4
+  %6 = cast %1 {dtype=f64} : f64[4,3,3,3]
+  %7 = cast %6 {dtype=f32} : f32[4,3,3,3]
+  free %6
+  %14, %15 = sgd_step %1, %5, %9, %11, %12, %13 : f32[4,3,3,3], f32[4,3,3,3]
+  %3 = conv2d_input_grad %2, %7 {input_shape=[2,3,6,6], padding=[1,1]} : f32[2,3,6,6]
+  free %2, %7
+  return %3, %14, %15
+}
+"""
+
+
+def _sgd_args(fn) -> list[np.ndarray]:
+    args = _args(fn)
+    args[-3:] = [np.array(1, np.int64), np.array([0.1, 0.9, 0.0, 0.0]), np.array(False)]
+    return args
+
+
+def test_early_merge_moves_the_input_gradients_weight_cast_before_it() -> None:
+    fn = parse(CAST_BETWEEN)["f"]
+    (pair,) = find_pairs(fn)
+    assert pair.at is pair.weight_grad and [h.op.name for h in pair.hoisted] == ["cast", "cast"]
+    out = merge_conv_grads(fn)
+    verify(Module([out]))
+    # the moved casts' intermediate is freed with them, before the merged call
+    assert [i.op.name for i in out.instructions()][4:8] == ["cast", "cast", "free", "conv2d_grads"]
+    args = _sgd_args(fn)
+    oa, sa = VM(Module([fn])).run(fn.name, *[a.copy() for a in args])
+    ob, sb = VM(Module([out])).run(out.name, *[a.copy() for a in args])
+    assert all(np.array_equal(a, b) for a, b in zip(oa, ob))
+    assert sb.peak_bytes == predict_peak(out) <= sa.peak_bytes == predict_peak(fn)
+
+
+def test_no_early_merge_past_an_in_place_update_of_what_a_moved_instruction_reads() -> None:
+    """The cast reads the weight after its update: made before the merged call it would read the weight
+    before the update, so the pair is left apart."""
+    src = CAST_BETWEEN.replace("""  %6 = cast %1 {dtype=f64} : f64[4,3,3,3]
+  %7 = cast %6 {dtype=f32} : f32[4,3,3,3]
+  free %6
+  %14, %15 = sgd_step %1, %5, %9, %11, %12, %13 : f32[4,3,3,3], f32[4,3,3,3]
+""", """  %14, %15 = sgd_step %1, %5, %9, %11, %12, %13 : f32[4,3,3,3], f32[4,3,3,3]
+  %6 = cast %1 {dtype=f64} : f64[4,3,3,3]
+  %7 = cast %6 {dtype=f32} : f32[4,3,3,3]
+  free %6
+""")
+    assert find_pairs(parse(src)["f"]) == []
