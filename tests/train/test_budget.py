@@ -285,3 +285,23 @@ def test_compile_rejects_bad_budget_forms(budget):
         remat.compile(model, inputs, loss_fn, budget=budget)
     assert not isinstance(info.value, remat.BudgetTooSmall)
     assert_snapshot_equal(snapshot(model), before)
+
+
+def test_milp_out_of_time_does_not_end_the_compile(deep, monkeypatch):
+    """solver="milp" runs the whole-graph MILP at a plan's probes (and at the ladder's lower budgets);
+    one that ran out of time (NoSolutionFound) ended the compile, though other planners had plans."""
+    from remat.plan import milp
+
+    model, inputs, loss_fn, base, base_loss, base_grads = deep
+    calls = []
+
+    def out_of_time(graph, budget, **kw):
+        calls.append(budget)
+        raise milp.NoSolutionFound(budget, kw.get("time_limit", 0.0), 0.0, "Time limit reached")
+
+    monkeypatch.setattr(milp, "solve_milp", out_of_time)
+    step, loss, grads = _compiled_grads(model, inputs, loss_fn, budget=0.5, solver="milp")
+    assert calls
+    assert any("no schedule within its time limit" in n for n in step.report().solver_notes) or \
+        step.report().solver.startswith("chain DP")
+    _assert_fits_and_identical(step, loss, grads, base_loss, base_grads)

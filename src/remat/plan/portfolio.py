@@ -29,7 +29,7 @@ from ..ir import Function, Module, verify
 from .costmodel import CostModel, function_cost, program_overhead, static_costs
 from .frontier import frontier_for
 from .graph import Graph
-from .milp import MILP_MAX_NODES
+from .milp import MILP_MAX_NODES, NoSolutionFound
 from .problem import StepProblem, fit_peak
 from .record import Plan, Solution
 from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
@@ -399,6 +399,10 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
         try:
             plan = _solve_graph(low.graph, m, order, p.solver, m == main, p.milp_time_limit)
         except BudgetTooSmall:
+            continue
+        except NoSolutionFound as e:  # solver="milp" out of time at this probe: the others may plan
+            notes.append(f"MILP at a model budget of {format_bytes(m)}: no schedule within its time limit "
+                         f"({e.time_limit:g} s)")
             continue
         if plan is not None:
             plans.append(plan)
