@@ -193,8 +193,8 @@ class Binding:
         import torch
 
         with torch.no_grad():
-            for buf, new in zip(self.buffers_out, outs[1:self.layout.first_grad]):
-                buf.copy_(new)
+            if self.buffers_out:  # one call for all (batch norms' statistics: a zoo U-Net's 42 copies, 77 -> 40 µs)
+                torch._foreach_copy_(self.buffers_out, list(outs[1:self.layout.first_grad]))
             if keep_grads:
                 self._set_grads(outs, args)
 
