@@ -4,6 +4,7 @@ keyword example inputs, a dict output whose ``loss`` is used (no ``loss_fn``) or
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -95,9 +96,11 @@ def test_unsupported_conventions_are_refused_clearly():
 
     class NoLogits(DictOut):
         def forward(self, x):
-            return {"hidden": self.fc1(x)}
+            h = self.fc1(x)
+            return {"hidden": h, "scores": h.relu()}
 
-    with pytest.raises(ModelOutputError, match=r"without 'logits' \(fields: hidden\)"):
+    with pytest.raises(ModelOutputError, match=r"without 'logits' \(fields: hidden, scores\), so the loss_fn was given "
+                                               r"the output itself.*TypeError: cross_entropy"):
         remat.compile(NoLogits(), (x, y), F.cross_entropy)
 
 
@@ -110,3 +113,28 @@ def test_keyword_step_compiles_other_shapes_too():
     got = step(labels=y3, x=x3)
     assert step.report().shapes_cached == 2
     assert abs(float(got) - float(model(x3, labels=y3)["loss"].detach())) <= 1e-6
+
+
+def test_loss_fn_takes_an_output_without_logits_as_it_is():
+    """diffusers' models return a ModelOutput with a ``sample`` and no ``logits``: the loss_fn gets the
+    output, as eager code's ``F.mse_loss(unet(x, t).sample, target)`` reads it."""
+    from diffusers.utils import BaseOutput
+
+    @dataclasses.dataclass
+    class SampleOutput(BaseOutput):
+        sample: torch.Tensor = None
+
+    class Denoiser(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            return SampleOutput(sample=self.fc(x))
+
+    torch.manual_seed(0)
+    model = Denoiser()
+    x, target = torch.randn(5, 6), torch.randn(5, 6)
+    step = remat.compile(model, (x, target), lambda out, t: F.mse_loss(out.sample, t), keep_grads=True)
+    got = step(x, target)
+    assert abs(float(got) - float(F.mse_loss(model(x).sample, target).detach())) <= 1e-6

@@ -282,25 +282,36 @@ class _WithLoss(torch.nn.Module):
         else:
             out = self.model(**dict(zip(self.input_names, model_args)), **self.options)
         out = _loss_or_logits(out, want_loss=self.loss_fn is None)
-        return out if self.loss_fn is None else self.loss_fn(out, *args[self.n_inputs:])
+        if self.loss_fn is None:
+            return out
+        try:
+            return self.loss_fn(out, *args[self.n_inputs:])
+        except TypeError as e:
+            if not isinstance(out, Mapping):
+                raise
+            fields = ", ".join(k for k, v in out.items() if v is not None) or "none"
+            raise ModelOutputError(f"the model returned a {type(out).__name__} without 'logits' (fields: {fields}), so "
+                                   f"the loss_fn was given the output itself, as eagerly, and raised {type(e).__name__}: "
+                                   f"{e}. Read the field it needs in the loss_fn (diffusers: `out.sample`), or give "
+                                   "no loss_fn and let the model compute its own 'loss' (e.g. labels=...)") from e
 
 
 def _loss_or_logits(out: Any, want_loss: bool) -> Any:
     """A ``ModelOutput``/dict's ``loss`` (the model computes its own loss) or ``logits`` (for a
-    loss function); any other output is returned as it is."""
+    loss function; without ``logits``, the output itself, as eager code hands it to its loss:
+    diffusers' ``out.sample``); any other output is returned as it is."""
     if not isinstance(out, Mapping):
         return out
     key = "loss" if want_loss else "logits"
     if out.get(key) is not None:
         return out[key]
+    if not want_loss:
+        return out
     fields = ", ".join(k for k, v in out.items() if v is not None) or "none"
     kind = type(out).__name__
-    if want_loss:
-        raise ModelOutputError(f"the model returned a {kind} without 'loss' (fields: {fields}) and no loss_fn was "
-                               "given: pass the targets as keyword inputs the model takes (e.g. labels=...) so that "
-                               "it computes its own loss, or give a loss_fn (applied to its 'logits')")
-    raise ModelOutputError(f"the model returned a {kind} without 'logits' (fields: {fields}); a loss_fn is applied "
-                           "to 'logits': give no loss_fn and let the model compute its own 'loss' (e.g. labels=...)")
+    raise ModelOutputError(f"the model returned a {kind} without 'loss' (fields: {fields}) and no loss_fn was "
+                           "given: pass the targets as keyword inputs the model takes (e.g. labels=...) so that "
+                           "it computes its own loss, or give a loss_fn (applied to its 'logits')")
 
 
 def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., Any] | None,

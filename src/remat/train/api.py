@@ -412,7 +412,8 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     Hugging Face conventions: ``example_inputs`` may be a dict of keyword inputs of the model
     (``dict(input_ids=x, labels=y)``; the step is then called with the same keywords). A model
     returning a ``ModelOutput`` or dict gives its own ``loss`` when ``loss_fn`` is None, else
-    ``loss_fn`` is applied to its ``logits``; with keyword inputs, the loss's targets are the
+    ``loss_fn`` is applied to its ``logits`` (without ``logits``, to the output itself, as eagerly:
+    diffusers' ``out.sample``); with keyword inputs, the loss's targets are the
     entries named after its parameters (``F.cross_entropy``: ``target=``).
     ``optimizer``: a ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` over ``model.parameters()``; its
     state tensors are updated in place. Without one, the step leaves gradients in ``.grad``.
