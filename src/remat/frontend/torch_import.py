@@ -289,11 +289,15 @@ class _WithLoss(torch.nn.Module):
         except TypeError as e:
             if not isinstance(out, Mapping):
                 raise
-            fields = ", ".join(k for k, v in out.items() if v is not None) or "none"
-            raise ModelOutputError(f"the model returned a {type(out).__name__} without 'logits' (fields: {fields}), so "
+            raise ModelOutputError(f"the model returned a {type(out).__name__} without 'logits' (fields: {_fields(out)}), so "
                                    f"the loss_fn was given the output itself, as eagerly, and raised {type(e).__name__}: "
                                    f"{e}. Read the field it needs in the loss_fn (diffusers: `out.sample`), or give "
                                    "no loss_fn and let the model compute its own 'loss' (e.g. labels=...)") from e
+
+
+def _fields(out: Mapping) -> str:
+    """The fields a model output holds (those not None), for messages."""
+    return ", ".join(k for k, v in out.items() if v is not None) or "none"
 
 
 def _loss_or_logits(out: Any, want_loss: bool) -> Any:
@@ -307,9 +311,7 @@ def _loss_or_logits(out: Any, want_loss: bool) -> Any:
         return out[key]
     if not want_loss:
         return out
-    fields = ", ".join(k for k, v in out.items() if v is not None) or "none"
-    kind = type(out).__name__
-    raise ModelOutputError(f"the model returned a {kind} without 'loss' (fields: {fields}) and no loss_fn was "
+    raise ModelOutputError(f"the model returned a {type(out).__name__} without 'loss' (fields: {_fields(out)}) and no loss_fn was "
                            "given: pass the targets as keyword inputs the model takes (e.g. labels=...) so that "
                            "it computes its own loss, or give a loss_fn (applied to its 'logits')")
 

@@ -4,7 +4,8 @@
 ``siblings``: a convolution's input and weight gradients become one ``conv2d_grads`` call;
 ``small_values``: a small recomputed value is read from its first run instead; ``bn_recompute``: a
 recomputed batch norm output is normalised from the first run's statistics. All keep only the
-rewrites whose peak (``remat.plan.simulator.predict_peak``) stays within the budget, or where it was. They sit above ``plan/`` because they are checked by the memory simulator of record.
+rewrites whose peak (``remat.plan.simulator.predict_peak``) stays within the budget, or where it
+was. They sit above ``plan/`` because they are checked by the memory simulator of record.
 """
 from __future__ import annotations
 
