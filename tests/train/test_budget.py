@@ -305,3 +305,25 @@ def test_milp_out_of_time_does_not_end_the_compile(deep, monkeypatch):
     assert any("no schedule within its time limit" in n for n in step.report().solver_notes) or \
         step.report().solver.startswith("chain DP")
     _assert_fits_and_identical(step, loss, grads, base_loss, base_grads)
+
+
+def test_an_unconstrained_steps_minimum_is_a_budget_a_compile_accepts(monkeypatch):
+    """``minimum_budget()`` of a step compiled without a budget counts kernels' workspaces as a
+    budgeted compile does (here a workspace of 256 KiB for every product, whatever this machine's
+    kernels allocate): it is the refusal's minimum, and a compile at it fits."""
+    import remat.runtime.allocator as allocator
+
+    real = allocator.workspaces
+
+    def large(fn, dialects=None, device=None):
+        return {ins: max(w, 256 * 1024 if ins.op.name in ("linear", "matmul") else 0)
+                for ins, w in real(fn, dialects, device).items()}
+
+    monkeypatch.setattr(allocator, "workspaces", large)
+    model, inputs, loss_fn = make_deep_mlp(batch=256)
+    unconstrained = remat.compile(copy.deepcopy(model), inputs, loss_fn)
+    with pytest.raises(remat.BudgetTooSmall) as info:
+        remat.compile(copy.deepcopy(model), inputs, loss_fn, budget=4096)
+    assert unconstrained.minimum_budget() == info.value.minimum
+    step = remat.compile(copy.deepcopy(model), inputs, loss_fn, budget=info.value.minimum)
+    assert step.report().predicted_allocator_peak <= info.value.minimum

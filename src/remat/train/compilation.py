@@ -22,6 +22,7 @@ from __future__ import annotations
 
 
 import time
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -39,6 +40,7 @@ from ..plan.portfolio import SOLVER_OPTIONS, plan_step
 from ..plan.problem import StepProblem
 from ..plan.record import Plan
 from ..plan.simulator import predict_peak
+from ..runtime.hardware import precision_note
 from ..step.microbatch import microbatch_step
 from ..step.optim import ON_NONFINITE
 from ..step.program import prepare_joint, step_program, training_forward, training_graph
@@ -545,7 +547,7 @@ def _plan(c: Compilation) -> Compilation:
     margin = bound = None
     if counted:
         margin = workspace_margin(problem.unconstrained, c.workspaces(problem.unconstrained))
-        problem = replace(problem, workspaces=c.workspaces(problem.joint), workspace_fn=c.workspaces)
+        problem = _counting_workspaces(c, problem)
     try:
         chosen = _plan_on_ranks(c, problem)
     except BudgetTooSmall as e:
@@ -609,7 +611,16 @@ def minimum_budget(c: Compilation) -> int:
     ``max_grad_norm`` both clipping strategies), priced as the compile was."""
     if c.clipped:
         return min(clip_minimums(c).values())
-    return _minimum(c, c.problem)
+    return _minimum(c, _counting_workspaces(c, c.problem))
+
+
+def _counting_workspaces(c: Compilation, problem: StepProblem) -> StepProblem:
+    """``problem`` as a budgeted compile plans it: with ``count_workspaces``, kernels' workspaces
+    counted (a step compiled without a budget planned without them, and its minimum must be one
+    that a compile at that budget accepts)."""
+    if not c.options.count_workspaces or problem.workspace_fn is not None:
+        return problem
+    return replace(problem, workspaces=c.workspaces(problem.joint), workspace_fn=c.workspaces)
 
 
 def clip_minimums(c: Compilation) -> dict[str, int]:
@@ -618,8 +629,7 @@ def clip_minimums(c: Compilation) -> dict[str, int]:
     out = {}
     for s in CLIP_STRATEGIES if c.options.clip_strategy == "auto" else (c.options.clip_strategy,):
         cs = replace(c, clip_strategy=s)
-        out[s] = _minimum(cs, replace(_problem(cs), workspaces=c.problem.workspaces,
-                                      workspace_fn=c.problem.workspace_fn))
+        out[s] = _minimum(cs, _counting_workspaces(cs, _problem(cs)))
     return out
 
 
@@ -851,6 +861,9 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
     compiled_options = keyword_options(example_inputs)  # non-tensor keyword inputs, compiled in
     names, example, num_targets = keyword_inputs(example_inputs, loss_fn, o.num_targets)
     placement = None if o.dry_run else execution_device(model, optimizer, example, o.dialects)
+    note = None if o.dry_run else precision_note(o.precision, placement)
+    if note is not None:
+        warnings.warn(f"remat: precision={o.precision!r}: {note}", RuntimeWarning, stacklevel=4)
     k = check_micro_batches(o.micro_batches, example, dp is not None)
     return Compilation(
         model=model, optimizer=optimizer, loss_fn=loss_fn, options=o, budget_spec=spec,
