@@ -66,16 +66,16 @@ def test_registered_as_a_pass():
 def test_a_compiled_unet_splits_every_nchw_batch_norm_and_stays_bit_identical_under_a_budget(layout):
     """NCHW: every training batch norm of the step is split (one statistics pass each,
     unconstrained); channels-last (the default for convolutions, but deep layers): those are not,
-    ATen's channels-last kernel does both halves faster. Either way a step that recomputes (at the minimum budget) gives
-    the unconstrained step's gradients, bit for bit."""
+    ATen's channels-last kernel does both halves faster. Either way a step that recomputes (at the reference
+    algorithms' minimum budget) gives the unconstrained step's gradients, bit for bit."""
     grads, recomputed = [], []
     for budget in (None, 0.5):
         model, inputs, loss_fn = zoo.make("unet", "tiny")
         try:
-            step = remat.compile(model, inputs, loss_fn, budget=budget, layout=layout)
+            step = remat.compile(model, inputs, loss_fn, budget=budget, layout=layout, algorithms="reference")
         except remat.BudgetTooSmall as e:  # tiny models: parameters dominate; plan at the minimum
             model, inputs, loss_fn = zoo.make("unet", "tiny")
-            step = remat.compile(model, inputs, loss_fn, budget=e.minimum, layout=layout)
+            step = remat.compile(model, inputs, loss_fn, budget=e.minimum, layout=layout, algorithms="reference")
         recomputed.append(step.report().recomputed_instructions)
         step(*inputs)
         grads.append([p.grad.clone() for p in model.parameters()])
