@@ -4,7 +4,7 @@ A character-level GPT (``remat.zoo.GPT``, vanilla PyTorch) learns the text corpu
 ``remat/data`` with AdamW. ``remat.compile`` captures the model, builds the training step
 (forward, backward, optimizer update) as IR, and plans recomputation so that the step's peak
 memory stays within a budget of 40% of the peak without recomputation, in bf16 (fp32 master weights)
-on a CPU with AVX-512 BF16 instructions, where it is the faster choice. The demo prints the plan,
+on a CPU with AVX-512 BF16 or AMX instructions, where it is the faster choice. The demo prints the plan,
 the loss as it goes down, predicted vs measured peak, and the cost in time, then checks itself:
 it exits 1 if the loss did not decrease or any step's measured peak exceeded the budget.
 
@@ -25,6 +25,7 @@ import torch
 
 from .budget import parse_budget
 from .errors import BudgetTooSmall, format_bytes
+from .runtime.hardware import native_precision
 
 Batch = tuple[torch.Tensor, ...]
 Write = Callable[[str], None]
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seed of the initialisation and of the batches")
     ap.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
                     help="the step's precision (bf16: bf16 autocast, fp32 master weights); default auto: bf16 on a "
-                         "CPU with AVX-512 BF16 instructions, where it is the faster choice, else fp32")
+                         "CPU with AVX-512 BF16 or AMX instructions, where it is the faster choice, else fp32")
     ap.add_argument("--log-every", type=int, default=None, help="print the loss every N steps (default: steps/10)")
     ap.add_argument("--quick", action="store_true", help="a tiny model for a run of seconds (tests)")
     ap.add_argument("--threads", type=int, default=1,
@@ -260,20 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(threads)
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16): there eager bf16 autocast runs a GPT
-    step in well under its fp32 time, and so does remat (``bench/speed.py --precision bf16``)."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    return bool(probe()) if probe is not None else False
-
-
 def _precision(asked: str) -> tuple[str, str]:
     """(the precision the demo trains in, why)."""
     if asked != "auto":
         return asked, "as asked"
-    if native_bf16():
-        return "bf16", "this CPU has AVX-512 BF16 instructions, so bf16 is the faster choice; --precision fp32 for float32"
-    return "fp32", "this CPU has no AVX-512 BF16 instructions, so float32 is the faster choice"
+    if native_precision("bf16"):
+        return "bf16", "this CPU computes bf16 natively (AVX-512 BF16 or AMX), so bf16 is the faster choice; --precision fp32 for float32"
+    return "fp32", "this CPU does not compute bf16 natively (no AVX-512 BF16 or AMX), so float32 is the faster choice"
 
 
 def _run(args: argparse.Namespace, steps: int, log_every: int) -> int:

@@ -100,6 +100,28 @@ def test_fp16_and_unknown_precisions_are_refused_clearly():
         remat.compile(model, inputs, loss_fn, precision="int8")
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_cpu_without_native_bf16_is_named_at_compile_and_in_the_report(monkeypatch, native):
+    """Where the processor has no bf16 instructions (PyTorch's bf16 kernels run in scalar code), the
+    compile warns once and ``report()`` says so; where it has them, neither does."""
+    import warnings
+
+    import remat.runtime.hardware as hardware
+
+    monkeypatch.setattr(hardware, "native_precision", lambda precision, device=None: native or precision == "fp32")
+    model, inputs, loss_fn = make("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = remat.compile(model, inputs, loss_fn, precision="bf16")
+        fp32 = remat.compile(copy.deepcopy(model), inputs, loss_fn)
+    said = [w for w in caught if issubclass(w.category, RuntimeWarning) and "remat: precision='bf16'" in str(w.message)]
+    assert len(said) == (0 if native else 1)
+    assert (step.report().precision_note is None) is native and fp32.report().precision_note is None
+    if not native:
+        assert "scalar code" in str(said[0].message) and said[0].filename == __file__  # the caller's line
+        assert "no AVX-512 BF16 or AMX instructions" in str(step.report())
+
+
 def test_the_report_names_the_weights_dtype():
     """fp32 parameters are master weights under autocast; bf16 ones (pure bf16 training) are said to be bf16."""
     for dtype, says in ((torch.float32, "fp32 master weights"), (torch.bfloat16, "bf16 weights")):

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .._gc import cyclic_gc_paused
 from ..errors import BudgetTooSmall, NonFiniteStep, StepFailed, format_bytes
 from ..ir.ops.optim import UPDATE_OPS
+from ..runtime.hardware import precision_note
 from ..step.optim import advance_steps, current_state
 from .against import Against, Watch
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
@@ -320,6 +321,7 @@ class TrainStep:
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
+            precision_note=None if c.options.dry_run else precision_note(c.options.precision, c.placement),
             weights=_weights_dtype(self.binding.params),
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
             clip_strategy=c.clip_strategy, priced_by=_priced_by(c.options),
@@ -476,11 +478,12 @@ def compile(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None 
     ``clip_strategy="keep gradients"`` or ``"second backward"`` imposes one (default "auto"). The
     fused update reads each param group's hyperparameters at every call, so learning-rate schedules
     work unchanged.
-    ``precision`` ("fp32", the default, or "bf16"): "bf16" captures the forward and the loss under
+    ``precision`` ("fp32", the default, "bf16" or "fp16"): "bf16" captures the forward and the loss under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions and attention in bf16; norms, softmax and
     losses in fp32; parameters stay fp32 master weights); the casts are instructions the planner
-    counts, and the budget counts bf16 activations at their real size. "fp16" (which needs loss
-    scaling) is not available yet.
+    counts, and the budget counts bf16 activations at their real size. "fp16": the same in float16,
+    with dynamic loss scaling as ``torch.amp.GradScaler`` does it (needs ``optimizer=``, one process
+    and ``micro_batches=1``; ``step.loss_scale`` reads or sets the scale).
     ``dry_run`` (default False): plan without running (``remat.train.dry_run``): the model, optimizer and
     inputs may be on the ``meta`` device or fake tensors; the step is captured, differentiated, planned and
     lowered as here, nothing is executed, and the step's ``report()`` (with ``minimum_budget()`` and

@@ -64,6 +64,7 @@ class Report:
     capture_cached: bool = False  # the capture came from the on-disk capture cache (no torch.export ran)
     channels_last: bool = False  # the convolutions run channels-last (NHWC; the ``layout`` option)
     precision: str = "fp32"      # the ``precision`` option
+    precision_note: str | None = None  # where the processor lacks native bf16/fp16 (remat.runtime.hardware)
     weights: str = "fp32"        # the parameters' dtype (fp32: master weights under bf16/fp16 autocast)
     low_precision_ops: dict[str, int] = field(default_factory=dict)  # op -> instructions computing in bf16/f16
     priced_by: str = "measured"  # what predicted seconds are: "measured" (cost_model="profiled"), or whose rates
@@ -100,7 +101,8 @@ class Report:
              f"{self.precision} (torch.autocast's op lists; "
              + ("fp32 master weights" if self.weights == "fp32" else f"{self.weights} weights") + "): "
              + (", ".join(f"{op} {n}" for op, n in self.low_precision_ops.items()) or "no op")
-             + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"),
+             + f" in {self.precision}; {self.casts} casts making {format_bytes(self.cast_bytes)}"
+             + (f"; {self.precision_note}" if self.precision_note else "")),
             ("non-finite guard", "off" if self.on_nonfinite is None else
              f"{self.on_nonfinite}: {self.skipped_steps} step(s) skipped (a NaN or infinite loss or gradient)"),
             *([("gradient clipping", f"{self.clip_strategy} (the notes say why and what it costs)")]
