@@ -340,6 +340,16 @@ def print_table(rows: list[Row], comps: list[dict]) -> None:
         print(f"  {c['model']:7} {c['target']:68} {val:>8} {met:8} {c['note']}")
 
 
+def machine() -> dict:
+    """The machine a result was measured on: cores, torch threads, versions, the processor and what
+    it computes natively (bf16 speed depends on it: ``remat.runtime.hardware``)."""
+    from remat.runtime.hardware import cpu_name, native_precision
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_precision("bf16")}
+
+
 def write_results(rows: list[Row], comps: list[dict], config: dict, out_dir: Path,
                   stem: str = "train_bench") -> tuple[Path, Path]:
     """Write ``<stem>.json`` (config, machine, rows, comparisons) and ``<stem>.csv`` (rows)."""
@@ -347,10 +357,7 @@ def write_results(rows: list[Row], comps: list[dict], config: dict, out_dir: Pat
     import dataclasses
     dicts = [dataclasses.asdict(r) for r in rows]
     doc = {"config": config,
-           "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                       "python": platform.python_version(), "torch": torch.__version__,
-                       "platform": platform.platform()},
-           "rows": dicts, "comparisons": comps}
+           "machine": machine(), "rows": dicts, "comparisons": comps}
     jp, cp = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     jp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     cols = [k for k in dicts[0] if k != "extra"] if dicts else []

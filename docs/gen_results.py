@@ -83,7 +83,9 @@ def _budget_method(rows: dict, model: str, prefix: str = "remat@") -> dict | Non
 def _machine(data: dict) -> str:
     m = data["machine"]
     threads = m.get("torch_threads", data["config"].get("threads"))
-    return f"torch {m['torch']}, Python {m['python']}, {m['cpus']} CPU cores, {threads} torch thread(s)"
+    cpu = (f" of {m['cpu']} ({m['cpu_capability']}, " + ("native bf16" if m["native_bf16"] else "no native bf16") + ")"
+           if "cpu" in m else "")
+    return f"torch {m['torch']}, Python {m['python']}, {m['cpus']} CPU cores{cpu}, {threads} torch thread(s)"
 
 
 # ---------------------------------------------------------------------------------------------
