@@ -90,6 +90,7 @@ class _FnState:
     f: Function
     doms: dict[int, set[int]]               # block index -> indices of its dominators (itself included)
     defs: dict[int, list[Value]] = field(default_factory=dict)  # block index -> values defined there
+    typed: dict[tuple, list[Value]] = field(default_factory=dict)  # (block index, type) -> values defined there
     freed: set[Value] = field(default_factory=set)
     no_free: set[Value] = field(default_factory=set)  # operands of views: their storage is shared
 
@@ -101,6 +102,7 @@ class Generator:
         self.rng = rng
         self.module = Module()
         self.types_seen: list[TensorType] = [TensorType(DType.f32, (3, 4)), TensorType(DType.f64, ()), BOOL_SCALAR]
+        self._seen = set(self.types_seen)  # (membership; the list keeps the order picks draw from)
 
     # -- helpers
     def chance(self, p: float) -> bool:
@@ -110,13 +112,16 @@ class Generator:
         return seq[self.rng.integers(len(seq))]
 
     def available(self, st: _FnState, bi: int, t: TensorType | None = None) -> list[Value]:
-        vals = [v for d in sorted(st.doms[bi]) for v in st.defs.get(d, []) if v not in st.freed]
-        return [v for v in vals if t is None or v.type == t]
+        """Values usable in block ``bi`` (of type ``t``): by dominating block, in definition order."""
+        defs = st.defs if t is None else st.typed
+        return [v for d in sorted(st.doms[bi]) for v in defs.get(d if t is None else (d, t), []) if v not in st.freed]
 
     def define(self, st: _FnState, bi: int, vals) -> None:
         st.defs.setdefault(bi, []).extend(vals)
         for v in vals:
-            if v.type not in self.types_seen:
+            st.typed.setdefault((bi, v.type), []).append(v)
+            if v.type not in self._seen:
+                self._seen.add(v.type)
                 self.types_seen.append(v.type)
 
     def create(self, st: _FnState, bi: int, b: Builder, name: str, operands, attrs=None, **kw):
