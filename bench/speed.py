@@ -963,6 +963,12 @@ def main(argv: list[str] | None = None) -> dict:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", flush=True)
 
+    if args.rows_json is None and args.precision != "fp32" and DEVICE.type == "cpu":
+        from remat.runtime.hardware import precision_note
+
+        note = precision_note(args.precision)
+        if note is not None:  # eager and remat alike: the ratios stand, the absolute times are scalar code's
+            log(f"note: {note}")
     rows = _bench_here(args, log) if args.one_process else _bench_in_children(args, log)
     if args.rows_json is not None:  # a child: its parent writes the results
         args.rows_json.write_text(json.dumps([dataclasses.asdict(r) for r in rows]))
