@@ -61,4 +61,18 @@ def precision_note(precision: str, device: Any = None) -> str | None:
             f"still holds {precision} activations at half their fp32 bytes (precision='fp32' for speed)")
 
 
-__all__ = ["cpu_name", "native_precision", "precision_note"]
+def warn_outside_remat(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """``warnings.warn`` at the first caller outside the ``remat`` package (the user's line), however
+    deep inside remat the warning is raised."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    level, frame = 2, sys._getframe(1)  # (stacklevel 1 is this function)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+
+
+__all__ = ["cpu_name", "native_precision", "precision_note", "warn_outside_remat"]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 
 import time
-import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -40,7 +39,7 @@ from ..plan.portfolio import SOLVER_OPTIONS, plan_step
 from ..plan.problem import StepProblem
 from ..plan.record import Plan
 from ..plan.simulator import predict_peak
-from ..runtime.hardware import precision_note
+from ..runtime.hardware import precision_note, warn_outside_remat
 from ..step.microbatch import microbatch_step
 from ..step.optim import ON_NONFINITE
 from ..step.program import prepare_joint, step_program, training_forward, training_graph
@@ -863,7 +862,7 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
     placement = None if o.dry_run else execution_device(model, optimizer, example, o.dialects)
     note = None if o.dry_run else precision_note(o.precision, placement)
     if note is not None:
-        warnings.warn(f"remat: precision={o.precision!r}: {note}", RuntimeWarning, stacklevel=4)
+        warn_outside_remat(f"remat: precision={o.precision!r}: {note}")
     k = check_micro_batches(o.micro_batches, example, dp is not None)
     return Compilation(
         model=model, optimizer=optimizer, loss_fn=loss_fn, options=o, budget_spec=spec,
