@@ -22,7 +22,6 @@ from typing import Any, Callable, Mapping, Sequence
 from .._gc import cyclic_gc_paused
 from ..errors import BudgetTooSmall, NonFiniteStep, StepFailed, format_bytes
 from ..ir.ops.optim import UPDATE_OPS
-from ..runtime.hardware import precision_note
 from ..step.optim import advance_steps, current_state
 from .against import Against, Watch
 from .compilation import STAGES, Compilation, CompileOptions, compile_step  # noqa: F401  (STAGES: public)
@@ -321,7 +320,7 @@ class TrainStep:
             batch_size=c.signature.example[0].shape[0] if c.micro_batches > 1 else None,
             predicted_step_seconds=c.predicted_seconds, micro_batch_choice=list(self.micro_batch_choice),
             capture_cached=c.imported.from_cache, channels_last=c.channels_last, precision=c.options.precision,
-            precision_note=None if c.options.dry_run else precision_note(c.options.precision, c.placement),
+            precision_note=c.precision_note,
             weights=_weights_dtype(self.binding.params),
             on_nonfinite=c.options.on_nonfinite if c.guarded else None, loss_scale=self.binding.loss_scale,
             clip_strategy=c.clip_strategy, priced_by=_priced_by(c.options),

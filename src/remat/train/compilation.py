@@ -195,6 +195,7 @@ class Compilation:
     capture_example: tuple        # what is captured: the example, or its first micro-batch
     started: float                # time.perf_counter() when the compile started
     placement: Any = None         # the torch.device the step runs on (its model's), None: the CPU
+    precision_note: str | None = None  # its processor lacks native bf16/fp16 (remat.runtime.hardware)
     # ---- capture, layout
     imported: Any = None          # remat.frontend.torch_import.ImportedModel (after ``layout``: its layout)
     channels_last: bool = False   # ``layout`` made the convolutions NHWC
@@ -869,7 +870,7 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
         signature=Signature(example, names, compiled_options), dp=dp,
         keep_grads=(optimizer is None) if o.keep_grads is None else o.keep_grads, num_targets=num_targets,
         micro_batches=k, capture_example=example if k == 1 else tuple(t[: t.shape[0] // k] for t in example),
-        started=started, placement=placement)
+        started=started, placement=placement, precision_note=note)
 
 
 def execution_device(model, optimizer, example: Sequence, dialects: Sequence[str] | None):
