@@ -66,6 +66,31 @@ def _same_attrs(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(type(a[k]) is type(b[k]) and repr(a[k]) == repr(b[k]) for k in a)
 
 
+_RULES: dict[tuple, tuple] = {}
+_RULES_MAX = 100_000
+
+
+def _type_rule(op, types: list, attrs: dict) -> tuple:
+    """``(normal attributes, whether ``attrs`` are in normal form, result types, problem)`` of one
+    instruction's op applied to its operand types, memoised: a module is verified after every pass
+    and most instructions are unchanged between passes. The key holds the attributes' reprs and
+    types, so values the text format tells apart (``1`` and ``True``, ``0.0`` and ``-0.0``) are
+    never confused; the entry holds the op itself, so a redeclared op is checked afresh."""
+    key = (op.name, tuple(types), repr(attrs), tuple(map(type, attrs.values())))
+    hit = _RULES.get(key)
+    if hit is not None and hit[0] is op:
+        return hit[1:]
+    try:
+        normal = op.check_attrs(types, attrs)
+        result = (normal, _same_attrs(normal, attrs), op.result_types(types, normal), None)
+    except (TypeError, IndexError) as e:
+        result = (None, False, None, str(e))
+    if len(_RULES) >= _RULES_MAX:
+        _RULES.clear()
+    _RULES[key] = (op, *result)
+    return result
+
+
 def verify_function(f: Function, module: Module | None = None) -> list[str]:
     """Every problem of one function as a message naming the function, block and instruction."""
     if not _FUNC_NAME.fullmatch(f.name):
@@ -219,14 +244,12 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
                 if list(rtypes) != g.result_types:
                     err(b, ins, f"call results ({', '.join(map(str, rtypes))}) do not match @{callee}'s results ({', '.join(map(str, g.result_types))})")
                 continue
-            try:
-                attrs = op.check_attrs(types, ins.attrs)
-                if not _same_attrs(attrs, ins.attrs):
-                    err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
-                expected = op.result_types(types, attrs)
-            except (TypeError, IndexError) as e:
-                err(b, ins, str(e))
+            attrs, normal, expected, problem = _type_rule(op, types, ins.attrs)
+            if problem is not None:
+                err(b, ins, problem)
                 continue
+            if not normal:
+                err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
             if expected != rtypes:
                 err(b, ins, f"result type ({', '.join(map(str, rtypes))}) does not match the type rule: "
                             f"operands ({', '.join(map(str, types))}) give ({', '.join(map(str, expected))})")
