@@ -124,7 +124,10 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     minimums: list[int] = []
     remarks: list[str] = []
     deferred: list = []  # the cuts' contexts, for block-internal plans when nothing cheap enough fits
-    chain = plan_blocks(p, lowered, deferred)
+    # Differentiated blocks and block recipes depend on the step alone, never on the budget: kept
+    # with its other budget-independent results, so planning it again (a retry at the minimum a
+    # refusal named, a sweep of budgets) differentiates and plans no block twice.
+    chain = plan_blocks(p, lowered, deferred, frontier.cached(("blocks", p.split_bn_grad), dict))
     if isinstance(chain, int):
         minimums.append(chain)
     for q, g, orders in lows:
@@ -156,7 +159,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
         # Block-internal plans (.inner) cost a few times the chain DP: tried only when no plan fits
         # or the best one recomputes much (a 64-layer GPT at 50%: the greedy's +9% wins, 19 s of
         # planning instead of 49 s).
-        found = plan_inner(p, deferred)
+        found = plan_inner(p, deferred, frontier.cached(("recipes", p.split_bn_grad), dict))
         news = [r for r in found if isinstance(r, Plan)]
         minimums += [r for r in found if isinstance(r, int)]
         score(news, p.budget)
@@ -428,15 +431,16 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
 
 # ---------------------------------------------------------------- chain of blocks
 def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
-                deferred: list | None = None) -> Plan | int | None:
+                deferred: list | None = None, cache: dict | None = None) -> Plan | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
     smallest minimum (bytes) when no plan fits, else the candidate. Feasible plans are also
     appended to ``lowered``. With ``deferred`` (a list), block-internal plans are not tried here:
-    each cut that wants them leaves its context there for :func:`plan_inner`."""
-    cache: dict = {}  # identical blocks are differentiated once, across both cuts
+    each cut that wants them leaves its context there for :func:`plan_inner`. ``cache``: the
+    differentiated blocks of this step (``blocks.cut``), shared by both cuts and by later plans of it."""
+    cache = {} if cache is None else cache  # identical blocks are differentiated once, across both cuts
     results = [r for r in (plan_cut(p, True, cache, deferred), plan_cut(p, False, cache, deferred)) if r is not None]
     if not results:
         return None
@@ -479,12 +483,13 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     return _with_inner_plans(p, blocks, profiles, what, t0, best)
 
 
-def plan_inner(p: StepProblem, deferred: list) -> list[Plan | int]:
+def plan_inner(p: StepProblem, deferred: list, cache: dict | None = None) -> list[Plan | int]:
     """Block-internal plans (:func:`_with_inner_plans`) of the cuts :func:`plan_blocks` deferred:
     per cut, its new candidate, or its minimum (bytes) when still none fits; a cut where they do
-    no better than the chain as it was gives nothing."""
+    no better than the chain as it was gives nothing. ``cache``: recipes by block, shared by the
+    cuts and by later plans of the step."""
     out: list[Plan | int] = []
-    cache: dict = {}  # recipes by block, shared by the cuts
+    cache = {} if cache is None else cache
     for blocks, profiles, what, t0, before in deferred:
         r = _with_inner_plans(p, blocks, profiles, what, t0, before, cache)
         if r is not before:
