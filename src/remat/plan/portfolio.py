@@ -27,7 +27,7 @@ from .._gc import old_objects_frozen
 from ..errors import BudgetTooSmall, format_bytes
 from ..ir import Function, Module, verify
 from .costmodel import CostModel, function_cost, program_overhead, static_costs
-from .frontier import frontier_for
+from .frontier import PlanCache, frontier_for
 from .graph import Graph
 from .milp import MILP_MAX_NODES, NoSolutionFound
 from .problem import StepProblem, fit_peak
@@ -127,7 +127,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     # Differentiated blocks and block recipes depend on the step alone, never on the budget: kept
     # with its other budget-independent results, so planning it again (a retry at the minimum a
     # refusal named, a sweep of budgets) differentiates and plans no block twice.
-    chain = plan_blocks(p, lowered, deferred, frontier.cached(("blocks", p.split_bn_grad), dict))
+    chain = plan_blocks(p, lowered, deferred, frontier)
     if isinstance(chain, int):
         minimums.append(chain)
     for q, g, orders in lows:
@@ -159,7 +159,7 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
         # Block-internal plans (.inner) cost a few times the chain DP: tried only when no plan fits
         # or the best one recomputes much (a 64-layer GPT at 50%: the greedy's +9% wins, 19 s of
         # planning instead of 49 s).
-        found = plan_inner(p, deferred, frontier.cached(("recipes", p.split_bn_grad), dict))
+        found = plan_inner(p, deferred, frontier)
         news = [r for r in found if isinstance(r, Plan)]
         minimums += [r for r in found if isinstance(r, int)]
         score(news, p.budget)
@@ -431,16 +431,18 @@ def plan_graph(p: StepProblem, low, order: Sequence[int], need_minimum: bool = T
 
 # ---------------------------------------------------------------- chain of blocks
 def plan_blocks(p: StepProblem, lowered: list[Plan] | None = None,
-                deferred: list | None = None, cache: dict | None = None) -> Plan | int | None:
+                deferred: list | None = None, frontier: PlanCache | None = None) -> Plan | int | None:
     """Chain of blocks cut at the forward's separators, planned by the chain DP (extended model).
 
     Two cuts are planned, coarse (only where the backward keeps the value anyway) and fine
     (every separator); the cheaper feasible plan wins. Returns None without a useful cut, the
     smallest minimum (bytes) when no plan fits, else the candidate. Feasible plans are also
     appended to ``lowered``. With ``deferred`` (a list), block-internal plans are not tried here:
-    each cut that wants them leaves its context there for :func:`plan_inner`. ``cache``: the
-    differentiated blocks of this step (``blocks.cut``), shared by both cuts and by later plans of it."""
-    cache = {} if cache is None else cache  # identical blocks are differentiated once, across both cuts
+    each cut that wants them leaves its context there for :func:`plan_inner`. ``frontier``: the
+    step's cache (:func:`~.frontier.frontier_for`), which keeps its differentiated blocks for later
+    plans of it."""
+    # Identical blocks are differentiated once, across both cuts (and plans of the step).
+    cache = {} if frontier is None else _step_cache(p, frontier, "blocks")
     results = [r for r in (plan_cut(p, True, cache, deferred), plan_cut(p, False, cache, deferred)) if r is not None]
     if not results:
         return None
@@ -483,18 +485,26 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     return _with_inner_plans(p, blocks, profiles, what, t0, best)
 
 
-def plan_inner(p: StepProblem, deferred: list, cache: dict | None = None) -> list[Plan | int]:
+def plan_inner(p: StepProblem, deferred: list, frontier: PlanCache | None = None) -> list[Plan | int]:
     """Block-internal plans (:func:`_with_inner_plans`) of the cuts :func:`plan_blocks` deferred:
     per cut, its new candidate, or its minimum (bytes) when still none fits; a cut where they do
-    no better than the chain as it was gives nothing. ``cache``: recipes by block, shared by the
-    cuts and by later plans of the step."""
+    no better than the chain as it was gives nothing. ``frontier``: the step's cache, which keeps
+    the block recipes and options for later plans of it (the recipes are shared by the cuts)."""
     out: list[Plan | int] = []
-    cache = {} if cache is None else cache
+    cache = {} if frontier is None else _step_cache(p, frontier, "recipes")
     for blocks, profiles, what, t0, before in deferred:
         r = _with_inner_plans(p, blocks, profiles, what, t0, before, cache)
         if r is not before:
             out.append(r)
     return out
+
+
+def _step_cache(p: StepProblem, frontier: PlanCache, name: str) -> dict:
+    """One of the step's caches of budget-independent planning results: its differentiated blocks
+    (``blocks``), or its block recipes and each cut's block options (``recipes``). Planning the step
+    again (a retry at the minimum a refusal named, a sweep of budgets) then differentiates and
+    searches no block twice. (Chain planners, whose compiled programs would be kept too, are not.)"""
+    return frontier.cached((name, p.split_bn_grad), dict)
 
 
 def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
@@ -541,8 +551,14 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
     base = chain_costs(profiles).no_recompute_cost()  # overheads of every level against the stages as they are
     # Under the options that run the MILP on the greedy's neighbourhood, the block MILP improves the
     # greedy's recipes too (deterministic: node limits); "greedy" (golden plans) plans them by the greedy alone.
-    options = stage_options(blocks.stages, profiles, blocks.kinds, static_costs, p.workspace_fn,
-                            milp=inner_mod.BLOCK_MILP and p.solver in registry.NEIGHBOURHOOD_OPTIONS, cache=cache)
+    milp = inner_mod.BLOCK_MILP and p.solver in registry.NEIGHBOURHOOD_OPTIONS
+    key = ("options", what, milp)  # the cut's options depend on the step alone: kept with its recipes
+    options = None if cache is None else cache.get(key)
+    if options is None:
+        options = stage_options(blocks.stages, profiles, blocks.kinds, static_costs, p.workspace_fn, milp=milp,
+                                cache=cache)
+        if cache is not None:
+            cache[key] = options
     # The greedy's options' levels, then those with the block MILP's options too: a superset, so the
     # block MILP never makes the block-internal plan costlier than the greedy's recipes alone.
     greedy = [[k for k, c in enumerate(o) if not c.exact] for o in options]

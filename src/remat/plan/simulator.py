@@ -252,8 +252,12 @@ class _Rounding(StorageCounter):
 
 
 def predict_peak(fn: Function, donate: bool | Collection[int] = False) -> int:
-    """The peak live bytes the VM will measure when running ``fn`` (see :func:`simulate`)."""
-    return simulate(fn, donate).peak_bytes
+    """The peak live bytes the VM will measure when running ``fn`` (see :func:`simulate`): the
+    counter's high-water mark over the whole run, without :func:`simulate`'s per-instruction
+    timeline (the planners call this for every candidate program)."""
+    counter = StorageCounter()
+    _simulate(fn, counter, itertools.count(), None, None, donate, None)
+    return max(counter.peak_bytes, sum(p.type.nbytes for p in fn.params))
 
 
 __all__ = ["MemoryPrediction", "TimelineEntry", "insert_frees", "insert_frees_pass", "predict_peak", "simulate"]
