@@ -2,16 +2,18 @@
 
 - every pass's result is verified (``REMAT_VERIFY_EACH_PASS``; a compile alone verifies each
   stage's result only);
-- remat's on-disk caches (captures, kernels, workspaces) live in a directory of this run's own
-  (``REMAT_CACHE_DIR``), removed when the run ends: a test run neither reads what another run or a
-  user left in ``~/.cache/remat`` nor leaves entries there. Within the run the capture cache is on,
-  as it is for users: a model compiled again is translated from its entry, after the check on use
-  (its cached program against the model's eager forward). Tests that are about the caches give
-  them a directory of their own.
+- the capture cache is on, as it is for users (a model compiled again is translated from its entry,
+  after the check on use), with its entries in a directory of this run's own, removed when the run
+  ends (``REMAT_CACHE_DIR``): each run fills it from empty and leaves no entries of its source
+  version behind. Compiled kernels and measured workspaces are kept where a user's compiles keep
+  them (``~/.cache/remat``; content-addressed and checked on load), linked into that directory, so
+  a run does not compile every kernel again. Tests that are about the caches give them a directory
+  of their own.
 """
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("REMAT_VERIFY_EACH_PASS", "1")
 
@@ -19,9 +21,16 @@ os.environ.setdefault("REMAT_VERIFY_EACH_PASS", "1")
 _OWN_CACHE = None
 if "REMAT_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="remat-tests-")
+    for name in ("kernels", "workspaces"):
+        shared = Path.home() / ".cache" / "remat" / name
+        try:
+            shared.mkdir(parents=True, exist_ok=True)
+            os.symlink(shared, Path(_OWN_CACHE) / name)
+        except OSError:  # no writable home: this run's directory holds them too
+            pass
     os.environ["REMAT_CACHE_DIR"] = _OWN_CACHE
 
 
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
-        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)  # removes the links, not what they point to
