@@ -22,6 +22,8 @@ not seen, for any method alike.
 from __future__ import annotations
 
 import gc
+import os
+import platform
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -135,3 +137,13 @@ def write_kernel_rows(path: str, rows: list[dict], rounds: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": rounds,
                                "rows": rows}, indent=1) + "\n")
+
+
+def machine() -> dict:
+    """The machine a result was measured on: cores, torch threads, versions, the processor and what
+    it computes natively (bf16 speed depends on it: ``remat.runtime.hardware``)."""
+    from remat.runtime.hardware import cpu_name, native_precision
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu_name(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_precision("bf16")}

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import time
 
 import numpy as np
 
 from remat.plan.chain.costs import ChainCosts
 from remat.plan.chain.solvers import minimum_budget, no_recompute_peak, solve
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 N = 100
 SEED = 7
@@ -54,7 +54,7 @@ def main() -> dict:
         "chain": {"N": N, "seed": SEED, "max_bytes": MAX_BYTES, "no_recompute_cost": base,
                   "no_recompute_peak_bytes": hi, "minimum_budget_bytes": lo},
         "budget_bytes": budget,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(),
         "exact": {"time_s": t_exact, "cost": exact.cost, "peak": exact.peak,
                   "overhead": exact.cost / base, "frontier_points": exact.stats["frontier_points"]},
     }

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import remat
 from remat import zoo
 from remat.errors import format_bytes
 from remat.train.compilation import CLIP_STRATEGIES, clip_minimums
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_GRAD_NORM = 1.0
@@ -102,8 +102,7 @@ def main() -> None:
     print(f"the planner's choice was the faster measured strategy at every budget: {fastest_chosen}")
     out = {"config": {"model": "zoo gpt small (dropout 0)", "optimizer": "AdamW", "max_grad_norm": MAX_GRAD_NORM,
                       "steps": args.steps, "rounds": args.rounds, "torch_threads": 1},
-           "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                       "cores": __import__("os").cpu_count()},
+           "machine": machine(),
            "unconstrained_peak": top, "unconstrained_step_ms": round(base * 1e3, 2),
            "minimum_budget": minimums, "budgets": rows, "chosen_is_fastest_measured": fastest_chosen}
     RESULTS.mkdir(exist_ok=True)

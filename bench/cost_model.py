@@ -36,7 +36,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,6 +46,7 @@ import torch
 
 import remat
 from remat import zoo
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LR, MOMENTUM = 1e-3, 0.9
@@ -209,10 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     doc = {"config": {"cases": a.cases, "budget": a.budget, "rounds": a.rounds, "warmup": a.warmup,
                       "threads": a.threads, "optimizer": f"SGD(lr={LR}, momentum={MOMENTUM}) (gpt-medium-bf16: none)",
                       "wall_s": time.perf_counter() - t0},
-           "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                       "python": platform.python_version(), "torch": torch.__version__,
-                       "platform": platform.platform(), "load_average_before": load_before,
-                       "load_average_after": os.getloadavg()},
+           "machine": {**machine(), "load_average_before": load_before, "load_average_after": os.getloadavg()},
            "rows": [asdict(r) for r in rows]}
     print()
     print_table(rows)

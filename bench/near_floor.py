@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from remat.train.curve import minimum_budget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
 from hf_zoo import MODELS as HF_MODELS  # noqa: E402  (the model table lives with the tests)
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 
 def _build(name: str):
@@ -109,7 +109,7 @@ def main() -> None:
     out = {"config": {"models": a.models, "fractions": a.fractions,
                       "neighbourhood_time_limit_s": registry.NEIGHBOURHOOD_TIME_LIMIT,
                       "near_floor_overhead": registry.NEAR_FLOOR_OVERHEAD},
-           "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__},
+           "machine": machine(),
            "results": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))

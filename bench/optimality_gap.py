@@ -32,7 +32,6 @@ import csv
 import dataclasses
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -56,6 +55,7 @@ from remat.plan.scheduling import memory_aware_order, memory_aware_orders
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "plan"))
 from graphgen import synthetic_training_graph  # noqa: E402  (the synthetic graphs live with the tests)
 from residual_cnn import ResidualCNN  # noqa: E402
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 ZOO = ("mlp", "resnet", "gpt", "unet")
 SYNTHETIC = {"chain-6": ("chain", 6), "residual-2": ("residual", 2), "unet-2": ("unet", 2),
@@ -204,8 +204,7 @@ def main() -> None:
                "max_gap_proven": max((r["gap"] for r in proven), default=None)}
     out = {"config": {"cases": a.cases, "fractions": a.fractions, "time_limit_s": a.time_limit, "threads": a.threads,
                       "target_gap": TARGET_GAP, "wall_s": time.perf_counter() - t0},
-           "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-                       "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+           "machine": {**machine(), "load_avg": os.getloadavg()},
            "summary": summary, "rows": rows,
            "comparisons": [{"target": "gap <= 5% wherever the MILP proves the optimum",
                             "met": None if not proven else not summary["misses"],

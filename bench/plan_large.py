@@ -30,12 +30,12 @@ import argparse
 import csv
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {"8b": HERE / "configs" / "llama3-8b.json", "70b": HERE / "configs" / "llama3-70b.json"}
@@ -158,7 +158,7 @@ def main() -> None:
     kept.update({r["row"]: r for r in rows})  # rows not run this time stay as they were
     rows = [kept[n] for n in list(ROWS) + list(MEMTRACKER) if n in kept]
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.machine(), "python": platform.python_version(), "cpus": os.cpu_count(),
+    meta = {"machine": machine(),
             "targets": TARGETS, "configs": {k: str(v.relative_to(HERE.parent)) for k, v in CONFIGS.items()}}
     (out / "plan_large.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     fields = ["row", "model", "layers", "weights", "lora", "device", "budget_arg", "fits", "plan_seconds", "minimum_seconds",

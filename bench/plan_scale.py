@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from torch import nn
 import remat
 from remat import zoo
 from remat.plan.rematerialize import to_graph
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 TARGETS = {"gpt16_plan_s": 5.0, "gpt16_setup_s": 15.0, "gpt32_plan_s": 5.0, "gpt64_plan_s": 20.0, "gpt2_overhead": 0.5}
 
@@ -166,8 +166,7 @@ def main() -> None:
                       "mlp": f"{args.mlp_layers} x (Linear(32, 32) + ReLU), batch 16, MSE",
                       "optimizer": "SGD(lr=1e-3, momentum=0.9)", "budget": args.budget, "threads": args.threads,
                       "cost_model": "static", "merged": args.merge, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0},
-           "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                       "load_avg": os.getloadavg()},
+           "machine": {**machine(), "load_avg": os.getloadavg()},
            "rows": rows, "growth_16_64": growth(rows, 16, 64), "targets": targets(rows)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

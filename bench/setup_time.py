@@ -27,13 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 TARGET_SECOND_S = 3.0
@@ -116,7 +116,7 @@ def main() -> None:
         "config": {"model": args.model, "rounds": args.rounds, "threads": args.threads, "optimizer": None,
                    "budget": None, "cost_model": "static", "bytecode_cache": "on (PYTHONPYCACHEPREFIX in the run's folder)",
                    "wall_s": time.perf_counter() - t0},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+        "machine": {**machine(), "load_avg": os.getloadavg()},
         "first": first["compiles"][0], "second_in_process": first["compiles"][1], "first_import_s": first["import_s"],
         "fresh_cached": {"median_s": med["cached"], "stages": median_stages(cached), "runs": cached,
                          "import_median_s": statistics.median(x["import_s"] for x in cached)},

@@ -57,7 +57,6 @@ import copy
 import gc
 import json
 import os
-import platform
 import shutil
 import signal
 import sys
@@ -75,7 +74,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests" / "models"))
-from _measure import measure_peak, mib as _mib, resident_bytes  # noqa: E402
+from _measure import machine, measure_peak, mib as _mib, resident_bytes  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LR = 0.1                 # tests/models' SGD (no momentum: no optimizer state)
@@ -513,10 +512,7 @@ def write(rows: list[Row], comps: list[dict], config: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     doc = {"config": config,
-           "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                       "python": platform.python_version(), "torch": torch.__version__,
-                       "transformers": transformers.__version__, "platform": platform.platform(),
-                       "load_avg": load},
+           "machine": {**machine(), "transformers": transformers.__version__, "load_avg": load},
            "rows": [asdict(r) for r in rows], "criteria": comps}
     path = out / "third_party.json"
     path.write_text(json.dumps(doc, indent=1, default=str) + "\n")

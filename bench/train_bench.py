@@ -29,7 +29,6 @@ import gc
 import inspect
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -44,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkpoint import apply_sqrt_checkpointing  # noqa: E402
-from _measure import measure_peak, resident_bytes  # noqa: E402
+from _measure import machine, measure_peak, resident_bytes  # noqa: E402  (machine: re-exported)
 
 from remat import zoo  # noqa: E402
 
@@ -338,16 +337,6 @@ def print_table(rows: list[Row], comps: list[dict]) -> None:
         met = {True: "MET", False: "NOT MET", None: ""}[c["met"]]
         val = "-" if c["value"] is None else f"{c['value']:+.3f}" if "overhead" in c["target"] or "reduction" in c["target"] else f"{c['value']:.3f}"
         print(f"  {c['model']:7} {c['target']:68} {val:>8} {met:8} {c['note']}")
-
-
-def machine() -> dict:
-    """The machine a result was measured on: cores, torch threads, versions, the processor and what
-    it computes natively (bf16 speed depends on it: ``remat.runtime.hardware``)."""
-    from remat.runtime.hardware import cpu_name, native_precision
-
-    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform(), "cpu": cpu_name(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_precision("bf16")}
 
 
 def write_results(rows: list[Row], comps: list[dict], config: dict, out_dir: Path,

@@ -32,7 +32,6 @@ import argparse
 import gc
 import importlib.util
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,7 @@ import remat
 from remat import zoo
 from remat.ir import Builder, DType, Function, Module, TensorType
 from remat.runtime import vm as vm_mod
+from _measure import machine  # noqa: E402  (bench/ is on the path: run as a script)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -284,8 +284,7 @@ def main() -> None:
         "baseline_commit": subprocess.check_output(["git", "rev-parse", opts.baseline], cwd=ROOT, text=True).strip()
         if opts.baseline else None,
         "commit": subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip(),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "torch_threads": opts.threads,
-                    "platform": platform.platform()},
+        "machine": {**machine(), "torch_threads": opts.threads},
         "rounds": rounds,
         "overhead": rows,
         "steps": steps,
