@@ -3,6 +3,7 @@ and there is exactly one ``BudgetTooSmall``, one simulator of record and one mem
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -10,9 +11,10 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 
 
-def _modules():
-    for path in SRC.rglob("*.py"):
-        yield path, ast.parse(path.read_text(), str(path))
+@functools.cache
+def _modules() -> tuple:
+    """Every source file and its syntax tree, parsed once per process (the tests only read them)."""
+    return tuple((path, ast.parse(path.read_text(), str(path))) for path in sorted(SRC.rglob("*.py")))
 
 
 def test_ir_imports_nothing_else_of_remat():
@@ -128,8 +130,9 @@ def _file_imports() -> dict[str, set[str]]:
     imports excluded."""
     paths = {_module_name(p): p for p in SRC.rglob("*.py")}
     edges: dict[str, set[str]] = {m: set() for m in paths}
+    trees = dict(_modules())
     for name, path in paths.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = trees[path]
         skip = _type_checking_nodes(tree)
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(tree):
