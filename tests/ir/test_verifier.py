@@ -275,3 +275,31 @@ def test_attribute_of_the_wrong_python_type_is_not_normal_form() -> None:
     b.ret(r)
     assert_one_error(Module([f]), "in @f, entry block, instruction 'pad'", ["are not in normal form", "'value': 1.0"],
                      "%1 = pad %0 {low=[1], high=[0], interior=[0], value=1} : f32[3]")
+
+
+def test_the_type_rule_memo_tells_apart_what_the_text_format_does() -> None:
+    """The verifier memoises each instruction's type rule; a value equal to a checked one but of
+    another kind (1.0 and 1, 1 and True, 0.0 and -0.0) is checked afresh, never taken as already valid."""
+
+    def pad(value) -> Module:
+        f = Function("f", [F2], [TensorType(DType.f32, (3,))])
+        b = Builder(f.entry)
+        r = b.op("pad", f.params[0], low=[1], high=[0], value=1.0)
+        r.instr.attrs["value"] = value
+        b.ret(r)
+        return Module([f])
+
+    def reduce(axes) -> Module:
+        f = Function("f", [TensorType(DType.f32, (2, 3))], [TensorType(DType.f32, (2,))])
+        b = Builder(f.entry)
+        r = b.op("reduce_sum", f.params[0], axes=[1])
+        r.instr.attrs["axes"] = axes
+        b.ret(r)
+        return Module([f])
+
+    for _ in range(2):  # the second round reads the memo
+        verify(pad(1.0))
+        assert "are not in normal form" in errors_of(pad(1))[0]
+        verify(pad(0.0)), verify(pad(-0.0))
+        verify(reduce((1,)))
+        assert "must be a list of integers" in errors_of(reduce((True,)))[0]

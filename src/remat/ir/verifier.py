@@ -82,9 +82,14 @@ def _type_rule(op, types: list, attrs: dict) -> tuple:
         return hit[1:]
     try:
         normal = op.check_attrs(types, attrs)
-        result = (normal, _same_attrs(normal, attrs), op.result_types(types, normal), None)
     except (TypeError, IndexError) as e:
-        result = (None, False, None, str(e))
+        result = (None, True, None, str(e))
+    else:
+        same = _same_attrs(normal, attrs)
+        try:
+            result = (normal, same, op.result_types(types, normal), None)
+        except (TypeError, IndexError) as e:  # reported after the attributes' normal form, as it follows it
+            result = (normal, same, None, str(e))
     if len(_RULES) >= _RULES_MAX:
         _RULES.clear()
     _RULES[key] = (op, *result)
@@ -245,11 +250,11 @@ def _verify_body(f: Function, module: Module | None) -> list[str]:
                     err(b, ins, f"call results ({', '.join(map(str, rtypes))}) do not match @{callee}'s results ({', '.join(map(str, g.result_types))})")
                 continue
             attrs, normal, expected, problem = _type_rule(op, types, ins.attrs)
+            if not normal:
+                err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
             if problem is not None:
                 err(b, ins, problem)
                 continue
-            if not normal:
-                err(b, ins, f"attributes {ins.attrs} are not in normal form (expected {attrs})")
             if expected != rtypes:
                 err(b, ins, f"result type ({', '.join(map(str, rtypes))}) does not match the type rule: "
                             f"operands ({', '.join(map(str, types))}) give ({', '.join(map(str, expected))})")
