@@ -21,8 +21,10 @@ os.environ.setdefault("REMAT_VERIFY_EACH_PASS", "1")
 _OWN_CACHE = None
 if "REMAT_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="remat-tests-")
+    from remat.cache import cache_root  # the user's cache (REMAT_CACHE_DIR is not set here)
+
     for name in ("kernels", "workspaces"):
-        shared = Path.home() / ".cache" / "remat" / name
+        shared = cache_root() / name
         try:
             shared.mkdir(parents=True, exist_ok=True)
             os.symlink(shared, Path(_OWN_CACHE) / name)
