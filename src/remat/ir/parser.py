@@ -38,7 +38,10 @@ _TOKEN = re.compile(r"""
   | (?P<ident>[A-Za-z_][A-Za-z0-9_.]*)
   | (?P<arrow>->)
   | (?P<punct>[()\[\]{},:=])
-""", re.VERBOSE)
+  | (?P<bad>.)
+""", re.VERBOSE | re.DOTALL)
+"""One token per match, from any position: the last alternative (``bad``) takes a character no
+token starts with, so :func:`tokenize` scans the text in one ``finditer`` and reports it."""
 
 
 _ESCAPE = re.compile(r'\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4})')
@@ -68,7 +71,7 @@ def _string_error(text: str, pos: int) -> tuple[str, int]:
     return "unterminated string (a string closes with '\"' on the same line)", pos
 
 
-@dataclass
+@dataclass(slots=True)
 class Tok:
     kind: str
     text: str
@@ -76,26 +79,38 @@ class Tok:
     col: int
 
 
+def _bad_character(text: str, pos: int, line: int, start: int) -> ParseError:
+    """The error for the character at ``pos`` (line ``line``, which starts at ``start``), which no
+    token starts with."""
+    src = text.splitlines()[line - 1] if text.splitlines() else ""
+    if text[pos] == '"':
+        msg, at = _string_error(text, pos)
+        bad = text[at:at + (6 if text.startswith("\\u", at) else 2 if text[at] == "\\" else 1)]
+        return ParseError(msg, line, at - start + 1, bad, src)
+    msg = ("unexpected character (numbers are written with the ASCII digits 0-9)" if text[pos].isdigit()
+           else "unexpected character")
+    return ParseError(msg, line, pos - start + 1, text[pos], src)
+
+
 def tokenize(text: str) -> list[Tok]:
-    toks, line, start, pos = [], 1, 0, 0
-    while pos < len(text):
-        m = _TOKEN.match(text, pos)
-        if not m:
-            src = text.splitlines()[line - 1] if text.splitlines() else ""
-            if text[pos] == '"':
-                msg, at = _string_error(text, pos)
-                bad = text[at:at + (6 if text.startswith("\\u", at) else 2 if text[at] == "\\" else 1)]
-                raise ParseError(msg, line, at - start + 1, bad, src)
-            msg = ("unexpected character (numbers are written with the ASCII digits 0-9)" if text[pos].isdigit()
-                   else "unexpected character")
-            raise ParseError(msg, line, pos - start + 1, text[pos], src)
+    """The tokens of ``text``, whitespace and comments dropped, then an ``eof`` token; ParseError at
+    the first character no token starts with."""
+    toks: list[Tok] = []
+    append = toks.append
+    line, start, end = 1, 0, 0
+    for m in _TOKEN.finditer(text):
         kind = m.lastgroup
+        end = m.end()
+        if kind == "ws" or kind == "locmark":  # '// loc(...)': provenance, read as a trailing loc(...)
+            continue
+        pos = m.start()
         if kind == "nl":
-            line, start = line + 1, m.end()
-        elif kind not in ("ws", "locmark"):  # '// loc(...)': provenance, read as a trailing loc(...)
-            toks.append(Tok(kind, m.group(), line, pos - start + 1))
-        pos = m.end()
-    toks.append(Tok("eof", "<end of input>", line, pos - start + 1))
+            line, start = line + 1, end
+        elif kind == "bad":
+            raise _bad_character(text, pos, line, start)
+        else:
+            append(Tok(kind, m.group(), line, pos - start + 1))
+    append(Tok("eof", "<end of input>", line, len(text) - start + 1))
     return toks
 
 
