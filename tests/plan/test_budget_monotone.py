@@ -82,6 +82,33 @@ def test_the_plan_at_a_budget_is_the_same_whatever_was_planned_before(name):
         assert alone[hi].overhead <= alone[lo].overhead, (name, lo, hi)
 
 
+def test_a_budget_asked_again_gets_its_answer_again_without_planning(monkeypatch):
+    """The answer at a budget asked before (a plan, or a refusal with its minimum) is given again
+    as it was, each time a copy of its own: planning does not run (a planner that would fail shows
+    it), the program is a fresh clone, and a refusal a caller changed does not change the next."""
+    import remat.plan.portfolio as portfolio
+
+    forget_plans()
+    step = _tiny("gpt")
+    lo, mid = default_budgets(step, 6)[:2]
+    first = _plan(step, mid)
+    with pytest.raises(remat.BudgetTooSmall) as refused:
+        _plan(step, lo // 2)
+
+    def planned_again(*args, **kwargs):
+        raise AssertionError("planned again")
+    monkeypatch.setattr(portfolio, "_plan_budget", planned_again)
+    again = _plan(step, mid)
+    assert _same(again, first) and again.program is not first.program and again.notes == first.notes
+    refused.value.minimum = -1  # a caller's change to the error it got
+    with pytest.raises(remat.BudgetTooSmall) as twice:
+        _plan(step, lo // 2)
+    assert twice.value is not refused.value and twice.value.minimum > 0 and str(twice.value) == str(refused.value)
+    forget_plans()
+    with pytest.raises(AssertionError, match="planned again"):
+        _plan(step, mid)
+
+
 def test_fresh_compiles_of_a_residual_cnn_are_monotone_in_the_budget():
     """Issue 46's reproducer: fresh compiles (an empty plan cache each) at 30/38/45/53% of the
     unconstrained peak; at 38% a time-limited MILP window used to win with +132% though the 30%

@@ -5,7 +5,7 @@ budget asked for, so planning the same step at another budget is faster and give
 made at each point of the step's ladder (:func:`~.portfolio.ladder_points`) and the MILP's search
 around a given plan (:func:`~.milp.improve_in_windows`, bounded by node counts) are the same
 whichever budget asked for them, so they are computed once per step and process and kept here
-(:class:`PlanCache`). Caches live in a small per-process table keyed by the step's printed program
+(:class:`PlanCache`), as are the last answers, plans and refusals, at the budgets asked for. Caches live in a small per-process table keyed by the step's printed program
 and its costs (:func:`frontier_for`); :func:`forget_plans` empties it. A fresh process plans the
 same, only slower.
 """

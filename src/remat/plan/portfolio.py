@@ -19,7 +19,9 @@ may improve it; the notes say which plan won.
 """
 from __future__ import annotations
 
+import copy
 import time
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Sequence
 
@@ -94,7 +96,8 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
     and the MILP on the greedy's neighbourhood (deterministic: node limits; on a small graph at any
     budget) may improve it. The
     answer is a function of the step and the budget alone: plans cached from earlier budgets
-    (:func:`~.frontier.frontier_for`) only save time. Raises ``BudgetTooSmall`` with the smallest
+    (:func:`~.frontier.frontier_for`) only save time, and a budget asked for before gets the answer
+    it got then (:data:`MAX_ANSWERS`). Raises ``BudgetTooSmall`` with the smallest
     minimum found that plans (``check_minimum``; :func:`_plannable_minimum`)."""
     t0 = time.perf_counter()
     check_option(p.solver)
@@ -103,10 +106,47 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
         why = ("no budget given" if p.budget is None else
                f"the unconstrained step ({format_bytes(peak)}) fits the budget")
         return Plan("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak, budget=p.budget)
+    frontier = frontier_for(p)
+    answers = frontier.cached("answers", OrderedDict)
+    key = ("plan", p.budget)
+    if key not in answers and ("refusal", p.budget, check_minimum) in answers:
+        key = ("refusal", p.budget, check_minimum)
+    if key in answers:
+        answers.move_to_end(key)
+        return _answer(answers[key])
+    try:
+        best = _plan_budget(p, check_minimum, frontier, peak, t0)
+    except BudgetTooSmall as e:
+        _remember(answers, ("refusal", p.budget, check_minimum), copy.copy(e))  # callers may add to theirs
+        raise
+    _remember(answers, key, best)
+    return _answer(best)
+
+
+MAX_ANSWERS = 16
+"""Plans and refusals :func:`_plan_step` keeps per step (least recently asked for dropped first):
+the answer at a budget is a function of the step and the budget alone, so asking again (a retry at
+the minimum a refusal checked by planning it, a test compiling a step twice) gets it at once."""
+
+
+def _remember(answers: OrderedDict, key, answer) -> None:
+    answers[key] = answer
+    while len(answers) > MAX_ANSWERS:
+        answers.popitem(last=False)
+
+
+def _answer(answer: Plan | BudgetTooSmall) -> Plan:
+    """A kept answer given out again: the plan with a program of its own, or the refusal raised."""
+    if isinstance(answer, BudgetTooSmall):
+        raise copy.copy(answer)
+    return replace(answer, notes=list(answer.notes), program=answer.program.clone())
+
+
+def _plan_budget(p: StepProblem, check_minimum: bool, frontier: PlanCache, peak: int, t0: float) -> Plan:
+    """:func:`_plan_step` at a budget below the unconstrained step's ``peak``, not asked before."""
     from .rematerialize import to_graph
     from .scheduling import memory_aware_orders
 
-    frontier = frontier_for(p)
     model = CostModel(p.costs, p.measured)
     base = model.program_cost(p.unconstrained)
     # The graph model, with the gradients the step consumes at once as transients (``p.consumed``),
