@@ -25,7 +25,7 @@ from ..ir.analysis import ancestors
 from ..ir.build import clone_into, inline_body, slice_function
 from .chain.executor import ChainStage
 from .partition import Split, released
-from .milp import WINDOW_STAGES, WindowPass
+from .milp import WINDOW_HIGHS_OPTIONS, WINDOW_STAGES, WindowPass
 
 if TYPE_CHECKING:
     from .chain.profile import StageProfile
@@ -245,7 +245,7 @@ def milp_recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction
         if n <= BLOCK_MILP_EXACT_NODES:
             try:
                 found = solve_milp(graph, peak, order=order, time_limit=BLOCK_MILP_SAFETY_SECONDS,
-                                   node_limit=BLOCK_MILP_NODE_LIMIT)
+                                   node_limit=BLOCK_MILP_NODE_LIMIT, highs=WINDOW_HIGHS_OPTIONS)
             except (BudgetTooSmall, NoSolutionFound):
                 found = None
         else:
