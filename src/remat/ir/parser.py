@@ -97,15 +97,14 @@ def tokenize(text: str) -> list[Tok]:
     the first character no token starts with."""
     toks: list[Tok] = []
     append = toks.append
-    line, start, end = 1, 0, 0
+    line, start = 1, 0
     for m in _TOKEN.finditer(text):
         kind = m.lastgroup
-        end = m.end()
         if kind == "ws" or kind == "locmark":  # '// loc(...)': provenance, read as a trailing loc(...)
             continue
         pos = m.start()
         if kind == "nl":
-            line, start = line + 1, end
+            line, start = line + 1, m.end()
         elif kind == "bad":
             raise _bad_character(text, pos, line, start)
         else:

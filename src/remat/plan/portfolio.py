@@ -108,18 +108,17 @@ def _plan_step(p: StepProblem, check_minimum: bool = True) -> Plan:
         return Plan("none", [why + ": no recomputation"], p.unconstrained, 0.0, peak=peak, budget=p.budget)
     frontier = frontier_for(p)
     answers = frontier.cached("answers", OrderedDict)
-    key = ("plan", p.budget)
-    if key not in answers and ("refusal", p.budget, check_minimum) in answers:
-        key = ("refusal", p.budget, check_minimum)
-    if key in answers:
-        answers.move_to_end(key)
-        return _answer(answers[key])
+    planned, refused = ("plan", p.budget), ("refusal", p.budget, check_minimum)
+    for key in (planned, refused):
+        if key in answers:
+            answers.move_to_end(key)
+            return _answer(answers[key])
     try:
         best = _plan_budget(p, check_minimum, frontier, peak, t0)
     except BudgetTooSmall as e:
-        _remember(answers, ("refusal", p.budget, check_minimum), copy.copy(e))  # callers may add to theirs
+        _remember(answers, refused, copy.copy(e))  # callers may add to theirs
         raise
-    _remember(answers, key, best)
+    _remember(answers, planned, best)
     return _answer(best)
 
 
