@@ -6,6 +6,8 @@ import pytest
 
 from remat.errors import BudgetTooSmall
 from remat.ir import parse
+from remat.plan.graph import eager_frees, evaluate
+from remat.plan.registry import graph_solver
 from remat.plan.simulator import predict_peak
 from remat.plan.milp import MILP_MAX_NODES
 from remat.plan.portfolio import plan_step, uses_milp
@@ -88,6 +90,7 @@ def test_whole_graph_milp_runs_once_per_step_under_auto(monkeypatch):
     import remat.plan.milp as milp
     import remat.plan.scheduling as scheduling
 
+    monkeypatch.setattr(milp, "MILP_MAX_VARS", None)  # this step's MILP is larger than "auto" solves
     calls = []
     solve = milp.solve_milp
     monkeypatch.setattr(milp, "solve_milp", lambda *a, **k: calls.append(1) or solve(*a, **k))
@@ -99,3 +102,28 @@ def test_whole_graph_milp_runs_once_per_step_under_auto(monkeypatch):
     assert p.solver == "auto" and len(list(p.joint.instructions())) <= MILP_MAX_NODES  # the MILP is admitted
     plan_step(p)
     assert len(calls) == 1
+
+
+def test_whole_graph_milp_under_auto_skips_a_model_over_its_size_and_says_so(monkeypatch):
+    """Under "auto" a whole-graph MILP of more than ``MILP_MAX_VARS`` variables is not solved (its
+    root node alone outlasts the time limit): the greedy's plan, with a note saying why."""
+    import remat.plan.milp as milp
+    from remat.plan.rematerialize import to_graph
+    from remat.plan.scheduling import memory_aware_order
+
+    p = _problem(None)
+    p = _problem(int(predict_peak(p.unconstrained) * 0.9))
+    g = to_graph(p.joint, p.costs).graph
+    order = memory_aware_order(g)
+    budget = int(0.9 * max(evaluate(g, eager_frees(g, order))[1], 1))
+    calls = []
+    solve = milp.solve_milp
+    monkeypatch.setattr(milp, "solve_milp", lambda *a, **k: calls.append(1) or solve(*a, **k))
+    n_vars = milp._build(g.permuted(order)[0], budget, budget / 1000.0).n_vars
+    monkeypatch.setattr(milp, "MILP_MAX_VARS", n_vars - 1)
+    plan = graph_solver("auto", len(g.compute_nodes), main=True)(g, budget, order, 10.0)
+    assert not calls and plan.solver == "greedy"
+    assert f"its model has {n_vars} variables > max_vars={n_vars - 1}" in plan.describe()
+    monkeypatch.setattr(milp, "MILP_MAX_VARS", n_vars)
+    graph_solver("auto", len(g.compute_nodes), main=True)(g, budget, order, 10.0)
+    assert calls

@@ -75,6 +75,7 @@ __all__ = [
     "milp_min_peak",
     "MinPeak",
     "solve_with_fallback",
+    "MILP_MAX_VARS",
     "MILP_NODE_LIMIT",
     "improve_in_windows",
     "WindowSearch",
@@ -132,6 +133,16 @@ none; at 32-74 nodes (``bench/results/graph_solvers.json``, 15 s) it finds a che
 cases and none at all in 4; on real steps of 98 and 147 nodes (zoo ResNet tiny at 80%, Hugging Face
 ConvNeXt tiny at 50%) it finds no feasible plan in 10 s (none in 60 s for the second), which cost
 each ``remat.compile`` 10-20 s for the greedy's plan."""
+
+MILP_MAX_VARS = 1000
+"""Largest whole-graph MILP (variables) :func:`solve_with_fallback` solves; above it the greedy alone.
+The model grows as the square of the graph's stages (~2.5 T^2 variables on real steps), and HiGHS's
+root node alone outgrows the time limit first: over the test suite, every whole-graph solve under
+``"auto"`` of 2,179-6,860 variables (real steps of 29-52 nodes) stopped at the 10 s guard and was
+discarded (a 37-node MLP's step with 3,541 variables: 6 s at the root node, 430 of its 2,000
+nodes in 60 s, gap 8.7%; a 29-node one of 2,179 variables: proven optimal after 36 s), while those
+of 899-925 variables (19 nodes) finished in under 0.5 s. Skipping them cost no plan (the windows,
+deterministic, still search the greedy's neighbourhood) and saves those 10 s of every such compile."""
 
 
 @dataclass(frozen=True)
@@ -552,13 +563,14 @@ def solve_with_fallback(
     milp_max_nodes: int = MILP_MAX_NODES,
     order: Sequence[int] | None = None,
     node_limit: int | None = None,
+    max_vars: int | None = MILP_MAX_VARS,
 ) -> Solution:
     """The recommended entry point.  Runs the RAF-style greedy (fast) and, when the
-    graph has at most ``milp_max_nodes`` compute nodes, the MILP under
-    ``time_limit``; returns the cheaper valid plan.  Falls back to the greedy when
-    the MILP is too large or finds nothing in time.  The plan's notes say which
-    solver ran and why.  Raises :class:`BudgetTooSmall` when neither meets the
-    budget (``minimum``: the smaller of the two solvers' minimums)."""
+    graph has at most ``milp_max_nodes`` compute nodes and its MILP at most ``max_vars``
+    variables (None: any number), the MILP under ``time_limit``; returns the cheaper valid
+    plan.  Falls back to the greedy when the MILP is too large or finds nothing in time.
+    The plan's notes say which solver ran and why.  Raises :class:`BudgetTooSmall` when
+    neither meets the budget (``minimum``: the smaller of the two solvers' minimums)."""
     from .greedy import solve_greedy
     from .scheduling import memory_aware_order
 
@@ -571,12 +583,16 @@ def solve_with_fallback(
         greedy_plan = solve_greedy(graph, budget, order=order)
     except BudgetTooSmall as e:
         errors.append(e)
-    if T > milp_max_nodes:
+    too_large = f"{T} compute nodes > milp_max_nodes={milp_max_nodes}" if T > milp_max_nodes else None
+    if too_large is None and max_vars is not None:
+        g, _ = _maybe_permute(graph, order)
+        n_vars = _build(g, int(budget), max(int(budget), 1) / 1000.0).n_vars
+        if n_vars > max_vars:
+            too_large = f"its model has {n_vars} variables > max_vars={max_vars}"
+    if too_large is not None:
         if greedy_plan is None:
             raise errors[0]
-        greedy_plan.notes.insert(
-            0, f"greedy chosen: {T} compute nodes > milp_max_nodes={milp_max_nodes} (MILP too large)"
-        )
+        greedy_plan.notes.insert(0, f"greedy chosen: {too_large} (MILP too large)")
         return greedy_plan
     try:
         plan = solve_milp(graph, budget, time_limit=time_limit, order=order, node_limit=node_limit)

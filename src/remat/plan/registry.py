@@ -55,10 +55,10 @@ def _milp(graph: Graph, budget: int, order: Sequence[int], time_limit: float) ->
 
 
 def _milp_or_greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution:
-    from .milp import solve_with_fallback
+    from . import milp
 
-    return solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES,
-                               node_limit=MILP_NODE_LIMIT)
+    return milp.solve_with_fallback(graph, budget, time_limit=time_limit, order=order, milp_max_nodes=MILP_MAX_NODES,
+                                    node_limit=MILP_NODE_LIMIT, max_vars=milp.MILP_MAX_VARS)
 
 
 def _greedy(graph: Graph, budget: int, order: Sequence[int], time_limit: float) -> Solution | None:
@@ -92,7 +92,8 @@ SOLVERS: dict[str, Solver] = {s.name: s for s in (
            "output or whole tape)", method="extended", minimum=_chain_minimum),
     # Graph solvers, tried in this order: the first one admitted at a probe runs.
     Solver("milp", "graph", "Checkmate MILP (HiGHS), optimal under a time limit when named; under 'auto' "
-           "bounded by a node limit instead (deterministic), with the greedy as fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
+           "bounded by a node limit instead (deterministic) and by its size (MILP_MAX_VARS), with the greedy as "
+           "fallback", max_nodes=MILP_MAX_NODES, main_probe_only=True, solve=_milp, solve_auto=_milp_or_greedy,
            minimum=_milp_minimum),
     Solver("greedy", "graph", "RAF greedy: recompute latency x remaining uses / size", solve=_greedy,
            minimum=_greedy_minimum),
