@@ -61,16 +61,19 @@ def _kinds(p):
     return list(seen.values())
 
 
-def test_block_milp_recipes_are_valid_cheaper_and_deterministic(gpt):
+def test_block_milp_recipes_are_valid_cheaper_and_deterministic(gpt, monkeypatch):
     """Every block MILP recipe builds a variant whose sequence, in the block's graph model, peaks no
     higher than some greedy recipe and recomputes strictly less than every greedy recipe within that
-    peak; a second call gives the same recipes. Zoo GPT tiny has blocks the MILP improves."""
+    peak; a second call, solving afresh (no solve cache), gives the same recipes. Zoo GPT tiny has
+    blocks the MILP improves."""
     p = gpt.compilation.problem
     improved = 0
     for st in _kinds(p):
         greedy = recipes(st, static_costs, p.workspace_fn)
         found = milp_recipes(st, static_costs, p.workspace_fn, greedy)
+        monkeypatch.setenv("REMAT_SOLVE_CACHE", "0")
         assert found == milp_recipes(st, static_costs, p.workspace_fn, greedy)  # deterministic
+        monkeypatch.setenv("REMAT_SOLVE_CACHE", "1")
         if not found:
             continue
         graph = _graph(st, p)
@@ -154,7 +157,8 @@ def test_chain_plans_with_the_block_milp_fit_run_exactly_and_are_never_costlier(
 
 def test_block_milp_lowers_the_minimum_and_plans_are_the_same_twice(gpt, monkeypatch):
     """The block MILP's recipes lower zoo GPT tiny's planned floor (the greedy's recipes alone refuse
-    it), and planning the same budget twice in one process (fresh frontier) gives the same program."""
+    it), and planning the same budget twice in one process (fresh frontier; the first time solving
+    afresh, without the solve cache) gives the same program."""
     from remat.plan.portfolio import minimum_budget, plan_step
 
     p = gpt.compilation.problem
@@ -166,7 +170,8 @@ def test_block_milp_lowers_the_minimum_and_plans_are_the_same_twice(gpt, monkeyp
     after = minimum_budget(p)
     assert after < before
     plans = []
-    for _ in range(2):
+    for cached in ("0", "1"):
+        monkeypatch.setenv("REMAT_SOLVE_CACHE", cached)
         forget_plans()
         plans.append(plan_step(dataclasses.replace(p, budget=after)))
     assert plans[0].peak <= after and str(plans[0].program) == str(plans[1].program)

@@ -1,5 +1,5 @@
 """remat's on-disk caches never lie and never kill (issue 47, item 10): in each cache (captures,
-kernel workspaces, generated kernel sources, Numba's compiled kernels) a truncated, empty,
+kernel workspaces, generated kernel sources, Numba's compiled kernels, the planner's HiGHS solves) a truncated, empty,
 random or other-version file where an entry lives is ignored with a warning naming its path and
 rebuilt, and the compile trains as eager PyTorch does; an entry is written atomically."""
 from __future__ import annotations
@@ -158,6 +158,39 @@ def test_a_damaged_numba_cache_is_compiled_again(how):
     compiled = nk.compile_count()
     _, warned = _compile_and_train("resnet")
     assert nk.compile_count() == compiled and not warned  # the rebuilt cache loads
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_solve_is_solved_again(how, monkeypatch):
+    """A HiGHS solve kept by the planner (``remat.plan.solve_cache``) whose entry is damaged is
+    solved again, with HiGHS's answer, and its entry written again."""
+    from remat.plan import milp, solve_cache
+
+    model = milp._build(*_milp_problem())
+    monkeypatch.setattr(solve_cache, "MIN_SECONDS", 0.0)
+    first = milp._solve(model, 30.0, 1e-4, node_limit=50)
+    (entry,) = solve_cache.cache_dir().glob("*.json")
+    _damage(entry, how)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = milp._solve(model, 30.0, 1e-4, node_limit=50)
+    assert _named([str(w.message) for w in caught], entry)
+    assert _valid(entry) and again.fun == first.fun and (again.x == first.x).all()
+
+
+def _milp_problem():
+    """A small graph's whole MILP at the middle of its budgets: ``_build``'s arguments."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plan"))
+    from graphgen import random_graph
+    from remat.plan.graph import evaluate, no_remat_schedule
+    from remat.plan.greedy import greedy_min_budget
+    from remat.plan.scheduling import memory_aware_order
+
+    g = random_graph(8, 3, n_inputs=2, max_fanin=2)
+    budget = (greedy_min_budget(g, memory_aware_order(g)) + evaluate(g, no_remat_schedule(g))[1]) // 2
+    return g, budget, budget / 1000.0
 
 
 def test_an_interrupted_write_leaves_the_old_entry_or_none(tmp_path, monkeypatch):

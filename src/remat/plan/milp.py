@@ -359,22 +359,37 @@ def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int
     (HiGHS runs single-threaded, so the same model gives the same answer under any machine load);
     ``time_limit`` (seconds) then only guards against a runaway solve (:func:`_timed_out`).
     ``highs``: further HiGHS options by their HiGHS names (e.g. :data:`WINDOW_HIGHS_OPTIONS`), which
-    SciPy passes on verbatim."""
+    SciPy passes on verbatim. A node-limited solve's answer is read from, and kept in, the on-disk
+    :mod:`.solve_cache` (the same answer HiGHS would give; one the guard stopped is never kept)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
+
+    from . import solve_cache
 
     options = {"time_limit": max(0.05, time_limit), "mip_rel_gap": mip_rel_gap, "disp": False}
     if node_limit is not None:
         options["node_limit"] = int(node_limit)
+    options.update(highs or {})
+    A = model.A.tocsr()
+    key = None
+    if node_limit is not None and solve_cache.enabled():
+        key = solve_cache.key(model.c, A, model.row_lb, model.row_ub, model.lb, model.ub, model.integrality, options)
+        kept = solve_cache.load(key)
+        if kept is not None:
+            return kept
+    t0 = time.perf_counter()
     with _native_stdout_silenced(), warnings.catch_warnings():
         # SciPy warns that it passes options it does not know to HiGHS verbatim, which is the intent.
         warnings.filterwarnings("ignore", message="Unrecognized options detected", category=RuntimeWarning)
-        return milp(
+        res = milp(
             model.c,
-            constraints=LinearConstraint(model.A.tocsr(), model.row_lb, model.row_ub),
+            constraints=LinearConstraint(A, model.row_lb, model.row_ub),
             integrality=model.integrality,
             bounds=Bounds(model.lb, model.ub),
-            options={**options, **(highs or {})},
+            options=options,
         )
+    if key is not None and not _timed_out(res) and time.perf_counter() - t0 >= solve_cache.MIN_SECONDS:
+        solve_cache.store(key, res)
+    return res
 
 
 def _timed_out(res) -> bool:
