@@ -205,3 +205,31 @@ def test_the_neighbourhood_runs_near_the_floor_or_on_small_graphs():
     assert not improves_neighbourhood("auto", cheap, MILP_MAX_NODES + 1)
     assert improves_neighbourhood("auto", costly, 10 * MILP_MAX_NODES) and improves_neighbourhood("milp", costly, 10)
     assert not improves_neighbourhood("greedy", costly, 10)
+
+
+def test_a_model_over_its_variable_cap_is_refused_before_its_constraints_exactly(monkeypatch):
+    """``_build(..., max_vars=k)`` gives None exactly when the whole model would have more than ``k``
+    variables, for whole-run models (budget or min-peak) and for every window the neighbourhood
+    search builds: the cap decides as the built model's count would, without building it."""
+    from remat.plan import milp
+    from remat.plan.greedy import greedy_min_budget, try_greedy_best
+    from remat.plan.registry import neighbourhood_passes
+    from remat.plan.scheduling import memory_aware_order
+
+    def exact(*args, **kw):
+        n = build(*args, **{**kw, "max_vars": None}).n_vars
+        assert build(*args, **{**kw, "max_vars": n}) is not None and build(*args, **{**kw, "max_vars": n - 1}) is None
+        checked.append(n)
+        return build(*args, **kw)
+
+    build, checked = milp._build, []
+    g = synthetic_training_graph("unet", 2, seed=0)
+    order = memory_aware_order(g)
+    gp, hi = g.permuted(order)[0], evaluate(g, no_remat_schedule(g))[1]
+    exact(gp, hi // 2, hi / 2000)
+    exact(gp, None, hi / 2000)
+    lo = greedy_min_budget(g, order)
+    budget = lo + (hi - lo) // 10
+    monkeypatch.setattr(milp, "_build", exact)
+    milp.improve_in_windows(g, try_greedy_best(g, budget, order), budget, passes=neighbourhood_passes(10 * len(g)))
+    assert len(checked) > 2

@@ -123,7 +123,7 @@ def test_whole_graph_milp_under_auto_skips_a_model_over_its_size_and_says_so(mon
     monkeypatch.setattr(milp, "MILP_MAX_VARS", n_vars - 1)
     plan = graph_solver("auto", len(g.compute_nodes), main=True)(g, budget, order, 10.0)
     assert not calls and plan.solver == "greedy"
-    assert f"its model has {n_vars} variables > max_vars={n_vars - 1}" in plan.describe()
+    assert f"its model has more than max_vars={n_vars - 1} variables" in plan.describe()
     monkeypatch.setattr(milp, "MILP_MAX_VARS", n_vars)
     graph_solver("auto", len(g.compute_nodes), main=True)(g, budget, order, 10.0)
     assert calls

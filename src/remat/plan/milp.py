@@ -161,10 +161,25 @@ class _Window:
     recompute: frozenset[int]
 
 
-def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, window: _Window | None = None) -> _Model:
+def _memory_vars(nodes, comp, a: int, b: int, R: dict, S: dict, const_live: set) -> int:
+    """The continuous variables :func:`_build` adds with its constraints: per stage, the memory
+    level before each computation and after each but the last, and one free flag per value each
+    but the last computation may free (counted as the memory recurrence creates them)."""
+    n = 0
+    for s in range(a, b):
+        cand = [v for v in comp[: s + 1] if (s, v) in R]
+        n += 1
+        for k in cand[:-1]:
+            n += 1 + sum(1 for v in list(nodes[k].inputs) + [k] if v not in const_live and (s + 1, v) in S)
+    return n
+
+
+def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, window: _Window | None = None,
+           max_vars: int | None = None) -> _Model | None:
     """Assemble the Checkmate MILP.  ``budget=None``: minimise the peak instead
     (a continuous peak variable replaces the budget, objective = peak).  ``window``: only its
-    stages, between fixed live sets (the whole run when None)."""
+    stages, between fixed live sets (the whole run when None). None when the model would have more
+    than ``max_vars`` variables (known before its constraints, most of the work, are built)."""
     nodes = graph.nodes
     cons = graph.consumers
     comp = graph.compute_nodes
@@ -217,6 +232,8 @@ def _build(graph: Graph, budget: int | None, unit: float, peak_lb: float = 0.0, 
     peak_col = None
     if budget is None:
         peak_col = new(peak_lb, np.inf, 1.0, False)
+    if max_vars is not None and len(col_lb) + _memory_vars(nodes, comp, a, b, R, S, const_live) > max_vars:
+        return None
 
     rows: list[int] = []
     cols: list[int] = []
@@ -601,9 +618,8 @@ def solve_with_fallback(
     too_large = f"{T} compute nodes > milp_max_nodes={milp_max_nodes}" if T > milp_max_nodes else None
     if too_large is None and max_vars is not None:
         g, _ = _maybe_permute(graph, order)
-        n_vars = _build(g, int(budget), max(int(budget), 1) / 1000.0).n_vars
-        if n_vars > max_vars:
-            too_large = f"its model has {n_vars} variables > max_vars={max_vars}"
+        if _build(g, int(budget), max(int(budget), 1) / 1000.0, max_vars=max_vars) is None:
+            too_large = f"its model has more than max_vars={max_vars} variables"
     if too_large is not None:
         if greedy_plan is None:
             raise errors[0]
@@ -791,8 +807,8 @@ def improve_in_windows(graph: Graph, plan: Solution, cap: int, *, time_limit: fl
                 # recomputed: what the plan computes here, and one step further back
                 again = set(inside) | {u for v in inside for u in nodes[v].inputs if not nodes[u].is_input}
                 win = _Window(a, b, frozenset(set(live[a]) | again), live[a], live[b], frozenset(again))
-                model = _build(g, cap, max(cap, 1) / 1000.0, window=win)
-                if model.n_vars <= step.max_vars or width == 1:
+                model = _build(g, cap, max(cap, 1) / 1000.0, window=win, max_vars=None if width == 1 else step.max_vars)
+                if model is not None:
                     break
                 width //= 2
             visited.update(range(a, b))
