@@ -85,7 +85,7 @@ def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, ma
         fut[indices[k]] += 1
     uses = fut.astype(np.float64)  # the score's: reads left, and one for an output
     nxt = np.empty(n, np.int64)  # position of the next use from the current one (none: n_order + 1)
-    mem = 0
+    mem = np.int64(0)  # typed values, not literals: one specialization of _make_live, not one per literal
     for u in range(n):
         if is_output[u]:
             uses[u] += 1.0
@@ -96,7 +96,7 @@ def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, ma
              np.zeros(indices.shape[0], np.bool_), np.empty(n + 1, np.int64), np.empty(n + 1, np.int64),
              np.empty(n + 1, np.bool_))
     seq = state[6]
-    ns = 0
+    ns = np.int64(0)
     for p in range(n_order + 1):
         if p:  # the node at p - 1 read these: their next use is further on
             v = order[p - 1]
@@ -108,7 +108,7 @@ def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, ma
         if p == n_order:
             break
         v = order[p]
-        mem, ns = _make_live(v, False, p, mem, ns, graph, state, budget, belady, outputs_last, max_steps)
+        mem, ns = _make_live(v, np.bool_(False), p, mem, ns, graph, state, budget, belady, outputs_last, max_steps)
         if ns == STUCK:
             return seq, STUCK
         for k in range(indptr[v], indptr[v + 1]):
@@ -123,7 +123,7 @@ def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, ma
             pins[u] += 1
     for u in range(n):
         if is_output[u] and not live[u]:
-            mem, ns = _make_live(u, True, n_order, mem, ns, graph, state, budget, belady, outputs_last, max_steps)
+            mem, ns = _make_live(u, np.bool_(True), n_order, mem, ns, graph, state, budget, belady, outputs_last, max_steps)
             if ns == STUCK:
                 return seq, STUCK
             pins[u] += 1
