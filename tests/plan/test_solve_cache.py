@@ -105,3 +105,15 @@ def test_the_key_is_the_whole_model_and_its_options_but_the_guard():
     assert key(a) == key(a, time_limit=1.0) == key(a, time_limit=60.0)
     assert len({key(a), key(b), key(a, node_limit=51), key(a, mip_rel_gap=0.0),
                 key(a, **milp.WINDOW_HIGHS_OPTIONS)}) == 5
+
+
+def test_a_whole_entry_that_is_not_a_solve_is_named_removed_and_solved_again(highs_calls):
+    from remat import cache as rcache
+
+    model, _ = _small()
+    milp._solve(model, 30.0, 1e-4, node_limit=50)
+    (entry,) = solve_cache.cache_dir().glob("*.json")
+    rcache.write_entry(entry, f"solve:{entry.stem}", solve_cache.FORMAT, b'{"x": [1.0]}')  # checksum and all
+    with pytest.warns(RuntimeWarning, match=str(entry)):
+        milp._solve(model, 30.0, 1e-4, node_limit=50)
+    assert len(highs_calls) == 2 and solve_cache.load(entry.stem) is not None  # solved again, written again

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache import cache_root, read_entry, write_entry
+from ..cache import cache_root, read_entry, warn_bad_entry, write_entry
 
 FORMAT = 1
 """The entry format; part of the key."""
@@ -85,7 +85,8 @@ def load(k: str):
         d = json.loads(payload)
         x = None if d["x"] is None else np.asarray(d["x"], dtype=np.float64)
         return OptimizeResult(x=x, **{f: d[f] for f in _FIELDS})
-    except (ValueError, KeyError, TypeError):  # a whole entry of this version cannot be malformed; be safe
+    except (ValueError, KeyError, TypeError) as e:  # a whole entry of this version, yet not a solve's
+        warn_bad_entry(_path(k), _WHAT, f"its content is not a solve ({type(e).__name__}: {e})")
         return None
 
 
