@@ -28,6 +28,12 @@ _MAGIC = b"#remat-cache "
 _replace = os.replace  # the rename that publishes an entry (a test stops a writer here)
 
 
+def switched_on(variable: str) -> bool:
+    """Whether the environment ``variable`` leaves a cache (or its check) on: unset, or anything
+    but "0", "false", "off" or empty."""
+    return os.environ.get(variable, "1") not in ("0", "false", "off", "")
+
+
 def cache_root() -> Path:
     """remat's on-disk caches: ``$REMAT_CACHE_DIR``, else ``~/.cache/remat``."""
     root = os.environ.get("REMAT_CACHE_DIR")

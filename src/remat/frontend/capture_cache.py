@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache import cache_root, read_entry, warn_bad_entry, write_entry
+from ..cache import cache_root, read_entry, switched_on, warn_bad_entry, write_entry
 
 FORMAT = 2
 """The entry format (2: a header with a version and checksum, :mod:`remat.cache`); part of the key."""
@@ -68,13 +68,13 @@ def enabled(cache: bool | None = None) -> bool:
     """Whether captures are cached: ``cache`` if given, else ``$REMAT_CAPTURE_CACHE`` (default on; "0" off)."""
     if cache is not None:
         return bool(cache)
-    return os.environ.get("REMAT_CAPTURE_CACHE", "1") not in ("0", "false", "off", "")
+    return switched_on("REMAT_CAPTURE_CACHE")
 
 
 def checked() -> bool:
     """Whether a capture taken from the cache is checked against the model's eager output before use
     (``torch_import.stale_capture``): ``$REMAT_CAPTURE_CHECK`` (default on; "0" trusts the key)."""
-    return os.environ.get("REMAT_CAPTURE_CHECK", "1") not in ("0", "false", "off", "")
+    return switched_on("REMAT_CAPTURE_CHECK")
 
 
 def cache_dir() -> Path:

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from ..cache import cache_root, read_entry, warn_bad_entry, write_entry
+from ..cache import cache_root, read_entry, switched_on, warn_bad_entry, write_entry
 
 FORMAT = 1
 """The entry format; part of the key."""
@@ -45,7 +44,7 @@ _FIELDS = ("status", "message", "fun", "success", "mip_node_count", "mip_dual_bo
 
 def enabled() -> bool:
     """Whether node-limited solves are cached: ``$REMAT_SOLVE_CACHE`` (default on; "0" off)."""
-    return os.environ.get("REMAT_SOLVE_CACHE", "1") not in ("0", "false", "off", "")
+    return switched_on("REMAT_SOLVE_CACHE")
 
 
 def cache_dir() -> Path:
