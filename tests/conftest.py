@@ -8,12 +8,17 @@
   version behind. Compiled kernels and measured workspaces are kept where a user's compiles keep
   them (``~/.cache/remat``; content-addressed and checked on load), linked into that directory, so
   a run does not compile every kernel again. Tests that are about the caches give them a directory
-  of their own.
+  of their own;
+- one torch thread per test: the suite runs one worker per core, and tiny kernels gain nothing
+  from intra-op threads, which busy-wait against the other worker (a step of a tiny U-Net takes
+  ~1 s with 2 threads under load, ~25 ms with one). Tests about threads set their own count.
 """
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("REMAT_VERIFY_EACH_PASS", "1")
 
@@ -36,3 +41,13 @@ if "REMAT_CACHE_DIR" not in os.environ:
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)  # removes the links, not what they point to
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
