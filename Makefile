@@ -8,11 +8,14 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# The local CPU build of torch first, so nothing later pulls a CUDA build (the dev extra's
-	# transformers, for tests/models, needs no torch of its own).
+	$(BIN)/pip install -q --upgrade pip uv==0.13.9
+	# The local CPU build of torch first, with pip (its configuration names where that build is),
+	# so nothing later pulls a CUDA build (the dev extra's transformers, for tests/models, needs no
+	# torch of its own). The rest with uv: the same packages from the same index, resolved and
+	# installed in parallel (24 s instead of pip's 63 s here); torch is named again so that the
+	# build above is kept.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode -e '.[dev]' torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
