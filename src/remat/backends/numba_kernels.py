@@ -675,46 +675,44 @@ def _max_pool_scatter_py(lo, hi, gy, idx, gx):  # pragma: no cover (compiled by 
             gq[idx[q, o]] += gy[q, o]
 
 
-def _pool_sigs(which: str) -> list[str]:
+def _pool_sig(which: str, t: str, i: str) -> str:
+    """The signature of pooling loop ``which`` on ``t`` planes (``float32``, ``float64``) with ``i``
+    indices (``int32``, ``int64``; the forward and backward have none)."""
     ints = ", ".join(["int64"] * 6)
-    sigs = []
-    for t in ("float32", "float64"):
-        if which == "fwd":
-            sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {ints})")
-        elif which == "bwd":
-            sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {ints})")
-        else:
-            for i in ("int32", "int64"):
-                if which == "idx":
-                    sigs.append(f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {i}[:, :, ::1], {ints})")
-                else:  # scatter
-                    sigs.append(f"void(int64, int64, {t}[:, ::1], {i}[:, ::1], {t}[:, ::1])")
-    return sigs
+    if which == "fwd":
+        return f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {ints})"
+    if which == "bwd":
+        return f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {ints})"
+    if which == "idx":
+        return f"void(int64, int64, {t}[:, :, ::1], {t}[:, :, ::1], {i}[:, :, ::1], {ints})"
+    return f"void(int64, int64, {t}[:, ::1], {i}[:, ::1], {t}[:, ::1])"  # scatter
 
 
 _POOL_PY = {"fwd": _max_pool_fwd_py, "bwd": _max_pool_bwd_py, "idx": _max_pool_idx_py, "scatter": _max_pool_scatter_py}
 _POOL_OPS = {"max_pool2d": "fwd", "max_pool2d_grad": "bwd", "max_pool2d_with_indices": "idx",
              "max_pool2d_index_grad": "scatter"}
-_pool_fns: dict[str, Callable] = {}
+_pool_fns: dict[tuple[str, str, str], Callable] = {}
 
 
-def _pool_kernel(which: str) -> Callable:
-    """A compiled pooling loop (``_POOL_PY``) for f32 and f64, i32 and i64 indices (compiled on first use,
-    then cached)."""
+def _pool_kernel(which: str, dtype: Any, index_dtype: Any = None) -> Callable:
+    """A compiled pooling loop (``_POOL_PY``) for ``dtype`` planes and ``index_dtype`` indices (numpy
+    dtypes), compiled on first use, then cached: each combination of its own (a float32 model never
+    compiles the float64 loops), its signature exact."""
     global _compiled, _winner, _max_pool_winners
-    fn = _pool_fns.get(which)
+    key = (which, np.dtype(dtype).name, "" if index_dtype is None else np.dtype(index_dtype).name)
+    fn = _pool_fns.get(key)
     if fn is None:
         with _lock:
-            fn = _pool_fns.get(which)
+            fn = _pool_fns.get(key)
             if fn is None:
                 if _winner is _winner_py:  # the helpers the kernels call, compiled first (numba binds globals)
                     _winner = njit_cached(_winner_py, nogil=True, error_model="numpy")
                     _max_pool_winners = njit_cached(_max_pool_winners_py, nogil=True, error_model="numpy")
-                fn = njit_cached(_POOL_PY[which], _pool_sigs(which), callees=(_winner, _max_pool_winners), nogil=True,
-                                 error_model="numpy")
+                fn = njit_cached(_POOL_PY[which], [_pool_sig(which, *key[1:])], callees=(_winner, _max_pool_winners),
+                                 nogil=True, error_model="numpy")
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
-                _pool_fns[which] = fn
+                _pool_fns[key] = fn
     return fn
 
 
@@ -755,7 +753,7 @@ def max_pool2d(x, kernel, stride, padding=(0, 0), layout="NCHW"):
     """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
     out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
-    _run_parts(_pool_kernel("fwd"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel, *stride,
+    _run_parts(_pool_kernel("fwd", x.dtype), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel, *stride,
                *padding)
     return out
 
@@ -765,7 +763,7 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0), layout="NCHW"):
     """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
     gx = _empty(x.shape, x.dtype)
     g3 = gx.reshape(-1, x.shape[2], x.shape[3])
-    _run_parts(_pool_kernel("bwd"), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3, *kernel,
+    _run_parts(_pool_kernel("bwd", x.dtype), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3, *kernel,
                *stride, *padding)
     return gx
 
@@ -776,7 +774,7 @@ def max_pool2d_with_indices(x, kernel, stride, padding=(0, 0), index_dtype=DType
     out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     idx = _empty(out.shape, index_dtype.numpy)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
-    _run_parts(_pool_kernel("idx"), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3,
+    _run_parts(_pool_kernel("idx", x.dtype, idx.dtype), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3,
                idx.reshape(o3.shape), *kernel, *stride, *padding)
     return out, idx
 
@@ -787,8 +785,9 @@ def max_pool2d_index_grad(gy, indices, input_shape, kernel, stride, padding=(0, 
     gx = _empty(tuple(input_shape), gy.dtype)
     planes = gx.shape[0] * gx.shape[1]
     g2 = _planes(gy).reshape(planes, -1)
-    _run_parts(_pool_kernel("scatter"), planes, _pool_parts(gy.shape, (1, 1)), g2,
-               np.ascontiguousarray(indices).reshape(planes, -1), gx.reshape(planes, -1))
+    idx = np.ascontiguousarray(indices).reshape(planes, -1)
+    _run_parts(_pool_kernel("scatter", gy.dtype, idx.dtype), planes, _pool_parts(gy.shape, (1, 1)), g2, idx,
+               gx.reshape(planes, -1))
     return gx
 
 
@@ -818,27 +817,28 @@ def _bn_stats_py(lo, hi, x, rm, rv, mean, invstd, nrm, nrv, eps, momentum,
             nrv[c] = (1.0 - momentum) * np.float64(rv[c]) + momentum * var * cnt / max(cnt - 1, 1)
 
 
-_bn_stats_fn: Callable | None = None
+_bn_stats_fns: dict[str, Callable] = {}
 
 
-def _bn_stats_kernel() -> Callable:
-    """The compiled statistics loop, f32 and f64 (compiled on first use, then cached). Sums are
-    accumulated in float64 with reassociation allowed (``fastmath={"reassoc"}``: vectorised partial
-    sums, ~9x ATen's statistics pass on one thread); the order is fixed per machine, so a recomputed
-    batch's statistics are the same bits."""
-    global _bn_stats_fn, _compiled
-    if _bn_stats_fn is None:
+def _bn_stats_kernel(dtype: Any) -> Callable:
+    """The compiled statistics loop for ``dtype`` (float32 or float64; compiled on first use, then
+    cached). Sums are accumulated in float64 with reassociation allowed (``fastmath={"reassoc"}``:
+    vectorised partial sums, ~9x ATen's statistics pass on one thread); the order is fixed per
+    machine, so a recomputed batch's statistics are the same bits."""
+    global _compiled
+    t = np.dtype(dtype).name
+    fn = _bn_stats_fns.get(t)
+    if fn is None:
         with _lock:
-            if _bn_stats_fn is None:
-                sigs = []
-                for t in ("float32", "float64"):
-                    v = f"{t}[::1]"
-                    sigs.append(f"void(int64, int64, {t}[:, :, ::1], {', '.join([v] * 6)}, float64, float64, boolean)")
-                fn = njit_cached(_bn_stats_py, sigs, nogil=True, error_model="numpy", fastmath={"reassoc"})
+            fn = _bn_stats_fns.get(t)
+            if fn is None:
+                v = f"{t}[::1]"
+                sig = f"void(int64, int64, {t}[:, :, ::1], {', '.join([v] * 6)}, float64, float64, boolean)"
+                fn = njit_cached(_bn_stats_py, [sig], nogil=True, error_model="numpy", fastmath={"reassoc"})
                 if sum(fn.stats.cache_misses.values()):
                     _compiled += 1
-                _bn_stats_fn = fn
-    return _bn_stats_fn
+                _bn_stats_fns[t] = fn
+    return fn
 
 
 def _bn_stats_check(ins: Instruction) -> bool:
@@ -858,7 +858,7 @@ def batch_norm_stats(x, *running, momentum=0.1, eps=1e-5, axis=1):
     outs = [_empty((c,), x.dtype) for _ in range(4 if running else 2)]
     nrm, nrv = (outs[2], outs[3]) if running else (none, none)
     parts = 1 if x.size < PARALLEL_MIN_ELEMENTS else max(1, min(threads(), c))
-    _run_parts(_bn_stats_kernel(), c, parts, x.reshape(x.shape[0], c, -1), rm, rv, outs[0], outs[1], nrm, nrv,
+    _run_parts(_bn_stats_kernel(x.dtype), c, parts, x.reshape(x.shape[0], c, -1), rm, rv, outs[0], outs[1], nrm, nrv,
                float(eps), float(momentum), bool(running))
     return tuple(outs)
 
@@ -876,10 +876,12 @@ def prepare(module: Module) -> float:
             if ins.op.name == "bernoulli":
                 _mask_kernel()
             elif ins.op.name == "batch_norm_stats" and _bn_stats_check(ins):
-                _bn_stats_kernel()
+                _bn_stats_kernel(ins.operands[0].type.dtype.numpy)
             elif ins.op.name in _POOL_OPS and (_index_grad_check if ins.op.name == "max_pool2d_index_grad"
                                                 else _pool_check)(ins):
-                _pool_kernel(_POOL_OPS[ins.op.name])
+                types = [v.type for v in ins.operands] + [r.type for r in ins.results]
+                index = next((t.dtype.numpy for t in types if t.dtype in (DType.i32, DType.i64)), None)
+                _pool_kernel(_POOL_OPS[ins.op.name], types[0].dtype.numpy, index)
             if ins.op.name == "fused" and _check(ins):
                 shapes = tuple(v.type.shape for v in ins.operands)
                 dts = tuple(np.dtype(v.type.dtype.numpy) for v in ins.operands)
