@@ -753,8 +753,8 @@ def max_pool2d(x, kernel, stride, padding=(0, 0), layout="NCHW"):
     """torch's max pooling, bit for bit, in one pass (torch's NCHW CPU kernel is several times slower)."""
     out = _empty(_pool_out_shape(x.shape, kernel, stride, padding), x.dtype)
     o3 = out.reshape(-1, out.shape[2], out.shape[3])
-    _run_parts(_pool_kernel("fwd", x.dtype), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel, *stride,
-               *padding)
+    _run_parts(_pool_kernel("fwd", x.dtype), o3.shape[0], _pool_parts(out.shape, kernel), _planes(x), o3, *kernel,
+               *stride, *padding)
     return out
 
 
@@ -763,8 +763,8 @@ def max_pool2d_grad(x, gy, kernel, stride, padding=(0, 0), layout="NCHW"):
     """Each window's gradient into its winner (torch's rule), without recomputing the forward's indices."""
     gx = _empty(x.shape, x.dtype)
     g3 = gx.reshape(-1, x.shape[2], x.shape[3])
-    _run_parts(_pool_kernel("bwd", x.dtype), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3, *kernel,
-               *stride, *padding)
+    _run_parts(_pool_kernel("bwd", x.dtype), g3.shape[0], _pool_parts(gy.shape, kernel), _planes(x), _planes(gy), g3,
+               *kernel, *stride, *padding)
     return gx
 
 
