@@ -345,3 +345,34 @@ def test_bf16_head_is_chunked_below_the_reference_minimum(case):
     want = grads_of(m)
     num = sum(((grads[n].double() - g.double()) ** 2).sum() for n, g in want.items()) ** 0.5
     assert float(num / sum((g.double() ** 2).sum() for g in want.values()) ** 0.5) < 2e-2
+
+
+def test_reference_and_lean_steps_share_block_recipes_and_plan_the_same(monkeypatch):
+    """The steps one compile plans (the reference and its lean variant) search each distinct block's
+    recipes once between them, and plan exactly as when each searches its own: zoo GPT tiny, refused
+    at one byte (block-internal plans tried for both steps), then planned at the minimum."""
+    import contextlib
+
+    import remat.plan.algorithms as algorithms
+    import remat.plan.inner as inner
+    from remat.plan.frontier import forget_plans
+
+    searched = []
+    recipes = inner.recipes
+    monkeypatch.setattr(inner, "recipes", lambda st, *a, **k: searched.append(
+        (str(st.split.forward.clone("block")), str(st.split.backward.clone("block")))) or recipes(st, *a, **k))
+    model, (x, y), loss_fn = remat.zoo.make("gpt", "tiny", batch=4)
+    answers = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(algorithms, "sharing_block_recipes", contextlib.nullcontext)
+        forget_plans()
+        searched.clear()
+        with pytest.raises(remat.BudgetTooSmall) as e:
+            remat.compile(copy.deepcopy(model), (x, y), loss_fn, budget=1, count_workspaces=False)
+        counts = (len(searched), len(set(searched)))
+        step = remat.compile(copy.deepcopy(model), (x, y), loss_fn, budget=e.value.minimum, count_workspaces=False)
+        answers[shared] = e.value.minimum, str(step.program), counts
+    (m1, p1, (n1, d1)), (m0, p0, (n0, d0)) = answers[True], answers[False]
+    assert n1 == d1 == d0 < n0  # once each when shared; some searched twice otherwise
+    assert (m1, p1) == (m0, p0)

@@ -26,7 +26,7 @@ from typing import Callable
 from ..errors import BudgetTooSmall, format_bytes
 from .costmodel import CostModel
 from .simulator import predict_peak
-from .portfolio import plan_step
+from .portfolio import plan_step, sharing_block_recipes
 from .problem import StepProblem, fit_peak
 from .record import Plan
 
@@ -77,7 +77,15 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Pla
     recomputation and the reference algorithms. Otherwise the reference is planned first (kept when it
     fits: gradients stay bit-identical), then each lean variant in order; a budget none fits raises
     ``BudgetTooSmall`` with the smallest of their minimums. The result's ``algorithms`` says what was
-    chosen and why (bytes saved, and the minimums of the variants tried before it)."""
+    chosen and why (bytes saved, and the minimums of the variants tried before it). The steps it
+    plans share their block recipes (:func:`~.portfolio.sharing_block_recipes`): the reference and
+    its lean variants hold many of the same blocks."""
+    with sharing_block_recipes():
+        return _choose(p, lean)
+
+
+def _choose(p: StepProblem, lean: VariantBuilder | None) -> Plan:
+    """:func:`plan_choosing_algorithms`' choice, its steps' block recipes shared."""
     if lean is None or p.budget is None or fit_peak(p, p.unconstrained) <= p.budget:
         # (the peak a plan must keep within the budget: with workspaces counted, the allocator
         # bound; the VM's count alone fitting is not enough, or a minimum reached with the lean

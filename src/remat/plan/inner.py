@@ -282,14 +282,15 @@ def need(q: "StageProfile") -> int:
 def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile"], kinds: Sequence[int],
                   costs: Callable[[Function], dict[Instruction, float]],
                   workspace_fn: WorkspaceFn | None = None, milp: bool = False,
-                  cache: dict | None = None) -> list[list[StageOption]]:
+                  cache: dict | None = None, shared: dict | None = None) -> list[list[StageOption]]:
     """Per stage, its options: the stage as it is first, then its variants that need fewer bytes
     (:func:`need`). Recipes are found once per kind of block and applied to every stage of it.
     A variant's backward time is the stage's scaled by the ratio of their static costs. With
     ``milp``, the block MILP's recipes (:func:`milp_recipes`) are options too, each one that no
     option before it matches in both bytes and backward time (Rockmate's split: MILP plans inside
     blocks, the chain DP across them). ``cache``: recipes by block text, shared across calls (the
-    cuts of one step hold many of the same blocks)."""
+    cuts of one step hold many of the same blocks); ``shared``: recipes by block text from other
+    steps planned with the same costs and workspaces, read when ``cache`` lacks them and kept in both."""
     from .chain.profile import _profile
     from .costmodel import function_cost
 
@@ -299,11 +300,15 @@ def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile
         if kind not in by_kind:
             key = (milp, str(st.split.forward.clone("block")), str(st.split.backward.clone("block")))
             hit = None if cache is None else cache.get(key)
+            if hit is None and shared is not None:
+                hit = shared.get(key)
             if hit is None:
                 found = recipes(st, costs, workspace_fn)
                 hit = (found, milp_recipes(st, costs, workspace_fn, found) if milp else [])
-                if cache is not None:
-                    cache[key] = hit
+            if cache is not None:
+                cache[key] = hit
+            if shared is not None:
+                shared[key] = hit
             by_kind[kind] = hit
         opts = [StageOption(st, prof, "")]
         base = function_cost(st.split.backward)
