@@ -306,6 +306,24 @@ func @f(%0: f32[4]) -> f32[4] {
     assert "free" in _ops(out["side"])
 
 
+def test_dce_drops_values_computed_only_to_be_freed():
+    """A ``free`` is not a use: what a planned program computes only to free goes, with its free."""
+    text = """func @f(%0: f32[4]) -> f32[4] {
+  %1 = exp %0 : f32[4]
+  %2 = neg %0 : f32[4]
+  %3 = add %2, %2 : f32[4]
+  free %2, %3
+  %4 = mul %1, %1 : f32[4]
+  free %1
+  return %4
+}
+"""
+    m, out = _run(text, ["dce"])
+    assert _ops(out["f"]) == ["exp", "mul", "free", "return"]
+    assert [o for i in out["f"].instructions() if i.op.name == "free" for o in i.operands] == [out["f"].entry.instrs[0].results[0]]
+    _same_numerics(m, out, [np.arange(4, dtype=np.float32)])
+
+
 def test_dce_removes_dead_block_arguments_and_unreachable_blocks():
     text = """func @f(%0: f32[], %1: bool[]) -> f32[] {
   cond_br %1, ^bb1(%0, %0), ^bb2
