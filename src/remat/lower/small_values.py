@@ -78,7 +78,8 @@ def read_first_runs(fn: Function, first_of: dict[Value, Value], drop: set[Instru
     for ins in fn.entry.instrs:
         new_at[ins] = len(out.entry.instrs)
         if ins.op.name == "free":
-            keep = [vmap[v] for v in ins.operands if v not in kept and v not in gone]
+            # (a result ``emit`` no longer makes, such as a rewritten batch norm's running averages, goes)
+            keep = [vmap[v] for v in ins.operands if v not in kept and v not in gone and v in vmap]
             if keep:
                 b.free(*keep)
             continue

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
+from ...passes.dce import dce_function
 from ..partition import Split, donating, split_joint
 from .schedule import B, F, FT, ChainStep, Free
 
@@ -175,6 +176,30 @@ def _inline_marked(b: Builder, f: Function, args: list[Value], first: dict[Instr
         elif done.results:
             new.recomputes = done.results[0]
     return res
+
+
+def _mark_recomputations(fn: Function) -> None:
+    """Mark each instruction that computes again what an earlier one computed, the same op on the
+    same operands with the same attributes, as recomputing it (``Instruction.recomputes``): a
+    block-internal plan's backward recomputes its stage's forward from the values the stage kept,
+    which the forward's provenance (:func:`_inline_marked`) does not see. The lowering reads it
+    (a batch norm recomputed from its first run's statistics, ``remat.lower.bn_recompute``)."""
+    seen: dict[tuple, Instruction] = {}
+    same: dict[Value, Value] = {}  # a recomputed value -> the first run's
+    for ins in fn.entry.instrs:
+        if not ins.results or ins.op.has("effect") or ins.op.has("inplace"):
+            continue
+        key = (ins.op.name, tuple(id(same.get(o, o)) for o in ins.operands), repr(sorted(ins.attrs.items())))
+        first = seen.setdefault(key, ins)
+        if first is not ins:
+            same.update(zip(ins.results, first.results))
+            if ins.recomputes is None:  # the first run's (``first`` may itself recompute one)
+                ins.recomputes = first.recomputes if first.recomputes is not None else first.results[0]
+    for ins in fn.entry.instrs:  # every mark names a first run, none a recomputation
+        r = ins.recomputes
+        while r is not None and r.instr.recomputes is not None:
+            r = r.instr.recomputes
+        ins.recomputes = r
 
 
 FREE_UNREAD_OUTPUTS = True
@@ -355,6 +380,11 @@ def compile_schedule(stages: list[ChainStage], schedule: list[ChainStep], name: 
             raise ValueError("the chain input has no gradient")
         outs = ([output] if return_output else []) + [gx] + gouts
     b.ret(*outs)
+    # A recomputation computes the forward's instructions up to its tape; what nothing reads (a
+    # stage output the next stage's backward does not need: a batch norm before a residual add
+    # and ReLU) is neither computed nor held.
+    fn = dce_function(fn)
+    _mark_recomputations(fn)
     m = Module([fn])
     if check:
         verify(m)
