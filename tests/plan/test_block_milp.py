@@ -31,6 +31,8 @@ from remat.runtime.vm import VM
 def _on(monkeypatch):
     monkeypatch.setattr(inner, "INNER_PLANS", True)
     monkeypatch.setattr(inner, "BLOCK_MILP", True)
+    # The steps here plan under solver="auto" (deterministic); the block MILP runs under it too.
+    monkeypatch.setattr(inner, "BLOCK_MILP_SOLVERS", ("auto", "milp"))
 
 
 def _step(name: str):
@@ -174,3 +176,17 @@ def test_block_milp_never_raises_the_minimum_and_plans_are_the_same_twice(gpt, m
         plans.append(plan_step(dataclasses.replace(p, budget=after)))
     assert plans[0].peak <= after and str(plans[0].program) == str(plans[1].program)
     assert plans[0].overhead == plans[1].overhead
+
+
+def test_the_block_milp_runs_under_solver_milp_only(gpt, monkeypatch):
+    """Under the default solver="auto" block backwards are planned by the greedy alone; "milp" adds
+    the block MILP's recipes."""
+    monkeypatch.setattr(inner, "BLOCK_MILP_SOLVERS", ("milp",))
+    calls: list = []
+    monkeypatch.setattr(inner, "milp_recipes", lambda *a, **k: calls.append(a[0]) or [])
+    p = gpt.compilation.problem
+    budget = int(gpt.unconstrained_peak * 0.76)
+    assert p.solver == "auto"
+    assert _inner_plan(p, budget, True, monkeypatch) is not None and not calls
+    _inner_plan(dataclasses.replace(p, solver="milp"), budget, True, monkeypatch)
+    assert calls

@@ -606,15 +606,15 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
     """The chain DP again with block-internal plans (:mod:`.inner`: stages whose backward recomputes
     part of their tape) at a few levels, when the stages as they are give no plan or one near the
     floor: the cheapest candidate, or the smallest minimum."""
-    from . import inner as inner_mod, registry
+    from . import inner as inner_mod
     from .chain.profile import chain_costs
     from .costmodel import static_costs
     from .inner import option_levels, stage_options
 
     base = chain_costs(profiles).no_recompute_cost()  # overheads of every level against the stages as they are
-    # Under the options that run the MILP on the greedy's neighbourhood, the block MILP improves the
-    # greedy's recipes too (deterministic: node limits); "greedy" (golden plans) plans them by the greedy alone.
-    milp = inner_mod.BLOCK_MILP and p.solver in registry.NEIGHBOURHOOD_OPTIONS
+    # Under solver="milp" the block MILP improves the greedy's recipes too (deterministic: node
+    # limits); "auto" and "greedy" (golden plans) plan them by the greedy alone.
+    milp = inner_mod.BLOCK_MILP and p.solver in inner_mod.BLOCK_MILP_SOLVERS
     key = ("options", what, milp)  # the cut's options depend on the step alone: kept with its recipes
     options = None if cache is None else cache.get(key)
     if options is None:
