@@ -94,7 +94,7 @@ def test_unread_output_is_freed_before_the_backward(chain, monkeypatch):
     assert evaluate_chain(costs, sched, "extended")[1] < evaluate_chain(held, sched, "extended")[1]
     # And the executor does it: the same schedule compiled without the early frees peaks higher
     # (both keeping what nothing reads, which a recomputed such output otherwise never computes).
-    monkeypatch.setattr(executor, "dce_function", lambda f: f)
+    monkeypatch.setattr(executor, "dce_in_place", lambda f: f)
     lean = predict_peak(compile_schedule(stages, sched)["chain_step"])
     monkeypatch.setattr(executor, "FREE_UNREAD_OUTPUTS", False)
     assert lean < predict_peak(compile_schedule(stages, sched)["chain_step"])
@@ -107,7 +107,7 @@ def test_recomputations_nothing_reads_are_not_compiled(chain, monkeypatch):
     costs = chain_costs(profiles)
     sched = solve(costs, minimum_budget(costs, method="extended"), method="extended", bucket=1).schedule
     pruned = compile_schedule(stages, sched)["chain_step"]
-    monkeypatch.setattr(executor, "dce_function", lambda f: f)
+    monkeypatch.setattr(executor, "dce_in_place", lambda f: f)
     whole = compile_schedule(stages, sched)["chain_step"]
 
     def computed(f):

@@ -15,7 +15,12 @@ from ._rewrite import is_removable, use_counts
 
 def dce_function(f: Function, module: Module | None = None) -> Function:
     """A copy of ``f`` without dead instructions, dead block arguments and unreachable blocks."""
-    g = f.clone()
+    return dce_in_place(f.clone(), module)
+
+
+def dce_in_place(g: Function, module: Module | None = None) -> Function:
+    """:func:`dce_function` on ``g`` itself (returned): for a function its caller just built, such as
+    a planner's compiled schedule, where a copy would cost more than the pass."""
     if g.is_declaration:
         return g
     reach = reachable(g)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ...ir import Builder, Function, Instruction, Module, TensorType, Value, verify
 from ...ir.build import inline_body
-from ...passes.dce import dce_function
+from ...passes.dce import dce_in_place
 from ..partition import Split, donating, split_joint
 from .schedule import B, F, FT, ChainStep, Free
 
@@ -383,7 +383,7 @@ def compile_schedule(stages: list[ChainStage], schedule: list[ChainStep], name: 
     # A recomputation computes the forward's instructions up to its tape; what nothing reads (a
     # stage output the next stage's backward does not need: a batch norm before a residual add
     # and ReLU) is neither computed nor held.
-    fn = dce_function(fn)
+    dce_in_place(fn)
     _mark_recomputations(fn)
     m = Module([fn])
     if check:
