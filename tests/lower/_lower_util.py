@@ -7,8 +7,8 @@ import remat
 from remat import zoo
 
 
-def train(name: str, precision: str, budget, module=None, finder: str = "", steps: int = 3):
-    """A zoo model (size "small") compiled with SGD at ``budget`` (or at the minimum, where that is
+def train(name: str, precision: str, budget, module=None, finder: str = "", steps: int = 3, size: str = "small"):
+    """A zoo model (of ``size``) compiled with SGD at ``budget`` (or at the minimum, where that is
     above it) and trained ``steps`` steps: the step,
     its losses, and the parameters and buffers after. With ``module``, its ``finder`` finds nothing
     while compiling: the step without that rewrite."""
@@ -17,13 +17,13 @@ def train(name: str, precision: str, budget, module=None, finder: str = "", step
         setattr(module, finder, lambda *args, **kwargs: [])
     try:
         torch.manual_seed(0)
-        model, ex, loss_fn = zoo.make(name, "small")
+        model, ex, loss_fn = zoo.make(name, size)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         try:
             step = remat.compile(model, ex, loss_fn, optimizer=opt, budget=budget, precision=precision)
         except remat.BudgetTooSmall as e:  # the floor counts this machine's kernel workspaces: plan at it
             torch.manual_seed(0)
-            model, ex, loss_fn = zoo.make(name, "small")
+            model, ex, loss_fn = zoo.make(name, size)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             step = remat.compile(model, ex, loss_fn, optimizer=opt, budget=e.minimum, precision=precision)
     finally:
