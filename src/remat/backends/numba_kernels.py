@@ -367,38 +367,48 @@ def load_kernel(p: Pattern, out_dtypes: tuple[DType, ...]) -> Callable:
     and a checksum, written atomically); one that is damaged is rewritten, with a warning naming
     it. It is written only when missing or damaged: Numba's index of its compiled code is keyed on
     the file's timestamp."""
-    global _compiled
     key = p.key()
-    fn = _kernels.get(key)
-    if fn is not None:
-        return fn
-    with _lock:
-        fn = _kernels.get(key)
-        if fn is not None:
-            return fn
-        path = cache_dir() / f"k_{key}.py"
-        tag = f"kernel:{key}"
-        try:
-            if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
-                source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
-                write_entry(path, tag, _GEN_VERSION, source.encode())
-        except OSError:  # a cache that cannot be written: compiled in memory, for this process only
-            import numba
+    return _compiled_once(_kernels, key, lambda: _build_kernel(p, out_dtypes, key))
 
-            ns: dict[str, Any] = {}
-            exec(compile(generate(p, out_dtypes), f"<remat kernel {key}>", "exec"), ns)  # noqa: S102
-            fn = numba.njit(ns["SIGNATURE"], error_model="numpy", nogil=True)(ns["kernel"])
-        else:
-            name = f"remat_kernels.k_{key}"
-            spec = importlib.util.spec_from_file_location(name, path)
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-            fn = njit_cached(mod.kernel, mod.SIGNATURE, error_model="numpy", nogil=True)
-        if sum(fn.stats.cache_misses.values()):
-            _compiled += 1
-        _kernels[key] = fn
-        return fn
+
+def _build_kernel(p: Pattern, out_dtypes: tuple[DType, ...], key: str) -> Callable:
+    """:func:`load_kernel`'s build: the source from the disk cache (written when missing or
+    damaged), compiled or loaded from Numba's cache; in memory only where the cache cannot be written."""
+    path = cache_dir() / f"k_{key}.py"
+    tag = f"kernel:{key}"
+    try:
+        if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
+            source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
+            write_entry(path, tag, _GEN_VERSION, source.encode())
+    except OSError:  # a cache that cannot be written: compiled in memory, for this process only
+        import numba
+
+        ns: dict[str, Any] = {}
+        exec(compile(generate(p, out_dtypes), f"<remat kernel {key}>", "exec"), ns)  # noqa: S102
+        return numba.njit(ns["SIGNATURE"], error_model="numpy", nogil=True)(ns["kernel"])
+    name = f"remat_kernels.k_{key}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return njit_cached(mod.kernel, mod.SIGNATURE, error_model="numpy", nogil=True)
+
+
+def _compiled_once(table: dict, key: Any, build: Callable[[], Callable]) -> Callable:
+    """``table[key]``, made by ``build()`` under the lock the first time it is asked for (checked
+    again under the lock: steps on several threads may ask at once); a build that compiled rather
+    than loaded Numba's cached code is counted (:func:`compile_count`)."""
+    global _compiled
+    fn = table.get(key)
+    if fn is None:
+        with _lock:
+            fn = table.get(key)
+            if fn is None:
+                fn = build()
+                if sum(fn.stats.cache_misses.values()):
+                    _compiled += 1
+                table[key] = fn
+    return fn
 
 
 def njit_cached(py_func: Callable, sigs: Any = None, callees: tuple = (), **options: Any) -> Callable:
@@ -557,20 +567,13 @@ def _mask_py(seed, threshold, out):  # pragma: no cover (compiled by numba; chec
         out[n - 1] = np.uint32(z & low) < threshold
 
 
-_mask_fn: Callable | None = None
+_mask_fns: dict[None, Callable] = {}
 
 
 def _mask_kernel() -> Callable:
     """The compiled mask loop (compiled on first use, then loaded from Numba's on-disk cache)."""
-    global _mask_fn, _compiled
-    if _mask_fn is None:
-        with _lock:
-            if _mask_fn is None:
-                fn = njit_cached(_mask_py, "void(uint64, uint32, boolean[::1])", nogil=True)
-                if sum(fn.stats.cache_misses.values()):
-                    _compiled += 1
-                _mask_fn = fn
-    return _mask_fn
+    return _compiled_once(_mask_fns, None, lambda: njit_cached(_mask_py, "void(uint64, uint32, boolean[::1])",
+                                                                nogil=True))
 
 
 @kernel("bernoulli", "numba")
@@ -698,22 +701,17 @@ def _pool_kernel(which: str, dtype: Any, index_dtype: Any = None) -> Callable:
     """A compiled pooling loop (``_POOL_PY``) for ``dtype`` planes and ``index_dtype`` indices (numpy
     dtypes), compiled on first use, then cached: each combination of its own (a float32 model never
     compiles the float64 loops), its signature exact."""
-    global _compiled, _winner, _max_pool_winners
     key = (which, np.dtype(dtype).name, "" if index_dtype is None else np.dtype(index_dtype).name)
-    fn = _pool_fns.get(key)
-    if fn is None:
-        with _lock:
-            fn = _pool_fns.get(key)
-            if fn is None:
-                if _winner is _winner_py:  # the helpers the kernels call, compiled first (numba binds globals)
-                    _winner = njit_cached(_winner_py, nogil=True, error_model="numpy")
-                    _max_pool_winners = njit_cached(_max_pool_winners_py, nogil=True, error_model="numpy")
-                fn = njit_cached(_POOL_PY[which], [_pool_sig(which, *key[1:])], callees=(_winner, _max_pool_winners),
-                                 nogil=True, error_model="numpy")
-                if sum(fn.stats.cache_misses.values()):
-                    _compiled += 1
-                _pool_fns[key] = fn
-    return fn
+
+    def build() -> Callable:
+        global _winner, _max_pool_winners
+        if _winner is _winner_py:  # the helpers the kernels call, compiled first (numba binds globals)
+            _winner = njit_cached(_winner_py, nogil=True, error_model="numpy")
+            _max_pool_winners = njit_cached(_max_pool_winners_py, nogil=True, error_model="numpy")
+        return njit_cached(_POOL_PY[which], [_pool_sig(which, *key[1:])], callees=(_winner, _max_pool_winners),
+                           nogil=True, error_model="numpy")
+
+    return _compiled_once(_pool_fns, key, build)
 
 
 def _pool_check(ins: Instruction) -> bool:
@@ -825,20 +823,11 @@ def _bn_stats_kernel(dtype: Any) -> Callable:
     cached). Sums are accumulated in float64 with reassociation allowed (``fastmath={"reassoc"}``:
     vectorised partial sums, ~9x ATen's statistics pass on one thread); the order is fixed per
     machine, so a recomputed batch's statistics are the same bits."""
-    global _compiled
     t = np.dtype(dtype).name
-    fn = _bn_stats_fns.get(t)
-    if fn is None:
-        with _lock:
-            fn = _bn_stats_fns.get(t)
-            if fn is None:
-                v = f"{t}[::1]"
-                sig = f"void(int64, int64, {t}[:, :, ::1], {', '.join([v] * 6)}, float64, float64, boolean)"
-                fn = njit_cached(_bn_stats_py, [sig], nogil=True, error_model="numpy", fastmath={"reassoc"})
-                if sum(fn.stats.cache_misses.values()):
-                    _compiled += 1
-                _bn_stats_fns[t] = fn
-    return fn
+    v = f"{t}[::1]"
+    sig = f"void(int64, int64, {t}[:, :, ::1], {', '.join([v] * 6)}, float64, float64, boolean)"
+    return _compiled_once(_bn_stats_fns, t, lambda: njit_cached(_bn_stats_py, [sig], nogil=True, error_model="numpy",
+                                                                 fastmath={"reassoc"}))
 
 
 def _bn_stats_check(ins: Instruction) -> bool:
