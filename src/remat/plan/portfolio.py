@@ -601,6 +601,16 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
                 pol.peak)  # the planner's peak_fn: fit_peak of this very program
 
 
+LEVEL_BOUND_SLACK = 1e-9
+"""Relative overhead by which an option level's lower bound (its stages' forward and backward run once
+each, block-internal recomputation included: no chain plan of the level costs less) must exceed the
+best plan's before :func:`_with_inner_plans` skips the level, so that rounding in the DP's sums never
+skips a level whose plan would win. Skipping changes no answer (a level wins only by costing strictly
+less); it saves the level's chain DP and its compiled probes. At 50%, with the same plans: zoo GPT
+small (SGD with momentum) 6 of 8 levels skipped, 33 schedules compiled instead of 45; zoo ResNet
+small 2 of 5, 21 instead of 35; Hugging Face T5 tiny 2 of 6, 23 instead of 27."""
+
+
 def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: float,
                       best: Plan | int, cache: dict | None = None, shared: dict | None = None) -> Plan | int:
     """The chain DP again with block-internal plans (:mod:`.inner`: stages whose backward recomputes
@@ -630,6 +640,9 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
     levels += [lv for lv in option_levels(options) if lv not in levels]
     for level in levels:
         chosen = [o[k] for o, k in zip(options, level)]
+        if isinstance(best, Plan) and chain_costs([c.profile for c in chosen]).no_recompute_cost() / base - 1.0 \
+                > best.overhead + LEVEL_BOUND_SLACK:
+            continue  # no plan of this level can be cheaper than its stages run once each: nothing to beat
         exact = sum(1 for o, k in zip(options, level) if o[k].exact)
         inner = (f"block-internal plans: {sum(1 for k in level if k)} of {len(level)} blocks keep only their "
                  f"input and recompute the rest of their tape in their backward (planned by the greedy on that backward"
