@@ -76,7 +76,7 @@ def main() -> None:
                 seen[on].append(_compile(name, a.budget, a.precision))
         row = {"model": name}
         for on, key in ((False, "without"), (True, "with")):
-            s, overhead, minimum = seen[on][-1]
+            _, overhead, minimum = seen[on][-1]
             row[key] = {"compile_s": statistics.median(x[0] for x in seen[on]), "overhead": overhead, "minimum": minimum}
         row["same_plan_cost"] = (row["with"]["overhead"], row["with"]["minimum"]) == (row["without"]["overhead"],
                                                                                      row["without"]["minimum"])

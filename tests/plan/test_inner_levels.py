@@ -11,6 +11,7 @@ import remat.plan.portfolio as portfolio
 from remat import zoo
 from remat.plan.chain.profile import chain_costs
 from remat.plan.frontier import forget_plans
+from remat.plan.record import Plan
 
 SLACK = portfolio.LEVEL_BOUND_SLACK
 
@@ -28,7 +29,7 @@ def _compile(monkeypatch, slack: float) -> tuple[str, int, list[tuple[float, flo
 
     def bounded(p, blocks, stages, profiles, what, t0, inner="", base=None):
         r = solve_chain(p, blocks, stages, profiles, what, t0, inner, base)
-        if inner and isinstance(r, remat.plan.record.Plan):
+        if inner and isinstance(r, Plan):
             levels.append((chain_costs(profiles).no_recompute_cost() / base - 1.0, r.overhead))
         return r
 
