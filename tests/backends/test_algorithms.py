@@ -105,7 +105,7 @@ def test_tiled_stem_temporaries_are_a_few_tiles(op):
     attrs = {"padding": (1, 1), "pool_kernel": (3, 3), "pool_stride": (2, 2), "pool_padding": (1, 1), "tile": tile,
              "input_grad": False}
     gy = TensorType(f32, (n, 16, 16, 16))
-    types = [x, w, vec, vec] if op == "conv_bn_relu_pool" else [x, gy, w, vec, vec, vec, vec]
+    types = [x, w, vec, vec] if op == "conv_bn_relu_pool" else [x, gy, w, vec, vec, vec, vec, vec, vec]
     f = Function("k", types)
     b = Builder(f.entry)
     ins = b.create(op, list(f.params), OPS[op].check_attrs(types, attrs), dialect="torch")

@@ -1013,45 +1013,56 @@ def _cb_apply(x, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0),
     return np.ascontiguousarray(y if layout == "NCHW" else y.transpose(_nn.TO_NHWC))
 
 
-def _cb_backward(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
-                 layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
-                 tile=1, input_grad=True):
+def _cb_tiles(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+              layout="NCHW", input_layout="", pool_kernel=(), pool_stride=(), pool_padding=(0, 0), tile=1, **_):
+    """Per tile of the batch, (its slice, dz, x̂): the gradient at batch norm's output and its
+    normalised input, the tile's forward recomputed."""
     xn, gyn = _cb_nchw(x, input_layout or layout), _cb_nchw(gy, layout)
     ca = dict(stride=stride, padding=padding, dilation=dilation)
     pa = dict(kernel=pool_kernel, stride=pool_stride, padding=pool_padding)
     ch = (None, slice(None), None, None)
     dt = x.dtype
-
-    def tile_grads(a):  # (dz, x̂) of one tile: the gradient at batch norm's output and its normalised input
+    for a in range(0, xn.shape[0], tile):
         c = conv2d(xn[a:a + tile], w, **ca)
         xhat = (c - mean[ch]) * invstd[ch]
         z = xhat * gamma[ch] + beta[ch]
         r = np.maximum(z, dt.type(0))
         _, idx = max_pool2d_with_indices(r, **pa)
         dr = max_pool2d_index_grad(gyn[a:a + tile], idx, r.shape, **pa)
-        return np.where(z > 0, dr, dt.type(0)), xhat
+        yield slice(a, a + tile), np.where(z > 0, dr, dt.type(0)), xhat
 
-    s_dz = np.zeros(w.shape[0], dtype=dt)
-    s_dzx = np.zeros(w.shape[0], dtype=dt)
-    for a in range(0, xn.shape[0], tile):
-        dz, xhat = tile_grads(a)
+
+def _cb_sums(x, gy, w, gamma, beta, mean, invstd, **attrs):
+    """Batch norm's sums (Σ dz·x̂, Σ dz), each tile recomputed (the reference; the torch kernel reads
+    them from the pooled output)."""
+    s_dz = np.zeros(w.shape[0], dtype=x.dtype)
+    s_dzx = np.zeros(w.shape[0], dtype=x.dtype)
+    for _, dz, xhat in _cb_tiles(x, gy, w, gamma, beta, mean, invstd, **attrs):
         s_dz += dz.sum(axis=(0, 2, 3))
         s_dzx += (dz * xhat).sum(axis=(0, 2, 3))
+    return s_dzx, s_dz
+
+
+def _cb_grad(x, gy, w, gamma, beta, mean, invstd, s_dzx, s_dz, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+             layout="NCHW", input_layout="", input_grad=True, **attrs):
+    xn = _cb_nchw(x, input_layout or layout)
+    ca = dict(stride=stride, padding=padding, dilation=dilation)
+    ch = (None, slice(None), None, None)
+    dt = x.dtype
     hw = _nn.conv_out_hw("conv_bn_relu_pool_grad", xn.shape[2:], w.shape[2:], ca)
     m = dt.type(xn.shape[0] * hw[0] * hw[1])  # the count batch norm's statistics average over
     k = (gamma * invstd).astype(dt)
     gw = np.zeros_like(w)
     gx = np.empty_like(xn) if input_grad else None
-    for a in range(0, xn.shape[0], tile):
-        dz, xhat = tile_grads(a)
+    for part, dz, xhat in _cb_tiles(x, gy, w, gamma, beta, mean, invstd, layout=layout, input_layout=input_layout,
+                                    **ca, **attrs):
         dc = k[ch] * (dz - (s_dz / m)[ch] - xhat * (s_dzx / m)[ch])
-        gw += conv2d_weight_grad(xn[a:a + tile], dc, w.shape, **ca)
+        gw += conv2d_weight_grad(xn[part], dc, w.shape, **ca)
         if input_grad:
-            gx[a:a + tile] = conv2d_input_grad(dc, w, xn[a:a + tile].shape, **ca)
-    out = (gw, s_dzx, s_dz)
-    if input_grad:
-        out += (np.ascontiguousarray(gx if layout == "NCHW" else gx.transpose(_nn.TO_NHWC)),)
-    return out
+            gx[part] = conv2d_input_grad(dc, w, xn[part].shape, **ca)
+    if not input_grad:
+        return gw
+    return gw, np.ascontiguousarray(gx if layout == "NCHW" else gx.transpose(_nn.TO_NHWC))
 
 
 @k("conv_bn_stats")
@@ -1071,10 +1082,15 @@ def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
     return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **_cb.output_attrs(attrs)), *stats)
 
 
+@k("conv_bn_relu_pool_sums")
+def conv_bn_relu_pool_sums(x, gy, w, gamma, beta, mean, invstd, y, **attrs):
+    return tuple(_fresh(o, x.dtype) for o in _cb_sums(*(_up(a) for a in (x, gy, w, gamma, beta, mean, invstd)), **attrs))
+
+
 @k("conv_bn_relu_pool_grad")
-def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, **attrs):
-    outs = _cb_backward(*(_up(a) for a in (x, gy, w, gamma, beta, mean, invstd)), **attrs)
-    return tuple(_fresh(o, x.dtype) for o in outs)
+def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, ggamma, gbeta, **attrs):
+    outs = _cb_grad(*(_up(a) for a in (x, gy, w, gamma, beta, mean, invstd, ggamma, gbeta)), **attrs)
+    return _fresh(outs, x.dtype) if isinstance(outs, np.ndarray) else tuple(_fresh(o, x.dtype) for o in outs)
 
 
 # ---------------------------------------------------------------- attention with dropout (explicit reference)

@@ -1132,6 +1132,7 @@ def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
 # tile's convolution output and its normalised, rectified and routed-back forms are the only
 # full-resolution temporaries.
 from ..ir.ops import convblock as _cb  # noqa: E402
+from ..ir.ops.nn import conv_out_hw as _conv_out_hw  # noqa: E402
 
 
 def _nchw_of(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -1214,22 +1215,20 @@ def conv_bn_relu_pool(x, w, gamma, beta, *running, **attrs):
     return (conv_bn_relu_pool_apply(x, w, gamma, beta, stats[0], stats[1], **_cb.output_attrs(attrs)), *stats)
 
 
-@k("conv_bn_relu_pool_grad")
-def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
-                           layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
-                           tile=1, input_grad=True):
+def _cb_tile_grads(x, gy, w, mean, invstd, gamma, beta, layout, input_layout, stride, padding, dilation,
+                   pool_kernel, pool_stride, pool_padding, tile):
+    """(compute dtype, x in NCHW view, the weight as the convolutions read it, ``tile_grads``):
+    ``tile_grads(a)`` recomputes the forward of the tile starting at sample ``a`` and gives (dz, c),
+    the gradient at batch norm's output and the convolution output."""
     dt = torch.float32 if x.dtype in _LOWP else x.dtype
     xn, gyn = _nchw_of(x, input_layout or layout), _nchw_of(gy, layout)
     wc = _cl_weight(w.to(dt), layout == "NHWC")
-    n = xn.shape[0]
     ch = (None, slice(None), None, None)
-    mean_c = mean.to(dt)[ch]
     pk, ps, pp = list(pool_kernel), list(pool_stride), list(pool_padding)
-
     scale = gamma.to(dt) * invstd.to(dt)
     scale_c, shift_c = scale[ch], (beta.to(dt) - mean.to(dt) * scale)[ch]
 
-    def tile_grads(a: int):  # (dz, c) of one tile: the gradient at batch norm's output, the convolution output
+    def tile_grads(a: int):
         c = _tile_conv(xn, wc, a, tile, dt, stride, padding, dilation)
         r = torch.addcmul(shift_c, c, scale_c).relu_()
         _, idx = torch.ops.aten.max_pool2d_with_indices(r, pk, ps, pp)
@@ -1239,22 +1238,61 @@ def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1)
         dz = torch.ops.aten.threshold_backward(dr, r, 0)  # ReLU's backward: r > 0 where z > 0
         return dz, c
 
+    return dt, xn, wc, tile_grads
+
+
+@k("conv_bn_relu_pool_sums")
+def conv_bn_relu_pool_sums(x, gy, w, gamma, beta, mean, invstd, y, *, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                           layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(), pool_padding=(0, 0),
+                           tile=1, input_grad=True):
+    dt, n = (torch.float32 if x.dtype in _LOWP else x.dtype), x.shape[0]
     s_dz = torch.zeros(w.shape[0], dtype=torch.float64)
-    s_dzx = torch.zeros(w.shape[0], dtype=torch.float64)
-    m = 0
-    for a in range(0, n, tile):  # pass 1: batch norm's sums (the beta and gamma gradients), ATen's reduction
-        dz, c = tile_grads(a)
-        _, gw_t, gb_t = torch.ops.aten.native_batch_norm_backward(dz, c, None, None, None, mean.to(dt), invstd.to(dt),
-                                                                  True, eps, [False, True, True])
-        s_dzx += gw_t.double()
-        s_dz += gb_t.double()
-        m += dz.numel() // dz.shape[1]
-        del dz, c
-    k_c = scale[ch]
-    a_c, b_c = (s_dz / m).to(dt)[ch], (s_dzx / m).to(dt)[ch] * invstd.to(dt)[ch]
+    s_gy = torch.zeros(w.shape[0], dtype=torch.float64)
+    if bool((gamma != 0).all()):
+        # Each window's gradient reaches its maximum, which the ReLU passes where y > 0, and there batch
+        # norm's output is y: x̂ = (y - beta) / gamma, Σ dz = Σ g and Σ dz·x̂ = (Σ g·y - beta Σ g) / gamma,
+        # g the output gradient where y > 0.
+        # In the stored layout (a channels-last sum over a permuted view is 4x slower); the
+        # temporaries are pooled, not full-resolution: as many bytes as a tile's with more samples.
+        dims = (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
+        chunk = tile * max(1, pool_stride[0] * pool_stride[1])
+        for a in range(0, n, chunk):
+            yt = y[a:a + chunk].to(dt)
+            g = torch.gt(yt, 0, out=torch.empty_like(yt)).mul_(gy[a:a + chunk])  # one temporary, no mask
+            s_dz += g.sum(dims).double()
+            s_gy += g.mul_(yt).sum(dims).double()
+            del yt, g
+        s_dzx = (s_gy - beta.double() * s_dz) / gamma.double()
+    else:  # a zero gamma leaves no x̂ in the output: each tile recomputed (ATen's reduction)
+        s_dzx = s_gy
+        _, _, _, tile_grads = _cb_tile_grads(x, gy, w, mean, invstd, gamma, beta, layout, input_layout, stride, padding,
+                                             dilation, pool_kernel, pool_stride, pool_padding, tile)
+        for a in range(0, n, tile):
+            dz, c = tile_grads(a)
+            _, gw_t, gb_t = torch.ops.aten.native_batch_norm_backward(dz, c, None, None, None, mean.to(dt),
+                                                                      invstd.to(dt), True, eps, [False, True, True])
+            s_dzx += gw_t.double()
+            s_dz += gb_t.double()
+            del dz, c
+    return _fresh(s_dzx.to(x.dtype)), _fresh(s_dz.to(x.dtype))
+
+
+@k("conv_bn_relu_pool_grad")
+def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, ggamma, gbeta, *, stride=(1, 1), padding=(0, 0),
+                           dilation=(1, 1), layout="NCHW", input_layout="", eps=1e-5, pool_kernel=(), pool_stride=(),
+                           pool_padding=(0, 0), tile=1, input_grad=True):
+    dt, xn, wc, tile_grads = _cb_tile_grads(x, gy, w, mean, invstd, gamma, beta, layout, input_layout, stride, padding,
+                                            dilation, pool_kernel, pool_stride, pool_padding, tile)
+    n = xn.shape[0]
+    ch = (None, slice(None), None, None)
+    hw = _conv_out_hw("conv_bn_relu_pool_grad", xn.shape[2:], w.shape[2:],
+                      {"stride": stride, "padding": padding, "dilation": dilation})
+    m = n * hw[0] * hw[1]  # the count batch norm's statistics average over
+    mean_c, k_c = mean.to(dt)[ch], (gamma.to(dt) * invstd.to(dt))[ch]
+    a_c, b_c = (gbeta.double() / m).to(dt)[ch], (ggamma.double() / m).to(dt)[ch] * invstd.to(dt)[ch]
     gw = torch.zeros(w.shape, dtype=dt)
     gx = _empty_nchw(xn.shape, dt, layout) if input_grad else None
-    for a in range(0, n, tile):  # pass 2: the convolution's output gradient, then its weight (and input) gradient
+    for a in range(0, n, tile):  # the convolution's output gradient, then its weight (and input) gradient
         dz, c = tile_grads(a)
         dc = dz.sub_(a_c).sub_(c.sub_(mean_c).mul_(b_c)).mul_(k_c)  # k (dz - Σdz/m - x̂ Σdz·x̂/m)
         del c
@@ -1266,8 +1304,9 @@ def conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd, *, stride=(1, 1)
         if input_grad:
             gx[a:a + tile] = gxt
         del gxt, gwt
-    out = (_fresh(gw.to(x.dtype)), _fresh(s_dzx.to(x.dtype)), _fresh(s_dz.to(x.dtype)))
-    return out + ((_stored(gx, layout, x.dtype),) if input_grad else ())
+    if not input_grad:
+        return _fresh(gw.to(x.dtype))
+    return _fresh(gw.to(x.dtype)), _stored(gx, layout, x.dtype)
 
 
 # ---------------------------------------------------------------- cross-entropy fused with the head (chunked)

@@ -11,7 +11,7 @@ The pattern, each value with no other user::
 becomes ``y, mean, invstd[, rm', rv'] = conv_bn_relu_pool(x, w, gamma, beta[, rm, rv])``. The
 convolution's full-resolution output, its normalised and rectified forms and their gradients are
 never IR values (see :mod:`remat.ir.ops.convblock`); the op convolves twice in its forward and
-recomputes its forward twice in its backward, and its values differ from the reference's by
+recomputes its forward once in its backward, and its values differ from the reference's by
 summation order, so the rewrite is not in a default pipeline: the planner applies it as an
 algorithm choice it reports (``remat.plan.algorithms``). A model input ``x`` (the function's
 parameters from ``n_params`` on) gets no input gradient (``input_grad=false``).

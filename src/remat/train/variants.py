@@ -107,6 +107,6 @@ def _build(c: "Compilation", reference: StepProblem) -> list[Variant]:
         stems = [f"conv_bn_relu_pool at {s.where} (convolution, batch norm, ReLU and max pool over "
                  f"{s.batch} samples, {s.tile} at a time in two passes; the reference holds "
                  f"{format_bytes(s.activation_bytes)} full-resolution activations and their gradients; "
-                 f"the convolution runs 4x; statistics and gradients differ by summation order)" for s in stem_sites]
+                 f"the convolution runs 3x; statistics and gradients differ by summation order)" for s in stem_sites]
         variants.append(Variant(lines + stems + bn_line, make))
     return variants

@@ -9,23 +9,31 @@ over the tiles: the first convolves each tile and accumulates per-channel mean a
 and pools it into the result. Results: ``(y, mean, invstd[, new running_mean, new running_var])``,
 as ``batch_norm``'s (invstd from the biased variance, the unbiased one in the running update).
 
-Its backward ``conv_bn_relu_pool_grad(x, gy, w, gamma, beta, mean, invstd)`` also makes two passes:
-each recomputes a tile's convolution, normalisation, ReLU and pooling (with indices) and routes
-``gy`` back through them; the first accumulates batch norm's two sums (Σ dz, Σ dz·x̂: the beta and
-gamma gradients), the second forms the tile's convolution-output gradient from them and adds its
-weight gradient (and, with ``input_grad``, writes its input gradient). Results ``(gw, ggamma,
-gbeta[, gx])``.
+Its backward is two ops. Batch norm's two sums (Σ dz, Σ dz·x̂: the gamma and beta gradients) are
+needed before any tile's convolution-output gradient; ``conv_bn_relu_pool_sums(x, gy, w, gamma,
+beta, mean, invstd, y) -> (ggamma, gbeta)`` reads them from the pooled output: max pooling routes
+each output's gradient to one input, the maximum of its window, where the ReLU passes it when that
+maximum y is positive, and there batch norm's output is y itself, so x̂ = (y - beta) / gamma and
+the sums are Σ gy and Σ gy·x̂ over the positive outputs, nothing recomputed. (A channel whose gamma
+is zero has no x̂ in its output: then each tile is recomputed as the reference does, from ``x``.)
+``y`` dies there, before the gradient's tiles need their temporaries. ``conv_bn_relu_pool_grad(x,
+gy, w, gamma, beta, mean, invstd, ggamma, gbeta) -> (gw[, gx])`` then recomputes each tile's
+convolution, normalisation, ReLU and pooling (with indices) once, routes ``gy`` back through them,
+forms the tile's convolution-output gradient from the sums and adds its weight gradient (and, with
+``input_grad``, writes its input gradient).
 
 Memory, as the VM counts it: the results only. The reference holds the convolution's output, the
 normalised and rectified activations (input-sized at full resolution, a stem's largest tensors) and
 their gradients; here the kernels' temporaries are a few tensors of one tile (measured as kernel
 workspaces, ``remat.runtime.allocator``). Time: the forward convolves twice and the backward
-recomputes both passes' forward. Values equal the reference's up to summation order (statistics
-and weight gradients sum tile by tile), so the planner uses it only as a choice it reports
-(``remat.plan.algorithms``). ``input_grad=false`` (the rewrite sets it when x is a model input)
+recomputes the forward once. Values equal the reference's up to summation order (statistics and
+weight gradients sum tile by tile) and rounding (x̂ from the pooled output), so the planner uses it
+only as a choice it reports (``remat.plan.algorithms``). ``input_grad=false`` (the rewrite sets it when x is a model input)
 gives no input gradient and no input-sized buffer for one.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
@@ -82,16 +90,29 @@ def _infer(types, attrs):
     return (y, vec, vec) + ((vec, vec) if len(rest) == 4 else ())
 
 
-def _grad_infer(types, attrs):
-    if len(types) != 7:
-        raise TypeError(f"'conv_bn_relu_pool_grad' takes (x, grad_output, w, gamma, beta, mean, invstd), "
+def _sums_infer(types, attrs):
+    if len(types) != 8:
+        raise TypeError(f"'conv_bn_relu_pool_sums' takes (x, grad_output, w, gamma, beta, mean, invstd, output), "
                         f"got {len(types)} operands")
+    x, gy, w, *rest, out = types
+    _, y = _types("conv_bn_relu_pool_sums", x, w, rest, ("weight (gamma)", "bias (beta)", "mean", "invstd"), attrs)
+    for t, what in ((gy, "output gradient"), (out, "output")):
+        if t != y:
+            raise TypeError(f"'conv_bn_relu_pool_sums': {what} must be {y}, got {t}")
+    vec = x.with_shape((w.shape[0],))
+    return vec, vec
+
+
+def _grad_infer(types, attrs):
+    if len(types) != 9:
+        raise TypeError(f"'conv_bn_relu_pool_grad' takes (x, grad_output, w, gamma, beta, mean, invstd, ggamma, "
+                        f"gbeta), got {len(types)} operands")
     x, gy, w, *rest = types
-    _, y = _types("conv_bn_relu_pool_grad", x, w, rest, ("weight (gamma)", "bias (beta)", "mean", "invstd"), attrs)
+    _, y = _types("conv_bn_relu_pool_grad", x, w, rest,
+                  ("weight (gamma)", "bias (beta)", "mean", "invstd", "ggamma", "gbeta"), attrs)
     if gy != y:
         raise TypeError(f"'conv_bn_relu_pool_grad': output gradient must be {y}, got {gy}")
-    vec = x.with_shape((w.shape[0],))
-    return (w, vec, vec) + ((x,) if attrs["input_grad"] else ())
+    return (w,) + ((x,) if attrs["input_grad"] else ())
 
 
 def _conv_flops(x: TensorType, w: TensorType, attrs) -> tuple[float, int]:
@@ -105,9 +126,13 @@ def _flops(types, results, attrs) -> float:
     return 2 * f + 12.0 * n  # two convolutions (statistics, then output), normalisation, ReLU, pooling
 
 
+def _sums_flops(types, results, attrs) -> float:
+    return 4.0 * types[1].numel  # a compare, a select, a product and two sums over the pooled output
+
+
 def _grad_flops(types, results, attrs) -> float:
     f, n = _conv_flops(types[0], types[2], attrs)
-    return (3 + attrs["input_grad"]) * f + 30.0 * n  # two recomputed convolutions, the weight (and input) gradient
+    return (2 + attrs["input_grad"]) * f + 20.0 * n  # a recomputed convolution, the weight (and input) gradient
 
 
 def _base(r: np.random.Generator, n: int, layout: str) -> list:
@@ -128,18 +153,45 @@ def _samples(r: np.random.Generator) -> list[Sample]:
                                          "pool_stride": (2, 2), "eps": 1e-3})]
 
 
-def _grad_samples(r: np.random.Generator) -> list[Sample]:
-    """The forward's samples with an output gradient and statistics (any mean, a positive invstd)."""
+def reference_output(x, w, gamma, beta, mean, invstd, attrs) -> np.ndarray:
+    """The pooled output ``y`` in NumPy (float64), as conv_bn_relu_pool_apply computes it, in the op's layout."""
+    a = {**_DEFAULTS, **attrs}
+    xn = x if (a["input_layout"] or a["layout"]) == "NCHW" else x.transpose(0, 3, 1, 2)
+    (sh, sw), (ph, pw), (dh, dw) = a["stride"], a["padding"], a["dilation"]
+    kh, kw = w.shape[2:]
+    xp = np.pad(xn.astype(np.float64), ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+    win = np.lib.stride_tricks.sliding_window_view(xp, ((kh - 1) * dh + 1, (kw - 1) * dw + 1), axis=(2, 3))
+    c = np.einsum("ncijhw,ochw->noij", win[:, :, ::sh, ::sw, ::dh, ::dw], w.astype(np.float64))
+    ch = (None, slice(None), None, None)
+    z = np.maximum((c - mean[ch]) * invstd[ch] * gamma[ch] + beta[ch], 0.0)
+    (qh, qw), (th, tw), (pph, ppw) = a["pool_kernel"], a["pool_stride"], a["pool_padding"]
+    zp = np.pad(z, ((0, 0), (0, 0), (pph, pph), (ppw, ppw)), constant_values=-np.inf)
+    y = np.lib.stride_tricks.sliding_window_view(zp, (qh, qw), axis=(2, 3))[:, :, ::th, ::tw].max(axis=(4, 5))
+    return y if a["layout"] == "NCHW" else y.transpose(TO_NHWC)
+
+
+def _sums_samples(r: np.random.Generator) -> list[Sample]:
+    """The forward's samples with an output gradient, statistics (any mean, a positive invstd) and the
+    output they give; one with a zero gamma (its sums recomputed)."""
     def sample(args, attrs):
         x, w, gamma, beta = args[:4]
-        y = _infer([TensorType(DType.from_numpy(a.dtype), a.shape) for a in args], {**_DEFAULTS, **attrs})[0]
-        return Sample([x, rand(r, *y.shape), w, gamma, beta, rand(r, 4), rand(r, 4, low=0.5, high=1.5)], attrs)
+        mean, invstd = rand(r, 4), rand(r, 4, low=0.5, high=1.5)
+        y = reference_output(x, w, gamma, beta, mean, invstd, attrs).astype(x.dtype)
+        return Sample([x, rand(r, *y.shape), w, gamma, beta, mean, invstd, y], attrs)
 
     out = [sample(s.args, {k: v for k, v in s.attrs.items() if k != "momentum"}) for s in _samples(r)]
-    # a model input (NCHW) under an NHWC stem: no input gradient
+    # a model input (NCHW) under an NHWC stem
     out.append(sample(_base(r, 3, "NCHW"), {"padding": (1, 1), "layout": "NHWC", "input_layout": "NCHW", "tile": 2,
                                             "input_grad": False, **_POOL}))
+    x, w, gamma, beta = _base(r, 3, "NCHW")
+    gamma[1] = 0.0
+    out.append(sample([x, w, gamma, beta], {"padding": (1, 1), "tile": 2, **_POOL}))
     return out
+
+
+def _grad_samples(r: np.random.Generator) -> list[Sample]:
+    """The sums' samples with any sums in the output's place."""
+    return [Sample(s.args[:7] + [rand(r, 4), rand(r, 4)], s.attrs) for s in _sums_samples(r)]
 
 
 declare(OpDef("conv_bn_relu_pool", None, _FWD_ATTRS, _infer, frozenset(), num_results=-1, min_operands=4,
@@ -147,11 +199,15 @@ declare(OpDef("conv_bn_relu_pool", None, _FWD_ATTRS, _infer, frozenset(), num_re
               doc="max_pool2d(relu(batch_norm(conv2d(x, w), gamma, beta))) with batch statistics, `tile` samples at "
                   "a time in two passes (statistics, then output): (y, mean, invstd[, new running_mean, new "
                   "running_var]); never the full-resolution activations"))
-declare(OpDef("conv_bn_relu_pool_grad", 7, _ATTRS, _grad_infer, frozenset(), num_results=-1,
+declare(OpDef("conv_bn_relu_pool_sums", 8, _ATTRS, _sums_infer, frozenset(), num_results=2, flops=_sums_flops,
+              sample=_sums_samples,
+              doc="(ggamma, gbeta) of conv_bn_relu_pool, batch norm's sums Σ dz·x̂ and Σ dz, from (x, grad_output, w, "
+                  "gamma, beta, mean, invstd, output): read from the pooled output (x̂ = (y - beta) / gamma where "
+                  "y > 0); a zero gamma: recomputed tile by tile"))
+declare(OpDef("conv_bn_relu_pool_grad", 9, _ATTRS, _grad_infer, frozenset(), num_results=-1,
               flops=_grad_flops, sample=_grad_samples,
-              doc="(gw, ggamma, gbeta[, gx]) of conv_bn_relu_pool from (x, grad_output, w, gamma, beta, mean, invstd), "
-                  "each tile's forward recomputed in two passes (batch norm's sums, then the gradients)"))
-
+              doc="(gw[, gx]) of conv_bn_relu_pool from (x, grad_output, w, gamma, beta, mean, invstd, ggamma, gbeta): "
+                  "each tile's forward recomputed once"))
 
 
 # ---------------------------------------------------------------- its two passes, apart (after differentiation)
@@ -228,7 +284,7 @@ from ..opdef import def_vjp  # noqa: E402
 from ._vjp import Saves  # noqa: E402
 
 
-@def_vjp("conv_bn_relu_pool", saves=Saves(operands=(0, 1, 2, 3), results=(1, 2)))
+@def_vjp("conv_bn_relu_pool", saves=Saves(operands=(0, 1, 2, 3), results=(0, 1, 2)))
 def _conv_bn_relu_pool_vjp(b, p, g):
     g = list(g) if isinstance(g, (list, tuple)) else [g]
     if any(v is not None for v in g[1:]):
@@ -239,12 +295,16 @@ def _conv_bn_relu_pool_vjp(b, p, g):
         return [None] * n
     attrs = {k: v for k, v in p.attrs.items() if k != "momentum"}
     x, w, gamma, beta = p.x[:4]
-    outs = b.op("conv_bn_relu_pool_grad", x, g[0], w, gamma, beta, p.y[1], p.y[2], **attrs)
-    gx = outs[3] if attrs["input_grad"] else None
-    return [gx, outs[0], outs[1], outs[2]] + [None] * (n - 4)
+    ggamma, gbeta = b.op("conv_bn_relu_pool_sums", x, g[0], w, gamma, beta, p.y[1], p.y[2], p.y[0], **attrs)
+    outs = b.op("conv_bn_relu_pool_grad", x, g[0], w, gamma, beta, p.y[1], p.y[2], ggamma, gbeta, **attrs)
+    gw, gx = (outs[0], outs[1]) if attrs["input_grad"] else (outs, None)
+    return [gx, gw, ggamma, gbeta] + [None] * (n - 4)
 
 
-@def_vjp("conv_bn_relu_pool_grad", saves="none")
-def _conv_bn_relu_pool_grad_vjp(b, p, g):
-    raise NotImplementedError("second-order differentiation through conv_bn_relu_pool is not supported "
-                              "(conv_bn_relu_pool_grad has no VJP rule)")
+def _second_order(name, b, p, g):
+    raise NotImplementedError(f"second-order differentiation through conv_bn_relu_pool is not supported "
+                              f"({name} has no VJP rule)")
+
+
+for _name in ("conv_bn_relu_pool_sums", "conv_bn_relu_pool_grad"):
+    def_vjp(_name, saves="none")(partial(_second_order, _name))
