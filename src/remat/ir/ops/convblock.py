@@ -28,8 +28,8 @@ their gradients; here the kernels' temporaries are a few tensors of one tile (me
 workspaces, ``remat.runtime.allocator``). Time: the forward convolves twice and the backward
 recomputes the forward once. Values equal the reference's up to summation order (statistics and
 weight gradients sum tile by tile) and rounding (x̂ from the pooled output), so the planner uses it
-only as a choice it reports (``remat.plan.algorithms``). ``input_grad=false`` (the rewrite sets it when x is a model input)
-gives no input gradient and no input-sized buffer for one.
+only as a choice it reports (``remat.plan.algorithms``). ``input_grad=false`` (the rewrite sets it
+when x is a model input) gives no input gradient and no input-sized buffer for one.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from functools import partial
 import numpy as np
 
 from ..opdef import REQUIRED, Attr, OpDef, Sample, declare
-from ..types import DType, TensorType
+from ..types import TensorType
 from ._util import rand
 from .nn import TO_NHWC, _conv_infer, _pool_infer, ints
 
