@@ -388,6 +388,35 @@ def test_keyword_options_are_compiled_in():
         remat.compile(M(), dict(x=x, return_loss=True, scale=[0.5]))
 
 
+def test_one_tensor_passed_as_two_inputs_stays_two_inputs():
+    """An example passing one tensor as two inputs (``labels=input_ids``) compiles a step with two
+    inputs: a later call with two different tensors reads each (torch.export alone captures the
+    pair as one input, and the step read the first for both, silently)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 16)
+
+        def forward(self, input_ids, labels):
+            logits = self.head(self.emb(input_ids))
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+    torch.manual_seed(0)
+    model = M()
+    ids, other = torch.randint(0, 16, (2, 5)), torch.randint(0, 16, (2, 5))
+    ref = copy.deepcopy(model)
+    step = remat.compile(model, dict(input_ids=ids, labels=ids))
+    loss = step(input_ids=other, labels=ids)
+    want = ref(other, ids)["loss"]
+    want.backward()
+    assert_close(loss, want, torch.float32, "loss")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, torch.float32, "grad")
+    positional = remat.compile(copy.deepcopy(ref), (ids, ids))  # positionally too
+    assert_close(positional(other, ids), want, torch.float32, "loss")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 def test_half_precision_batch_norm_updates_running_statistics_as_eager(dtype):
     """PyTorch's functional batch norm gives a half-precision input's new running statistics in f32

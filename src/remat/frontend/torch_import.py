@@ -466,6 +466,21 @@ def _loc(node: torch.fx.Node) -> Loc:
     return Loc(path, file, int(m["line"]))
 
 
+def distinct_tensors(tensors: Sequence) -> tuple:
+    """``tensors`` with each tensor that is passed again (``labels=input_ids``) cloned at its later
+    places. ``torch.export`` captures one tensor passed as two inputs as one input: the program would
+    read the first input for both at every later call, whatever tensors the call passes."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            if id(t) in seen:
+                t = t.clone()
+            seen.add(id(t))
+        out.append(t)
+    return tuple(out)
+
+
 def without_data(tensors: Sequence) -> bool:
     """Whether any of ``tensors`` holds no values: a tensor on the ``meta`` device or a fake tensor
     (``torch._subclasses.FakeTensor``), as a dry run plans with (``remat.compile(..., dry_run=True)``)."""
@@ -496,6 +511,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     """
     options = keyword_options(example_inputs)
     input_names, example_inputs, num_targets = keyword_inputs(example_inputs, loss_fn, num_targets)
+    example_inputs = distinct_tensors(example_inputs)
     n_targets = 0
     if loss_fn is not None:
         n_targets = _count_targets(loss_fn) if num_targets is None else int(num_targets)
