@@ -96,11 +96,20 @@ def kernel_operands(ins: Instruction, device: Any = None) -> list:
     (``UPDATE_OPS``) step count 2 and hyperparameters 0.5: its steady state (SGD's first step only
     copies the gradient into the momentum buffer and allocates nothing; every later step's
     ``mul_(momentum)`` allocates scalar temporaries), with every hyperparameter non-zero (the
-    costliest form, since a schedule may change them at run time); skip flag false."""
+    costliest form, since a schedule may change them at run time); skip flag false. A loss with an
+    ``ignore_index`` gets its first target ignored: the kernels skip the row mask and the cleaned
+    targets when every row counts, and a causal LM's shifted labels always end in an ignored one
+    (measured on all-zero targets, such a step's allocator peak exceeded the bound by those two
+    temporaries, 9 bytes a row)."""
     args = [_zeros(v.type, device) for v in ins.operands]
     if ins.op.name in UPDATE_OPS:
         args[-3].fill_(2)
         args[-2].fill_(0.5)  # args[-1], skip: false
+    ignore = ins.attrs.get("ignore_index")
+    if ignore is not None:
+        for a, v in zip(args, ins.operands):
+            if not v.type.dtype.is_float and a.numel():
+                a.view(-1)[0] = ignore  # the class targets: one row ignored
     return args
 
 
@@ -116,11 +125,11 @@ _disk_loaded = False
 _dirty = False
 
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 """Bumped when what is measured changes (2: optimizer updates measured at step 2, not 0; 3: keys name
-the implementation; 4: optimizer updates take their hyperparameters as an operand) or how it is
-stored (5: a header with the version and a checksum, :mod:`remat.cache`), so that
-workspaces cached by an older remat are measured again."""
+the implementation; 4: optimizer updates take their hyperparameters as an operand; 6: losses with
+an ignored target) or how it is stored (5: a header with the version and a checksum,
+:mod:`remat.cache`), so that workspaces cached by an older remat are measured again."""
 
 
 def _kernels_digest() -> str:
