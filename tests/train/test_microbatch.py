@@ -132,6 +132,23 @@ def test_a_mean_over_varying_counts_is_refused():
     assert step.compilation.loss_reduction == "mean"
 
 
+def test_a_loss_cast_to_float32_is_checked_in_float64():
+    """``transformers``' losses cast their logits with ``.float()``: the float64 check keeps them in
+    float64, so a mean over equal counts is a mean whatever the seed (float32 rounding refused some
+    seeds), and one over varying counts is still refused."""
+    def loss_fn(logits, t):
+        return F.cross_entropy(logits.float().flatten(0, 1), t.flatten(), ignore_index=-1)
+
+    for seed in range(4):
+        model, (x, y), _ = zoo.make("gpt", "tiny", batch=4, dropout=0.0, seed=seed)
+        step = remat.compile(model, (x, y), loss_fn, micro_batches=2)
+        assert step.compilation.loss_reduction == "mean"
+    y = y.clone()
+    y[0, :10] = -1
+    with pytest.raises(MicroBatchingRefused, match="neither their mean"):
+        remat.compile(model, (x, y), loss_fn, micro_batches=2)
+
+
 @pytest.mark.parametrize("k, match", [(3, r"does not divide the batch of 8; valid: \[1, 2, 4, 8\]"),
                                       (0, "positive int")])
 def test_bad_micro_batch_counts(k, match):
