@@ -134,7 +134,8 @@ def test_failures_name_the_stage(monkeypatch):
     with pytest.raises(CaptureError, match=r"capture \(torch.export.export\)") as ei:
         import_module(DataDependent(), (torch.randn(3),))
     assert ei.value.stage.startswith("capture") and ei.value.eager_error is None  # it runs eagerly
-    assert "could not be traced" in str(ei.value)
+    line = DataDependent.forward.__code__.co_firstlineno + 1
+    assert f"could not be traced at {__file__}:{line} (return x if x.sum() > 0 else -x)" in str(ei.value)
 
     default = torch.export.default_decompositions
 

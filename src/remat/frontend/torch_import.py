@@ -125,15 +125,16 @@ class CaptureError(RuntimeError):
     """PyTorch could not capture or decompose the model; ``stage`` says which step failed and
     ``failures`` what each attempt raised (the first lines of each error)."""
 
-    def __init__(self, stage: str, failures: Sequence[str], eager_error: str | None = None):
-        self.stage, self.failures, self.eager_error = stage, list(failures), eager_error
+    def __init__(self, stage: str, failures: Sequence[str], eager_error: str | None = None, where: str | None = None):
+        self.stage, self.failures, self.eager_error, self.where = stage, list(failures), eager_error, where
         shown = "\n".join("  " + "\n    ".join(f.strip().splitlines()[:3]) for f in failures)
         if eager_error is not None:
             hint = ("the model itself raises on these example inputs when run eagerly, so this is not a tracing "
                     f"problem: fix the model or its inputs\n  eager: {eager_error}\n  torch.export:")
         elif stage.startswith("capture"):
-            hint = ("the model's Python could not be traced; make it traceable by torch.export (no data-dependent "
-                    "control flow on tensor values)")
+            at = f" at {where}" if where else ""
+            hint = (f"the model's Python could not be traced{at}; make it traceable by torch.export (no "
+                    "data-dependent control flow on tensor values)")
         else:
             hint = "PyTorch's decompositions failed on the captured graph with every table remat tried"
         super().__init__(f"importing the model failed at {stage}: {hint}\n{shown}")
@@ -608,7 +609,7 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
         raise  # the user's call, not the capture: its message says what to change
     except Exception as e:
         raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"],
-                           _eager_error(wrapper, example_inputs)) from e
+                           _eager_error(wrapper, example_inputs), _model_frame(e.__traceback__)) from e
     _keep_region_origins(exported)
     failures = []
     for name, table in decomposition_tables():
@@ -617,6 +618,27 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
         except Exception as e:  # noqa: BLE001  a decomposition of PyTorch's own failed: try the next table
             failures.append(f"with {name}: {type(e).__name__}: {e}")
     raise CaptureError("decomposition (ExportedProgram.run_decompositions)", failures)
+
+
+_NOT_THE_MODEL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                  os.path.dirname(os.__file__))  # PyTorch's, remat's and the standard library's code
+
+
+def _model_frame(tb) -> str | None:
+    """Where in the model's code (not PyTorch's, remat's or the standard library's) a traceback's
+    innermost such frame is: ``file:line (source line)``; None if it has none."""
+    import linecache
+    import traceback
+
+    found = None
+    for frame, lineno in traceback.walk_tb(tb):
+        path = frame.f_code.co_filename
+        if not path.startswith(_NOT_THE_MODEL) and not path.startswith("<"):
+            found = (path, lineno)
+    if found is None:
+        return None
+    line = linecache.getline(*found).strip()
+    return f"{found[0]}:{found[1]}" + (f" ({line})" if line else "")
 
 
 def _keep_region_origins(exported: "torch.export.ExportedProgram") -> None:
