@@ -64,6 +64,7 @@ def test_allocator_peak_of_a_budgeted_zoo_step_is_within_the_budget(name):
     m, step = compile_within(model, inputs, loss_fn, 0.5)  # workspaces counted by default
     r = step.report()
     assert r.predicted_peak <= r.predicted_allocator_peak <= r.budget
+    assert 0 < r.workspace_bytes <= r.predicted_allocator_peak  # the largest of the step's own kernels
     assert r.measured_allocator_peak is None  # measured by the first step
     before = [p.detach().clone() for p in m.parameters()]
     step(*inputs)

@@ -546,15 +546,15 @@ def _plan(c: Compilation) -> Compilation:
     counted = c.budget is not None and o.count_workspaces
     margin = bound = None
     if counted:
-        margin = workspace_margin(problem.unconstrained, c.workspaces(problem.unconstrained))
         problem = _counting_workspaces(c, problem)
     try:
         chosen = _plan_on_ranks(c, problem)
     except BudgetTooSmall as e:
         e.unconstrained_peak = c.unconstrained_peak  # of the whole batch: resolves relative budgets
         raise
-    if counted:
-        bound = allocator_bound(chosen.program, c.workspaces(chosen.program))
+    if counted:  # the step's own kernels (a lean algorithm's, not the unconstrained step's)
+        ws = c.workspaces(chosen.program)
+        bound, margin = allocator_bound(chosen.program, ws), workspace_margin(chosen.program, ws)
     cost = c.cost_model()
     notes = tuple(chosen.notes)
     grad_bytes = sum(v.type.nbytes for v in c.joint.entry.instrs[-1].operands[c.binding.layout.first_grad:])
