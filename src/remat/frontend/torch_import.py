@@ -620,8 +620,8 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
     raise CaptureError("decomposition (ExportedProgram.run_decompositions)", failures)
 
 
-_NOT_THE_MODEL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                  os.path.dirname(os.__file__))  # PyTorch's, remat's and the standard library's code
+_NOT_THE_MODEL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_STDLIB = os.path.dirname(os.__file__)  # its site-packages (an install without a venv) hold models' code
 
 
 def _model_frame(tb) -> str | None:
@@ -633,7 +633,8 @@ def _model_frame(tb) -> str | None:
     found = None
     for frame, lineno in traceback.walk_tb(tb):
         path = frame.f_code.co_filename
-        if not path.startswith(_NOT_THE_MODEL) and not path.startswith("<"):
+        stdlib = path.startswith(_STDLIB) and not any(d in path for d in ("site-packages", "dist-packages"))
+        if not (path.startswith(_NOT_THE_MODEL) or stdlib or path.startswith("<")):
             found = (path, lineno)
     if found is None:
         return None
