@@ -142,9 +142,20 @@ def _overload(name: str):
     return getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
 
 
+DECOMPOSED = ("elu.default",)
+"""Core ATen overloads that PyTorch's export table keeps but remat has no rule for, decomposed by
+PyTorch's own decompositions (``torch._decomp``) into ops it lowers: ``elu`` (also ``selu`` and
+``celu``, which PyTorch writes with it) as ``expm1``, products and a select; its gradient is then
+the autodiff of those, equal to ATen's ``elu_backward`` up to rounding."""
+
+
 def decomposition_table(keep: set[str] | None = None) -> dict:
-    """PyTorch's default export decompositions, less the overloads in ``keep`` (default :data:`KEEP`)."""
+    """PyTorch's default export decompositions, less the overloads in ``keep`` (default :data:`KEEP`),
+    plus PyTorch's decompositions of :data:`DECOMPOSED`."""
+    from torch._decomp import get_decompositions
+
     table = torch.export.default_decompositions()
+    table.update(get_decompositions([op for op in map(_overload, DECOMPOSED) if op is not None]))
     for n in KEEP if keep is None else keep:
         op = _overload(n)
         if op is not None:
