@@ -1247,7 +1247,6 @@ def conv_bn_relu_pool_sums(x, gy, w, gamma, beta, mean, invstd, y, *, stride=(1,
                            tile=1, input_grad=True):
     dt, n = (torch.float32 if x.dtype in _LOWP else x.dtype), x.shape[0]
     s_dz = torch.zeros(w.shape[0], dtype=torch.float64)
-    s_gy = torch.zeros(w.shape[0], dtype=torch.float64)
     if bool((gamma != 0).all()):
         # Each window's gradient reaches its maximum, which the ReLU passes where y > 0, and there batch
         # norm's output is y: x̂ = (y - beta) / gamma, Σ dz = Σ g and Σ dz·x̂ = (Σ g·y - beta Σ g) / gamma,
@@ -1256,6 +1255,7 @@ def conv_bn_relu_pool_sums(x, gy, w, gamma, beta, mean, invstd, y, *, stride=(1,
         # temporaries are pooled, not full-resolution: as many bytes as a tile's with more samples.
         dims = (0, 2, 3) if layout == "NCHW" else (0, 1, 2)
         chunk = tile * max(1, pool_stride[0] * pool_stride[1])
+        s_gy = torch.zeros(w.shape[0], dtype=torch.float64)
         for a in range(0, n, chunk):
             yt = y[a:a + chunk].to(dt)
             g = torch.gt(yt, 0, out=torch.empty_like(yt)).mul_(gy[a:a + chunk])  # one temporary, no mask
@@ -1264,7 +1264,7 @@ def conv_bn_relu_pool_sums(x, gy, w, gamma, beta, mean, invstd, y, *, stride=(1,
             del yt, g
         s_dzx = (s_gy - beta.double() * s_dz) / gamma.double()
     else:  # a zero gamma leaves no x̂ in the output: each tile recomputed (ATen's reduction)
-        s_dzx = s_gy
+        s_dzx = torch.zeros(w.shape[0], dtype=torch.float64)
         _, _, _, tile_grads = _cb_tile_grads(x, gy, w, mean, invstd, gamma, beta, layout, input_layout, stride, padding,
                                              dilation, pool_kernel, pool_stride, pool_padding, tile)
         for a in range(0, n, tile):

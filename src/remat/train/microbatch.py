@@ -105,21 +105,23 @@ def micro_batch_semantics(c: "Compilation", loss_reduction: str | None) -> str:
 
     k, b = c.micro_batches, c.capture_example[0].shape[0]
     try:  # in float64, so that a mean over unequal counts cannot hide in float32 rounding
-        model, tol = copy.deepcopy(c.model).double(), 1e-9
+        model, in_float64 = copy.deepcopy(c.model).double(), True
         example = tuple(t.double() if t.is_floating_point() else t for t in c.signature.example)
     except (RuntimeError, TypeError):
-        model, tol, example = c.model, 1e-5, c.signature.example
+        model, in_float64, example = c.model, False, c.signature.example
     wrapper, tensors = loss_module(model, c.signature.keywords(example), c.loss_fn, c.num_targets)
     modes = [m.training for m in model.modules()]
     wrapper.eval()
     try:
-        with torch.no_grad(), _keep_float64() if tol < 1e-5 else contextlib.nullcontext():
+        with torch.no_grad(), _keep_float64() if in_float64 else contextlib.nullcontext():
             losses = [wrapper(*[t[i * b:(i + 1) * b] for t in tensors]) for i in range(k)] + [wrapper(*tensors)]
     finally:
         for m, t in zip(model.modules(), modes):
             m.training = t
-    if any(torch.is_tensor(v) and v.dtype != torch.float64 for v in losses):
-        tol = 1e-5  # a loss computed in float32 after all: its rounding, not a count, may differ
+    # A loss computed in float32 after all (or a model with no float64 copy): its rounding, not a
+    # count, may differ.
+    in_float64 = in_float64 and not any(torch.is_tensor(v) and v.dtype != torch.float64 for v in losses)
+    tol = 1e-9 if in_float64 else 1e-5
     *parts, both = [float(v) for v in losses]
     mean, total = sum(parts) / k, sum(parts)
     scale = max(abs(both), abs(total), 1e-30)
