@@ -435,6 +435,11 @@ def test_one_tensor_passed_as_two_inputs_stays_two_inputs():
         assert_close(p.grad, q.grad, torch.float32, "grad")
     positional = remat.compile(copy.deepcopy(ref), (ids, ids))  # positionally too
     assert_close(positional(other, ids), want, torch.float32, "loss")
+    # Called with one tensor for both, the step holds two inputs, as planned: measured == predicted
+    # (tests/train/test_allocator_budget.py checks the allocator's peak).
+    step = remat.compile(copy.deepcopy(ref), dict(input_ids=ids, labels=ids))
+    step(input_ids=ids, labels=ids)
+    assert step.report().measured_peak == step.report().predicted_peak
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

@@ -246,6 +246,32 @@ def test_a_view_into_a_larger_buffer_counts_its_own_bytes(dialect):
     assert st.argument_bytes == 4 * N * 4 + 4000  # its whole buffer: it cannot be copied
 
 
+@pytest.mark.parametrize("dialect", ["numpy", "torch"])
+def test_one_buffer_passed_as_two_arguments_counts_both(dialect):
+    """One tensor passed as two arguments (``labels=input_ids``): the step reads a copy for the
+    second, so each argument holds its own bytes as predicted (counted by storage, the pair was
+    one argument's bytes below the prediction); an argument written in place is never copied."""
+    f = Function("f", [F(N), F(N)], [F(N)])
+    b = Builder(f.entry)
+    x, y = f.params
+    b.ret(b.op("add", b.op("exp", x), y))
+    Module([f])
+    for a in (np.linspace(-1, 1, N).astype(np.float32), torch.linspace(-1, 1, N)):
+        for record in ("full", "peak"):
+            vm = remat.VM(f.module, dialects=dialect)
+            (out,), st = vm.run("f", a, a, record=record)
+            assert st.argument_bytes == 8000 and st.peak_bytes == predict_peak(f) == 12000
+            np.testing.assert_allclose(np.asarray(out), np.exp(np.asarray(a)) + np.asarray(a), rtol=1e-6, atol=1e-6)
+    g = Function("g", [F(N), F(N)], [F(N)])
+    b = Builder(g.entry)
+    p, v = g.params
+    b.ret(b.op("assign", p, b.op("neg", v)))
+    Module([g])
+    buf = torch.ones(N)
+    _, st = remat.run(g, buf, buf, dialects=dialect)  # the written one first: the read one is copied
+    assert torch.equal(buf, -torch.ones(N)) and st.argument_bytes == 8000
+
+
 def test_bytes_by_kind_measured_as_predicted():
     """``run(..., by_kind=True)`` splits the bytes by the labels of ``set_kinds``, as ``simulate`` does."""
     f = exp_exp_add()

@@ -118,6 +118,28 @@ def test_ignored_targets_stay_within_a_budget_at_the_allocator_bound():
     assert tight.report().measured_allocator_peak <= bound
 
 
+def test_a_batch_sliced_from_a_larger_tensor_is_measured_as_its_own_bytes():
+    """A batch that views a dataset tensor (``data[i:i + n]``) and a tensor passed as two inputs are
+    read from the step's own copies, made before the allocator is measured: the copies are the
+    inputs' bytes, counted once, so the measured allocator peak is the predicted one, as for
+    inputs of their own (counted again as allocations, they exceeded it by their bytes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    data, targets = torch.randn(256, 64), torch.randint(0, 10, (256,))
+    x, y = data[32:64], targets[32:64]
+    step = remat.compile(copy.deepcopy(model), (x.clone(), y.clone()), torch.nn.functional.cross_entropy,
+                         budget=10**8)
+    step(x, y)
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak and r.measured_allocator_peak == r.predicted_allocator_peak
+    ids = torch.randint(0, 512, (4, 32))
+    lm = _CausalLM()
+    step = remat.compile(lm, dict(input_ids=ids, labels=ids), budget=10**8)
+    step(input_ids=ids, labels=ids)
+    r = step.report()
+    assert r.measured_peak == r.predicted_peak and r.measured_allocator_peak == r.predicted_allocator_peak
+
+
 @pytest.mark.parametrize("fraction", [0.6, 0.7, 0.8, 0.9])
 def test_budget_sweep_bounds_the_allocator(fraction):
     model, inputs, loss_fn = make("unet", batch=ZOO["unet"])

@@ -138,6 +138,19 @@ def _dense_copy(x: Any) -> Any:
     return x.clone(memory_format=_torch().contiguous_format)
 
 
+def _distinct_arguments(xs: list, stor: list, written: Sequence[bool]) -> None:
+    """Give each argument that shares its storage with an earlier one (one tensor passed as two
+    inputs: ``labels=input_ids``) a copy of its own, in place in ``xs`` and ``stor``: the plan counts
+    every parameter's bytes, so the step holds them (the same tensor counted once would make the
+    measured peak one input below the predicted). An argument written in place is never copied."""
+    seen: set = set()
+    for i, st in enumerate(stor):
+        if st[0] in seen and st[1] and not written[i]:
+            xs[i] = _dense_copy(xs[i])
+            stor[i] = st = storage_of(xs[i])
+        seen.add(st[0])
+
+
 @dataclass
 class RunStats:
     """Measurements of one run (bytes and seconds).
@@ -401,6 +414,13 @@ class VM:
             p.blocks.append(bp)
         return p
 
+    def arguments(self, fn: str | Function, *args: Any) -> list:
+        """``args`` as a run of ``fn`` reads them: checked, converted, a dense copy of a view into a
+        larger buffer and of an argument sharing its storage with an earlier one (each holds its own
+        bytes, as predicted). A run given these copies nothing, so a caller measuring the run's
+        allocations (``TrainStep``'s allocator peak) makes the copies before it starts measuring."""
+        return self._arguments(self._plans[fn.name if isinstance(fn, Function) else fn], args)[0]
+
     def instructions(self, fn: str | Function) -> tuple:
         """The instructions of ``fn`` as this VM runs them, by index: the index of
         ``RunStats.peak_at`` and of the ``remat_instruction`` attribute a failed run's exception
@@ -579,6 +599,8 @@ class VM:
                 st = storage_of(a)
             xs.append(a)
             stor.append(st)
+        if len(stor) > 1 and len({st[0] for st in stor}) != len(stor):
+            _distinct_arguments(xs, stor, written)
         return xs, stor
 
     def _exec(self, plan: _FnPlan, xs: list, stor: list | None, tracker: MemoryTracker, donate: bool,

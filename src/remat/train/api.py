@@ -208,6 +208,7 @@ class TrainStep:
         from ..runtime.allocator import allocation_trace, device_allocation, peak_of_trace
 
         vm = self.vm
+        args = vm.arguments(self.program.name, *args)  # the step's own copies of its inputs: not the run's allocations
         run = lambda: vm.run(self.program.name, *args, outputs="torch", record="peak", by_kind=by_kind)  # noqa: E731
         if self.device is not None:  # the device allocator's own peak statistic
             (outs, stats), grown = device_allocation(run, self.device)
