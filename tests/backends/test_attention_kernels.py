@@ -139,3 +139,29 @@ def test_low_precision_short_sequences_take_the_explicit_kernels(lead, mask, cau
     check_contract(gins, gops, gouts, "torch")
     for a, b in zip(gouts, gref):
         np.testing.assert_allclose(as_f64(a), b, rtol=5e-2, atol=5e-2 * max(1.0, float(np.abs(b).max())))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["heads", "grouped"])
+def test_low_precision_seq_first_operands_give_the_heads_first_results(kv_heads):
+    """``attention_lowp`` and its backward read ``seq_first`` operands ([B, T, H, D], as Hugging
+    Face's models give them) through heads-first views: the same results, bit for bit, as on
+    heads-first operands holding the same values (the backward makes each operand heads-first once)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, d = 3, 7, 4, 8
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    q, g = rand(b, t, h, d), rand(b, t, h, d)
+    k, v = rand(b, t, kv_heads, d), rand(b, t, kv_heads, d)
+    mask = rand(b, h, t, t)
+    first = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [B, H, T, D]
+    out, lse = tk.attention_lowp(q, k, v, mask, scale=0.35, seq_first=True)
+    out_h, lse_h = tk.attention_lowp(first(q), first(k), first(v), mask, scale=0.35)
+    assert torch.equal(first(out), out_h) and torch.equal(lse, lse_h)
+    grads = tk.attention_grad_lowp(g, q, k, v, out, lse, mask, scale=0.35, seq_first=True)
+    grads_h = tk.attention_grad_lowp(first(g), first(q), first(k), first(v), out_h, lse_h, mask, scale=0.35)
+    for x, y in zip(grads, grads_h):
+        assert x.is_contiguous() and torch.equal(first(x), y)

@@ -949,8 +949,10 @@ _FLASH_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 FLASH_MIN_LOWP_QUERIES = 128
 """Below this many queries per head, f16/bf16 attention runs :func:`attention_lowp` instead of the CPU
 flash kernels, whose blocked loops are slow on short sequences in low precision (forward and
-backward, 8192 query rows of width 32-64, two threads: flash 1.4-4.9x the explicit kernels' time at
-16-64 queries, about even at 128). Swin's 4x4 windows (16 queries) are where it shows."""
+backward, 8192 query rows of width 32-64, two threads, AVX-512 BF16: flash 1.5-7x the explicit
+kernels' time at 16-64 queries, 1.3-2.1x at 128, even at 160, 0.6x at 256). Swin's 4x4 windows (16
+queries) are where it shows. The explicit kernels hold [T, S] f32 scores as their workspace, so
+the limit stays where the flash kernels' smaller workspace costs little time."""
 
 
 def _qkv(ins):
@@ -1092,15 +1094,20 @@ def attention_lowp(q, k, v, mask=None, *, scale, is_causal=False, seq_first=Fals
 @kernel("attention_grad", "torch", checker=_short_lowp, priority=7)
 def attention_grad_lowp(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
     """The backward of :func:`attention_lowp`: its products in the low precision, the element-wise
-    work on the scores in f32."""
-    g, q, k0, v0, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
+    work on the scores in f32, the scores' gradient scaled in the low precision before the products
+    (as eager's backward of ``(q @ k.mT) * scale`` does). Operands read through transposed views
+    (``seq_first``) are made heads-first once each, not once per product."""
+    rows = _heads_first((g.float() * out.float()).sum(-1, keepdim=True), seq_first)
+    if seq_first:
+        g, q, k0, v0 = (_heads_first(x, True).contiguous() for x in (g, q, k, v))
+    else:
+        k0, v0 = k, v
     k, v = _repeat_kv(k0, q), _repeat_kv(v0, q)
     p = torch.exp(_math_scores(q, k, mask, scale, is_causal).float().sub_(_lse_for(lse, q).unsqueeze(-1)))
     dv = torch.matmul(p.to(q.dtype).transpose(-1, -2), g)
-    rows = (g.float() * out.float()).sum(-1, keepdim=True)
-    ds = p.mul_(torch.matmul(g, v.transpose(-1, -2)).float().sub_(rows)).to(q.dtype)
-    dq = torch.matmul(ds, k) * scale
-    dk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q) * scale, k0)
+    ds = p.mul_(torch.matmul(g, v.transpose(-1, -2)).float().sub_(rows)).to(q.dtype).mul_(scale)
+    dq = torch.matmul(ds, k)
+    dk = _sum_groups(torch.matmul(ds.transpose(-1, -2), q), k0)
     return tuple(_fresh(_heads_first(x, seq_first)) for x in (dq, dk, _sum_groups(dv, v0)))
 
 
