@@ -77,6 +77,7 @@ def _run(rank: int, mode: str, budget, out: str) -> None:
                 "predicted_by_kind": predicted(step.program, step.binding.layout.n_params, range(first, first + n_state)),
                 "state_bytes": sum(t.untyped_storage().nbytes() for ts in step.binding.state for t in ts),
                 "arg_bytes": step.last_stats.argument_bytes, "report": str(step.report()),
+                "allocator": (step.report().predicted_allocator_peak, step.report().measured_allocator_peak),
                 "program": print_function(step.program), "notes": list(step.compilation.notes)},
                f"{out}/{mode}-{budget}-{rank}.pt")
 

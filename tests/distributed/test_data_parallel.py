@@ -64,6 +64,10 @@ def test_same_training_as_one_process(runs, mode, budget):
         if budget is not None:
             assert res["predicted"] <= res["budget"]
             assert "recomputed instructions" in res["report"] and "per rank" in res["report"]
+            # PyTorch's allocator (measured on the first step) within the bound the plan kept to the
+            # budget: the collectives' own buffers (gloo's reduce_scatter copies its whole input) counted.
+            predicted_allocator, measured_allocator = res["allocator"]
+            assert measured_allocator <= predicted_allocator <= res["budget"]
 
 
 @pytest.mark.parametrize("budget", [None, "70%"])

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from ..ir import Instruction, Module, OPS
 
@@ -58,6 +58,10 @@ class KernelImpl:
     fn: Callable
     priority: int
     checker: Checker = _always
+    # Bytes the kernel allocates beyond its results, for kernels that cannot be measured alone
+    # (collectives wait for the other ranks): ``workspace(instr, device)`` (device None: the CPU).
+    # Other kernels' workspaces are measured (remat.runtime.allocator).
+    workspace: Callable[[Instruction, Any], int] | None = None
 
     def accepts(self, instr: Instruction) -> bool:
         return bool(self.checker(instr))
@@ -79,8 +83,10 @@ def register_dialect(name: str, priority: int, available: bool = True, why_unava
     return d
 
 
-def kernel(op: str, dialect: str, checker: Checker | None = None, priority: int | None = None):
-    """Decorator registering ``fn(*operands, **attrs)`` as an implementation of ``op`` in ``dialect``."""
+def kernel(op: str, dialect: str, checker: Checker | None = None, priority: int | None = None,
+           workspace: Callable[[Instruction, Any], int] | None = None):
+    """Decorator registering ``fn(*operands, **attrs)`` as an implementation of ``op`` in ``dialect``
+    (``workspace``: see :class:`KernelImpl`)."""
 
     def deco(fn: Callable) -> Callable:
         if op not in OPS:
@@ -88,7 +94,8 @@ def kernel(op: str, dialect: str, checker: Checker | None = None, priority: int 
         if OPS[op].has("control"):
             raise ValueError(f"'{op}' is a control op run by the VM; it takes no kernel")
         d = _DIALECTS[dialect]
-        impl = KernelImpl(op, dialect, fn, d.priority if priority is None else priority, checker or _always)
+        impl = KernelImpl(op, dialect, fn, d.priority if priority is None else priority, checker or _always,
+                          workspace)
         impls = d.kernels.setdefault(op, [])
         impls.append(impl)
         impls.sort(key=lambda k: -k.priority)

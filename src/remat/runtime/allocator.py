@@ -388,6 +388,18 @@ def _measure(keyed: Sequence[tuple[Instruction, str]], dialects: Sequence[str] |
     save_cache()
 
 
+def declared_workspace(ins: Instruction, dialects: Sequence[str] | None = None, device: Any = None) -> int:
+    """The workspace the kernel of ``ins`` declares (``KernelImpl.workspace``: collectives, which
+    cannot run alone), else 0: for instructions whose kernel is not measured (:func:`_kernel_keys`)."""
+    from .. import backends
+
+    if ins.op.has("control") or not ins.op.has("effect"):
+        return 0
+    dialects = _resolved(dialects)
+    impl = backends.select(ins, dialects) if ins.dialect is None else backends.kernel_for(ins, ins.dialect)
+    return 0 if impl.workspace is None else int(impl.workspace(ins, device))
+
+
 def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None, device: Any = None) -> int:
     """Bytes the kernel of ``ins`` (its assigned dialect) allocates beyond its new results, as
     PyTorch's allocator sees them while the VM runs it (see :func:`measure_workspaces`; measured
@@ -396,7 +408,7 @@ def kernel_workspace(ins: Instruction, dialects: Sequence[str] | None = None, de
     has none assigned."""
     key = _kernel_key(ins, dialects, device)
     if key is None:
-        return 0
+        return declared_workspace(ins, dialects, device)
     if key not in _CACHE:
         _measure([(ins, key)], dialects, device)
     return _CACHE[key]
@@ -408,7 +420,7 @@ def workspaces(fn: Function, dialects: Sequence[str] | None = None, device: Any 
     dialects = _resolved(dialects)
     keyed = list(zip(fn.entry.instrs, _kernel_keys(fn.entry.instrs, dialects, device)))
     _measure([(ins, k) for ins, k in keyed if k is not None], dialects, device)
-    return {ins: 0 if k is None else _CACHE[k] for ins, k in keyed}
+    return {ins: declared_workspace(ins, dialects, device) if k is None else _CACHE[k] for ins, k in keyed}
 
 
 def cached_workspaces(fn: Function, dialects: Sequence[str] | None = None) -> tuple[dict[Instruction, int], int]:
@@ -421,7 +433,7 @@ def cached_workspaces(fn: Function, dialects: Sequence[str] | None = None) -> tu
     for ins, k in zip(fn.entry.instrs, _kernel_keys(fn.entry.instrs, dialects)):
         if k is not None and k not in _CACHE:
             missing.add(k)
-        out[ins] = 0 if k is None else _CACHE.get(k, 0)
+        out[ins] = declared_workspace(ins, dialects) if k is None else _CACHE.get(k, 0)
     return out, len(missing)
 
 
