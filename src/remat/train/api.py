@@ -263,7 +263,9 @@ class TrainStep:
     def loss_scale(self) -> float | None:
         """fp16: the dynamic loss scale the next step uses (``torch.amp.GradScaler``'s: 2**16 at first,
         halved after a step whose gradients overflowed, which is skipped, doubled after 2000 steps in a
-        row that did not); None in other precisions. Settable (a scaler's ``init_scale``, a resume)."""
+        row that did not); None in other precisions. Settable (a scaler's ``init_scale``): setting it
+        also restarts the count of steps without overflow (``GradScaler.update(new_scale)`` keeps its
+        count); a resume restores both with :meth:`load_state_dict`."""
         return self.binding.loss_scale
 
     @loss_scale.setter
