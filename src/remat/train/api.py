@@ -243,7 +243,9 @@ class TrainStep:
             except BudgetTooSmall:
                 raise
             except Exception as e:  # noqa: BLE001  shapes the model cannot take (e.g. inputs and targets disagree)
-                first = (str(e).strip().splitlines() or [""])[0]
+                eager = getattr(e, "eager_error", None)  # a CaptureError: the model's own error comes first
+                first = (f"the model itself raises on them when run eagerly: {eager}" if eager
+                         else (str(e).strip().splitlines() or [""])[0])
                 differ = self.signature.differences(inputs)
                 raise TypeError(f"the training step got {what}{f' ({differ})' if differ else ''} and compiling a "
                                 f"step for it failed: {type(e).__name__}: {first}") from e
