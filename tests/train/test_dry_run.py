@@ -85,6 +85,33 @@ def test_dry_run_uses_the_workspaces_a_real_compile_measured():
     assert any("every kernel's measured" in n for n in dry.report().solver_notes)
 
 
+def test_a_dry_run_does_not_lend_its_plans_to_a_real_compile(monkeypatch):
+    """A dry run counts the workspaces it has not measured as 0; a real compile after it, in the same
+    process, plans with the measured ones, not the dry run's plans (the in-process plan cache keyed
+    only whether workspaces counted, and the real step's allocator peak went over its budget)."""
+    import remat.train.dry_run as dry_run
+
+    build = lambda: zoo.make("resnet", "tiny")  # noqa: E731
+    alone = compile_both(build, "80%", count_workspaces=True)[1]  # measures the workspaces
+    assert alone.report().workspace_bytes > 0
+    monkeypatch.setattr(dry_run, "dry_workspaces", lambda c, fn: {})  # as on a machine that never measured them
+    forget_plans()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model, ex, loss = build()
+    remat.compile(model, ex, loss, optimizer=torch.optim.AdamW(model.parameters()), budget="80%", dry_run=True,
+                  count_workspaces=True, solver="greedy")
+    torch.manual_seed(0)
+    model, ex, loss = build()
+    real = remat.compile(model, ex, loss, optimizer=torch.optim.AdamW(model.parameters()), budget="80%",
+                         count_workspaces=True, solver="greedy")
+    forget_plans()
+    assert _text(real.program) == _text(alone.program)
+    _call(real, ex)
+    r = real.report()
+    assert r.measured_allocator_peak <= r.predicted_allocator_peak <= r.budget
+
+
 def test_a_planned_step_refuses_to_run_and_reports():
     with torch.device("meta"):
         model, ex, loss = zoo.make("gpt", "tiny")

@@ -44,11 +44,14 @@ _CACHE: OrderedDict[str, PlanCache] = OrderedDict()
 
 def step_key(p: StepProblem) -> str:
     """A hash of what decides the plans of a step: its printed program (round-trips, so equal text
-    means equal IR), the costs, the solver option, the step's extra bytes and whether peaks count
-    kernel workspaces."""
+    means equal IR), the costs, the solver option, the step's extra bytes, whether peaks count
+    kernel workspaces and the joint's workspaces (a dry run counts those it has not measured as 0:
+    its plans are not a measured compile's)."""
     h = hashlib.sha256(print_function(p.unconstrained).encode())
     h.update(print_function(p.joint).encode())
     h.update(repr([p.costs.get(i) for b in p.joint.blocks for i in b.instrs]).encode())
+    if p.workspaces is not None:
+        h.update(repr([p.workspaces.get(i) for b in p.joint.blocks for i in b.instrs]).encode())
     h.update(repr((p.solver, p.milp_time_limit, p.extra_bytes, p.dialects, p.measured is not None,
                    p.workspace_fn is not None)).encode())  # with workspaces, peaks are allocator bounds
     return h.hexdigest()
