@@ -152,5 +152,6 @@ def test_max_batch_next_to_eager(capsys):
 
 
 def test_max_batch_refuses_a_relative_budget(capsys):
-    assert main(["max-batch", "--model", "mlp", "--budget", "40%"]) == 2
-    assert "--budget must be absolute" in capsys.readouterr().err
+    for relative in ("40%", "0.5", "1.0"):  # a fraction in any spelling, before any work
+        assert main(["max-batch", "--model", "mlp", "--budget", relative]) == 2
+        assert "needs an absolute budget" in capsys.readouterr().err

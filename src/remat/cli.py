@@ -47,6 +47,18 @@ def _budget_arg(text: str) -> str | None:
     return text
 
 
+def _absolute_budget_arg(text: str) -> str:
+    """argparse type of ``max-batch --budget``: bytes or a size, validated now (a fraction of the
+    unconstrained peak means nothing there: the peak changes with the batch)."""
+    from .train.max_batch import absolute_budget
+
+    try:
+        absolute_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -140,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     mb.add_argument("--model", choices=MODELS, default="gpt", help="zoo model (default: gpt)")
     mb.add_argument("--size", choices=SIZES + ("medium",), default=None,
                     help="model size (default: medium for gpt, the speed benchmark's GPT medium; small otherwise)")
-    mb.add_argument("--budget", required=True, type=_budget_arg,
+    mb.add_argument("--budget", required=True, type=_absolute_budget_arg,
                     help="memory budget: bytes ('1500000000') or a size ('2GiB', '800MB')")
     mb.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw",
                     help="optimizer whose state counts in the budget (default: adamw; none: gradients only)")
@@ -455,9 +467,6 @@ def _max_batch(args: argparse.Namespace) -> int:
     from . import zoo
     from .train.max_batch import eager_max_batch, max_batch
 
-    if args.budget is None or args.budget.strip().endswith("%"):
-        raise UsageError(f"--budget must be absolute (bytes or a size such as 2GiB), got {args.budget!r}: "
-                         "a percentage of the unconstrained peak changes with the batch")
     size = args.size or ("medium" if args.model == "gpt" else "small")
     if size == "medium" and args.model != "gpt":
         raise UsageError(f"--size medium is the GPT medium; {args.model} has sizes {', '.join(SIZES)}")
@@ -474,9 +483,9 @@ def _max_batch(args: argparse.Namespace) -> int:
     print(f"remat max-batch: {args.model} ({size}), {args.optimizer}, budget {args.budget}", flush=True)
     res = max_batch(model, make_batch, loss_fn, optimizer=opt, budget=args.budget, limit=args.limit, progress=say)
     t_remat = time.perf_counter() - t0
-    if res.batch == 0:
+    if res.batch == 0:  # the budget is below batch 1's minimum: a budget below the feasible minimum
         print(f"remat: not even batch 1 fits {format_bytes(res.budget)} (needs {format_bytes(res.probes[0].bytes)})")
-        return EXIT_FAILED
+        return EXIT_USAGE
     eager = None
     if not args.no_eager:
         t1 = time.perf_counter()

@@ -58,6 +58,9 @@ def test_max_batch_needs_an_absolute_budget():
     for bad in ("40%", 0.5, None):
         with pytest.raises(ValueError, match="budget"):
             remat.max_batch(model, _mlp, loss_fn, budget=bad)
+    for fraction in ("0.5", "1.0", 1.0, "50 %"):  # every spelling of a fraction: refused, not read as bytes
+        with pytest.raises(ValueError, match="needs an absolute budget"):
+            remat.max_batch(model, _mlp, loss_fn, budget=fraction)
 
 
 def test_eager_step_peak_grows_with_the_batch_and_leaves_the_model_alone():

@@ -50,10 +50,21 @@ class MaxBatch:
         return f"largest batch {self.batch} under {format_bytes(self.budget)} (candidates: {tried})"
 
 
+def absolute_budget(budget) -> int:
+    """Bytes of a budget given in bytes or as a size ('1.5GiB'); ValueError for none, for a fraction
+    or percentage in any spelling ('50%', 0.5, '0.5', '1.0': relative to a peak that changes with the
+    batch size) and for anything not a budget."""
+    return _budget_bytes(budget)
+
+
 def _budget_bytes(budget) -> int:
     if budget is None:
         raise ValueError("max_batch needs a budget in bytes or a size such as '2GiB'")
-    if isinstance(budget, float) and budget <= 1 or isinstance(budget, str) and budget.strip().endswith("%"):
+    try:  # a fraction or percentage, in any spelling ('50%', 0.5, '0.5', '1.0'), is relative to a reference
+        relative = parse_budget(budget, reference=1 << 40) != parse_budget(budget, reference=1 << 41)
+    except ValueError:
+        relative = False  # not a valid budget at all: parse_budget below says what is valid
+    if relative:
         raise ValueError(f"max_batch needs an absolute budget (bytes or a size such as '1.5GiB'), got {budget!r}: "
                          "a fraction of the unconstrained peak changes with the batch size")
     return parse_budget(budget, reference=1)
