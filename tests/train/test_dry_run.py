@@ -131,6 +131,23 @@ def test_a_planned_step_refuses_to_run_and_reports():
     assert points[-1].predicted_overhead == 0.0
 
 
+def test_a_curve_starts_at_the_minimum_and_it_fits():
+    """The curve plans each budget as a compile at it would, algorithm choice included: its first
+    point, the minimum (a causal LM's is reached with a memory-lean cross-entropy), fits (planned
+    with the compiled step's algorithms alone, it said 'needs ...' at the minimum a refusal names)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+        ids = torch.randint(0, 256, (4, 32))
+    step = remat.compile(model, dict(input_ids=ids, labels=ids), optimizer=torch.optim.AdamW(model.parameters()),
+                         dry_run=True, count_workspaces=False)
+    minimum = step.minimum_budget()
+    first = step.curve(n_points=2)[0]
+    assert first.budget == minimum and first.fits and first.predicted_peak <= minimum
+
+
 def test_dry_run_plans_clipping_by_a_second_backward_as_the_real_compile():
     """max_grad_norm under a budget only a second backward meets: the same strategy and program; the
     curve starts at the lesser minimum of the two strategies, each budget choosing its own."""

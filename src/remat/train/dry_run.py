@@ -133,30 +133,26 @@ def refuse(what: str):
 
 
 def curve(c: Compilation, minimum: int, budgets: Sequence[int] | None = None, n_points: int = 10) -> list[CurvePoint]:
-    """The trade-off of budgets of a planned step: each budget planned (nothing run), smallest first;
-    by default ``n_points`` budgets from ``minimum`` to the unconstrained peak."""
+    """The trade-off of budgets of a planned step: each budget planned as a compile at it plans
+    (its algorithm choice, workspaces and, with ``max_grad_norm``, clipping strategy; nothing run),
+    smallest first; by default ``n_points`` budgets from ``minimum`` to the unconstrained peak, so
+    the first point is the minimum a refusal names, and it fits."""
     import numpy as np
 
-    from ..plan.costmodel import CostModel, priced_on
-    from ..plan.portfolio import plan_step
+    from ..plan.costmodel import priced_on
 
     if budgets is None:
         budgets = sorted({int(round(x)) for x in np.linspace(minimum, c.unconstrained_peak, n_points)})
     out = []
     with priced_on(c.options.device_spec):
-        cost = CostModel(c.costs)
         for b in sorted(int(b) for b in budgets):
             try:
-                if c.clipped:  # max_grad_norm: each budget chooses its clipping strategy as a compile would
-                    at = c.planned_at(b)
-                    out.append(CurvePoint(b, True, at.plan.peak, at.plan.overhead, at.predicted_seconds,
-                                          f"{at.plan.solver} ({at.clip_strategy})"))
-                    continue
-                plan = plan_step(replace(c.problem, budget=b))
+                at = c.planned_at(b)
             except BudgetTooSmall as e:
                 out.append(CurvePoint(b, False, None, None, None, f"needs {format_bytes(e.minimum)}"))
                 continue
-            out.append(CurvePoint(b, True, plan.peak, plan.overhead, cost.program_cost(plan.program), plan.solver))
+            solver = f"{at.plan.solver} ({at.clip_strategy})" if c.clipped else at.plan.solver
+            out.append(CurvePoint(b, True, at.plan.peak, at.plan.overhead, at.predicted_seconds, solver))
     return out
 
 
