@@ -112,6 +112,13 @@ def test_a_dry_run_does_not_lend_its_plans_to_a_real_compile(monkeypatch):
     assert r.measured_allocator_peak <= r.predicted_allocator_peak <= r.budget
 
 
+def test_a_budget_above_the_named_devices_memory_is_warned_of():
+    with torch.device("meta"):
+        model, ex, loss = zoo.make("mlp", "tiny")
+    with pytest.warns(UserWarning, match=r"more than h100-80gb's memory, 79\.\d+ GiB .*a plan within the budget may not"):
+        remat.compile(model, ex, loss, budget="100GiB", dry_run=True, device="h100-80gb", solver="greedy")
+
+
 def test_a_planned_step_refuses_to_run_and_reports():
     with torch.device("meta"):
         model, ex, loss = zoo.make("gpt", "tiny")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 
 import time
+import warnings
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
@@ -840,6 +841,13 @@ def start(model, example_inputs: Sequence | Mapping, loss_fn: Callable | None, o
     options.check()
     if spec is None and options.device_spec is not None:  # a named device: its memory is the budget
         spec = Budget(nbytes=options.device_spec.memory_bytes)
+    elif spec is not None and spec.nbytes is not None and options.device_spec is not None \
+            and spec.nbytes > options.device_spec.memory_bytes:
+        d = options.device_spec
+        warnings.warn(f"budget {format_bytes(spec.nbytes)} ({spec.nbytes} bytes) is more than {d.name}'s memory, "
+                      f"{format_bytes(d.memory_bytes)} ({d.memory_bytes} bytes): a plan within the budget may not fit "
+                      "the device; give a budget of at most its memory (or no budget: then its memory is the budget)",
+                      stacklevel=3)
     o = options
     dp = setup(o.data_parallel) if o.bucket_bytes is None else setup(o.data_parallel, o.bucket_bytes)
     if dp is not None and (optimizer is None or o.keep_grads):
