@@ -150,7 +150,11 @@ class Report:
         if self.memory is not None:
             lines += [f"{'at peak: ' + k:<{w}}  {b(v)}" for k, v in self.memory.items() if v]
         lines += [f"  algorithm: {a}" for a in self.algorithms]
-        lines += [f"  note: {n}" for n in self.solver_notes if not n.startswith("algorithm choice: ")]
+        notes = [n for n in self.solver_notes if not n.startswith("algorithm choice: ")]
+        if any("predicted overhead" in n for n in notes):
+            notes.insert(0, "the planners' predicted overheads below are over the forward and backward they plan; "
+                            "'predicted recompute overhead' above is over the whole unconstrained step")
+        lines += [f"  note: {n}" for n in notes]
         return "\n".join(lines)
 
 
