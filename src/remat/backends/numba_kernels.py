@@ -26,6 +26,7 @@ import hashlib
 import importlib.util
 import math
 import os
+import shutil
 import sys
 import threading
 import time
@@ -421,13 +422,19 @@ def njit_cached(py_func: Callable, sigs: Any = None, callees: tuple = (), **opti
     itself and ignores an index of another Numba version or of another source file."""
     import numba
 
-    def build() -> Callable:
-        jit = numba.njit(cache=True, **options) if sigs is None else numba.njit(sigs, cache=True, **options)
+    def build(cache: bool = True) -> Callable:
+        jit = numba.njit(cache=cache, **options) if sigs is None else numba.njit(sigs, cache=cache, **options)
         return jit(py_func)
 
     try:
         return build()
     except Exception as e:  # noqa: BLE001  a damaged cache, or a real compile error (raised again below)
+        if isinstance(e, RuntimeError) and "no locator available" in str(e):
+            # Nowhere to write Numba's cache (a read-only install, no writable home): compiled per process.
+            warnings.warn(f"remat: Numba cannot cache {py_func.__qualname__} ({str(e).strip()[:160]}); it is "
+                          "compiled in each process instead (set NUMBA_CACHE_DIR to a writable directory to cache it)",
+                          RuntimeWarning, stacklevel=2)
+            return build(cache=False)
         files = _numba_cache_files(py_func, options)
         for callee in callees:
             files += _numba_cache_files(getattr(callee, "py_func", callee), {})
@@ -436,7 +443,7 @@ def njit_cached(py_func: Callable, sigs: Any = None, callees: tuple = (), **opti
         removed = []
         for f in files:
             try:
-                f.unlink()
+                shutil.rmtree(f) if f.is_dir() else f.unlink()  # a directory where a file should be, too
                 removed.append(f.name)
             except OSError:
                 pass

@@ -7,13 +7,14 @@ node's inputs in order (CSR), ``cost`` its compute seconds, ``is_input`` / ``is_
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from .._jit import njit
 
 STUCK = -1  # greedy_pass: nothing left to evict, an input or a non-recomputable value needed again, or too many steps
 
 
-@numba.njit(cache=True)
+@njit
 def pick_eviction(indptr, indices, cost, is_input, live, resident, pins, uses, size, nxt, p, belady, outputs_last,
                   is_output, negligible, rec):
     """The node to evict among the resident values without pins, or -1 when none may go.
@@ -67,7 +68,7 @@ def pick_eviction(indptr, indices, cost, is_input, live, resident, pins, uses, s
     return best
 
 
-@numba.njit(cache=True)
+@njit
 def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, max_steps):
     """One greedy pass (:class:`.greedy._Greedy`, whose steps it takes in the same order) over a
     graph whose inputs are all outputs (never freed): ``(seq, n)``, the compute sequence in
@@ -130,7 +131,7 @@ def greedy_pass(graph, order, use_ptr, use_pos, budget, belady, outputs_last, ma
     return seq, ns
 
 
-@numba.njit(cache=True)
+@njit
 def _free_if_dead(u, mem, graph, state):
     """Free ``u`` if it is live, without pins, without reads left, and not an output: the new ``mem``."""
     nbytes, is_output = graph[6], graph[4]
@@ -142,7 +143,7 @@ def _free_if_dead(u, mem, graph, state):
     return mem
 
 
-@numba.njit(cache=True)
+@njit
 def _make_live(root, mat, p, mem, ns, graph, state, budget, belady, outputs_last, max_steps):
     """Compute ``root`` at position ``p`` after making its inputs live, rematerialising the evicted
     ones first (recursively, on an explicit stack), each computation's inputs pinned while it runs;

@@ -7,11 +7,12 @@ inputs, CSR). A schedule is two arrays: ``kinds`` (1 compute, 0 free) and ``node
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from .._jit import njit
 
-@numba.njit(cache=True)
+
+@njit
 def prune(seq, indptr, indices, is_output):
     """:func:`.graph.prune_compute_sequence`: drop computes whose result is not read before the
     value is computed again (or, for a non-output's last one, never read), until none is."""
@@ -40,7 +41,7 @@ def prune(seq, indptr, indices, is_output):
     return seq
 
 
-@numba.njit(cache=True)
+@njit
 def eager_schedule(seq, indptr, indices, is_input, is_output):
     """:func:`.graph.eager_frees` of ``seq``, whose every compute reads values computed (or inputs)
     before it: ``(kinds, nodes)``. Frees after the same step come in the order the Python version
@@ -101,7 +102,7 @@ def eager_schedule(seq, indptr, indices, is_input, is_output):
     return kinds, nodes
 
 
-@numba.njit(cache=True)
+@njit
 def measure(kinds, nodes, indptr, indices, is_input, is_output, recomputable, nbytes, workspace, cost):
     """:func:`.graph.evaluate` of a schedule: ``(valid, cost, peak)``; ``valid`` false where the
     Python version raises (it then says why)."""
@@ -144,7 +145,7 @@ LIST_KEYS = {"delta": 0, "peak": 1, "delta_peak": 2}
 """The priorities of :func:`list_schedule` by :func:`.scheduling._list_schedule`'s names."""
 
 
-@numba.njit(cache=True)
+@njit
 def list_schedule(indptr, indices, cons_ptr, cons, is_input, is_output, nbytes, workspace, key_kind, lookahead):
     """:func:`.scheduling._list_schedule`: repeatedly run the ready node of least priority
     (``key_kind``, :data:`LIST_KEYS`; ties on the index). ``cons_ptr``/``cons``: each node's

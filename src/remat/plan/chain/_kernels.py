@@ -16,8 +16,9 @@ walks contiguous memory.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
+
+from ..._jit import njit
 
 FAIL = -1  # B table sentinel: the sub-problem cannot be done in m units
 QUAD = -2  # D table marker: the "recompute everything" strategy (eq. 3.4/3.5)
@@ -35,7 +36,7 @@ def pair_ids(n: int) -> tuple[np.ndarray, int]:
     return pid, c
 
 
-@numba.njit(cache=True)
+@njit
 def thesis_bounds(bf, bb, af, ab):
     """Exact per-sub-problem minimum peak P, no-recompute peak NR and cost LIN.
 
@@ -70,7 +71,7 @@ def thesis_bounds(bf, bb, af, ab):
     return P, NR, LIN
 
 
-@numba.njit(cache=True)
+@njit
 def thesis_dp(af, ab, bf, bb, M, pid, npairs, P, NR, LIN):
     """Precise-cost policy solver (thesis Alg. 3.4 with the listing slips fixed).
 
@@ -141,7 +142,7 @@ def thesis_dp(af, ab, bf, bb, M, pid, npairs, P, NR, LIN):
     return C, B, D
 
 
-@numba.njit(cache=True)
+@njit
 def ext_bounds(af, ab, fo, ft, fx, bb, bx):
     """P/NR/LIN of the extended model for both families (see solvers docstring).
 
@@ -182,7 +183,7 @@ def ext_bounds(af, ab, fo, ft, fx, bb, bx):
     return P, NR, LIN
 
 
-@numba.njit(cache=True)
+@njit
 def ext_dp(af, ab, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN):
     """Extended-model DP.  Decision code: ``2*k + s`` (s=1: checkpoint f_k with its
     tape, right family 1, left (i, k); s=0: checkpoint f_k's output only, right
@@ -235,7 +236,7 @@ def ext_dp(af, ab, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN):
     return C, B, D
 
 
-@numba.njit(cache=True)
+@njit
 def gruslys_dp(t_max, m_max):
     """Gruslys et al. Alg. 2.1 in forward-count units: C[t, m] = number of forward
     evaluations to backprop a length-t uniform chain with m slots, D[t, m] = y.

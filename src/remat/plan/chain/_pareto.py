@@ -15,11 +15,12 @@ chain has, not on the budget's magnitude.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
+from ..._jit import njit
 
-@numba.njit(cache=True)
+
+@njit
 def _grow(a, need):
     """``a`` with room for ``need`` entries (doubling); Numba compiles one version per dtype."""
     if need <= a.shape[0]:
@@ -29,7 +30,7 @@ def _grow(a, need):
     return b
 
 
-@numba.njit(cache=True)
+@njit
 def pareto_dp(af, ab, bf, bb, Mcap, pid, npairs):
     """Frontiers of all sub-problems in the thesis model (bytes).
 

@@ -1,0 +1,68 @@
+"""Numba's on-disk cache for remat's own compiled helpers (the planners' kernels), made safe.
+
+``numba.njit(cache=True)`` keeps compiled code next to the source (its ``__pycache__``) or, where that
+is read-only, under the user's home. Two things went wrong with it: an install where neither is
+writable (a read-only site-packages in a container whose ``$HOME`` is not writable) made Numba raise
+"no locator available" when the module was imported, so no compile could start; and a damaged cache
+file (a process killed while writing, a disk error) made every later compile fail with Numba's
+``UnpicklingError`` until the file was removed by hand. :func:`njit` compiles without the on-disk
+cache in the first case and repairs the cache in the second (each said once with a warning), and
+returns Numba's own dispatcher, so jitted helpers still call each other in nopython code.
+(The kernels generated per step are cached by :func:`remat.backends.numba_kernels.njit_cached`.)
+"""
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+
+def njit(py_func: Callable) -> Any:
+    """``numba.njit(cache=True)(py_func)``, with the cache files checked now (an index or data file
+    that cannot be read is removed: the function compiles again on its first call), or without the
+    on-disk cache where Numba finds nowhere to write it."""
+    import numba
+
+    try:
+        dispatcher = numba.njit(cache=True)(py_func)
+    except RuntimeError as e:  # "cannot cache function ...: no locator available"
+        warnings.warn(f"remat: Numba cannot cache {py_func.__qualname__} ({str(e).strip()[:160]}); it is compiled "
+                      "in each process instead (set NUMBA_CACHE_DIR to a writable directory to cache it)",
+                      RuntimeWarning, stacklevel=2)
+        return numba.njit(py_func)
+    _repair(dispatcher, py_func)
+    return dispatcher
+
+
+def _repair(dispatcher: Any, py_func: Callable) -> None:
+    """Remove ``dispatcher``'s cache files when its index or a data file it lists cannot be read."""
+    try:
+        cache = dispatcher._cache
+        files = cache._cache_file
+        directory = Path(cache._cache_path)
+        index = directory / files._index_name
+    except Exception:  # noqa: BLE001  Numba's internals moved: nothing to check
+        return
+    if not index.exists():
+        return
+    try:
+        for name in files._load_index().values():
+            files._load_data(name)
+        return
+    except Exception as e:  # noqa: BLE001  truncated, garbage, a directory: any of them stops every call
+        error = e
+    base = files._index_name[:-len(".nbi")]
+    removed = []
+    for f in [index, *directory.glob(f"{base}.*.nbc")]:
+        try:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+            removed.append(f.name)
+        except OSError:
+            pass
+    warnings.warn(f"remat: Numba's cached code of {py_func.__qualname__} in {directory} could not be loaded "
+                  f"({type(error).__name__}: {str(error).strip()[:160]}); removed {', '.join(removed) or 'nothing'}: "
+                  "it compiles again on its first call", RuntimeWarning, stacklevel=3)
+
+
+__all__ = ["njit"]
