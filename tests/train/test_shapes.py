@@ -82,3 +82,18 @@ def test_shapes_the_model_cannot_take_are_a_type_error_naming_them():
                                         r"\(18\) to match target batch_size \(24\)"):
         step(x[:3], y)  # inputs and targets disagree on the batch: the model's own error is named
     assert step.report().shapes_cached == 1
+
+
+def test_an_empty_batch_is_refused_before_anything_changes():
+    """A batch of no samples (the last slice of a loader can be one) is a clear ValueError before any
+    compile or run, parameters untouched (it reached the VM as another shape and failed there on an
+    internal invariant: 'result 0 must share the storage of operand 0')."""
+    model = Seq()
+    step = remat.compile(model, _batch(4, 6), _ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         progress=lambda m: None)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _batch(4, 6)
+    with pytest.raises(ValueError, match=r"empty batch \(inputs of shapes \[\[0, 6\], \[0, 6\]\]"):
+        step(x[:0], y[:0])
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert step.report().shapes_cached == 1

@@ -32,6 +32,18 @@ from .report import Report, precision_summary
 _PROFILING = threading.Lock()  # one allocator measurement (torch.profiler session) at a time
 
 
+def _refuse_an_empty_batch(inputs: tuple) -> None:
+    """ValueError, before anything runs or is compiled, for a batch of no samples (every tensor input's
+    first dimension 0, as the last slice of a loader can be): a mean loss over it is NaN and there is
+    nothing to learn from; the caller skips it."""
+    import torch
+
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if tensors and all(t.shape[0] == 0 for t in tensors):
+        raise ValueError(f"the training step got an empty batch (inputs of shapes {[list(t.shape) for t in tensors]}: "
+                         "no samples): nothing to train on, nothing was changed; skip empty batches in the loop")
+
+
 class TrainStep:
     """A compiled training step. Call it with the inputs and targets; it runs forward, backward
     and the optimizer update on the model's own tensors and returns the loss.
@@ -87,6 +99,7 @@ class TrainStep:
 
             refuse("run")
         inputs = self.signature.positional(inputs, keyword_inputs)
+        _refuse_an_empty_batch(inputs)
         now = self._watch.now(self.compilation.options.precision)
         if now != self._against or self.signature.other_shapes(inputs):
             return self._call_variant(inputs, now)
