@@ -133,6 +133,24 @@ def test_a_damaged_kernel_source_is_generated_again(how):
         assert _valid(s)
 
 
+@pytest.mark.parametrize("source", ["def kernel(:\n", "SIGNATURE = 'void()'\n"], ids=["syntax error", "no kernel"])
+def test_a_kernel_entry_of_another_writer_is_generated_again(source):
+    """An entry whole and checksummed but holding other source than its key's kernel (another writer's,
+    a bug's) is written again with a warning naming it; it stopped the compile (SyntaxError,
+    AttributeError) before."""
+    _compile_and_train("resnet")
+    sources = sorted((rcache.cache_root() / "kernels").glob("k_*.py"))
+    assert sources
+    for path in sources:
+        head = path.read_bytes().split(b"\n", 1)[0].decode().split(" ")
+        rcache.write_entry(path, head[1], int(head[2][1:]), source.encode())
+    _forget()
+    _, warned = _compile_and_train("resnet")
+    for path in sources:
+        assert any(str(path) in w and "holds other source" in w for w in warned), warned
+        assert _valid(path) and source.encode() not in path.read_bytes()
+
+
 @pytest.mark.parametrize("how", DAMAGE)
 def test_a_damaged_numba_cache_is_compiled_again(how):
     _compile_and_train("resnet")

@@ -378,9 +378,13 @@ def _build_kernel(p: Pattern, out_dtypes: tuple[DType, ...], key: str) -> Callab
     path = cache_dir() / f"k_{key}.py"
     tag = f"kernel:{key}"
     try:
-        if read_entry(path, tag, _GEN_VERSION, "kernel cache") is None:
-            source = f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)
-            write_entry(path, tag, _GEN_VERSION, source.encode())
+        source = (f"# remat fused kernel; body: {p.body}\n" + generate(p, out_dtypes)).encode()
+        cached = read_entry(path, tag, _GEN_VERSION, "kernel cache")
+        if cached != source:  # missing, damaged, or another writer's (the source is a function of the key)
+            if cached is not None:
+                warnings.warn(f"remat: kernel cache entry {path} holds other source than its key's kernel; "
+                              "it is written again", RuntimeWarning, stacklevel=2)
+            write_entry(path, tag, _GEN_VERSION, source)
     except OSError:  # a cache that cannot be written: compiled in memory, for this process only
         import numba
 
