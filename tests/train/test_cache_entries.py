@@ -196,6 +196,30 @@ def test_a_damaged_solve_is_solved_again(how, monkeypatch):
     assert _valid(entry) and again.fun == first.fun and (again.x == first.x).all()
 
 
+@pytest.mark.parametrize("x", ["short", "outside"])
+def test_a_kept_solve_that_is_not_a_solution_is_solved_again(x, monkeypatch):
+    """A whole, checksummed solve entry whose values are not a solution of its model (another
+    writer's) is named in a warning and solved again; it crashed the planner (an IndexError, a
+    schedule reading a value that is not live)."""
+    import json
+
+    from remat.plan import milp, solve_cache
+
+    model = milp._build(*_milp_problem())
+    monkeypatch.setattr(solve_cache, "MIN_SECONDS", 0.0)
+    first = milp._solve(model, 30.0, 1e-4, node_limit=50)
+    (entry,) = solve_cache.cache_dir().glob("*.json")
+    head = entry.read_bytes().split(b"\n", 1)[0].decode().split(" ")
+    d = json.loads(rcache.check_entry(entry.read_bytes(), head[1], int(head[2][1:]))[0])
+    d["x"] = d["x"][:3] if x == "short" else [0.5] * len(d["x"])
+    rcache.write_entry(entry, head[1], int(head[2][1:]), json.dumps(d).encode())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = milp._solve(model, 30.0, 1e-4, node_limit=50)
+    assert any(str(entry) in str(w.message) and "not a solution" in str(w.message) for w in caught)
+    assert again.fun == first.fun and (again.x == first.x).all()
+
+
 def _milp_problem():
     """A small graph's whole MILP at the middle of its budgets: ``_build``'s arguments."""
     import sys

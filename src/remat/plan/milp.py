@@ -393,7 +393,10 @@ def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int
         key = solve_cache.key(model.c, A, model.row_lb, model.row_ub, model.lb, model.ub, model.integrality, options)
         kept = solve_cache.load(key)
         if kept is not None:
-            return kept
+            why = _not_a_solution(model, A, kept)
+            if why is None:
+                return kept
+            solve_cache.reject(key, why)  # another writer's, or a bug's: warned of, solved again
     t0 = time.perf_counter()
     with _native_stdout_silenced(), warnings.catch_warnings():
         # SciPy warns that it passes options it does not know to HiGHS verbatim, which is the intent.
@@ -408,6 +411,27 @@ def _solve(model: _Model, time_limit: float, mip_rel_gap: float, node_limit: int
     if key is not None and not _timed_out(res) and time.perf_counter() - t0 >= solve_cache.MIN_SECONDS:
         solve_cache.store(key, res)
     return res
+
+
+def _not_a_solution(model, A, res) -> str | None:
+    """Why a kept result is not a solution of ``model`` (None: it is, or it kept no solution): its
+    values must be one per variable, within their bounds, integral where asked, and meet every row."""
+    x = res.get("x")
+    if x is None:
+        return None
+    if x.shape != model.c.shape:
+        return f"{x.size} values for {model.c.size} variables"
+    tol = 1e-6
+    if np.any(x < model.lb - tol * (1 + np.abs(model.lb))) or np.any(x > model.ub + tol * (1 + np.abs(model.ub))):
+        return "values outside their bounds"
+    ints = np.asarray(model.integrality).astype(bool)
+    if np.any(np.abs(x[ints] - np.round(x[ints])) > tol):
+        return "fractional values of integer variables"
+    ax = A @ x
+    if np.any(ax < model.row_lb - tol * (1 + np.abs(model.row_lb))) \
+            or np.any(ax > model.row_ub + tol * (1 + np.abs(model.row_ub))):
+        return "values that break its constraints"
+    return None
 
 
 def _timed_out(res) -> bool:

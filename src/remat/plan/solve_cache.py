@@ -89,6 +89,12 @@ def load(k: str):
         return None
 
 
+def reject(k: str, why: str) -> None:
+    """Warn that the entry kept under ``k`` is not a solution of its model (``why``); the caller solves
+    again, and its result replaces the entry."""
+    warn_bad_entry(_path(k), _WHAT, f"it is not a solution of its model ({why})")
+
+
 def store(k: str, res) -> None:
     """Keep ``res`` (``scipy.optimize.milp``'s result) under ``k``. A failure to write leaves no entry
     and is not an error."""
