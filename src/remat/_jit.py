@@ -26,13 +26,36 @@ def njit(py_func: Callable) -> Any:
 
     try:
         dispatcher = numba.njit(cache=True)(py_func)
-    except RuntimeError as e:  # "cannot cache function ...: no locator available"
-        warnings.warn(f"remat: Numba cannot cache {py_func.__qualname__} ({str(e).strip()[:160]}); it is compiled "
-                      "in each process instead (set NUMBA_CACHE_DIR to a writable directory to cache it)",
-                      RuntimeWarning, stacklevel=2)
+    except RuntimeError as e:
+        if not no_locator(e):
+            raise
+        warn_uncached(py_func, e, stacklevel=3)
         return numba.njit(py_func)
     _repair(dispatcher, py_func)
     return dispatcher
+
+
+def no_locator(e: BaseException) -> bool:
+    """Whether ``e`` is Numba's "cannot cache function ...: no locator available" (nowhere to write)."""
+    return isinstance(e, RuntimeError) and "no locator available" in str(e)
+
+
+def warn_uncached(py_func: Callable, e: BaseException, stacklevel: int) -> None:
+    warnings.warn(f"remat: Numba cannot cache {py_func.__qualname__} ({str(e).strip()[:160]}); it is compiled "
+                  "in each process instead (set NUMBA_CACHE_DIR to a writable directory to cache it)",
+                  RuntimeWarning, stacklevel=stacklevel)
+
+
+def remove_files(paths) -> list[str]:
+    """Remove each of ``paths`` (a directory too, where a cache file should be); the names removed."""
+    removed = []
+    for f in paths:
+        try:
+            shutil.rmtree(f) if f.is_dir() else f.unlink()
+            removed.append(f.name)
+        except OSError:
+            pass
+    return removed
 
 
 def _repair(dispatcher: Any, py_func: Callable) -> None:
@@ -53,16 +76,10 @@ def _repair(dispatcher: Any, py_func: Callable) -> None:
     except Exception as e:  # noqa: BLE001  truncated, garbage, a directory: any of them stops every call
         error = e
     base = files._index_name[:-len(".nbi")]
-    removed = []
-    for f in [index, *directory.glob(f"{base}.*.nbc")]:
-        try:
-            shutil.rmtree(f) if f.is_dir() else f.unlink()
-            removed.append(f.name)
-        except OSError:
-            pass
+    removed = remove_files([index, *directory.glob(f"{base}.*.nbc")])
     warnings.warn(f"remat: Numba's cached code of {py_func.__qualname__} in {directory} could not be loaded "
                   f"({type(error).__name__}: {str(error).strip()[:160]}); removed {', '.join(removed) or 'nothing'}: "
                   "it compiles again on its first call", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["njit"]
+__all__ = ["njit", "no_locator", "remove_files", "warn_uncached"]

@@ -26,7 +26,6 @@ import hashlib
 import importlib.util
 import math
 import os
-import shutil
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._jit import no_locator, remove_files, warn_uncached
 from ..cache import cache_root, read_entry, write_entry  # noqa: F401  (also remat.backends.numba_kernels.cache_root)
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, parse_body
@@ -433,24 +433,15 @@ def njit_cached(py_func: Callable, sigs: Any = None, callees: tuple = (), **opti
     try:
         return build()
     except Exception as e:  # noqa: BLE001  a damaged cache, or a real compile error (raised again below)
-        if isinstance(e, RuntimeError) and "no locator available" in str(e):
-            # Nowhere to write Numba's cache (a read-only install, no writable home): compiled per process.
-            warnings.warn(f"remat: Numba cannot cache {py_func.__qualname__} ({str(e).strip()[:160]}); it is "
-                          "compiled in each process instead (set NUMBA_CACHE_DIR to a writable directory to cache it)",
-                          RuntimeWarning, stacklevel=2)
+        if no_locator(e):  # nowhere to write Numba's cache (a read-only install, no writable home)
+            warn_uncached(py_func, e, stacklevel=3)
             return build(cache=False)
         files = _numba_cache_files(py_func, options)
         for callee in callees:
             files += _numba_cache_files(getattr(callee, "py_func", callee), {})
         if not files:
             raise
-        removed = []
-        for f in files:
-            try:
-                shutil.rmtree(f) if f.is_dir() else f.unlink()  # a directory where a file should be, too
-                removed.append(f.name)
-            except OSError:
-                pass
+        removed = remove_files(files)
         warnings.warn(f"remat: Numba's cached code of {py_func.__qualname__} in {files[0].parent} could not be "
                       f"loaded ({type(e).__name__}: {str(e).strip()[:200]}); removed {', '.join(removed) or 'nothing'} "
                       "and compiled it again", RuntimeWarning, stacklevel=2)
