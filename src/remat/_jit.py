@@ -58,28 +58,36 @@ def remove_files(paths) -> list[str]:
     return removed
 
 
-def _repair(dispatcher: Any, py_func: Callable) -> None:
-    """Remove ``dispatcher``'s cache files when its index or a data file it lists cannot be read."""
+def cache_files(dispatcher: Any) -> list[Path]:
+    """The index and data files of a Numba dispatcher's on-disk cache that exist (where Numba's
+    locator puts them); none where Numba's internals moved."""
     try:
         cache = dispatcher._cache
-        files = cache._cache_file
         directory = Path(cache._cache_path)
-        index = directory / files._index_name
-    except Exception:  # noqa: BLE001  Numba's internals moved: nothing to check
-        return
-    if not index.exists():
+        index = cache._cache_file._index_name
+    except Exception:  # noqa: BLE001  Numba's internals moved: nothing to find
+        return []
+    base = index[:-len(".nbi")]
+    return sorted(f for f in [directory / index, *directory.glob(f"{base}.*.nbc")] if f.exists())
+
+
+def _repair(dispatcher: Any, py_func: Callable) -> None:
+    """Remove ``dispatcher``'s cache files when its index or a data file it lists cannot be read."""
+    paths = cache_files(dispatcher)
+    if not paths:
         return
     try:
+        files = dispatcher._cache._cache_file
         for name in files._load_index().values():
             files._load_data(name)
         return
     except Exception as e:  # noqa: BLE001  truncated, garbage, a directory: any of them stops every call
         error = e
-    base = files._index_name[:-len(".nbi")]
-    removed = remove_files([index, *directory.glob(f"{base}.*.nbc")])
+    directory = paths[0].parent
+    removed = remove_files(paths)
     warnings.warn(f"remat: Numba's cached code of {py_func.__qualname__} in {directory} could not be loaded "
                   f"({type(error).__name__}: {str(error).strip()[:160]}); removed {', '.join(removed) or 'nothing'}: "
                   "it compiles again on its first call", RuntimeWarning, stacklevel=3)
 
 
-__all__ = ["njit", "no_locator", "remove_files", "warn_uncached"]
+__all__ = ["cache_files", "njit", "no_locator", "remove_files", "warn_uncached"]

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .._jit import no_locator, remove_files, warn_uncached
+from .._jit import cache_files, no_locator, remove_files, warn_uncached
 from ..cache import cache_root, read_entry, write_entry  # noqa: F401  (also remat.backends.numba_kernels.cache_root)
 from ..ir import Instruction, Module
 from ..ir.ops.fused import Body, parse_body
@@ -452,14 +452,7 @@ def _numba_cache_files(py_func: Callable, options: dict[str, Any]) -> list[Path]
     """The index and data files of ``py_func`` in Numba's cache (where Numba's locator puts them)."""
     import numba
 
-    try:
-        cache = numba.njit(cache=True, **options)(py_func)._cache  # lazy: compiles and loads nothing
-        d = Path(cache._cache_path)
-        index = cache._cache_file._index_name
-    except Exception:  # noqa: BLE001  Numba's internals moved: nothing to repair
-        return []
-    base = index[:-len(".nbi")]
-    return sorted(f for f in [d / index, *d.glob(f"{base}.*.nbc")] if f.exists())
+    return cache_files(numba.njit(cache=True, **options)(py_func))  # lazy: compiles and loads nothing
 
 
 # ---------------------------------------------------------------- the kernel

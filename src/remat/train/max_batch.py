@@ -54,10 +54,6 @@ def absolute_budget(budget) -> int:
     """Bytes of a budget given in bytes or as a size ('1.5GiB'); ValueError for none, for a fraction
     or percentage in any spelling ('50%', 0.5, '0.5', '1.0': relative to a peak that changes with the
     batch size) and for anything not a budget."""
-    return _budget_bytes(budget)
-
-
-def _budget_bytes(budget) -> int:
     if budget is None:
         raise ValueError("max_batch needs a budget in bytes or a size such as '2GiB'")
     try:  # a fraction or percentage, in any spelling ('50%', 0.5, '0.5', '1.0'), is relative to a reference
@@ -138,7 +134,7 @@ def max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = None, opt
     the optimizer is modified."""
     from .api import compile
 
-    cap = _budget_bytes(budget)
+    cap = absolute_budget(budget)
     if options.pop("micro_batches", 1) not in (1, None):
         raise ValueError("max_batch searches whole-batch steps (micro_batches=1): with micro-batching the batch is "
                          "bounded only by the inputs' storage")
@@ -214,7 +210,7 @@ def eager_max_batch(model, make_batch: MakeBatch, loss_fn: Callable | None = Non
     """The largest batch eager PyTorch trains within ``budget`` (allocator peak by
     :func:`eager_step_peak`, measured per candidate: on CPU nothing fails when over a cap), by the
     same doubling-then-bisection search as :func:`max_batch`; and the candidates measured."""
-    cap = _budget_bytes(budget)
+    cap = absolute_budget(budget)
     say = progress or (lambda msg: None)
 
     def fits(n: int) -> tuple[bool, int, Any]:
