@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import csv
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -44,12 +46,13 @@ def test_train_budget_below_minimum_fails_with_the_minimum(capsys):
     assert m and int(m.group(1)) > 1000 and f"--budget {m.group(1)}" in err
 
 
-def test_train_fit_minimum_with_sgd_and_batch_size(capsys):
+def test_train_fit_minimum_with_sgd_and_batch_size_in_bf16(capsys):
     code = main(["train", "--model", "mlp", "--steps", "3", "--budget", "10%", "--fit-minimum", "--optimizer", "sgd",
-                 "--batch-size", "16", "--no-progress"])
+                 "--batch-size", "16", "--precision", "bf16", "--no-progress"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "fixed synthetic batch of 16" in out and "note: the requested budget 10%" in out and "is infeasible" in out
+    assert "; bf16; 3 steps" in out and re.search(r"^precision\s+bf16", out, re.M), out
     assert _bytes(out, "measured peak (last step)") <= _bytes(out, "budget")
 
 
@@ -124,6 +127,12 @@ def test_help_lists_the_commands(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(c in out for c in ("train", "curve", "opt"))
+
+
+def test_python_dash_m_remat_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "remat", "train", "--budget", "lots"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "usage: remat train" in r.stderr and "'lots' is not valid" in r.stderr
 
 
 def test_train_two_ranks_with_torchrun(capfd):

@@ -38,18 +38,21 @@ def _fraction_of(budget) -> float | None:
             if not 0 < frac <= 1:
                 raise ValueError(f"a fractional memory budget must be in (0, 1], got {frac}")
             return frac
-        if _POINT_NUMBER.fullmatch(budget.strip()):  # a number with a point: what the float it spells means
+        if _POINT_NUMBER.fullmatch(budget.strip()):  # a number spelled as a float: what that float means
             return _fraction_of(float(budget))
     return None
 
 
-_POINT_NUMBER = re.compile(r"[0-9]*\.[0-9]+|[0-9]+\.")
+_EXPONENT = r"(?:[eE][+-]?[0-9]+)"
+_POINT_NUMBER = re.compile(rf"(?:[0-9]*\.[0-9]+|[0-9]+\.){_EXPONENT}?|[0-9]+[eE]-[0-9]+")
+"""A number spelled as a float (a point, or a negative exponent): '0.5', '1e-1' (a fraction), '2.'."""
 
 
 def parse_budget(budget, reference: int | None = None) -> int:
     """Bytes from an int, a size string ('1.5GiB', '800 MB', '12345'), a percentage string
     ('40%') or a float fraction in (0, 1] of ``reference`` (e.g. the unconstrained peak). A string
-    spelling a number means that number ('0.5' is 0.5: half the reference; '1000' is 1000 bytes); a
+    spelling a number means that number ('0.5' and '5e-1' are 0.5: half the reference; '1000' and '1e3'
+    are 1000 bytes); a
     whole float above 1 is bytes (``100.0`` is 100 bytes, where ``1.0`` is the whole reference).
 
     Raises ValueError saying what was wrong and what is valid.

@@ -80,6 +80,8 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .train.compilation import PRECISIONS
+
     ap = argparse.ArgumentParser(
         prog="remat", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="remat: fit deep-learning training into a memory budget with the least recomputation.",
@@ -108,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=_positive_float, default=None,
                     help="learning rate (default: 3e-3 for adamw, 0.05 for sgd)")
     tr.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw", help="optimizer (default: adamw)")
+    tr.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                    help="fp32 (default), bf16 (autocast's op lists, fp32 master weights) or fp16 (with dynamic "
+                         "loss scaling); see remat.compile")
     tr.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data (default: 0)")
     tr.add_argument("--log-every", type=_positive_int, default=None, help="print the loss every N steps")
     tr.add_argument("--threads", type=_positive_int, default=1,
@@ -313,7 +318,7 @@ def _train_one(args: argparse.Namespace, rank: int, world: int) -> int:
         batches = [fixed] * args.steps
         what = f"{args.model} ({args.size}) on one fixed synthetic batch of {fixed[0].shape[0]}"
     n_params = sum(p.numel() for p in model.parameters())
-    options = {}
+    options = {"precision": args.precision}
     if world > 1:
         n = batches[0][0].shape[0]
         if n % world:
@@ -323,7 +328,8 @@ def _train_one(args: argparse.Namespace, rank: int, world: int) -> int:
         batches = [tuple(t[rank * part:(rank + 1) * part] for t in b) for b in batches]
         options["data_parallel"] = args.data_parallel or "zero2"
         what += f"; {world} ranks ({options['data_parallel']}), {part} examples each"
-    say(f"remat train: {what}; {n_params:,} parameters; {args.optimizer}, lr {lr:g}; {args.steps} steps")
+    say(f"remat train: {what}; {n_params:,} parameters; {args.optimizer}, lr {lr:g}; {args.precision}; "
+        f"{args.steps} steps")
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=lr)
     try:
@@ -616,7 +622,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """``python -m remat`` and ``python -m remat.cli``: run :func:`main` on ``sys.argv`` and exit with its code."""
     code = main()
     if _torchrun_world():
         # A rank leaves without C++ static destructors: its work is done and its process group
@@ -627,3 +634,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(code)
     raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    run()

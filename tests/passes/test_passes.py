@@ -72,13 +72,15 @@ def test_broadcast_of_broadcast_and_composed_transposes():
     text = """func @f(%0: f64[3], %1: f64[2,3,4]) -> (f64[2,2,3], f64[4,2,3]) {
   %2 = broadcast %0 {shape=[2, 3]} : f64[2,3]
   %3 = broadcast %2 {shape=[2, 2, 3]} : f64[2,2,3]
-  %4 = transpose %1 {perm=[1, 2, 0]} : f64[3,4,2]
-  %5 = transpose %4 {perm=[1, 2, 0]} : f64[4,2,3]
+  %4 = transpose %1 {perm=[1, 2, 0]} : f64[3,4,2]  // loc("attn", "model.py":7)
+  %5 = transpose %4 {perm=[1, 2, 0]} : f64[4,2,3]  // loc("attn", "model.py":8)
   return %3, %5
 }
 """
     m, out = _run(text, ["simplify", "dce"])
     assert _ops(out["f"]) == ["broadcast", "transpose", "return"]
+    # what replaces an instruction keeps its provenance (a report names the layer a recomputation is of)
+    assert str(out["f"].entry.instrs[1].loc) == str(m["f"].entry.instrs[3].loc) and out["f"].entry.instrs[1].loc.line == 8
     rng = np.random.default_rng(0)
     _same_numerics(m, out, [rng.standard_normal(3), rng.standard_normal((2, 3, 4))])
 

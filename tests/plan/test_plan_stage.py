@@ -10,7 +10,7 @@ from remat.plan.graph import eager_frees, evaluate
 from remat.plan.registry import graph_solver
 from remat.plan.simulator import predict_peak
 from remat.plan.milp import MILP_MAX_NODES
-from remat.plan.portfolio import plan_step, uses_milp
+from remat.plan.portfolio import _also_tried, plan_step, uses_milp
 from remat.plan.problem import StepProblem
 from remat.plan.record import Plan
 from remat.plan.costmodel import static_costs
@@ -127,3 +127,20 @@ def test_whole_graph_milp_under_auto_skips_a_model_over_its_size_and_says_so(mon
     monkeypatch.setattr(milp, "MILP_MAX_VARS", n_vars)
     graph_solver("auto", len(g.compute_nodes), main=True)(g, budget, order, 0.5)  # called (its answer is not the point)
     assert calls
+
+
+def test_the_notes_name_each_losing_plan_once_with_its_peak():
+    """A plan is told apart by solver, predicted overhead and peak; alike plans (one solver's answer
+    from several schedules) are counted in one note, not repeated."""
+    forward = parse(_forward_text())["f"]
+    plans = [Plan("chain DP (extended)", [], forward, 0.181, peak=453_939),
+             Plan("chain DP (extended)", [], forward, 0.181, peak=453_939),
+             Plan("greedy (heuristic)", [], forward, 0.181, peak=400_000)]
+    assert _also_tried(plans) == [
+        "also tried chain DP (extended) (2 plans alike): predicted overhead +18.1% at a peak of 443.30 KiB",
+        "also tried greedy (heuristic): predicted overhead +18.1% at a peak of 390.62 KiB"]
+    with pytest.raises(BudgetTooSmall) as e:
+        plan_step(_problem(1))
+    tight = plan_step(_problem(e.value.minimum + (predict_peak(_problem(None).unconstrained) - e.value.minimum) // 3))
+    tried = [n for n in tight.notes if n.startswith("also tried")]
+    assert len(tried) >= 2 and len(tried) == len(set(tried)) and all(" at a peak of " in n for n in tried)

@@ -293,7 +293,7 @@ def _rewrite(fn: Function, groups: list[Group]) -> tuple[Function, dict[int, tup
         if ins in anchor_of:
             g = anchor_of[ins]
             body, ext = bodies[id(g)]
-            fi = b.create("fused", [vmap[v] for v in ext], {"body": body.text()})
+            fi = b.create("fused", [vmap[v] for v in ext], {"body": body.text()}, loc=ins.loc)  # the anchor's
             spans[id(g)] = (new_at[pos[g.members[0]]], len(out.entry.instrs) - 1)
             for o, r in zip(g.outputs, fi.results):
                 vmap[o] = r

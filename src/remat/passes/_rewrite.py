@@ -133,7 +133,7 @@ def rewrite_matches(f: Function, match: Callable[[Instruction, dict[Value, int]]
         for ins in blk.instrs:
             if ins in matches:
                 scratch = Block()
-                value, site = emit(Builder(scratch), ins, matches[ins][1])
+                value, site = emit(Builder(scratch, loc=ins.loc), ins, matches[ins][1])
                 for ni in scratch.instrs:
                     ni.block = blk
                 out.extend(scratch.instrs)

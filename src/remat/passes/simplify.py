@@ -337,7 +337,7 @@ def rewrite_function(f: Function, rules: dict[str, list[Rule]], max_rounds: int 
                 new = None
                 if len(ins.results) == 1:
                     scratch = Block()
-                    bld = Builder(scratch)
+                    bld = Builder(scratch, loc=ins.loc)  # what replaces an instruction comes from where it did
                     for rule in rules.get(ins.op.name, ()):
                         new = rule(ins, bld)
                         if new is not None:

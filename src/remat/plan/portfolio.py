@@ -193,7 +193,8 @@ def _plan_budget(p: StepProblem, check_minimum: bool, frontier: PlanCache, peak:
     lowered += ladder
     best = _cheapest(lowered, p.budget)
     if ladder:
-        remarks.append(f"ladder: {len({c.budget for c in ladder})} budgets below this one planned by the greedy, "
+        n = len({c.budget for c in ladder})
+        remarks.append(f"ladder: {n} budget{'s' if n > 1 else ''} below this one planned by the greedy, "
                        f"{sum(1 for c in ladder if c.peak <= p.budget)} of their plans fit"
                        + (f"; one of them won" if best is not None and any(best is c for c in ladder) else ""))
     if deferred and (best is None or best.overhead > NEAR_FLOOR_OVERHEAD):
@@ -228,11 +229,21 @@ def _plan_budget(p: StepProblem, check_minimum: bool, frontier: PlanCache, peak:
     remarks.append(f"won: {best.solver}, predicted overhead {best.overhead:+.1%} at a peak of {format_bytes(best.peak)}"
                    f" (the least predicted overhead of {fits} plan{'s' if fits > 1 else ''} that fit)")
     shown = [c for c in others if not any(c is x for x in ladder)]
-    best = Plan(best.solver, best.notes + [f"also tried {c.solver}: predicted overhead {c.overhead:+.1%}"
-                                           for c in shown] + _why_not_chain(chain, p.budget, best) + remarks,
+    best = Plan(best.solver, best.notes + _also_tried(shown) + _why_not_chain(chain, p.budget, best) + remarks,
                 best.program.clone(), best.overhead, best.solution, best.peak, p.budget, time.perf_counter() - t0)
     verify(Module([best.program]))
     return best
+
+
+def _also_tried(plans: list[Plan]) -> list[str]:
+    """One note per distinct losing plan that fits: its solver, predicted overhead and peak (plans a
+    solver made from several schedules or budgets that came out alike are counted, not repeated)."""
+    seen: dict[tuple, int] = {}
+    for c in plans:
+        key = (c.solver, f"{c.overhead:+.1%}", format_bytes(c.peak))
+        seen[key] = seen.get(key, 0) + 1
+    return [f"also tried {solver}{f' ({n} plans alike)' if n > 1 else ''}: predicted overhead {overhead} "
+            f"at a peak of {peak}" for (solver, overhead, peak), n in seen.items()]
 
 
 def _static_plan(p: StepProblem) -> Plan | None:
