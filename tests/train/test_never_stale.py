@@ -139,6 +139,27 @@ def test_a_replaced_parameter_is_used():
         assert rel_err(p.grad, q.grad) <= 1e-5, n
 
 
+def test_a_parameter_stored_in_another_layout_after_compile_keeps_training():
+    """The step updates parameters in place: one whose storage became non-contiguous since compile
+    (``p.data`` rebound to a transposed layout) is stored contiguous again, not updated as a copy."""
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    o_r, o_e = _sgd(m_r), _sgd(m_e)
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=o_r)
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
+    for m in (m_r, m_e):
+        w = next(p for p in m.parameters() if p.dim() == 2)
+        w.data = w.data.t().contiguous().t()
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
+    _assert_step_like_eager(step, m_r, m_e, o_e, inputs, loss_fn)
+    name, w = next((n, p) for n, p in m_r.named_parameters() if p.dim() == 2)
+    w.data = torch.cat([w.data, w.data], 1)[:, :w.shape[1]]  # a strided view of a larger tensor
+    before = [p.detach().clone() for p in m_r.parameters()]
+    with pytest.raises(ValueError, match=f"parameter '{name}'.*shares its storage"):
+        step(*inputs)
+    assert all(torch.equal(p, q) for p, q in zip(m_r.parameters(), before))
+
+
 def test_a_parameter_put_in_an_empty_slot_is_used():
     """A layer built without a bias gets one after compile (its slot held None, so the count of slots
     did not change): the step compiles for the new parameter, as eager uses it, instead of running

@@ -108,8 +108,14 @@ class Binding:
 
     def check_optimizer(self) -> None:
         """RuntimeError when the optimizer changed what the compiled updates cannot follow
-        (``remat.step.optim.check_updates``); its hyperparameters' values are read at every step."""
+        (``remat.step.optim.check_updates``); its hyperparameters' values are read at every step.
+        The parameters the step updates in place are stored contiguous again if their storage
+        changed since (``p.data = p.data.t().contiguous().t()``, ``model.to(memory_format=...)``):
+        the step would otherwise update a contiguous copy and lose the update
+        (:func:`~remat.step.optim.store_params_contiguous`; a strided view of a larger tensor is a
+        ValueError naming the parameter)."""
         check_updates(self.optimizer, self.params, self.updates)
+        store_params_contiguous(self.params, self.imported.param_names, self.ohwi)
 
     # ------------------------------------------------------------------ arguments
     def next_seed(self) -> int | None:
