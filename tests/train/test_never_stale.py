@@ -313,6 +313,101 @@ def test_an_input_that_requires_grad_is_a_clear_error():
         step(x, *inputs[1:])
 
 
+class _LossConfig:
+    alpha = 1.0
+
+
+_LOSS_CONFIG = _LossConfig()
+
+
+def _weighted_mse(out, y):
+    return torch.nn.functional.mse_loss(out, y) * _LOSS_CONFIG.alpha
+
+
+@pytest.mark.parametrize("kind", ["global object's field", "closure dict entry", "loss module attribute"])
+def test_a_value_the_loss_reads_changed_after_compile_is_followed_like_eager(kind, monkeypatch):
+    """The loss's capture made what it reads constants (a loss weight annealed between steps): a
+    change is announced and followed by a step compiled for it, as eager PyTorch follows it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    weights = {"ce": 1.0}
+    if kind == "global object's field":
+        monkeypatch.setattr(_LOSS_CONFIG, "alpha", 1.0)
+        y = torch.randn(6, 3)
+        loss_fn, change, said = _weighted_mse, (lambda: setattr(_LOSS_CONFIG, "alpha", 4.0)), "_LOSS_CONFIG.alpha"
+    elif kind == "closure dict entry":
+        def loss_fn(out, t):
+            return torch.nn.functional.cross_entropy(out, t) * weights["ce"]
+
+        change, said = (lambda: weights.__setitem__("ce", 0.25)), "weights['ce']"
+    else:
+        loss_fn = torch.nn.CrossEntropyLoss()
+        change, said = (lambda: setattr(loss_fn, "label_smoothing", 0.2)), "loss_fn.label_smoothing"
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    o_r, o_e = _sgd(m_r), _sgd(m_e)
+    said_now = []
+    step = remat.compile(m_r, (x, y), loss_fn, optimizer=o_r, progress=said_now.append)
+    _assert_step_like_eager(step, m_r, m_e, o_e, (x, y), loss_fn)
+    change()
+    _assert_step_like_eager(step, m_r, m_e, o_e, (x, y), loss_fn)
+    assert any(f"the loss function's {said} changed" in str(m) for m in said_now), said_now
+    _assert_step_like_eager(step, m_r, m_e, o_e, (x, y), loss_fn)
+    assert step.shapes_cached() == 2
+
+
+def test_a_loss_weight_kept_as_a_buffer_changes_without_a_compile():
+    """What the announcement advises for a weight that changes every step: a buffer of the model,
+    updated in place and read by the loss, is an argument of the one compiled step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    model.register_buffer("alpha", torch.tensor(1.0))
+    m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
+    o_r, o_e = _sgd(m_r), _sgd(m_e)
+    x, y = torch.randn(6, 8), torch.randn(6, 3)
+    step = remat.compile(m_r, (x, y), lambda out, t: torch.nn.functional.mse_loss(out, t) * m_r.alpha, optimizer=o_r)
+    for k in range(3):
+        m_r.alpha.fill_(1.0 + k)
+        m_e.alpha.fill_(1.0 + k)
+        _assert_step_like_eager(step, m_r, m_e, o_e, (x, y), lambda out, t: torch.nn.functional.mse_loss(out, t) * m_e.alpha)
+    assert step.shapes_cached() == 1
+
+
+_FACTOR = {"t": torch.tensor(2.0)}
+
+
+class _ScaledByAGlobal(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc(x) * _FACTOR["t"]  # a tensor that is not the model's
+
+
+@pytest.mark.parametrize("where", ["loss", "forward"])
+def test_a_parameter_outside_the_model_is_refused_not_frozen(where, tmp_path, monkeypatch):
+    """A tensor that trains but is not the model's (a learnable temperature in the loss's closure, a
+    global parameter in the forward) would be captured as a constant and never train: refused with
+    where it is read, also after a capture of the same model was cached."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(_FACTOR, "t", torch.tensor(2.0))
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+    scale = torch.nn.Parameter(torch.tensor(1.0))
+    if where == "loss":
+        model, loss_fn = torch.nn.Linear(8, 2), (lambda out, t: torch.nn.functional.mse_loss(out * scale, t))
+    else:
+        model, loss_fn = _ScaledByAGlobal(), torch.nn.functional.mse_loss
+        remat.compile(model, (x, y), loss_fn)  # a constant: compiles, and its capture is cached
+        _FACTOR["t"].requires_grad_()  # now it would train (and eager would train it)
+        scale = _FACTOR["t"]
+    opt = torch.optim.SGD([*model.parameters(), scale], lr=0.1)
+    with pytest.raises(TypeError, match=r"reads a \w+ of shape \[\] \(float32\) read at .*test_never_stale.py.*"
+                                        r"not a parameter of the model"):
+        remat.compile(model, (x, y), loss_fn, optimizer=opt)
+
+
 def test_adam_with_decoupled_weight_decay_is_adamw():
     model, inputs, loss_fn = make("mlp")
     m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)

@@ -26,12 +26,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._gc import cyclic_gc_paused
 from ..ir import Builder, DType, Function, Loc, Module, TensorType, Value, parse, print_module, verify
 from ..passes import run
 from . import capture_cache
+from .reads import LossReads
 from ._aten import LOWERINGS, SUPPORTED, Lowerer, LoweringError, decomposition_tables, to_dtype
 
 __all__ = ["ImportedModel", "ModelOutputError", "Unsupported", "UnsupportedOpError", "import_module", "keyword_inputs",
@@ -336,7 +339,7 @@ def keyword_inputs(example_inputs: Sequence | Mapping, loss_fn: Callable[..., An
     targets: list[str] = []
     if loss_fn is not None:
         try:
-            params = list(inspect.signature(loss_fn).parameters.values())
+            params = _loss_parameters(loss_fn)
         except (TypeError, ValueError):
             raise TypeError("cannot read the loss function's signature to find its targets among the keyword "
                             "inputs; pass the inputs positionally with num_targets=") from None
@@ -386,9 +389,15 @@ def _strip(name: str) -> str:
     return name[len(_PREFIX):] if name.startswith(_PREFIX) else name
 
 
+def _loss_parameters(loss_fn: Callable[..., Any]) -> list[inspect.Parameter]:
+    """The loss function's parameters; a loss module's (``nn.CrossEntropyLoss()``) are its ``forward``'s."""
+    fn = loss_fn.forward if isinstance(loss_fn, torch.nn.Module) else loss_fn
+    return list(inspect.signature(fn).parameters.values())
+
+
 def _count_targets(loss_fn: Callable[..., Any]) -> int:
     try:
-        params = list(inspect.signature(loss_fn).parameters.values())
+        params = _loss_parameters(loss_fn)
     except (TypeError, ValueError):
         raise TypeError("cannot read the loss function's signature; pass num_targets=") from None
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
@@ -532,7 +541,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                 key = capture_cache.capture_key(wrapper, tuple(example_inputs), {
                     "train": train, "n_inputs": n_inputs, "n_targets": n_targets, "has_loss": loss_fn is not None,
                     "input_names": input_names, "name": name, "options": sorted(options.items()),
-                    "autocast": str(autocast)})
+                    "autocast": str(autocast), "loss_reads": _loss_reads_key(loss_fn)})
             except capture_cache.Uncacheable:
                 key = None
             entry = None if key is None else capture_cache.load(key)
@@ -563,6 +572,15 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
         capture_cache.store(key, _to_entry(imported, ep), capture_cache.trace_files(ep.graph_module.graph)
                             | capture_cache.class_files(wrapper))
     return imported
+
+
+def _loss_reads_key(loss_fn) -> list:
+    """What the loss function reads (:class:`~remat.frontend.reads.LossReads`: a global loss weight,
+    a config's field), for the capture's key: a capture made at one value is not another's. Tensors
+    are left to the key's description of the function and to :func:`stale_capture`."""
+    if loss_fn is None:
+        return []
+    return [[label, repr(d)] for label, d in LossReads(loss_fn).now() if d[0] != "tensor"]
 
 
 def _to_entry(imported: ImportedModel, ep: "torch.export.ExportedProgram") -> capture_cache.Entry:
@@ -600,16 +618,63 @@ def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
     return _WithLoss(model, loss_fn, len(tensors) - n_targets, input_names, keyword_options(example_inputs)), tensors
 
 
+class _OutsideLeaves(TorchFunctionMode):
+    """Records the real tensors a torch function reads that require a gradient and are leaves
+    (``nn.Parameter`` s and the like) but are not ``own`` (the model's parameters, by id), with the
+    innermost place in the user's code that read each: the trace lifts such a tensor as a constant
+    (its value copied), so it would get no gradient and never train."""
+
+    def __init__(self, own: set[int]) -> None:
+        super().__init__()
+        self.own = own
+        self.found: dict[int, tuple[torch.Tensor, str | None]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if (isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in self.own
+                    and id(a) not in self.found and not isinstance(a, FakeTensor)):
+                import traceback
+
+                frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_stack()[:-1]]
+                self.found[id(a)] = (a, _user_frame(frames))
+        return func(*args, **kwargs)
+
+    def refuse(self) -> None:
+        """TypeError naming each such tensor (shape, dtype, where the model or the loss read it)."""
+        if not self.found:
+            return
+        shown = "; ".join(f"a {'Parameter' if isinstance(t, torch.nn.Parameter) else 'tensor'} of shape "
+                          f"{list(t.shape)} ({str(t.dtype).removeprefix('torch.')})"
+                          + (f" read at {where}" if where else "") for t, where in list(self.found.values())[:3])
+        more = f" and {len(self.found) - 3} more" if len(self.found) > 3 else ""
+        raise TypeError(f"the forward or the loss reads {shown}{more}, which requires grad but is not a parameter "
+                        "of the model: remat would capture it as a constant, and it would get no gradient and "
+                        "never train. Make it a parameter of the model (e.g. `model.temperature = "
+                        "nn.Parameter(...)`, read as `model.temperature` by the loss), or detach it "
+                        "(`t.detach()`) if it is not meant to train")
+
+
+def _own_tensors(wrapper: torch.nn.Module, example_inputs: tuple) -> set[int]:
+    """The ids of the model's parameters and of the inputs (an input that requires grad is the
+    training step's to refuse, by its name)."""
+    return {id(p) for p in wrapper.parameters()} | {id(t) for t in example_inputs}
+
+
 def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.ExportedProgram":
     """``torch.export`` then ``run_decompositions``, trying each of :func:`decomposition_tables`
-    in turn; a failure raises :class:`CaptureError` naming the stage (and every table tried)."""
+    in turn; a failure raises :class:`CaptureError` naming the stage (and every table tried). A
+    tensor that trains but is not the model's (:class:`_OutsideLeaves`) is a TypeError."""
+    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs))
     try:
-        exported = torch.export.export(wrapper, example_inputs)
+        with outside:
+            exported = torch.export.export(wrapper, example_inputs)
     except ModelOutputError:
         raise  # the user's call, not the capture: its message says what to change
     except Exception as e:
         raise CaptureError("capture (torch.export.export)", [f"{type(e).__name__}: {e}"],
                            _eager_error(wrapper, example_inputs), _model_frame(e.__traceback__)) from e
+    outside.refuse()
     _keep_region_origins(exported)
     failures = []
     for name, table in decomposition_tables():
@@ -627,18 +692,24 @@ _STDLIB = os.path.dirname(os.__file__)  # its site-packages (an install without 
 def _model_frame(tb) -> str | None:
     """Where in the model's code (not PyTorch's, remat's or the standard library's) a traceback's
     innermost such frame is: ``file:line (source line)``; None if it has none."""
-    import linecache
     import traceback
 
+    return _user_frame([(frame.f_code.co_filename, lineno, None) for frame, lineno in traceback.walk_tb(tb)])
+
+
+def _user_frame(frames: Sequence[tuple[str, int, str | None]]) -> str | None:
+    """The innermost of ``frames`` (outermost first: file, line, source or None) in the user's code
+    (not PyTorch's, remat's or the standard library's): ``file:line (source line)``; None if none is."""
+    import linecache
+
     found = None
-    for frame, lineno in traceback.walk_tb(tb):
-        path = frame.f_code.co_filename
+    for path, lineno, line in frames:
         stdlib = path.startswith(_STDLIB) and not any(d in path for d in ("site-packages", "dist-packages"))
         if not (path.startswith(_NOT_THE_MODEL) or stdlib or path.startswith("<")):
-            found = (path, lineno)
+            found = (path, lineno, line)
     if found is None:
         return None
-    line = linecache.getline(*found).strip()
+    line = (found[2] or linecache.getline(*found[:2])).strip()
     return f"{found[0]}:{found[1]}" + (f" ({line})" if line else "")
 
 
@@ -677,6 +748,9 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
     ``randn``: the program's ``uniform``) cannot be compared this way: it gives :data:`_UNCHECKED`
     and is captured again (the cache does not help it).
 
+    The eager forward also refuses what a capture refuses: a tensor that trains but is not the
+    model's (:class:`_OutsideLeaves`).
+
     Cost: one eager forward and one VM forward without gradients. On one thread, the second
     compile of the zoo GPT small takes 0.06 s more (0.02 s each forward), of the GPT medium of
     ``bench/speed.py`` 2.2 s more (eager 1.5 s, VM 0.8 s; the cached compile otherwise ~0.1 s,
@@ -698,9 +772,12 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
                 ins.attrs["p"] = 1.0
         Module([fn])
     keep = _KeepAll()  # only where the program draws: the mode slows a large forward down
-    eager, error = _run_eagerly(wrapper, example_inputs, keep if random else contextlib.nullcontext())
+    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs))  # what the capture refuses, refused here too
+    with outside:
+        eager, error = _run_eagerly(wrapper, example_inputs, keep if random else contextlib.nullcontext())
     if error is not None:  # the capture afresh reports the model's own error
         return f"the eager forward raised {error}"
+    outside.refuse()
     if keep.unforced:
         return _UNCHECKED
     want = [t for t in torch.utils._pytree.tree_leaves(eager) if isinstance(t, torch.Tensor)]

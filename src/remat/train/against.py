@@ -7,24 +7,16 @@ and parameter slots found at compile, re-walked only when the module tree change
 can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
 replaced, added, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a
 forward hook registered or removed, a dropout's ``p`` or another plain attribute the forward reads,
-a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running
+a value the loss function reads (:class:`LossReads`), a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running
 stale.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
+from ..frontend.reads import LossReads, attribute_value, module_internals, shown_value
+
 _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
-
-
-@functools.lru_cache(maxsize=1)
-def _module_internals() -> frozenset[str]:
-    """The attributes every ``nn.Module`` has (its parameter, buffer, module and hook dicts, ``training``):
-    not the model's own; they are read by name elsewhere."""
-    import torch
-
-    return frozenset(vars(torch.nn.Module())) | {"training", "_compiled_call_impl"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +33,7 @@ class Against:
     hooks: int = 0  # backward hooks on the modules and parameters (refused: :func:`refuse_backward_hooks`)
     forward_hooks: tuple[int, ...] = ()  # the handles of the forward (pre-)hooks, the modules' then the global ones
     attributes: tuple = ()  # per module, its own attributes as (name, value): see :func:`attribute_value`
+    loss_reads: tuple = ()  # what the loss function reads that its capture made constants (:class:`LossReads`)
     slot_names: tuple[str, ...] = field(default=(), compare=False)  # the parameters' names, for messages
 
     def changes(self, now: "Against", watch: "Watch") -> list[str]:
@@ -78,30 +71,9 @@ class Against:
             out.append(f"the model has {len(now.params)} parameters, was {len(self.params)}")
         if now.precision != self.precision:
             out.append(f"it is called in {now.precision} (torch.autocast), was compiled for {self.precision}")
+        if now.loss_reads != self.loss_reads:
+            out += _loss_read_changes(self.loss_reads, now.loss_reads)
         return out
-
-
-def attribute_value(v):
-    """An attribute as the step was compiled against it: a number, flag, string, dtype or device by
-    value, a tuple or list of those likewise, a tensor by identity and version (an in-place change is
-    a change); None for anything else (a function, a config, a container), which is not watched:
-    libraries rebind such objects without changing what the forward computes (PEFT's adapter switch
-    rebinds a model's plan dicts), and a step compiled again for each would be compiled for nothing."""
-    import torch
-
-    if v is None or isinstance(v, (bool, int, str)):
-        return (type(v).__name__, v)
-    if isinstance(v, float):
-        return ("float", repr(v))  # repr: a NaN equals itself
-    if isinstance(v, (torch.dtype, torch.device, torch.Size)):
-        return (type(v).__name__, str(v))
-    if isinstance(v, (tuple, list)) and len(v) <= 64:
-        items = tuple(attribute_value(x) for x in v)
-        if all(i is not None and i[0] != "tensor" for i in items):
-            return (type(v).__name__, items)
-    if isinstance(v, torch.Tensor):
-        return ("tensor", id(v), v._version)
-    return None
 
 
 def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
@@ -115,16 +87,24 @@ def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
         for k in sorted(set(old) | set(new)):
             if old.get(k) != new.get(k):
                 path = f"{name}.{k}" if name else k
-                shown = (f" ({_shown(old[k])} -> {_shown(new[k])})" if k in old and k in new
+                shown = (f" ({shown_value(old[k])} -> {shown_value(new[k])})" if k in old and k in new
                          and old[k][0] != "tensor" else "")
                 what = "added" if k not in old else "removed" if k not in new else "changed"
                 out.append(f"attribute {path} was {what}{shown}")
     return out[:8] + ([f"and {len(out) - 8} more attribute changes"] if len(out) > 8 else [])
 
 
-def _shown(v) -> str:
-    kind, value = v
-    return value if kind in ("float", "dtype", "device", "Size") else repr(value) if kind != "tuple" else "a tuple"
+def _loss_read_changes(was: tuple, now: tuple) -> list[str]:
+    old, new = dict(was), dict(now)
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) != new.get(k):
+            shown = (f" ({shown_value(old[k])} -> {shown_value(new[k])})" if k in old and k in new and old[k][0] != "tensor"
+                     else "")
+            out.append(f"the loss function's {k} changed{shown}")
+    out = out[:8] + ([f"and {len(out) - 8} more changes the loss function reads"] if len(out) > 8 else [])
+    return [out[0] + " (it is a constant of the compiled step: one that changes every step is better a "
+                     "buffer of the model, updated in place and read by the loss as model.<name>)"] + out[1:] if out else []
 
 
 class Watch:
@@ -134,9 +114,10 @@ class Watch:
     replaced, added or removed, or a parameter or buffer slot added, removed, emptied or filled
     (``module.bias = nn.Parameter(...)`` on a layer built without one)."""
 
-    def __init__(self, model, where: str = "cpu"):
+    def __init__(self, model, where: str = "cpu", loss_fn=None):
         self.model = model
         self.where = where  # the device type whose torch.autocast the caller may run the step under
+        self.loss_reads = LossReads(loss_fn) if loss_fn is not None else None
         self._walk()
 
     def _walk(self) -> None:
@@ -163,7 +144,7 @@ class Watch:
 
         import torch
 
-        internal = _module_internals()
+        internal = module_internals()
         self.attr_checks, self.tensor_attrs, attributes = [], [], []
         for m in self.modules:
             d = m.__dict__
@@ -223,7 +204,8 @@ class Watch:
             forward += (-1, *tmm._global_forward_hooks, -2, *tmm._global_forward_pre_hooks)
         return Against(tuple(m.training for m in self.modules),
                        tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
-                       tuple(map(id, buffers)), hooks, forward, self.attributes, self.slot_names)
+                       tuple(map(id, buffers)), hooks, forward, self.attributes,
+                       self.loss_reads.now() if self.loss_reads is not None else (), self.slot_names)
 
 
 def refuse_backward_hooks(model) -> None:

@@ -69,7 +69,7 @@ class TrainStep:
         self.kind_stats = None
         self.last_seconds: float | None = None
         self._variants: dict[tuple, TrainStep] = {}  # steps compiled for other input shapes or model states
-        self._watch = Watch(c.model, "cpu" if self.device is None else self.device.type)
+        self._watch = Watch(c.model, "cpu" if self.device is None else self.device.type, c.loss_fn)
         self._against = self._watch.now(c.options.precision)  # what this step was compiled against
         self.skipped_steps = 0  # steps the non-finite guard skipped (on_nonfinite="skip")
         self._minimum: int | None = None  # minimum_budget(), once computed
