@@ -180,6 +180,19 @@ def test_fp16_is_refused(tmp_path):
         RematTrainer(model=_llama(), args=_args(tmp_path, "mp", fp16=True), train_dataset=TokenData(4))
 
 
+@pytest.mark.parametrize("name", ["activation_checkpointing", "gradient_checkpointing"])
+def test_activation_checkpointing_is_refused_by_the_name_given(tmp_path, name):
+    with pytest.raises(NotImplementedError, match="activation checkpointing.*set activation_checkpointing=False "
+                                                  "and gradient_checkpointing=False"):
+        RematTrainer(model=_llama(), args=_args(tmp_path, "ac", **{name: True}), train_dataset=TokenData(4))
+
+
+def test_torch_compile_is_said_to_compile_evaluation_only(tmp_path):
+    with pytest.warns(UserWarning, match="torch_compile=True compiles evaluation and prediction only") as seen:
+        RematTrainer(model=_llama(), args=_args(tmp_path, "tc", torch_compile=True), train_dataset=TokenData(4))
+    assert sum("torch_compile=True" in str(w.message) for w in seen) == 1
+
+
 def test_bf16_trains_like_the_plain_trainer_under_bf16(tmp_path):
     """bf16=True: the Trainer's bf16 autocast and remat's precision="bf16" compute alike (bf16
     rounding apart: the kernels are not the same), the master weights stay fp32."""

@@ -26,8 +26,10 @@ from ..train import api
 from ..train.api import TrainStep
 
 _UNSUPPORTED_ARGS = {
-    "fp16": "mixed precision in float16 (fp16=True; bf16=True is supported)",
-    "gradient_checkpointing": "gradient_checkpointing=True (remat plans what to recompute itself)",
+    ("fp16",): "mixed precision in float16 (fp16=True; bf16=True is supported)",
+    # transformers sets each of these from the other (gradient_checkpointing is the older name)
+    ("activation_checkpointing", "gradient_checkpointing"): "activation checkpointing (remat plans what to "
+                                                             "recompute itself)",
 }
 
 
@@ -88,6 +90,7 @@ class RematTrainer(Trainer):
             _check_args(training_args)
         super().__init__(*args, **kwargs)
         _check_args(self.args)
+        _warn_torch_compile(self.args)
         self._check_supported()
         self.budget, self.remat_options = budget, options
         self._remat_step: TrainStep | None = None
@@ -158,7 +161,17 @@ class RematTrainer(Trainer):
 
 def _check_args(args) -> None:
     """NotImplementedError naming the first TrainingArguments setting the integration does not support."""
-    for name, what in _UNSUPPORTED_ARGS.items():
-        if getattr(args, name, False):
-            raise NotImplementedError(
-                f"RematTrainer: {what} is not available yet in this integration; set {name}=False")
+    for names, what in _UNSUPPORTED_ARGS.items():
+        if any(getattr(args, name, False) for name in names):
+            off = " and ".join(f"{name}=False" for name in names if hasattr(args, name))
+            raise NotImplementedError(f"RematTrainer: {what} is not available yet in this integration; set {off}")
+
+
+def _warn_torch_compile(args) -> None:
+    """A warning that ``torch_compile=True`` compiles evaluation only (training runs as the remat step)."""
+    if getattr(args, "torch_compile", False):
+        import warnings
+
+        warnings.warn("RematTrainer: torch_compile=True compiles evaluation and prediction only: training steps "
+                      "run as the remat step (its own compiled program under the budget), not through "
+                      "torch.compile", UserWarning, stacklevel=3)
