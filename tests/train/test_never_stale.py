@@ -160,6 +160,41 @@ def test_a_parameter_stored_in_another_layout_after_compile_keeps_training():
     assert all(torch.equal(p, q) for p, q in zip(m_r.parameters(), before))
 
 
+def test_tying_and_growing_parameters_after_compile_are_named_and_followed():
+    """Two slots given one parameter (tied), a parameter's data rebound to another shape (an
+    embedding grown by two rows): each is announced by name and followed like eager."""
+    torch.manual_seed(0)
+
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mix, self.out = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, i):
+            return self.out(torch.tanh(self.mix(self.emb(i)))).mean(1)
+
+    m_r = Tagger()
+    m_e = copy.deepcopy(m_r)
+    i, y = torch.randint(0, 10, (4, 5)), torch.randn(4, 8)
+    said = []
+    step = remat.compile(m_r, (i, y), torch.nn.functional.mse_loss, progress=said.append)
+    step(i, y)
+    for m in (m_r, m_e):
+        m.out.weight = m.mix.weight
+        m.emb.weight.data = torch.cat([m.emb.weight.data, torch.zeros(2, 8)])
+        m.zero_grad()
+    i = torch.randint(0, 12, (4, 5))
+    got = step(i, y)
+    want = torch.nn.functional.mse_loss(m_e(i), y)
+    want.backward()
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
+    for (n, p), q in zip(m_r.named_parameters(), m_e.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, n
+    announced = " ".join(map(str, said))
+    assert "parameter out.weight is now tied to mix.weight" in announced or "parameter out.weight was replaced" in announced
+    assert "parameter emb.weight has shape [12, 8] now, was [10, 8]" in announced, announced
+
+
 def test_a_parameter_put_in_an_empty_slot_is_used():
     """A layer built without a bias gets one after compile (its slot held None, so the count of slots
     did not change): the step compiles for the new parameter, as eager uses it, instead of running
@@ -274,6 +309,31 @@ def test_freezing_and_unfreezing_after_compile_follow_eager():
     head_r.requires_grad_(True), head_e.requires_grad_(True)  # trainable again: updated again
     step(*inputs), _eager_step(m_e, o_e, inputs, loss_fn)
     _assert_models_close(m_r, m_e)
+
+
+def test_unfreezing_a_layer_behind_under_adam_names_it_and_the_way_that_follows_eager():
+    """Adam's bias correction reads each parameter's own step count; the fused update applies one:
+    a layer unfrozen after the others trained is refused by name, and the step without optimizer=
+    (the user's optimizer.step() on .grad), which the message advises, follows eager."""
+    model, inputs, loss_fn = make("mlp")
+    m_r, m_e, m_own = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    o_r, o_e, o_own = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (m_r, m_e, m_own))
+    step = remat.compile(m_r, inputs, loss_fn, optimizer=o_r)
+    own = remat.compile(m_own, inputs, loss_fn)
+    for frozen in (True, False):
+        for m in (m_r, m_e, m_own):
+            list(m.parameters())[-1].requires_grad_(not frozen)
+        if frozen:
+            step(*inputs)
+        else:
+            name = list(dict(m_r.named_parameters()))[-1]
+            with pytest.raises(ValueError, match=rf"0 step\(s\) for parameter '{name}' but 1 for .*without optimizer="):
+                step(*inputs)
+        _eager_step(m_e, o_e, inputs, loss_fn)
+        o_own.zero_grad()
+        own(*inputs)
+        o_own.step()
+    _assert_models_close(m_own, m_e)
 
 
 def test_a_model_cast_to_another_dtype_gets_its_own_step():

@@ -253,12 +253,13 @@ def _same_tensors(a: list, b: list) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
+def steps_taken(optimizer, params: list, updates: list[ParamUpdate], names: list[str] | None = None) -> int:
     """How many steps the optimizer has already applied to ``params`` (eagerly or compiled).
 
     Adam/AdamW keep a per-parameter ``step``; SGD keeps none, and its update only depends on
     whether a momentum buffer exists yet (1 stands for "at least one"). Raises ValueError when
-    parameters disagree: the compiled step passes one step count to every update.
+    parameters disagree (a layer unfrozen after others trained), naming them (``names``, else by
+    index): the compiled step passes one step count to every update.
     """
     import torch
 
@@ -272,9 +273,21 @@ def steps_taken(optimizer, params: list, updates: list[ParamUpdate]) -> int:
             counts[k] = int(bool(u.state_keys) and st.get(u.state_keys[0]) is not None)
     if len(set(counts.values())) > 1:
         lo, hi = min(counts, key=counts.get), max(counts, key=counts.get)
-        raise ValueError(f"the optimizer has taken {counts[lo]} step(s) for parameter {lo} (shape {list(params[lo].shape)}) "
-                         f"but {counts[hi]} for parameter {hi} (shape {list(params[hi].shape)}); remat applies one step "
-                         "count to every parameter, so all must have been stepped equally often")
+
+        def named(k: int) -> str:
+            return f"parameter '{names[k]}'" if names is not None else f"parameter {k}"
+
+        if updates[lo].op == "adam_step":
+            what = (f"the optimizer has taken {counts[lo]} step(s) for {named(lo)} but {counts[hi]} for {named(hi)} "
+                    "(a layer unfrozen after others trained?); remat's compiled update applies one step count to "
+                    "every parameter (Adam's bias correction reads it)")
+        else:
+            what = (f"the optimizer holds a {updates[hi].state_keys[0]} for {named(hi)} but none yet for {named(lo)} "
+                    "(a layer unfrozen after others trained?); remat's compiled update starts every buffer at the "
+                    "same step")
+        raise ValueError(f"{what}. Compile without optimizer= and step the optimizer yourself "
+                         "(`step = remat.compile(model, batch, loss_fn)`, then `optimizer.step()`: the gradients are in "
+                         ".grad), which follows each parameter's own state")
     return next(iter(counts.values()), 0)
 
 

@@ -22,12 +22,13 @@ _AUTOCAST_PRECISION = {"bfloat16": "bf16", "float16": "fp16"}
 @dataclass(frozen=True)
 class Against:
     """Each module's training mode, each parameter slot's tensor (identity, ``requires_grad``,
-    dtype) and each buffer slot's tensor (identity), in ``model.named_modules()`` order, the hooks,
-    each module's own attributes of plain values and tensors (a dropout's ``p``, a flag, a scale the
-    forward reads: the capture read them as constants) and the precision the step computes in."""
+    dtype, shape: ``p.data`` may be rebound to another) and each buffer slot's tensor (identity), in
+    ``model.named_modules()`` order, the hooks, each module's own attributes of plain values and
+    tensors (a dropout's ``p``, a flag, a scale the forward reads: the capture read them as
+    constants), what the loss function reads and the precision the step computes in."""
 
     training: tuple[bool, ...]
-    params: tuple[tuple[int, bool, object], ...]
+    params: tuple[tuple[int, bool, object, tuple[int, ...]], ...]  # (id, requires_grad, dtype, shape)
     precision: str
     buffers: tuple[int, ...] = ()
     hooks: int = 0  # backward hooks on the modules and parameters (refused: :func:`refuse_backward_hooks`)
@@ -50,14 +51,16 @@ class Against:
                     out.append(f"the training mode of {shown} changed")
             else:
                 out.append(f"the model has {len(now.training)} modules, was {len(self.training)}")
-        was = {i: (rg, dt) for i, rg, dt in self.params}
-        for name, (i, rg, dt) in zip(watch.slot_names, now.params):
+        was = {i: (rg, dt, sh) for i, rg, dt, sh in self.params}
+        for name, (i, rg, dt, sh) in zip(watch.slot_names, now.params):
             if i not in was:
                 out.append(f"parameter {name} was {'replaced' if name in self.slot_names else 'added'}")
             elif was[i][0] != rg:
                 out.append(f"parameter {name} is {'trainable' if rg else 'frozen'} now")
             elif was[i][1] != dt:
                 out.append(f"parameter {name} is {dt} now, was {was[i][1]}")
+            elif was[i][2] != sh:
+                out.append(f"parameter {name} has shape {list(sh)} now, was {list(was[i][2])}")
         if now.hooks != self.hooks:
             out.append("a backward hook was registered or removed")
         if now.forward_hooks != self.forward_hooks:
@@ -69,6 +72,11 @@ class Against:
             out += [f"buffer {name} was replaced" for name, i in zip(watch.buffer_names, now.buffers) if i not in was_b]
         if len(now.params) != len(self.params) and not out:
             out.append(f"the model has {len(now.params)} parameters, was {len(self.params)}")
+        if now.params != self.params:  # the same tensors in other slots: tied (or untied, rearranged)
+            was_tied = _ties(self.slot_names, self.params)
+            out += [f"parameter {name} is now tied to {to}" for name, to in _ties(watch.slot_names, now.params)
+                    if (name, to) not in was_tied]
+            out = out or ["the model's parameters were rearranged"]
         if now.precision != self.precision:
             out.append(f"it is called in {now.precision} (torch.autocast), was compiled for {self.precision}")
         if now.loss_reads != self.loss_reads:
@@ -92,6 +100,17 @@ def _attribute_changes(was: tuple, now: tuple, names: list[str]) -> list[str]:
                 what = "added" if k not in old else "removed" if k not in new else "changed"
                 out.append(f"attribute {path} was {what}{shown}")
     return out[:8] + ([f"and {len(out) - 8} more attribute changes"] if len(out) > 8 else [])
+
+
+def _ties(names, params) -> list[tuple[str, str]]:
+    """(slot, the first slot holding the same parameter) for each slot that shares its parameter."""
+    first: dict[int, str] = {}
+    out = []
+    for name, (i, *_) in zip(names, params):
+        if i in first:
+            out.append((name, first[i]))
+        first.setdefault(i, name)
+    return out
 
 
 def _loss_read_changes(was: tuple, now: tuple) -> list[str]:
@@ -203,7 +222,7 @@ class Watch:
         if tmm._global_forward_hooks or tmm._global_forward_pre_hooks:
             forward += (-1, *tmm._global_forward_hooks, -2, *tmm._global_forward_pre_hooks)
         return Against(tuple(m.training for m in self.modules),
-                       tuple((id(p), p.requires_grad, p.dtype) for p in params), precision,
+                       tuple((id(p), p.requires_grad, p.dtype, tuple(p.shape)) for p in params), precision,
                        tuple(map(id, buffers)), hooks, forward, self.attributes,
                        self.loss_reads.now() if self.loss_reads is not None else (), self.slot_names)
 

@@ -68,7 +68,7 @@ class Binding:
             store_params_contiguous(self.params, imp.param_names, self.ohwi)
         self.state = init_state(optimizer, self.params, self.updates) if self.updates else []
         if self.updates:
-            steps_taken(optimizer, self.params, self.updates)  # parameters stepped unequally: fail now
+            steps_taken(optimizer, self.params, self.updates, imp.param_names)  # stepped unequally: fail now
         if dp is not None and dp.shards_state:
             self.state = self._sharded_state()
         self.state_types = [[tensor_type(t.permute(0, 2, 3, 1) if i in self.ohwi else t) for t in ts]
@@ -104,7 +104,7 @@ class Binding:
         """Optimizer steps taken so far (the count the next step's update continues from)."""
         if self.dp is not None and self.dp.shards_state:
             return self.dp.steps
-        return steps_taken(self.optimizer, self.params, self.updates) if self.updates else 0
+        return steps_taken(self.optimizer, self.params, self.updates, self.imported.param_names) if self.updates else 0
 
     def check_optimizer(self) -> None:
         """RuntimeError when the optimizer changed what the compiled updates cannot follow
