@@ -75,7 +75,8 @@ class UnsupportedOpError(NotImplementedError):
     ``problems`` lists every untranslatable node (:class:`Unsupported`), in graph order; ``ops`` the
     distinct ops. ``op``, ``module_path`` and ``source`` are the first problem's. The message groups
     the problems by op with their counts and places (at most :attr:`MAX_OPS` ops and
-    :attr:`MAX_PLACES` places per op are spelled out), then lists the supported ops.
+    :attr:`MAX_PLACES` places per op are spelled out), then names the translated ops closest to the
+    first by name (``SUPPORTED`` lists them all).
     """
 
     MAX_OPS = 20
@@ -90,7 +91,12 @@ class UnsupportedOpError(NotImplementedError):
         super().__init__(self._message())
 
     def _message(self) -> str:
-        supported = ", ".join(s.removeprefix("aten.") for s in SUPPORTED)
+        import difflib
+
+        near = difflib.get_close_matches(self.op.removeprefix("aten."), [s.removeprefix("aten.") for s in SUPPORTED],
+                                         n=5, cutoff=0.5)
+        supported = (f"remat translates {len(SUPPORTED)} ATen ops (remat.frontend.torch_import.SUPPORTED lists them)"
+                     + (f"; those closest by name to {self.op.removeprefix('aten.')}: {', '.join(near)}" if near else ""))
         by_op: dict[str, list[Unsupported]] = {}
         for p in self.problems:
             by_op.setdefault(p.op, []).append(p)
@@ -113,7 +119,7 @@ class UnsupportedOpError(NotImplementedError):
             if len(by_op) > self.MAX_OPS:
                 rest = list(by_op)[self.MAX_OPS:]
                 lines.append(f"  ... and {len(rest)} more ops: {', '.join(rest)}")
-        return "\n".join(lines) + f"\nSupported ATen ops: {supported}"
+        return "\n".join(lines) + f"\n{supported}"
 
 
 def _place(module_path: str) -> str:
@@ -655,6 +661,43 @@ class _OutsideLeaves(TorchFunctionMode):
                         "(`t.detach()`) if it is not meant to train")
 
 
+@contextlib.contextmanager
+def _quiet_export_failure():
+    """What ``torch.export`` prints to stderr while it runs is passed on, but for what only restates its
+    failure, which :class:`CaptureError` reports with the place in the model's code: the partial
+    traced graph it prints on a failed trace, and torch's symbolic-shapes warnings on a data-dependent
+    branch (each hundreds of lines; kept when ``TORCH_LOGS`` asks for that logger's details)."""
+    import io
+    import logging
+    import sys
+
+    log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = log.level
+    quiet_log = log.getEffectiveLevel() >= logging.WARNING
+    if quiet_log:
+        log.setLevel(logging.ERROR)
+    err, buf = sys.stderr, io.StringIO()
+    sys.stderr = buf
+    try:
+        yield
+    except BaseException as e:
+        partial = getattr(e, "partial_fx_graph", None)
+        text = buf.getvalue()
+        if partial:  # (printed once by each of export's wrappers)
+            text = text.replace(f"{partial}\n", "")
+        sys.stderr = err
+        if text.strip():
+            err.write(text)
+        raise
+    else:
+        sys.stderr = err
+        err.write(buf.getvalue())
+    finally:
+        sys.stderr = err
+        if quiet_log:
+            log.setLevel(level)
+
+
 def _own_tensors(wrapper: torch.nn.Module, example_inputs: tuple) -> set[int]:
     """The ids of the model's parameters and of the inputs (an input that requires grad is the
     training step's to refuse, by its name)."""
@@ -667,7 +710,7 @@ def _capture(wrapper: torch.nn.Module, example_inputs: tuple) -> "torch.export.E
     tensor that trains but is not the model's (:class:`_OutsideLeaves`) is a TypeError."""
     outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs))
     try:
-        with outside:
+        with outside, _quiet_export_failure():
             exported = torch.export.export(wrapper, example_inputs)
     except ModelOutputError:
         raise  # the user's call, not the capture: its message says what to change
