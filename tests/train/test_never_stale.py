@@ -4,6 +4,7 @@ a step compiled for it, as eager PyTorch would follow it."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -384,26 +385,53 @@ def _weighted_mse(out, y):
     return torch.nn.functional.mse_loss(out, y) * _LOSS_CONFIG.alpha
 
 
-@pytest.mark.parametrize("kind", ["global object's field", "closure dict entry", "loss module attribute"])
+class _Weighted:
+    def __init__(self):
+        self.cfg = types.SimpleNamespace(loss=types.SimpleNamespace(alpha=1.0))
+
+    def __call__(self, out, t):
+        return _scaled(torch.nn.functional.cross_entropy(out, t), self.cfg.loss.alpha)
+
+
+def _scaled(loss, alpha):
+    return loss * alpha * _LOSS_CONFIG.alpha  # a helper of the user's reading a global
+
+
+@pytest.mark.parametrize("kind", ["global object's field", "closure dict entry", "loss module attribute",
+                                  "loss module in a closure, its weight rebound", "callable object's nested field",
+                                  "global read by a helper"])
 def test_a_value_the_loss_reads_changed_after_compile_is_followed_like_eager(kind, monkeypatch):
     """The loss's capture made what it reads constants (a loss weight annealed between steps): a
     change is announced and followed by a step compiled for it, as eager PyTorch follows it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
-    weights = {"ce": 1.0}
+    weights, key = {"ce": 1.0}, "ce"
+    monkeypatch.setattr(_LOSS_CONFIG, "alpha", 1.0)
     if kind == "global object's field":
-        monkeypatch.setattr(_LOSS_CONFIG, "alpha", 1.0)
         y = torch.randn(6, 3)
         loss_fn, change, said = _weighted_mse, (lambda: setattr(_LOSS_CONFIG, "alpha", 4.0)), "_LOSS_CONFIG.alpha"
     elif kind == "closure dict entry":
         def loss_fn(out, t):
-            return torch.nn.functional.cross_entropy(out, t) * weights["ce"]
+            return torch.nn.functional.cross_entropy(out, t) * weights[key]
 
         change, said = (lambda: weights.__setitem__("ce", 0.25)), "weights['ce']"
-    else:
+    elif kind == "loss module attribute":
         loss_fn = torch.nn.CrossEntropyLoss()
         change, said = (lambda: setattr(loss_fn, "label_smoothing", 0.2)), "loss_fn.label_smoothing"
+    elif kind == "loss module in a closure, its weight rebound":
+        crit = torch.nn.CrossEntropyLoss(weight=torch.ones(3))
+
+        def loss_fn(out, t):
+            return crit(out, t)
+
+        change, said = (lambda: setattr(crit, "weight", torch.tensor([0.2, 1.0, 3.0]))), "crit.weight"
+    elif kind == "callable object's nested field":
+        loss_fn = _Weighted()
+        change, said = (lambda: setattr(loss_fn.cfg.loss, "alpha", 3.0)), "loss_fn.cfg.loss.alpha"
+    else:
+        loss_fn = _Weighted()
+        change, said = (lambda: setattr(_LOSS_CONFIG, "alpha", 0.5)), "_LOSS_CONFIG.alpha"
     m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
     o_r, o_e = _sgd(m_r), _sgd(m_e)
     said_now = []
@@ -414,6 +442,27 @@ def test_a_value_the_loss_reads_changed_after_compile_is_followed_like_eager(kin
     assert any(f"the loss function's {said} changed" in str(m) for m in said_now), said_now
     _assert_step_like_eager(step, m_r, m_e, o_e, (x, y), loss_fn)
     assert step.shapes_cached() == 2
+
+
+def test_a_value_that_changes_at_every_call_compiles_at_every_call_within_a_bounded_cache(monkeypatch):
+    """A loss reading a step counter is compiled again at each call (announced): correct, slow, and
+    the steps kept are bounded (the least recently used dropped)."""
+    from remat.train import api
+
+    monkeypatch.setattr(api, "MAX_VARIANTS", 2)
+    counter = {"calls": 0}
+
+    def loss_fn(out, t):
+        return torch.nn.functional.mse_loss(out, t) + 0 * counter["calls"]
+
+    model, x, y = torch.nn.Linear(4, 2), torch.randn(3, 4), torch.randn(3, 2)
+    said = []
+    step = remat.compile(model, (x, y), loss_fn, progress=said.append)
+    for _ in range(4):
+        counter["calls"] += 1
+        step(x, y)
+    assert step.shapes_cached() == 3
+    assert sum("the loss function's counter['calls'] changed" in str(m) for m in said) == 4
 
 
 def test_a_loss_weight_kept_as_a_buffer_changes_without_a_compile():
@@ -466,6 +515,31 @@ def test_a_parameter_outside_the_model_is_refused_not_frozen(where, tmp_path, mo
     with pytest.raises(TypeError, match=r"reads a \w+ of shape \[\] \(float32\) read at .*test_never_stale.py.*"
                                         r"not a parameter of the model"):
         remat.compile(model, (x, y), loss_fn, optimizer=opt)
+
+
+class _TiedHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, i):
+        return torch.tanh(self.mix(self.emb(i))) @ self.emb.weight.t()  # a view of a parameter
+
+
+def test_views_of_the_models_parameters_are_its_own_also_when_the_capture_is_cached(tmp_path, monkeypatch):
+    """The check that refuses a tensor that trains but is not the model's runs again on a cached
+    capture (without gradients, where a view of a parameter is a leaf that requires grad): a tied
+    head's ``weight.t()`` is the model's parameter, not a stranger."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    model, i = _TiedHead(), torch.randint(0, 20, (3, 5))
+    y = torch.randint(0, 20, (3, 5))
+
+    def loss_fn(out, t):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    remat.compile(copy.deepcopy(model), (i, y), loss_fn)
+    again = remat.compile(copy.deepcopy(model), (i, y), loss_fn)
+    assert again.report().capture_cached
 
 
 def test_adam_with_decoupled_weight_decay_is_adamw():

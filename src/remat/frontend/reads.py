@@ -48,85 +48,162 @@ def shown_value(v) -> str:
 
 
 class LossReads:
-    """What a loss function reads that its capture made constants of the step: the values of its
-    closure's cells and of the globals its code names (a loss weight, a label-smoothing factor, a
-    tensor of class weights), and of the attributes and string keys its code names on the objects and
-    dicts among them (``cfg.alpha``, ``weights["kl"]``), one level deep; for a loss module
-    (``nn.CrossEntropyLoss(...)``) its own attributes (``label_smoothing``, ``ignore_index``). Values
-    are compared as :func:`attribute_value` describes them (numbers by value, tensors by identity and
-    version). Functions it calls are not followed: what they read is not watched."""
+    """What a loss function reads that its capture made constants of the step, found from its code:
+    the values of its closure's cells and of the globals its code names (a loss weight, a tensor of
+    class weights), then, on the objects, dicts and Python modules among them, the attributes its
+    code names (``cfg.alpha``, ``cfg.loss.alpha``, ``config_module.smoothing``; properties and
+    ``__slots__`` fields too, :data:`MAX_DEPTH` levels deep) and every entry of a dict
+    (``weights[key]``); a loss module's (``nn.CrossEntropyLoss(...)``, also one the function calls)
+    own attributes and buffers (``label_smoothing``, ``weight``). The functions it calls that are the
+    user's (not a library's: :func:`_followed`) are followed the same way, as are a callable object's
+    ``__call__``, a bound method's object and a ``functools.partial``'s arguments. Values are compared
+    as :func:`attribute_value` describes them (numbers by value, tensors by identity and version).
 
-    def __init__(self, loss_fn) -> None:
+    What is not found this way is not watched: a value reached through a library's code, or by a
+    name the code builds at run time (``getattr(cfg, name)``)."""
+
+    MAX_DEPTH = 3
+
+    def __init__(self, loss_fn, model=None) -> None:
+        self.sources: list[tuple[str, object]] = []  # (label, a function giving the value now)
+        names: set[str] = set()                        # attribute names and string keys the code uses
+        # The model's modules are the model's watch's (and their buffers arguments of the step, read
+        # live); so is a loss module given as loss_fn (captured with the model): its buffers by identity.
+        self.skip = {id(m) for m in model.modules()} if model is not None else set()
+        self.root = loss_fn
+        self._follow(loss_fn, "loss_fn", names, set(), 0)
+        self.names = frozenset(names)
+
+    def _follow(self, fn, label: str, names: set[str], seen: set[int], depth: int) -> None:
         import types
 
         import torch
 
-        self.sources: list[tuple[str, object]] = []  # (label, a function giving the value now)
-        self.names: frozenset[str] = frozenset()      # attribute names and string keys the code uses
-        self.module = None                            # a loss module: its own attributes
-        fn = loss_fn
+        if id(fn) in seen or depth > self.MAX_DEPTH:
+            return
+        seen.add(id(fn))
         if isinstance(fn, functools.partial):
             for k, v in enumerate(fn.args):
-                self.sources.append((f"argument {k} of the partial", lambda v=v: v))
+                self.sources.append((f"{label} argument {k}", lambda v=v: v))
             for k, v in (fn.keywords or {}).items():
-                self.sources.append((f"keyword {k} of the partial", lambda v=v: v))
-            fn = fn.func
+                self.sources.append((f"{label} keyword {k}", lambda v=v: v))
+            self._follow(fn.func, label, names, seen, depth)
+            return
         if isinstance(fn, torch.nn.Module):
-            self.module = fn
+            if id(fn) not in self.skip:
+                self.sources.append((label, lambda m=fn: m))
             return
         if isinstance(fn, types.MethodType):
-            self.sources.append(("self", lambda o=fn.__self__: o))
+            self.sources.append((f"{label}.__self__" if label != "loss_fn" else "self", lambda o=fn.__self__: o))
             fn = fn.__func__
-        if not isinstance(fn, types.FunctionType):
+        elif not isinstance(fn, types.FunctionType) and callable(fn) and not isinstance(fn, type):
+            call = getattr(type(fn), "__call__", None)
+            if isinstance(call, types.FunctionType) and _followed(call):  # a callable object of the user's
+                self.sources.append((label, lambda o=fn: o))
+                fn = call
+        if not isinstance(fn, types.FunctionType) or not _followed(fn):
             return
-        codes, names = [fn.__code__], set()
+        codes, co_names = [fn.__code__], set()
         while codes:  # the function's code and the code of lambdas and comprehensions within it
             code = codes.pop()
+            co_names |= set(code.co_names)
             names |= set(code.co_names) | {c for c in code.co_consts if isinstance(c, str)}
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        self.names = frozenset(names)
         for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
             self.sources.append((name, lambda c=cell: c.cell_contents))
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            self._follow(value, name, names, seen, depth + 1)
         g = fn.__globals__
-        for name in sorted(n for n in fn.__code__.co_names if n in g):
+        for name in sorted(n for n in co_names if n in g):
             self.sources.append((name, lambda n=name: g.get(n)))
+            self._follow(g[name], name, names, seen, depth + 1)
 
     def now(self) -> tuple:
         """The values read, as ``(label, description)`` pairs."""
-        import types
-
-        import torch
-
-        out = []
-        if self.module is not None:
-            internal = module_internals()
-            d = self.module.__dict__
-            out += [(f"loss_fn.{k}", a) for k in d if k not in internal and (a := attribute_value(d[k])) is not None]
+        out: list = []
         for label, read in self.sources:
             try:
                 v = read()
             except ValueError:  # an empty cell
                 continue
-            a = attribute_value(v)
-            if a is not None:
-                out.append((label, a))
-            elif isinstance(v, dict) and len(v) <= 256:
-                out += [(f"{label}[{k!r}]", a) for k, x in v.items()
-                        if isinstance(k, str) and k in self.names and (a := attribute_value(x)) is not None]
-            elif (hasattr(v, "__dict__") and not isinstance(v, (types.ModuleType, type, types.FunctionType,
-                                                                types.MethodType, torch.nn.Module))):
-                out += [(f"{label}.{k}", a) for k in self.names if (a := _plain_attribute(v, k)) is not None]
-        return tuple(sorted(out, key=lambda x: x[0]))
+            self._describe(label, v, out, 0)
+        return tuple(sorted(dict(out).items(), key=lambda x: x[0]))
 
+    def _describe(self, label: str, v, out: list, depth: int) -> None:
+        import types
 
-def _plain_attribute(v, name: str):
-    """``v.name`` as :func:`attribute_value` describes it, read from the instance's or its class's
-    ``__dict__`` (no property or ``__getattr__`` runs); None if it has none or it is not plain."""
-    d = getattr(v, "__dict__", None)
-    x = d.get(name, _MISSING) if isinstance(d, dict) else _MISSING
-    if x is _MISSING:
-        for cls in type(v).__mro__:
-            x = cls.__dict__.get(name, _MISSING)
+        import torch
+
+        a = attribute_value(v)
+        if a is not None:
+            out.append((label, a))
+            return
+        if depth >= self.MAX_DEPTH or isinstance(v, (type, types.FunctionType, types.MethodType,
+                                                     types.BuiltinFunctionType, functools.partial)):
+            return
+        if isinstance(v, torch.nn.Module):  # a loss module: its own attributes and buffers
+            if id(v) in self.skip:
+                return
+            internal = module_internals()
+            d = v.__dict__
+            out += [(f"{label}.{k}", a) for k in d if k not in internal and (a := attribute_value(d[k])) is not None]
+            live = v is self.root  # captured with the model: its buffers are arguments, read as they are
+            out += [(f"{label}.{k}", ("tensor", id(b)) if live else attribute_value(b)) for k, b in v._buffers.items()]
+            return
+        if isinstance(v, dict):
+            if len(v) <= 256:
+                for k, x in v.items():
+                    if isinstance(k, (str, int)):
+                        self._describe(f"{label}[{k!r}]", x, out, depth + 1)
+            return
+        for k in self.names:
+            x = _attribute(v, k)
             if x is not _MISSING:
-                break
-    return None if x is _MISSING else attribute_value(x)
+                self._describe(f"{label}.{k}", x, out, depth + 1)
+
+
+def _followed(fn) -> bool:
+    """Whether a function is the user's, whose reads are followed: not a library's (torch, NumPy,
+    the standard library or anything installed in site-packages), whose code is not what the loss
+    computes with but how."""
+    path = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    return bool(path) and not path.startswith("<frozen") and not any(
+        path.startswith(d) for d in _library_dirs())
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    import os
+    import sysconfig
+
+    import numpy
+    import torch
+
+    dirs = {os.path.dirname(torch.__file__), os.path.dirname(numpy.__file__), sysconfig.get_paths()["stdlib"],
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # remat's own
+    for key in ("purelib", "platlib"):
+        dirs.add(sysconfig.get_paths()[key])
+    return tuple(sorted(dirs))
+
+
+def _attribute(v, name: str):
+    """``v.name`` where the code could read it: the instance's ``__dict__``, a ``__slots__`` field, a
+    class attribute, or a property (run, as the code runs it); :data:`_MISSING` if there is none
+    (no ``__getattr__`` runs, and methods and other descriptors are left alone)."""
+    d = getattr(v, "__dict__", None)
+    if isinstance(d, dict) and name in d:
+        return d[name]
+    for cls in type(v).__mro__:
+        x = cls.__dict__.get(name, _MISSING)
+        if x is _MISSING:
+            continue
+        if isinstance(x, property) or type(x).__name__ == "member_descriptor":  # a property, a __slots__ field
+            try:
+                return getattr(v, name)
+            except Exception:  # noqa: BLE001  a property that fails: not a value the step can be compiled against
+                return _MISSING
+        return _MISSING if hasattr(x, "__get__") else x
+    return _MISSING

@@ -547,7 +547,7 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                 key = capture_cache.capture_key(wrapper, tuple(example_inputs), {
                     "train": train, "n_inputs": n_inputs, "n_targets": n_targets, "has_loss": loss_fn is not None,
                     "input_names": input_names, "name": name, "options": sorted(options.items()),
-                    "autocast": str(autocast), "loss_reads": _loss_reads_key(loss_fn)})
+                    "autocast": str(autocast), "loss_reads": _loss_reads_key(loss_fn, model)})
             except capture_cache.Uncacheable:
                 key = None
             entry = None if key is None else capture_cache.load(key)
@@ -580,13 +580,13 @@ def import_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     return imported
 
 
-def _loss_reads_key(loss_fn) -> list:
+def _loss_reads_key(loss_fn, model: torch.nn.Module) -> list:
     """What the loss function reads (:class:`~remat.frontend.reads.LossReads`: a global loss weight,
     a config's field), for the capture's key: a capture made at one value is not another's. Tensors
     are left to the key's description of the function and to :func:`stale_capture`."""
     if loss_fn is None:
         return []
-    return [[label, repr(d)] for label, d in LossReads(loss_fn).now() if d[0] != "tensor"]
+    return [[label, repr(d)] for label, d in LossReads(loss_fn, model).now() if d[0] != "tensor"]
 
 
 def _to_entry(imported: ImportedModel, ep: "torch.export.ExportedProgram") -> capture_cache.Entry:
@@ -637,9 +637,12 @@ class _OutsideLeaves(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for a in (*args, *kwargs.values()):
-            if (isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf and id(a) not in self.own
-                    and id(a) not in self.found and not isinstance(a, FakeTensor)):
+        for a in torch.utils._pytree.tree_leaves((args, kwargs)):  # (torch.cat takes a list)
+            if not isinstance(a, torch.Tensor) or isinstance(a, FakeTensor) or not (a.requires_grad and a.is_leaf):
+                continue
+            if a._is_view():  # a view made without grad (the eager check runs so) of a parameter is a leaf too
+                a = a._base
+            if id(a) not in self.own and id(a) not in self.found:
                 import traceback
 
                 frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_stack()[:-1]]

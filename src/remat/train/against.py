@@ -136,7 +136,7 @@ class Watch:
     def __init__(self, model, where: str = "cpu", loss_fn=None):
         self.model = model
         self.where = where  # the device type whose torch.autocast the caller may run the step under
-        self.loss_reads = LossReads(loss_fn) if loss_fn is not None else None
+        self.loss_reads = LossReads(loss_fn, model) if loss_fn is not None else None
         self._walk()
 
     def _walk(self) -> None:

@@ -32,6 +32,12 @@ from .report import Report, precision_summary
 _PROFILING = threading.Lock()  # one allocator measurement (torch.profiler session) at a time
 
 
+MAX_VARIANTS = 16
+"""Steps a step keeps compiled for other input shapes and model states besides its own (the least
+recently used is dropped, and compiled again if it is met again): a value that changes at every
+call (a loss reading a step counter) compiles at every call, announced, but does not fill memory."""
+
+
 def _refuse_an_empty_batch(inputs: tuple) -> None:
     """ValueError, before anything runs or is compiled, for a batch of no samples (every tensor input's
     first dimension 0, as the last slice of a loader can be): a mean loss over it is NaN and there is
@@ -236,8 +242,10 @@ class TrainStep:
         cached for them, compiled on first sight under the same byte budget (the model, optimizer and
         options are this step's; the precision the caller's autocast asks for)."""
         key = (tuple(tuple(t.shape) for t in inputs), now)
-        sub = self._variants.get(key)
-        if sub is None:
+        sub = self._variants.pop(key, None)
+        if sub is not None:
+            self._variants[key] = sub  # the most recently used last
+        else:
             changed = self._against.changes(now, self._watch)
             if self.signature.other_shapes(inputs):
                 changed.insert(0, "new input shapes " + ", ".join(str(list(k)) for k in key[0]))
@@ -248,7 +256,7 @@ class TrainStep:
             budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
             c = self.compilation
             (c.options.progress or _announce)(f"remat: {what}: compiling a step for it ({budget}, as before); "
-                                              f"{len(self._variants) + 2} step(s) cached so far")
+                                              f"{min(len(self._variants) + 1, MAX_VARIANTS) + 1} step(s) cached so far")
             try:
                 sub = TrainStep(compile_step(self.model, self.signature.keywords(tuple(inputs)), c.loss_fn,
                                              self.optimizer, self.budget,
@@ -263,6 +271,8 @@ class TrainStep:
                 raise TypeError(f"the training step got {what}{f' ({differ})' if differ else ''} and compiling a "
                                 f"step for it failed: {type(e).__name__}: {first}") from e
             self._variants[key] = sub
+            while len(self._variants) > MAX_VARIANTS:  # the least recently used goes
+                self._variants.pop(next(iter(self._variants)))
         # One step count (and dropout seed sequence) and one fp16 loss scale across variants.
         sub.binding.calls = self.binding.calls
         if sub.binding.loss_scaled and self.binding.loss_scaled:
