@@ -23,7 +23,7 @@ import contextlib
 import contextvars
 import copy
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import replace
 from typing import Sequence
 
@@ -516,7 +516,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     t0 = time.perf_counter()
     blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, cache=cache,
                  split_bn_grad=p.split_bn_grad)
-    if blocks is None:
+    if blocks is None or not _sums_gradients_like_the_step(blocks):
         return None
     # Blocks are priced as the portfolio scores every plan: by the static cost model, or a profiled
     # compile's measured instruction seconds (those of the step's own runs, the others timed alone
@@ -535,6 +535,24 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
         deferred.append((blocks, profiles, what, t0, best))
         return best
     return _with_inner_plans(p, blocks, profiles, what, t0, best)
+
+
+def _sums_gradients_like_the_step(blocks) -> bool:
+    """Whether a chain of ``blocks`` sums each parameter's gradient with the same roundings as the
+    step differentiated whole, which adds a parameter's contributions one use at a time, the last use
+    first. The chain adds each block's sum, the last block's first (``chain.executor``): the same,
+    unless a parameter read in several blocks is read more than once in a block before its last (a
+    layer's weights shared by the layers of two blocks; a tied embedding and head, one use each, are
+    exact). Such a chain would give other gradient bits than the unconstrained step, which a budget
+    must never do: it is not planned."""
+    uses: dict[int, list[int]] = {}  # program parameter -> its number of uses in each block reading it
+    for stage, lead in zip(blocks.stages, blocks.binding.lead):
+        counts = Counter(v for ins in stage.forward.instructions() for v in ins.operands)
+        for j in stage.grad_params:
+            n = counts.get(stage.forward.params[j], 0)
+            if n:
+                uses.setdefault(lead[j], []).append(n)
+    return all(len(ns) < 2 or max(ns[:-1]) < 2 for ns in uses.values())
 
 
 _SHARED_RECIPES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("shared_recipes", default=None)

@@ -360,9 +360,12 @@ def compile_schedule(stages: list[ChainStage], schedule: list[ChainStep], name: 
         raise ValueError(f"the plan never runs the backward of stage(s) {missing}")
     if return_output and output is None:
         raise ValueError("the plan never computes the chain's output")
-    # Gradient of each returned parameter: the sum over the stages reading it.
+    # Gradient of each returned parameter: the sum over the stages reading it, in the order the whole
+    # step's differentiation sums a parameter's uses (the last first: reverse-mode meets it first), so
+    # that a parameter read in several stages (a tied embedding and head) gets the same bits as in the
+    # unconstrained step.
     contrib: dict[int, list[Value]] = {}
-    for i in range(1, n + 1):
+    for i in range(n, 0, -1):
         for j, g in zip(stages[i - 1].grad_params, grads[i]):
             contrib.setdefault(binding.lead[i - 1][j], []).append(g)
     gouts = []
