@@ -139,3 +139,21 @@ def test_the_check_can_be_skipped(monkeypatch):
     import_module(ByDict(), ex, nn.functional.mse_loss, cache=True)
     SETTINGS["act"] = "tanh"
     assert import_module(ByDict(), ex, nn.functional.mse_loss, cache=True).from_cache  # not checked
+
+
+def test_a_capture_under_autocast_is_checked_at_16_bit_tolerance(tmp_path, monkeypatch):
+    """A bf16 step's loss is fp32 but computed in bf16: eager autocast and the cached program round
+    differently (a tiny T5: 2.5e-3 apart). The cached capture is the same program: used, not rebuilt."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    inputs = dict(input_ids=torch.randint(0, 100, (2, 16)), labels=torch.randint(1, 100, (2, 8)))
+    remat.compile(copy.deepcopy(model), inputs, precision="bf16")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = remat.compile(copy.deepcopy(model), inputs, precision="bf16")
+    assert again.report().capture_cached
+    assert not [w for w in seen if "capture cache entry" in str(w.message)]  # a rebuilt entry warns
