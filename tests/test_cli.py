@@ -38,6 +38,13 @@ def test_train_gpt_tiny_within_budget(capsys):
     assert len(losses) == 3 and losses[-1] < losses[0]
 
 
+def test_train_without_a_budget_trains_at_the_default_or_the_minimum(capsys):
+    code = main(["train", "--steps", "2", "--no-progress"])  # tiny GPT with AdamW: its minimum is above 40%
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "note: the requested budget 40%" in out and out.rstrip().splitlines()[-1].startswith("OK:")
+
+
 def test_train_budget_below_minimum_fails_with_the_minimum(capsys):
     code = main(["train", "--model", "mlp", "--steps", "2", "--budget", "1000", "--no-progress"])
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """The ``remat`` command line.
 
-    remat train --model gpt --size tiny --budget 40% --steps 50     # train a zoo model under a budget
+    remat train --model gpt --size small --budget 40% --batch-size 16 --steps 50   # train a zoo model under a budget
     remat train --nproc 2 --budget 60% --steps 30                   # ... on 2 data-parallel ranks (torchrun)
     remat curve --model unet --size small --out curve/               # a training step's budget sweep (PNG + CSV)
     remat curve --chain --model mlp --depth 16                       # thesis Fig. 4.1 chain trade-off
@@ -33,6 +33,10 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 class UsageError(Exception):
     """Arguments that parse but make no sense together; reported with exit code 2."""
+
+
+DEFAULT_TRAIN_BUDGET = "40%"
+"""``remat train``'s budget when none is given; below the step's minimum it trains at the minimum."""
 
 
 def _budget_arg(text: str) -> str | None:
@@ -99,11 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "decrease or a step's measured peak exceeded the budget.")
     tr.add_argument("--model", choices=MODELS, default="gpt", help="zoo model (default: gpt)")
     tr.add_argument("--size", choices=SIZES, default="tiny", help="model size (default: tiny)")
-    tr.add_argument("--budget", type=_budget_arg, default="40%",
-                    help="memory budget: a percentage of the unconstrained peak ('40%%', the default), "
-                         "bytes ('800000'), a size ('12MiB'), or 'none' for no recomputation")
+    tr.add_argument("--budget", type=_budget_arg, default=argparse.SUPPRESS,
+                    help=f"memory budget: a percentage of the unconstrained peak ('40%%'), bytes ('800000'), a size "
+                         f"('12MiB'), or 'none' for no recomputation (default: {DEFAULT_TRAIN_BUDGET}, or the "
+                         "minimum feasible budget where that is higher)")
     tr.add_argument("--fit-minimum", action="store_true",
-                    help="if the budget is below the minimum feasible one, train at that minimum instead of failing")
+                    help="if the budget given is below the minimum feasible one, train at that minimum instead of "
+                         "failing (what the default budget does)")
     tr.add_argument("--steps", type=_positive_int, default=20, help="training steps (default: 20)")
     tr.add_argument("--batch-size", type=_positive_int, default=None,
                     help="examples per step (default: the zoo model's example batch)")
@@ -333,8 +339,10 @@ def _train_one(args: argparse.Namespace, rank: int, world: int) -> int:
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=lr)
     try:
-        step, note = demo.compile_step(model, batches[0], loss_fn, optimizer, args.budget,
-                                       fallback=args.fit_minimum, seed=args.seed, write=say, **options)
+        given = getattr(args, "budget", DEFAULT_TRAIN_BUDGET)  # (no --budget: the default, else the minimum)
+        step, note = demo.compile_step(model, batches[0], loss_fn, optimizer, given,
+                                       fallback=args.fit_minimum or not hasattr(args, "budget"), seed=args.seed,
+                                       write=say, **options)
     except BudgetTooSmall as e:
         if rank == 0:
             print(f"error: {e}\nhint: pass --budget {int(e.minimum)} (or --fit-minimum) to train at the minimum",
