@@ -161,3 +161,22 @@ def resume_all(rank: int, port: int, out: str) -> None:
     finally:
         dist.destroy_process_group()
     _leave()
+
+
+def diverge(rank: int, port: int, out: str) -> None:
+    """Rank 1 alone puts the model in eval mode after a step: its step refuses (a data-parallel step
+    runs as compiled) and the rank leaves; rank 0's next collective fails saying a rank left."""
+    _init(rank, port)
+    m = model()
+    step = compile_step("zero2", None, m)
+    x, y = batches()[0]
+    step(_shard(x, rank), _shard(y, rank))
+    if rank == 1:
+        m.eval()
+    try:
+        step(_shard(x, rank), _shard(y, rank))
+        got = None
+    except Exception as e:  # noqa: BLE001  what each rank is told
+        got = (type(e).__name__, str(e))
+    torch.save(got, f"{out}/diverge-{rank}.pt")
+    _leave()  # rank 1 leaves without tearing the group down in step with rank 0, as a failing rank does

@@ -137,6 +137,13 @@ def test_resume_from_sharded_checkpoint(runs, mode):
         assert sds[0]["shards"]["6.weight"] == {"numel": 240, "size": 120, "offset": 0, "shape": [15, 16]}
 
 
+def test_a_change_on_one_rank_is_refused_there_and_named_on_its_peers(tmp_path):
+    _spawn(w.diverge, str(tmp_path))
+    refused, peer = (torch.load(tmp_path / f"diverge-{r}.pt", weights_only=False) for r in (1, 0))
+    assert refused[0] == "TypeError" and "model.eval() was called" in refused[1]
+    assert peer[0] == "RuntimeError" and "rank 0 of 2: the collective" in peer[1] and "another rank" in peer[1]
+
+
 def test_errors_outside_a_process_group_and_for_unknown_modes():
     m = w.model()
     x, y = torch.zeros(4, 7, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64)

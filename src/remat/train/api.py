@@ -152,6 +152,9 @@ class TrainStep:
                     torch.set_rng_state(rng)
                 failed = self._failed(e, args) if isinstance(e, Exception) else None
                 if failed is None:
+                    peer = self._collective_failed(e)
+                    if peer is not None:
+                        raise peer from e
                     raise
                 raise failed from e
         skipped = self.compilation.guarded and bool(outs[-1])  # the guard's flag: nothing was updated
@@ -201,6 +204,23 @@ class TrainStep:
         return StepFailed(self.binding.calls + 1, at, f"{type(e).__name__}: {first}",
                           [] if restored else [names[k] for k in updated], len(self.updates or ()),
                           restored=[names[k] for k in updated] if restored else [])
+
+    def _collective_failed(self, e: BaseException) -> RuntimeError | None:
+        """A data-parallel step's collective that failed, as an error saying what it most likely
+        means (None for any other failure): a peer left the step (it refused a change made on it
+        alone, or failed), since the ranks run one program in lockstep."""
+        at = getattr(e, "remat_instruction", None)
+        if self.dp is None or at is None:
+            return None
+        ins = self.vm.instructions(self.program.name)[at]
+        if ins.op.name not in ("all_reduce", "reduce_scatter", "all_gather"):
+            return None
+        first = (str(e).strip().splitlines() or [""])[0]
+        return RuntimeError(f"rank {self.dp.rank} of {self.dp.world}: the collective {ins.op.name} of step "
+                            f"{self.binding.calls + 1} failed ({type(e).__name__}: {first[:300]}); another rank most "
+                            "likely left the step: it raised (its own error says why: a model, a loss or input shapes "
+                            "changed on that rank alone are refused) or stopped. All ranks must call the same "
+                            "compiled step with the same changes.")
 
     def _skipped(self, loss, step: int):
         """A step the non-finite guard skipped: counted and its loss returned, or NonFiniteStep raised.
