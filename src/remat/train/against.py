@@ -7,8 +7,8 @@ and parameter slots found at compile, re-walked only when the module tree change
 can tell whether the model has changed since (``model.eval()`` or ``model.encoder.eval()``, a
 replaced, added, frozen or unfrozen parameter, a replaced buffer or submodule, ``model.double()``, a
 forward hook registered or removed, a dropout's ``p`` or another plain attribute the forward reads,
-a value the loss function reads (:class:`LossReads`), a caller's ``torch.autocast``) and follow the change with a step compiled for it, instead of running
-stale.
+a value the loss function reads (:class:`LossReads`), a caller's ``torch.autocast``) and follow the
+change with a step compiled for it, instead of running stale.
 """
 from __future__ import annotations
 
@@ -118,12 +118,14 @@ def _loss_read_changes(was: tuple, now: tuple) -> list[str]:
     out = []
     for k in sorted(set(old) | set(new)):
         if old.get(k) != new.get(k):
-            shown = (f" ({shown_value(old[k])} -> {shown_value(new[k])})" if k in old and k in new and old[k][0] != "tensor"
-                     else "")
+            shown = (f" ({shown_value(old[k])} -> {shown_value(new[k])})"
+                     if k in old and k in new and old[k][0] != "tensor" else "")
             out.append(f"the loss function's {k} changed{shown}")
     out = out[:8] + ([f"and {len(out) - 8} more changes the loss function reads"] if len(out) > 8 else [])
-    return [out[0] + " (it is a constant of the compiled step: one that changes every step is better a "
-                     "buffer of the model, updated in place and read by the loss as model.<name>)"] + out[1:] if out else []
+    if not out:
+        return []
+    return [out[0] + " (it is a constant of the compiled step: one that changes every step is better a buffer of "
+                     "the model, updated in place and read by the loss as model.<name>)"] + out[1:]
 
 
 class Watch:
