@@ -542,6 +542,32 @@ def test_views_of_the_models_parameters_are_its_own_also_when_the_capture_is_cac
     assert again.report().capture_cached
 
 
+class _MarksItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(20, 8), torch.nn.Linear(8, 20)
+
+    def forward(self, i):
+        h = self.emb(i)
+        if not h.requires_grad:  # as transformers' enable_input_require_grads hook does
+            h = h.detach().requires_grad_()
+        return self.out(h)
+
+
+def test_a_tensor_the_forward_marks_as_requiring_grad_is_not_refused_from_the_cache(tmp_path, monkeypatch):
+    """The cached capture's check runs the forward without grad, where a tensor the forward makes and
+    marks ``requires_grad_()`` is a leaf too: only parameters that are not the model's are refused."""
+    monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
+    i, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
+
+    def loss_fn(out, t):
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    model = _MarksItsInput()
+    remat.compile(copy.deepcopy(model), (i, y), loss_fn)
+    assert remat.compile(copy.deepcopy(model), (i, y), loss_fn).report().capture_cached
+
+
 def test_adam_with_decoupled_weight_decay_is_adamw():
     model, inputs, loss_fn = make("mlp")
     m_r, m_e = copy.deepcopy(model), copy.deepcopy(model)
