@@ -556,7 +556,7 @@ class _MarksItsInput(torch.nn.Module):
 
 def test_a_tensor_the_forward_marks_as_requiring_grad_is_not_refused_from_the_cache(tmp_path, monkeypatch):
     """The cached capture's check runs the forward without grad, where a tensor the forward makes and
-    marks ``requires_grad_()`` is a leaf too: only parameters that are not the model's are refused."""
+    marks ``requires_grad_()`` is a leaf too: it is the forward's own, not a stranger that trains."""
     monkeypatch.setenv("REMAT_CACHE_DIR", str(tmp_path))
     i, y = torch.randint(0, 20, (3, 5)), torch.randint(0, 20, (3, 5))
 

@@ -626,14 +626,16 @@ def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
 
 class _OutsideLeaves(TorchFunctionMode):
     """Records the real tensors a torch function reads that require a gradient and are leaves
-    (``nn.Parameter`` s and the like; with ``parameters_only``, parameters alone) but are not ``own``
-    (the model's parameters, by id), with the innermost place in the user's code that read each: the
-    trace lifts such a tensor as a constant (its value copied), so it would get no gradient and never
-    train."""
+    (``nn.Parameter`` s and the like) but are neither ``own`` (the model's parameters and the inputs,
+    by id) nor made during the run (a tensor the forward marks ``requires_grad_()``, as an activation
+    checkpointing hook does, is a leaf when the forward runs without grad), with the innermost place
+    in the user's code that read each: the trace lifts such a tensor as a constant (its value
+    copied), so it would get no gradient and never train."""
 
-    def __init__(self, own: set[int], parameters_only: bool = False) -> None:
+    def __init__(self, own: set[int]) -> None:
         super().__init__()
-        self.own, self.parameters_only = own, parameters_only
+        self.own = own
+        self.made: set[int] = set()  # tensors the run made (a forward may mark one ``requires_grad_()``)
         self.found: dict[int, tuple[torch.Tensor, str | None]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -643,14 +645,14 @@ class _OutsideLeaves(TorchFunctionMode):
                 continue
             if a._is_view():  # a view made without grad (the eager check runs so) of a parameter is a leaf too
                 a = a._base
-            if self.parameters_only and not isinstance(a, torch.nn.Parameter):
-                continue
-            if id(a) not in self.own and id(a) not in self.found:
+            if id(a) not in self.own and id(a) not in self.made and id(a) not in self.found:
                 import traceback
 
                 frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_stack()[:-1]]
                 self.found[id(a)] = (a, _user_frame(frames))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        self.made.update(id(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
     def refuse(self) -> None:
         """TypeError naming each such tensor (shape, dtype, where the model or the loss read it)."""
@@ -798,8 +800,8 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
     ``randn``: the program's ``uniform``) cannot be compared this way: it gives :data:`_UNCHECKED`
     and is captured again (the cache does not help it).
 
-    The eager forward also refuses what a capture refuses: a parameter that is not the model's
-    (:class:`_OutsideLeaves`).
+    The eager forward also refuses what a capture refuses: a tensor that trains but is not the
+    model's (:class:`_OutsideLeaves`).
 
     Cost: one eager forward and one VM forward without gradients. On one thread, the second
     compile of the zoo GPT small takes 0.06 s more (0.02 s each forward), of the GPT medium of
@@ -822,10 +824,7 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
                 ins.attrs["p"] = 1.0
         Module([fn])
     keep = _KeepAll()  # only where the program draws: the mode slows a large forward down
-    # What the capture refuses, refused here too; parameters only, as this forward runs without grad
-    # on real tensors, where a tensor the forward makes and marks (``requires_grad_()``, as a hook for
-    # activation checkpointing does) is a leaf that requires grad too.
-    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs), parameters_only=True)
+    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs))  # what the capture refuses, refused here too
     with outside:
         eager, error = _run_eagerly(wrapper, example_inputs, keep if random else contextlib.nullcontext())
     if error is not None:  # the capture afresh reports the model's own error
