@@ -627,15 +627,15 @@ def loss_module(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] |
 class _OutsideLeaves(TorchFunctionMode):
     """Records the real tensors a torch function reads that require a gradient and are leaves
     (``nn.Parameter`` s and the like) but are neither ``own`` (the model's parameters and the inputs,
-    by id) nor made during the run (a tensor the forward marks ``requires_grad_()``, as an activation
-    checkpointing hook does, is a leaf when the forward runs without grad), with the innermost place
-    in the user's code that read each: the trace lifts such a tensor as a constant (its value
+    by id) nor, in an ``eager`` run, made during it (a tensor the forward marks ``requires_grad_()``,
+    as an activation checkpointing hook does, is a leaf when it runs without grad), with the
+    innermost place in the user's code that read each: the trace lifts such a tensor as a constant (its value
     copied), so it would get no gradient and never train."""
 
-    def __init__(self, own: set[int]) -> None:
+    def __init__(self, own: set[int], eager: bool = False) -> None:
         super().__init__()
-        self.own = own
-        self.made: set[int] = set()  # tensors the run made (a forward may mark one ``requires_grad_()``)
+        self.own, self.eager = own, eager
+        self.made: set[int] = set()  # tensors an eager run made (a forward may mark one ``requires_grad_()``)
         self.found: dict[int, tuple[torch.Tensor, str | None]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -651,7 +651,8 @@ class _OutsideLeaves(TorchFunctionMode):
                 frames = [(f.filename, f.lineno, f.line) for f in traceback.extract_stack()[:-1]]
                 self.found[id(a)] = (a, _user_frame(frames))
         out = func(*args, **kwargs)
-        self.made.update(id(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        if self.eager:  # (a trace's tensors are fake: skipped above)
+            self.made.update(id(t) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
     def refuse(self) -> None:
@@ -824,7 +825,7 @@ def stale_capture(imported: ImportedModel, wrapper: torch.nn.Module, example_inp
                 ins.attrs["p"] = 1.0
         Module([fn])
     keep = _KeepAll()  # only where the program draws: the mode slows a large forward down
-    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs))  # what the capture refuses, refused here too
+    outside = _OutsideLeaves(_own_tensors(wrapper, example_inputs), eager=True)  # what a capture refuses
     with outside:
         eager, error = _run_eagerly(wrapper, example_inputs, keep if random else contextlib.nullcontext())
     if error is not None:  # the capture afresh reports the model's own error
