@@ -629,8 +629,8 @@ class _OutsideLeaves(TorchFunctionMode):
     (``nn.Parameter`` s and the like) but are neither ``own`` (the model's parameters and the inputs,
     by id) nor, in an ``eager`` run, made during it (a tensor the forward marks ``requires_grad_()``,
     as an activation checkpointing hook does, is a leaf when it runs without grad), with the
-    innermost place in the user's code that read each: the trace lifts such a tensor as a constant (its value
-    copied), so it would get no gradient and never train."""
+    innermost place in the user's code that read each: the trace lifts such a tensor as a constant
+    (its value copied), so it would get no gradient and never train."""
 
     def __init__(self, own: set[int], eager: bool = False) -> None:
         super().__init__()
