@@ -276,7 +276,7 @@ class TrainStep:
             budget = "unconstrained" if self.budget is None else f"budget {format_bytes(self.budget)}"
             c = self.compilation
             (c.options.progress or _announce)(f"remat: {what}: compiling a step for it ({budget}, as before); "
-                                              f"{len(self._variants) + 1} step(s) compiled before it kept")
+                                              f"{len(self._variants) + 1} step(s) kept before it")
             try:
                 sub = TrainStep(compile_step(self.model, self.signature.keywords(tuple(inputs)), c.loss_fn,
                                              self.optimizer, self.budget,
