@@ -84,11 +84,11 @@ def setup(mode: str | None, bucket_bytes: int | None = None) -> DataParallel | N
 
 def collective_signature(fn) -> str:
     """A digest of the collectives ``fn`` issues, in order (op, attributes, operand types)."""
-    from ..ir.ops.collective import __name__ as _  # noqa: F401  (the ops are registered)
+    from ..ir.ops.collective import COLLECTIVES
 
     h = hashlib.sha256()
     for ins in fn.instructions():
-        if ins.op.name in ("all_reduce", "reduce_scatter", "all_gather"):
+        if ins.op.name in COLLECTIVES:
             h.update(f"{ins.op.name}{sorted(ins.attrs.items())}{[str(v.type) for v in ins.operands]};".encode())
     return h.hexdigest()
 

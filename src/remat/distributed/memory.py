@@ -9,6 +9,7 @@ record, and the two agree byte for byte.
 from __future__ import annotations
 
 from ..ir import Function
+from ..ir.ops.collective import COLLECTIVES as _COMM
 from ..ir.ops.optim import UPDATE_OPS
 from ..accounting import KindBytes
 
@@ -20,7 +21,6 @@ that exist only to be communicated (padded or sharded parameters, all-gathered p
 non-finite guard's scalar flag);
 ``inputs``: the batch, buffers, constants, seed and step counter."""
 
-_COMM = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
 _MOVES = frozenset({"reshape", "pad", "slice"})
 
 

@@ -223,7 +223,7 @@ def store_params_contiguous(params: list, names: list[str], skip=frozenset()) ->
     """:func:`store_contiguous` for each parameter the step updates (but those of ``skip``: the
     OHWI weights, stored channels-last by ``frontend.torch_import.ohwi_view``)."""
     for i, (p, n) in enumerate(zip(params, names)):
-        if i not in skip:
+        if i not in skip and not p.is_contiguous():  # (checked first: this runs before every fused step)
             store_contiguous(p, f"parameter '{n}'")
 
 

@@ -212,8 +212,10 @@ class TrainStep:
         at = getattr(e, "remat_instruction", None)
         if self.dp is None or at is None:
             return None
+        from ..ir.ops.collective import COLLECTIVES
+
         ins = self.vm.instructions(self.program.name)[at]
-        if ins.op.name not in ("all_reduce", "reduce_scatter", "all_gather"):
+        if ins.op.name not in COLLECTIVES:
             return None
         first = (str(e).strip().splitlines() or [""])[0]
         return RuntimeError(f"rank {self.dp.rank} of {self.dp.world}: the collective {ins.op.name} of step "

@@ -20,6 +20,8 @@ from ..types import TensorType
 from ._util import expect_float, rand
 
 REDUCE_OPS = ("mean", "sum")
+COLLECTIVES = frozenset({"all_reduce", "reduce_scatter", "all_gather"})
+"""The names of the collective ops declared here."""
 
 
 def _check_common(name: str, types, attrs) -> int:
