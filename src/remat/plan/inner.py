@@ -167,6 +167,52 @@ def recipes(stage: ChainStage, costs: Callable[[Function], dict[Instruction, flo
     return out
 
 
+SELECTIVE_GAP = 4.0
+"""The selective recipe (:func:`selective_recipe`) cuts the block's tape values, sorted by
+recomputation seconds per byte, at a fall of at least this factor: the outputs of convolutions and
+matrix products and a norm's statistics (hundreds to thousands of FLOPs a byte) above, those of
+element-wise ops (a few) below."""
+
+SELECTIVE_SHARE = 0.25
+"""Most of the block's forward seconds the values a selective recipe recomputes may cost: beyond it
+the recipe is one more way of recomputing the block, which the other recipes cover."""
+
+
+def selective_recipe(stage: ChainStage, costs: Callable[[Function], dict[Instruction, float]]) -> Recipe | None:
+    """The recipe that keeps, besides the input, the tape values dear to recompute per byte, its
+    backward recomputing the others from them (no evictions): selective checkpointing, which keeps a
+    block's convolution or matrix-product outputs and recomputes its activations, norms and dropout
+    masks, for part of the tape at a small part of the forward's time. A value's price per byte is its
+    instruction's static seconds over the bytes of that instruction's results in the tape; sorted by
+    it, the values are cut at the last fall of at least :data:`SELECTIVE_GAP` below which they cost at
+    most :data:`SELECTIVE_SHARE` of the forward to recompute from those above it and the input (views
+    cost nothing: a tape that holds a value and its views then counts its bytes once). None when
+    there is no such cut."""
+    fwd = stage.split.forward
+    ret = fwd.entry.instrs[-1]
+    tape = list(ret.operands[1 + stage.n_aux:])
+    x = fwd.params[stage.n_params]
+    prices = costs(fwd)
+    where: dict[Instruction, list[int]] = {}
+    for k, t in enumerate(tape):
+        if t is not x and isinstance(t.owner, Instruction):
+            where.setdefault(t.owner, []).append(k)
+    dens = sorted(((prices.get(ins, 0.0), sum(tape[k].type.nbytes for k in ks), ks) for ins, ks in where.items()),
+                  key=lambda d: -d[0] / max(d[1], 1))
+    limit = SELECTIVE_SHARE * sum(prices.values())
+    params = set(fwd.params[:stage.n_params])
+    for j in range(len(dens) - 1, 0, -1):
+        (a, na, _), (b, nb, _) = dens[j - 1], dens[j]
+        if a <= 0 or a / max(na, 1) < SELECTIVE_GAP * b / max(nb, 1):
+            continue
+        keep = sorted(k for _, _, ks in dens[:j] for k in ks)
+        held = {x} | {tape[k] for k in keep}
+        redo = ancestors([tape[k] for _, _, ks in dens[j:] for k in ks], stop=held | params)
+        if sum(prices.get(ins, 0.0) for ins in redo) <= limit:
+            return Recipe(tuple(keep), None)
+    return None
+
+
 BLOCK_MILP = True
 """Whether block-internal plans also take the block MILP's recipes (:func:`milp_recipes`) under the
 solver options of :data:`BLOCK_MILP_SOLVERS`; a switch for comparing plans with and without them."""
@@ -277,6 +323,7 @@ class StageOption:
     profile: "StageProfile"
     what: str  # "" for the stage as differentiated, else how its backward recomputes
     exact: bool = False  # its recompute sequence is the block MILP's (:func:`milp_recipes`)
+    selective: bool = False  # it keeps some of its tape values (:func:`selective_recipes`)
 
 
 def need(q: "StageProfile") -> int:
@@ -311,6 +358,8 @@ def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile
                 hit = shared.get(key)
             if hit is None:
                 found = recipes(st, costs, workspace_fn)
+                sel = selective_recipe(st, costs)
+                found += [sel] if sel is not None else []
                 hit = (found, milp_recipes(st, costs, workspace_fn, found) if milp else [])
             if cache is not None:
                 cache[key] = hit
@@ -327,7 +376,12 @@ def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile
             scale = function_cost(v.split.backward) / base if base > 0 else 1.0
             q = _profile(v, prof.fwd_time, prof.bwd_time * scale, workspace_fn)
             n = len(v.split.backward.entry.instrs)
-            if r in exact:
+            if r.keep:  # a selective recipe: an option unless another holds as little, as lean and as fast
+                if not any(o.profile.tape_bytes <= q.tape_bytes and need(o.profile) <= need(q)
+                           and o.profile.bwd_time <= q.bwd_time for o in opts):
+                    opts.append(StageOption(v, q, f"keeps its input and {len(r.keep)} of its tape values, its "
+                                                  f"backward recomputes the rest ({n} instructions)", selective=True))
+            elif r in exact:
                 if need(q) < need(prof) and not any(need(o.profile) <= need(q) and o.profile.bwd_time <= q.bwd_time
                                                     for o in opts):
                     opts.append(StageOption(v, q, f"keeps its input, its backward recomputes the rest as the block "
@@ -355,4 +409,24 @@ def option_levels(options: Sequence[Sequence[StageOption]], fractions: Sequence[
     for level in [capped(int(floor + (top - floor) * f)) for f in fractions] + [leanest]:
         if any(level) and level not in out:
             out.append(level)
+    return out
+
+
+def selective_levels(options: Sequence[Sequence[StageOption]], levels: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Levels with selective options: every stage that has one at its fastest selective option (the
+    one holding the least tape among equally fast ones; holding less tape than the stage as it is,
+    and needing no more bytes), alone and in place of the stages as they are in each of ``levels``;
+    without duplicates, none of ``levels``."""
+    pick = []
+    for o in options:
+        sel = [k for k, c in enumerate(o) if c.selective and need(c.profile) <= need(o[0].profile)
+               and c.profile.tape_bytes < o[0].profile.tape_bytes]
+        pick.append(min(sel, key=lambda k: (o[k].profile.bwd_time, o[k].profile.tape_bytes, k)) if sel else 0)
+    if not any(pick):
+        return []
+    out: list[list[int]] = []
+    for level in [[0] * len(options)] + [list(lv) for lv in levels]:
+        merged = [k or s for k, s in zip(level, pick)]
+        if merged not in out and merged not in levels:
+            out.append(merged)
     return out

@@ -223,6 +223,33 @@ def test_extended_tables_answer_every_smaller_budget():
         assert tables[("extended", 3)] is widest  # no smaller budget solved the DP again
 
 
+def _sharing_chain(share: bool) -> ChainCosts:
+    """Three stages whose backwards read their inputs (a linear layer's weight gradient): each tape
+    is the previous output, 100 bytes."""
+    out, tape = [0, 100, 100, 100], [0, 100, 100, 100]
+    return ChainCosts([0, 1, 1, 1], [1, 1, 1, 1, 0], out, [0, 10, 10, 10, 10], tape,
+                      tape_input=[0, 0, 100, 100] if share else None)
+
+
+def test_a_tape_holding_its_input_counts_it_once_while_the_previous_output_lives():
+    """Keeping f_2 and f_3 with their tapes holds f_1 and f_2 once each, not twice; a tape holding
+    its input keeps those bytes after the previous output is freed, until the tape goes."""
+    shared, twice = _sharing_chain(True), _sharing_chain(False)
+    keep_all = [FT(1), FT(2), FT(3), B(3), Free("b", 4), Free("f", 3), B(2), Free("b", 3), Free("f", 2),
+                B(1), Free("b", 2), Free("f", 1), B(0), Free("b", 1)]
+    assert evaluate_chain(shared, keep_all, "extended")[1] == evaluate_chain(twice, keep_all, "extended")[1] - 200
+    # f_1 freed while f_2's tape (holding it) lives: its bytes stay until that tape is freed
+    drop = [F(1), FT(2), Free("f", 1), FT(3), B(3), Free("b", 4), Free("f", 3), B(2), Free("b", 3), Free("f", 2),
+            FT(1), B(1), Free("b", 2), Free("f", 1), B(0), Free("b", 1)]
+    assert evaluate_chain(shared, drop, "extended")[1] == evaluate_chain(twice, drop, "extended")[1] - 100
+    for b in range(minimum_budget(twice, method="extended"), no_recompute_peak(twice, "extended") + 1, 25):
+        assert solve(shared, b, "extended", bucket=1).cost <= solve(twice, b, "extended", bucket=1).cost
+    assert minimum_budget(shared, method="extended") < minimum_budget(twice, method="extended")
+    with pytest.raises(ValueError, match=r"tape_input\[2\] = 150 exceeds tape_bytes\[2\] = 100"):
+        ChainCosts([0, 1, 1, 1], [1, 1, 1, 1, 0], [0, 100, 200, 100], [0, 10, 10, 10, 10], [0, 100, 100, 100],
+                   tape_input=[0, 0, 150, 0])
+
+
 # ------------------------------------------------------------------ simulator
 def test_simulator_rejects_invalid_schedules():
     c = ChainCosts.uniform(2)

@@ -143,11 +143,13 @@ def thesis_dp(af, ab, bf, bb, M, pid, npairs, P, NR, LIN):
 
 
 @njit
-def ext_bounds(af, ab, fo, ft, fx, bb, bx):
+def ext_bounds(af, ab, fo, ft, fs, fx, bb, bx):
     """P/NR/LIN of the extended model for both families (see solvers docstring).
 
     Family 1: given f_i with its tape, produce b_i.  Family 0: given f_i (output
-    only), produce b_{i+1}.  Arrays are indexed ``[t, i, j]``.
+    only), produce b_{i+1}.  Arrays are indexed ``[t, i, j]``.  Keeping ``f_{i+1}``
+    with its tape costs ``fs`` (its tape's share of ``f_i``, held by the caller,
+    is not counted twice); keeping a later ``f_k`` costs ``ft`` (``f_{k-1}`` is freed).
     """
     n = fo.shape[0] - 1
     BIG = np.int64(1) << 62
@@ -170,7 +172,7 @@ def ext_bounds(af, ab, fo, ft, fx, bb, bx):
                     if tr > fpk:
                         fpk = tr
                     pf = bb[j] + fpk
-                    lo = max(pf, ft[k] + P[1, k, j], P[t, i, k])
+                    lo = max(pf, (fs[k] if k == i + 1 else ft[k]) + P[1, k, j], P[t, i, k])
                     if lo < best:
                         best = lo
                     if k + 1 < j:
@@ -178,13 +180,13 @@ def ext_bounds(af, ab, fo, ft, fx, bb, bx):
                         if lo < best:
                             best = lo
                 P[t, i, j] = best
-                NR[t, i, j] = max(bb[j] + fx[i + 1], ft[i + 1] + NR[1, i + 1, j], NR[t, i, i + 1])
+                NR[t, i, j] = max(bb[j] + fx[i + 1], fs[i + 1] + NR[1, i + 1, j], NR[t, i, i + 1])
                 LIN[t, i, j] = af[i + 1] + LIN[1, i + 1, j] + LIN[t, i, i + 1]
     return P, NR, LIN
 
 
 @njit
-def ext_dp(af, ab, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN):
+def ext_dp(af, ab, fo, ft, fs, fx, bb, bx, M, pid, npairs, P, NR, LIN):
     """Extended-model DP.  Decision code: ``2*k + s`` (s=1: checkpoint f_k with its
     tape, right family 1, left (i, k); s=0: checkpoint f_k's output only, right
     family 0 returns b_{k+1}, left (i, k+1)).  Tables indexed ``[t, pair, m]``."""
@@ -214,7 +216,7 @@ def ext_dp(af, ab, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN):
                     pr = pid[k, j]
                     for s in range(1, -1, -1):
                         if s == 1:
-                            sz = ft[k]
+                            sz = fs[k] if k == i + 1 else ft[k]
                             kl = k
                         else:
                             if k + 1 >= j:

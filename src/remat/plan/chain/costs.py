@@ -29,6 +29,9 @@ thesis-model solvers fold them in conservatively via :meth:`ChainCosts.folded`):
   output, whose backward reads its input): the executor frees them before ``b_i`` runs, so
   computing ``b_i`` needs ``beta_b[i] + bwd_overhead[i] - out_unread[i]`` beyond what is live
   (at least 0; :meth:`backward_transient`).
+* ``tape_input[i]`` – bytes of ``tape_bytes[i]`` that are ``f_{i-1}``'s output (a stage whose
+  backward reads its own input: a convolution's weight gradient). They are one tensor: counted
+  once while both are live, and held until both are freed (:func:`.schedule.evaluate_chain`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class ChainCosts:
     bwd_overhead: np.ndarray | None = None
     out_unread: np.ndarray | None = None
     names: tuple[str, ...] | None = field(default=None)
+    tape_input: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         af = np.asarray(self.alpha_f, dtype=np.float64).reshape(-1)
@@ -93,7 +97,8 @@ class ChainCosts:
         set_(self, "beta_f", _as_array("beta_f", self.beta_f, n + 1, True))
         set_(self, "alpha_b", _as_array("alpha_b", self.alpha_b, n + 2, False))
         set_(self, "beta_b", _as_array("beta_b", self.beta_b, n + 2, True))
-        for nm, ln in (("tape_bytes", n + 1), ("fwd_overhead", n + 1), ("bwd_overhead", n + 2), ("out_unread", n + 1)):
+        for nm, ln in (("tape_bytes", n + 1), ("fwd_overhead", n + 1), ("bwd_overhead", n + 2), ("out_unread", n + 1),
+                       ("tape_input", n + 1)):
             v = getattr(self, nm)
             set_(self, nm, np.zeros(ln, np.int64) if v is None else _as_array(nm, v, ln, True))
         if self.names is not None and len(self.names) != n + 1:
@@ -102,8 +107,13 @@ class ChainCosts:
         if bad:
             raise ValueError(f"out_unread[{bad[0]}] = {self.out_unread[bad[0]]} exceeds beta_f[{bad[0]}] = "
                              f"{self.beta_f[bad[0]]}: a backward cannot leave unread more than the output")
+        bad = [i for i in range(n + 1) if self.tape_input[i] > min(self.tape_bytes[i], self.beta_f[i - 1] if i else 0)]
+        if bad:
+            i = bad[0]
+            raise ValueError(f"tape_input[{i}] = {self.tape_input[i]} exceeds tape_bytes[{i}] = {self.tape_bytes[i]} or "
+                             f"beta_f[{i - 1}] = {self.beta_f[i - 1] if i else 0}: a tape holds at most the previous output")
         for a in (self.alpha_f, self.alpha_b, self.beta_f, self.beta_b,
-                  self.tape_bytes, self.fwd_overhead, self.bwd_overhead, self.out_unread):
+                  self.tape_bytes, self.fwd_overhead, self.bwd_overhead, self.out_unread, self.tape_input):
             a.setflags(write=False)
 
     # ------------------------------------------------------------------ basics
@@ -145,6 +155,12 @@ class ChainCosts:
             self.beta_b + self.bwd_overhead,
             names=self.names,
         )
+
+    def without_tape_input(self) -> "ChainCosts":
+        """The same costs with no tape holding its stage's input (``tape_input`` all zero): every
+        tape counted whole, as if it copied the previous output."""
+        return ChainCosts(self.alpha_f, self.alpha_b, self.beta_f, self.beta_b, self.tape_bytes, self.fwd_overhead,
+                          self.bwd_overhead, self.out_unread, names=self.names)
 
     def __repr__(self) -> str:
         return (f"ChainCosts(N={self.n}, fwd_time={self.alpha_f[1:].sum():.4g}, "
@@ -212,7 +228,8 @@ class ChainCosts:
         return cls(af, ab, bf, bb, c.tape_bytes if memory == "profiled" else None,
                    c.fwd_overhead if memory == "profiled" else None,
                    c.bwd_overhead if memory == "profiled" else None,
-                   c.out_unread if memory == "profiled" else None, names=c.names)
+                   c.out_unread if memory == "profiled" else None, names=c.names,
+                   tape_input=c.tape_input if memory == "profiled" else None)
 
     @classmethod
     def random(
@@ -240,10 +257,13 @@ class ChainCosts:
         bb = sizes(n + 2)
         af = np.round(bf / max_bytes * rng.uniform(0.5, 2.0, n + 1) + 0.05, 3)
         ab = np.round(bb / max_bytes * rng.uniform(1.0, 3.0, n + 2) + 0.05, 3)
-        tape = fo = bo = None
+        tape = fo = bo = share = None
         if extended:
             tape = (bf * rng.uniform(0.0, 2.0, n + 1)).round().astype(np.int64)
             tape[0] = 0
             fo = (bf * rng.uniform(0.0, 0.5, n + 1)).round().astype(np.int64)
             bo = (bb * rng.uniform(0.0, 0.5, n + 2)).round().astype(np.int64)
-        return cls(af, ab, bf, bb, tape, fo, bo)
+            # about half the stages' tapes hold their input (the previous output), whole or in part
+            share = np.zeros(n + 1, np.int64)
+            share[1:] = np.minimum(tape[1:], bf[:-1]) * (rng.uniform(0.0, 1.0, n) < 0.5)
+        return cls(af, ab, bf, bb, tape, fo, bo, tape_input=share)

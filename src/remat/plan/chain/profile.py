@@ -36,6 +36,7 @@ class StageProfile:
     param_bytes: int
     param_grad_bytes: int
     out_unread: int = 0   # bytes of the output the backward does not read (freed before it runs)
+    tape_input: int = 0   # bytes of the tape that are the stage's input (the previous stage's output)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +53,15 @@ def _internal_peak(fn: Function, workspace_fn: WorkspaceFn | None = None, donate
     args = sum(p.type.nbytes for p in fn.params)
     peak = predict_peak(fn, donated) if workspace_fn is None else allocator_bound(fn, workspace_fn(fn), donated)
     return peak - args
+
+
+def _tape_input(stage: ChainStage) -> int:
+    """Bytes of the stage's tape that are its input, the previous stage's output (0 when the
+    tape does not hold it, or holds it as an output too)."""
+    ret = stage.split.forward.entry.instrs[-1]
+    x = stage.split.forward.params[stage.n_params]
+    held = ret.operands[1 + stage.n_aux:]
+    return x.type.nbytes if any(v is x for v in held) and not any(v is x for v in ret.operands[:1 + stage.n_aux]) else 0
 
 
 def _tape_bytes(stage: ChainStage) -> int:
@@ -152,7 +162,8 @@ def _profile(s: ChainStage, fwd_time: float, bwd_time: float, workspace_fn: Work
     fo = max(0, _internal_peak(s.split.forward, workspace_fn) - out_b - tape_b)
     bo = max(0, _internal_peak(s.split.backward, workspace_fn, s.split.donated) - grad_b)
     return StageProfile(s.name, fwd_time, bwd_time, out_b, grad_b, tape_b, fo, bo,
-                        sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types), output_unread(s))
+                        sum(t.nbytes for t in s.param_types), sum(t.nbytes for t in s.grad_types), output_unread(s),
+                        _tape_input(s))
 
 
 def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory: str = "profiled",
@@ -173,6 +184,7 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
     fo = np.array([0] + [p.fwd_overhead for p in profiles], dtype=np.int64)
     bo = np.array([0] + [p.bwd_overhead for p in profiles] + [0], dtype=np.int64)
     unread = np.array([0] + [p.out_unread for p in profiles], dtype=np.int64)
+    share = np.array([0] + [p.tape_input for p in profiles], dtype=np.int64)
     if compute == "uniform":
         alpha_f[1:] = alpha_f[1:].mean()
         alpha_b[1:n + 1] = alpha_b[1:n + 1].mean()
@@ -188,6 +200,7 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
                         (fo, slice(1, None)), (bo, slice(1, n + 1))):
             arr[sl] = int(np.ceil(arr[sl].mean()))
         unread[1:] = np.minimum(int(unread[1:].min()), beta_f[1:])  # never more than any stage frees
+        share[1:] = int(share[1:].min())  # never more than any tape shares
     elif memory == "given":
         if not memory_costs:
             raise ValueError("memory='given' needs memory_costs={'beta_f': [...], 'beta_b': [...]}")
@@ -199,5 +212,9 @@ def chain_costs(profiles: list[StageProfile], compute: str = "profiled", memory:
         unread = np.asarray(memory_costs.get("out_unread", np.zeros(n + 1)), dtype=np.int64)
     elif memory != "profiled":
         raise ValueError(f"memory costs must be 'profiled', 'uniform' or 'given', got {memory!r}")
+    if memory == "given":
+        share = np.asarray(memory_costs.get("tape_input", np.zeros(n + 1)), dtype=np.int64)
+    else:  # a tape shares at most itself and the previous output
+        share[1:] = np.minimum(share[1:], np.minimum(tape[1:], beta_f[:-1]))
     return ChainCosts(alpha_f=alpha_f, alpha_b=alpha_b, beta_f=beta_f, beta_b=beta_b,
-                      tape_bytes=tape, fwd_overhead=fo, bwd_overhead=bo, out_unread=unread)
+                      tape_bytes=tape, fwd_overhead=fo, bwd_overhead=bo, out_unread=unread, tape_input=share)

@@ -17,7 +17,10 @@ and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
   ``live + beta_b[i] + bwd_overhead[i] - out_unread[i]`` (at least ``live``: the executor frees
   the output bytes ``b_i`` does not read before it runs); afterwards ``b_i`` is live.
 * ``Free("f", i)`` frees ``f_i`` (and its tape if kept); ``Free("b", i)`` frees
-  ``b_i``.  Frees are explicit: nothing is freed implicitly, so the schedule
+  ``b_i``.
+* ``tape_input[i]`` bytes of ``f_i``'s tape are ``f_{i-1}``'s output: one tensor, counted
+  once while both are live (``F``/``FT(i)`` count them with ``f_{i-1}``, which is live),
+  released when the later of the two is freed.  Frees are explicit: nothing is freed implicitly, so the schedule
   states exactly what an executor must keep.
 
 Model ``"thesis"`` replays the thesis cost model on :meth:`ChainCosts.folded`
@@ -106,14 +109,15 @@ def evaluate_chain(
     if model == "thesis":
         c = costs.folded()
         out = c.beta_f
-        tape = np.zeros(n + 1, np.int64)
+        tape = share = np.zeros(n + 1, np.int64)
         fx = c.beta_f  # transient bytes while computing f_i
         bx = c.beta_b
     elif model == "extended":
         c = costs
         out = c.beta_f
         tape = c.tape_bytes
-        fx = c.beta_f + c.tape_bytes + c.fwd_overhead
+        share = c.tape_input
+        fx = c.beta_f + c.tape_bytes + c.fwd_overhead - share
         bx = c.backward_transient()
     else:
         raise ValueError(f"unknown model {model!r}")
@@ -141,7 +145,7 @@ def evaluate_chain(
             live += int(out[i])
             if isinstance(s, FT):
                 t_live[i] = True
-                live += int(tape[i])
+                live += int(tape[i] - share[i])  # the shared part is f_{i-1}'s, live
             cost += float(c.alpha_f[i])
         elif isinstance(s, B):
             i = s.i
@@ -166,9 +170,13 @@ def evaluate_chain(
                     raise ScheduleError(f"step {pos} {s}: f_{i} is not live")
                 f_live[i] = False
                 live -= int(out[i])
+                if i < n and t_live[i + 1]:
+                    live += int(share[i + 1])  # still held by f_{i+1}'s tape
                 if t_live[i]:
                     t_live[i] = False
-                    live -= int(tape[i])
+                    live -= int(tape[i] - share[i])
+                    if i > 0 and not f_live[i - 1]:
+                        live -= int(share[i])  # the tape held the last of f_{i-1}'s shared bytes
             elif s.kind == "b":
                 if not (0 <= i <= n + 1 and b_live[i]):
                     raise ScheduleError(f"step {pos} {s}: b_{i} is not live")

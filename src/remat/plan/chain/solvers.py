@@ -270,22 +270,27 @@ def solve_thesis(alpha_f: Sequence[float], alpha_b: Sequence[float], beta_f: Seq
 
 # ---------------------------------------------------------------- extended
 def _ext_units(costs: ChainCosts, u: int):
-    out, tape = costs.beta_f, costs.tape_bytes
+    """The extended model's sizes in units of ``u`` bytes, rounded up: ``f_i``'s output (``fo``),
+    output and tape (``ft``), the same less the tape's share of ``f_{i-1}``'s output (``fs``: what
+    keeping ``f_i`` with its tape adds while ``f_{i-1}`` stays live), a forward's transient bytes
+    beyond its live input (``fx``), and ``b_i`` and a backward's transient bytes (``bb``, ``bx``)."""
+    out, tape, share = costs.beta_f, costs.tape_bytes, costs.tape_input
     fo = _ceil_div(out, u)
     ft = _ceil_div(out + tape, u)
-    fx = _ceil_div(out + tape + costs.fwd_overhead, u)
+    fs = _ceil_div(out + tape - share, u)
+    fx = _ceil_div(out + tape + costs.fwd_overhead - share, u)
     bb = _ceil_div(costs.beta_b, u)
     bx = _ceil_div(costs.backward_transient(), u)
-    return fo, ft, fx, bb, bx
+    return fo, ft, fs, fx, bb, bx
 
 
 def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables: dict | None = None) -> Solution:
     n = costs.n
     u = 1 if bucket == "exact" else int(bucket)
-    fo, ft, fx, bb, bx = _ext_units(costs, u)
+    fo, ft, fs, fx, bb, bx = _ext_units(costs, u)
     hit = None if tables is None else tables.get(("extended", u))
     if hit is None:
-        P, NR, LIN = K.ext_bounds(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx)
+        P, NR, LIN = K.ext_bounds(costs.alpha_f, costs.alpha_b, fo, ft, fs, fx, bb, bx)
     else:
         P, NR, LIN = hit[1:4]
     need = int(ft[0] + P[1, 0, n + 1])
@@ -298,7 +303,7 @@ def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables:
         # Entries for memory m <= M do not depend on the table's width: a wider table answers M too.
         C, Bt, D = hit[4:]
     else:
-        C, Bt, D = K.ext_dp(costs.alpha_f, costs.alpha_b, fo, ft, fx, bb, bx, M, pid, npairs, P, NR, LIN)
+        C, Bt, D = K.ext_dp(costs.alpha_f, costs.alpha_b, fo, ft, fs, fx, bb, bx, M, pid, npairs, P, NR, LIN)
         if tables is not None:
             tables[("extended", u)] = (M, P, NR, LIN, C, Bt, D)
 
@@ -310,7 +315,7 @@ def _solve_extended(costs: ChainCosts, budget: float, bucket, t0: float, tables:
             raise AssertionError(f"extended: no decision for {t}({i}, {j}, {m})")
         k, s = divmod(d, 2)
         if s == 1:
-            return ("split", k, 1, tree(1, k, j, m - int(ft[k])), tree(t, i, k, m))
+            return ("split", k, 1, tree(1, k, j, m - int(fs[k] if k == i + 1 else ft[k])), tree(t, i, k, m))
         return ("split", k, 0, tree(0, k, j, m - int(fo[k])), tree(t, i, k + 1, m))
 
     if sys.getrecursionlimit() < 4 * n + 100:
