@@ -323,7 +323,7 @@ class StageOption:
     profile: "StageProfile"
     what: str  # "" for the stage as differentiated, else how its backward recomputes
     exact: bool = False  # its recompute sequence is the block MILP's (:func:`milp_recipes`)
-    selective: bool = False  # it keeps some of its tape values (:func:`selective_recipes`)
+    selective: bool = False  # it keeps some of its tape values (:func:`selective_recipe`)
 
 
 def need(q: "StageProfile") -> int:

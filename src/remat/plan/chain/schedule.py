@@ -17,11 +17,11 @@ and ``b_{N+1}``.  ``live`` is the sum of the bytes of live tensors.
   ``live + beta_b[i] + bwd_overhead[i] - out_unread[i]`` (at least ``live``: the executor frees
   the output bytes ``b_i`` does not read before it runs); afterwards ``b_i`` is live.
 * ``Free("f", i)`` frees ``f_i`` (and its tape if kept); ``Free("b", i)`` frees
-  ``b_i``.
+  ``b_i``.  Frees are explicit: nothing is freed implicitly, so the schedule
+  states exactly what an executor must keep.
 * ``tape_input[i]`` bytes of ``f_i``'s tape are ``f_{i-1}``'s output: one tensor, counted
   once while both are live (``F``/``FT(i)`` count them with ``f_{i-1}``, which is live),
-  released when the later of the two is freed.  Frees are explicit: nothing is freed implicitly, so the schedule
-  states exactly what an executor must keep.
+  released when the later of the two is freed.
 
 Model ``"thesis"`` replays the thesis cost model on :meth:`ChainCosts.folded`
 costs (tape and workspaces folded into ``beta_f`` / ``beta_b``; ``F`` and ``FT``
