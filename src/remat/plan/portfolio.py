@@ -600,11 +600,12 @@ def _step_cache(p: StepProblem, frontier: PlanCache, name: str) -> dict:
 
 
 def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str, t0: float,
-                 inner: str = "", base: float | None = None) -> Plan | int:
+                 inner: str = "", base: float | None = None, shared_inputs: bool = False) -> Plan | int:
     """The chain DP (extended model) over ``stages`` with costs from ``profiles``: its candidate, or
     the minimum (bytes) when no plan fits ``p.budget``. ``inner`` says which stages run
     block-internal plans (notes); ``base``: the compute its overhead is relative to (default: these
-    stages' own, without recomputation)."""
+    stages' own, without recomputation); ``shared_inputs``: whether the model counts a tape's input
+    once (below)."""
     from .chain.planner import ChainPlanner
     from .chain.profile import chain_costs
     from .chain.schedule import n_recomputed
@@ -614,24 +615,28 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     def finish(fn: Function) -> Function:
         return p.finish(_reorder_aux(fn, blocks.aux_order))
 
-    # The chain model counts a block input its tape holds once while the previous block's output
-    # is live too (ChainCosts.tape_input): a checkpoint and the next block's tape are one tensor,
-    # and a conv or linear block's weight gradient reads its input (zoo ResNet small at 50%: 10
-    # convolutions recomputed instead of 12). Near the floor its least plan's program can peak
-    # higher than the least plan of the model that counts them twice (zoo MLP small: 3.6%), so
-    # when no plan fits, that model plans too and the lesser floor is the answer.
+    # With ``shared_inputs`` the chain model counts a block input its tape holds once while the
+    # previous block's output is live too (ChainCosts.tape_input): a checkpoint and the next
+    # block's tape are one tensor, and a conv or linear block's weight gradient reads its input
+    # (zoo ResNet small at 50% with selective blocks: 10 convolutions recomputed instead of 12).
+    # Its plans' programs can peak above what it counts, so a plan the search then steps down from
+    # may cost more than the other model's (Hugging Face GPT-2 in bf16 at its floor: +100.3%
+    # against +94.1%) and its least plan may peak higher (zoo MLP small: 3.6%): it plans the
+    # selective levels only (planned first, as an addition to the plans before them), where the
+    # model that counts the input twice plans too: the cheaper plan, or when none fits the lesser floor.
     minimums: list[int] = []
-    pol = None
-    for c in (costs, costs.without_tape_input()) if costs.tape_input.any() else (costs,):
+    pols = []
+    for c in (costs, costs.without_tape_input()) if shared_inputs and costs.tape_input.any() \
+            else (costs.without_tape_input(),):
         planner = ChainPlanner(stages, c, name="train_joint", binding=blocks.binding, finish=finish,
                                what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
         try:
-            pol = planner.solve(p.budget, SOLVERS["chain"].method)
-            break
+            pols.append(planner.solve(p.budget, SOLVERS["chain"].method))
         except BudgetTooSmall as e:
             minimums.append(e.minimum)
-    if pol is None:
+    if not pols:
         return min(minimums)
+    pol = min(pols, key=lambda q: q.solution.cost)  # the first on a tie
     notes = [f"{what} in {time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output "
              f"or whole tape{', or a block-internal plan' if inner else ''})",
              f"schedule: {len(pol.solution.schedule)} steps, {n_recomputed(pol.solution, costs)} block recomputations"]
@@ -680,7 +685,7 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
                                                                            for o, ks in zip(options, greedy)])]
     levels += [lv for lv in option_levels(options) if lv not in levels]
 
-    def solve(level: list[int]) -> None:
+    def solve(level: list[int], shared_inputs: bool = False) -> None:
         """The chain DP at ``level``, its plan kept when the best so far."""
         nonlocal best
         chosen = [o[k] for o, k in zip(options, level)]
@@ -697,7 +702,7 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
                   f"(convolution and matrix-product outputs, norm statistics) and recompute the others in their "
                   f"backward"] if selective else []
         r = _solve_chain(p, blocks, [c.stage for c in chosen], [c.profile for c in chosen], what, t0,
-                         "block-internal plans: " + "; ".join(parts), base)
+                         "block-internal plans: " + "; ".join(parts), base, shared_inputs)
         if isinstance(r, Plan):
             if not isinstance(best, Plan) or r.overhead < best.overhead:
                 best = r
@@ -708,7 +713,9 @@ def _with_inner_plans(p: StepProblem, blocks, profiles: list, what: str, t0: flo
     # stages as they are in the floor's level (the first), first: their plans are the cheaper ones
     # where they exist (zoo ResNet small at 50%: +25.0% against +33.8%), and levels that cannot beat
     # them are then skipped. (In every level: the same plans there, at twice the chain DPs on zoo GPT.)
-    for level in selective_levels(options, levels[:1]) + levels:
+    for level in selective_levels(options, levels[:1]):
+        solve(level, shared_inputs=True)
+    for level in levels:
         solve(level)
     return best
 
