@@ -36,24 +36,30 @@ def test_merged_kernel_is_bit_identical_to_the_single_gradient_kernels(xs, ws, a
     assert torch.equal(gw, tk.conv2d_weight_grad(x, gy, ws, **a))
 
 
-@pytest.mark.parametrize("xs, ws, layout", [
-    ((2, 6, 1, 1), (144, 6, 1, 1), "NCHW"),   # EfficientNet's squeeze-excite expand convolution
-    ((4, 5, 3, 3), (24, 5, 1, 1), "NCHW"),
-    ((2, 1, 1, 13), (8, 13, 1, 1), "NHWC"),
-    ((2, 3, 3, 5), (24, 5, 1, 1), "NHWC"),
+@pytest.mark.parametrize("xs, ws, layout, stride, padding, groups", [
+    ((2, 6, 1, 1), (144, 6, 1, 1), "NCHW", 1, 0, 1),   # EfficientNet's squeeze-excite expand convolution
+    ((4, 5, 3, 3), (24, 5, 1, 1), "NCHW", 1, 0, 1),
+    ((2, 1, 1, 13), (8, 13, 1, 1), "NHWC", 1, 0, 1),
+    ((2, 3, 3, 5), (24, 5, 1, 1), "NHWC", 1, 0, 1),
+    ((4, 4, 4, 64), (64, 8, 3, 3), "NHWC", 1, 1, 8),   # Hugging Face RegNet's grouped convolutions
+    ((4, 16, 16, 16), (16, 8, 3, 3), "NHWC", 1, 1, 2),
+    ((4, 32, 16, 16), (32, 16, 3, 3), "NCHW", 2, 1, 2),
 ])
-def test_one_by_one_input_gradients_match_the_merged_kernel_on_one_thread(xs, ws, layout) -> None:
+def test_input_gradients_match_the_merged_kernel_on_one_thread(xs, ws, layout, stride, padding, groups) -> None:
     """On one thread oneDNN's transposed convolution (the single input-gradient kernel) and its
     convolution backward (the merged kernel) differed in the last bits for 1x1 kernels over small
-    maps with input channels no multiple of 4. Whether a pair is merged depends on the plan's peak,
-    so two budgets' gradients differed (Hugging Face EfficientNet)."""
+    maps with input channels no multiple of 4, and for grouped 3x3 kernels. Whether a pair is merged
+    depends on the plan's peak, so two budgets' gradients differed (Hugging Face EfficientNet,
+    RegNet)."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(xs, generator=g), torch.randn(ws, generator=g)
-        a = dict(stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, layout=layout)
-        gy = torch.randn(xs[:-1] + (ws[0],) if layout == "NHWC" else (xs[0], ws[0]) + xs[2:], generator=g)
+        a = dict(stride=(stride,) * 2, padding=(padding,) * 2, dilation=(1, 1), groups=groups, layout=layout)
+        k, hw = ws[2], (xs[1:3] if layout == "NHWC" else xs[2:])
+        out = tuple((h + 2 * padding - k) // stride + 1 for h in hw)
+        gy = torch.randn((xs[0],) + out + (ws[0],) if layout == "NHWC" else (xs[0], ws[0]) + out, generator=g)
         gx, _ = tk.conv2d_grads(gy, x, w, **a)
         assert torch.equal(gx, tk.conv2d_input_grad(gy, w, input_shape=xs, **a))
     finally:

@@ -478,12 +478,15 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
     result: on the zoo U-Net's channels-last shapes this is 1-4 MiB less workspace and up to 3.5x
     faster (stride-2 2x2 kernels).
 
-    But for 1x1 kernels: on one thread oneDNN's transposed convolution and its backward differ in
-    the last bits when the input channels are no multiple of 4 on some small maps (1x1 and 3x3,
-    NCHW and channels-last; EfficientNet's squeeze-excite), so those take ``convolution_backward``
-    itself: 2-4% slower on 1x1 convolutions, with an input-sized stand-in. Larger kernels agreed on
-    every shape scanned (2 and 3 pixels, strides 1-2, both layouts, 1 and 2 threads)."""
-    if tuple(w.shape[2:]) == (1, 1):
+    But for 1x1 kernels and grouped convolutions: on one thread oneDNN's transposed convolution and
+    its backward differ in the last bits for 1x1 kernels when the input channels are no multiple of
+    4 on some small maps (1x1 and 3x3, NCHW and channels-last; EfficientNet's squeeze-excite), and
+    for grouped 3x3 kernels on most shapes (groups 2-16, channels-last on 1 and 2 threads, some NCHW
+    strided ones; Hugging Face RegNet: 54 of 82 gradients 1e-7 apart between two budgets), so those
+    take ``convolution_backward`` itself: 2-4% slower on 1x1 convolutions, with an input-sized
+    stand-in. Ungrouped larger kernels agreed on every shape scanned (2-16 pixels, strides 1-2, both
+    layouts, 1 and 2 threads)."""
+    if tuple(w.shape[2:]) == (1, 1) or groups != 1:
         gx = torch.ops.aten.convolution_backward(gy, _like(input_shape, gy, channels_last), _cl_weight(w, channels_last),
                                                  None, list(stride), list(padding), list(dilation), False, [0, 0],
                                                  groups, [True, False, False])[0]
