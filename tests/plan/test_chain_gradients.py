@@ -74,4 +74,37 @@ def test_a_chain_that_would_sum_a_weight_in_another_order_is_not_planned(twice):
     p = step.compilation.problem
     blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=False, split_bn_grad=p.split_bn_grad)
     assert blocks is not None and len(blocks.stages) > 2
-    assert _sums_gradients_like_the_step(blocks) is not twice
+    assert _sums_gradients_like_the_step(blocks, p.forward) is not twice
+
+
+def test_a_chain_that_would_differentiate_an_instruction_once_per_block_is_not_planned():
+    """diffusers' UNet2DModel: every residual block reads the timestep embedding, which a cut
+    computes again in each block reading it. Its weights' gradients would then be summed over the
+    blocks, where the step differentiates the one instruction on its summed output gradient (at the
+    floor, on one thread: linear_2's weight 3.6e-12 apart): not planned; every chain planned
+    updates the weights with the unconstrained step's bits."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1,
+                                  block_out_channels=(8, 16), down_block_types=("DownBlock2D", "DownBlock2D"),
+                                  up_block_types=("UpBlock2D", "UpBlock2D"), norm_num_groups=4)
+    x, t, y = torch.randn(2, 3, 16, 16), torch.tensor([10, 20]), torch.randn(2, 3, 16, 16)
+    step = _compile_at_least(model, (x, t, y), "50%", lambda out, tgt: torch.nn.functional.mse_loss(out.sample, tgt),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    c = step.compilation
+    p = c.problem
+    want = _updated(c.unconstrained, c)
+    emb = [k for k, (name, _) in enumerate(model.named_parameters()) if name == "time_embedding.linear_2.weight"][0]
+    duplicated = 0
+    for coarse in (True, False):
+        blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, split_bn_grad=p.split_bn_grad)
+        if blocks is None:
+            continue
+        readers = [st for st, lead in zip(blocks.stages, blocks.binding.lead) if any(lead[j] == emb for j in st.grad_params)]
+        if len(readers) > 1:
+            duplicated += 1
+            assert not _sums_gradients_like_the_step(blocks, p.forward)
+        plan = plan_cut(p, coarse)
+        if isinstance(plan, Plan):
+            assert all(torch.equal(a, b) for a, b in zip(_updated(plan.program, c), want))
+    assert duplicated, "no cut computes the timestep embedding in several blocks"

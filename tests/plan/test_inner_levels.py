@@ -27,8 +27,8 @@ def _compile(monkeypatch, slack: float) -> tuple[str, int, list[tuple[float, flo
         calls[0] += 1
         return compile_schedule(*args, **kwargs)
 
-    def bounded(p, blocks, stages, profiles, what, t0, inner="", base=None):
-        r = solve_chain(p, blocks, stages, profiles, what, t0, inner, base)
+    def bounded(p, blocks, stages, profiles, what, t0, inner="", base=None, shared_inputs=False):
+        r = solve_chain(p, blocks, stages, profiles, what, t0, inner, base, shared_inputs)
         if inner and isinstance(r, Plan):
             levels.append((chain_costs(profiles).no_recompute_cost() / base - 1.0, r.overhead))
         return r

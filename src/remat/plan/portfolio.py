@@ -516,7 +516,7 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     t0 = time.perf_counter()
     blocks = cut(p.forward, p.n_state, p.n_params, backward_kept_only=coarse, cache=cache,
                  split_bn_grad=p.split_bn_grad)
-    if blocks is None or not _sums_gradients_like_the_step(blocks):
+    if blocks is None or not _sums_gradients_like_the_step(blocks, p.forward):
         return None
     # Blocks are priced as the portfolio scores every plan: by the static cost model, or a profiled
     # compile's measured instruction seconds (those of the step's own runs, the others timed alone
@@ -537,14 +537,17 @@ def plan_cut(p: StepProblem, coarse: bool, cache: dict | None = None,
     return _with_inner_plans(p, blocks, profiles, what, t0, best)
 
 
-def _sums_gradients_like_the_step(blocks) -> bool:
-    """Whether a chain of ``blocks`` sums each parameter's gradient with the same roundings as the
-    step differentiated whole, which adds a parameter's contributions one use at a time, the last use
-    first. The chain adds each block's sum, the last block's first (``chain.executor``): the same,
-    unless a parameter read in several blocks is read more than once in a block before its last (a
-    layer's weights shared by the layers of two blocks; a tied embedding and head, one use each, are
-    exact). Such a chain would give other gradient bits than the unconstrained step, which a budget
-    must never do: it is not planned."""
+def _sums_gradients_like_the_step(blocks, forward: Function) -> bool:
+    """Whether a chain of ``blocks`` (cut from ``forward``) sums each parameter's gradient with the
+    same roundings as the step differentiated whole, which adds a parameter's contributions one use
+    at a time, the last use first. The chain adds each block's sum, the last block's first
+    (``chain.executor``): the same, unless a parameter read in several blocks is read more than once
+    in a block before its last (a layer's weights shared by the layers of two blocks; a tied
+    embedding and head, one use each, are exact), or the blocks read it more often than ``forward``
+    does: an instruction computed in several blocks (a diffusion U-Net's timestep embedding, which
+    every block reads), which the step differentiates once, on the sum of its output's gradients,
+    and the chain once per block. Such a chain would give other gradient bits than the unconstrained
+    step, which a budget must never do: it is not planned."""
     uses: dict[int, list[int]] = {}  # program parameter -> its number of uses in each block reading it
     for stage, lead in zip(blocks.stages, blocks.binding.lead):
         counts = Counter(v for ins in stage.forward.instructions() for v in ins.operands)
@@ -552,6 +555,9 @@ def _sums_gradients_like_the_step(blocks) -> bool:
             n = counts.get(stage.forward.params[j], 0)
             if n:
                 uses.setdefault(lead[j], []).append(n)
+    whole = Counter(v for ins in forward.instructions() for v in ins.operands)
+    if any(len(ns) > 1 and sum(ns) > whole.get(forward.params[q], 0) for q, ns in uses.items()):
+        return False  # an instruction computed again in another block
     return all(len(ns) < 2 or max(ns[:-1]) < 2 for ns in uses.values())
 
 
