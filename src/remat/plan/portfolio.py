@@ -628,21 +628,14 @@ def _solve_chain(p: StepProblem, blocks, stages: list, profiles: list, what: str
     # Its plans' programs can peak above what it counts, so a plan the search then steps down from
     # may cost more than the other model's (Hugging Face GPT-2 in bf16 at its floor: +100.3%
     # against +94.1%) and its least plan may peak higher (zoo MLP small: 3.6%): it plans the
-    # selective levels only (planned first, as an addition to the plans before them), where the
-    # model that counts the input twice plans too: the cheaper plan, or when none fits the lesser floor.
-    minimums: list[int] = []
-    pols = []
-    for c in (costs, costs.without_tape_input()) if shared_inputs and costs.tape_input.any() \
-            else (costs.without_tape_input(),):
-        planner = ChainPlanner(stages, c, name="train_joint", binding=blocks.binding, finish=finish,
-                               what=f"this model cut into {len(stages)} blocks", peak_fn=lambda fn: fit_peak(p, fn))
-        try:
-            pols.append(planner.solve(p.budget, SOLVERS["chain"].method))
-        except BudgetTooSmall as e:
-            minimums.append(e.minimum)
-    if not pols:
-        return min(minimums)
-    pol = min(pols, key=lambda q: q.solution.cost)  # the first on a tie
+    # selective levels only, an addition to the levels planned as before.
+    planner = ChainPlanner(stages, costs if shared_inputs else costs.without_tape_input(), name="train_joint",
+                           binding=blocks.binding, finish=finish, what=f"this model cut into {len(stages)} blocks",
+                           peak_fn=lambda fn: fit_peak(p, fn))
+    try:
+        pol = planner.solve(p.budget, SOLVERS["chain"].method)
+    except BudgetTooSmall as e:
+        return e.minimum
     notes = [f"{what} in {time.perf_counter() - t0:.2f} s; chain DP (extended model: per block, keep output "
              f"or whole tape{', or a block-internal plan' if inner else ''})",
              f"schedule: {len(pol.solution.schedule)} steps, {n_recomputed(pol.solution, costs)} block recomputations"]
