@@ -188,8 +188,8 @@ the recipe is one more way of recomputing the block, which the other recipes cov
 def selective_recipe(stage: ChainStage, costs: Callable[[Function], dict[Instruction, float]]) -> Recipe | None:
     """The recipe that keeps, besides the input, the tape values dear to recompute per byte, its
     backward recomputing the others from them (no evictions): selective checkpointing, which keeps a
-    block's convolution or matrix-product outputs and recomputes its activations, norms and dropout
-    masks, for part of the tape at a small part of the forward's time. A value's price per byte is its
+    block's convolution or matrix-product outputs and recomputes its ReLUs and batch norms, for part
+    of the tape at a small part of the forward's time. A value's price per byte is its
     instruction's static seconds over the bytes of that instruction's results in the tape; sorted by
     it, the values are cut at the last fall of at least :data:`SELECTIVE_GAP` below which they cost at
     most :data:`SELECTIVE_SHARE` of the forward to recompute from those above it and the input, none
