@@ -478,15 +478,17 @@ def conv2d_input_grad(gy, w, input_shape, stride=(1, 1), padding=(0, 0), dilatio
     result: on the zoo U-Net's channels-last shapes this is 1-4 MiB less workspace and up to 3.5x
     faster (stride-2 2x2 kernels).
 
-    But for 1x1 kernels and grouped convolutions: on one thread oneDNN's transposed convolution and
-    its backward differ in the last bits for 1x1 kernels when the input channels are no multiple of
-    4 on some small maps (1x1 and 3x3, NCHW and channels-last; EfficientNet's squeeze-excite), and
-    for grouped 3x3 kernels on most shapes (groups 2-16, channels-last on 1 and 2 threads, some NCHW
-    strided ones; Hugging Face RegNet: 54 of 82 gradients 1e-7 apart between two budgets), so those
-    take ``convolution_backward`` itself: 2-4% slower on 1x1 convolutions, with an input-sized
-    stand-in. Ungrouped larger kernels agreed on every shape scanned (2-16 pixels, strides 1-2, both
-    layouts, 1 and 2 threads)."""
-    if tuple(w.shape[2:]) == (1, 1) or groups != 1:
+    But for 1x1 kernels: on one thread oneDNN's transposed convolution and its backward differ in
+    the last bits when the input channels are no multiple of 4 on some small maps (1x1 and 3x3,
+    NCHW and channels-last; EfficientNet's squeeze-excite), so those take ``convolution_backward``
+    itself: 2-4% slower on 1x1 convolutions, with an input-sized stand-in. Ungrouped larger kernels
+    agreed on every shape scanned (2-16 pixels, strides 1-2, both layouts, 1 and 2 threads); grouped
+    ones do not, and ``conv2d_grads`` computes their input gradient here instead."""
+    return _input_grad(gy, w, input_shape, stride, padding, dilation, groups, channels_last)
+
+
+def _input_grad(gy, w, input_shape, stride, padding, dilation, groups, channels_last):
+    if tuple(w.shape[2:]) == (1, 1):
         gx = torch.ops.aten.convolution_backward(gy, _like(input_shape, gy, channels_last), _cl_weight(w, channels_last),
                                                  None, list(stride), list(padding), list(dilation), False, [0, 0],
                                                  groups, [True, False, False])[0]
@@ -504,6 +506,10 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
                        channels_last=False, weight_channels_last=False):
     # As for the input gradient: only the weight's shape and layout are read, and a contiguous stand-in
     # (not torch.nn.grad.conv2d_weight's stride-0 expanded one) is 5-15% faster; bit-identical results.
+    return _weight_grad_of(x, gy, weight_shape, stride, padding, dilation, groups, channels_last, weight_channels_last)
+
+
+def _weight_grad_of(x, gy, weight_shape, stride, padding, dilation, groups, channels_last, weight_channels_last):
     like = _like(weight_shape, gy, channels_last)  # channels-last also for an NCHW input (input_layout)
     gw = torch.ops.aten.convolution_backward(gy, x, like, None, list(stride), list(padding), list(dilation), False,
                                              [0, 0], groups, [False, True, False])[1]
@@ -515,7 +521,17 @@ def conv2d_weight_grad(x, gy, weight_shape, stride=(1, 1), padding=(0, 0), dilat
 def conv2d_grads(gy, x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1, channels_last=False,
                  weight_channels_last=False):
     # One call for both gradients: bit-identical to the two single-gradient calls above (same oneDNN
-    # algorithms), and ~30% faster on small feature maps, where preparing gy once dominates.
+    # algorithms), and ~30% faster on small feature maps, where preparing gy once dominates. But for
+    # grouped kernels larger than 1x1: there oneDNN's backward and the transposed convolution of
+    # conv2d_input_grad differ in the last bits (groups 2-16, channels-last on 1 and 2 threads, some
+    # strided NCHW; Hugging Face RegNet: 54 of 82 gradients 1e-7 apart between two budgets, the pairs
+    # merged in one and not the other), so both gradients come from the single kernels: about 4%
+    # slower on depthwise shapes, and no input-sized stand-in for an unmerged input gradient (which,
+    # as convolution_backward, cost MobileNetV2 at its floor +12% of recomputation).
+    if groups != 1 and tuple(w.shape[2:]) != (1, 1):
+        gx = _input_grad(gy, w, tuple(x.shape), stride, padding, dilation, groups, channels_last)
+        return gx, _weight_grad_of(x, gy, tuple(w.shape), stride, padding, dilation, groups, channels_last,
+                                   weight_channels_last)
     wc = _cl_weight(w, channels_last)
     gx, gw, _ = torch.ops.aten.convolution_backward(gy, x, wc, None, list(stride), list(padding), list(dilation),
                                                     False, [0, 0], groups, [True, True, False])
