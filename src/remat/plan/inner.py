@@ -348,7 +348,8 @@ def need(q: "StageProfile") -> int:
 def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile"], kinds: Sequence[int],
                   costs: Callable[[Function], dict[Instruction, float]],
                   workspace_fn: WorkspaceFn | None = None, milp: bool = False,
-                  cache: dict | None = None, shared: dict | None = None) -> list[list[StageOption]]:
+                  cache: dict | None = None, shared: dict | None = None,
+                  selective_only: bool = False) -> list[list[StageOption]]:
     """Per stage, its options: the stage as it is first, then its variants that need fewer bytes
     (:func:`need`). Recipes are found once per kind of block and applied to every stage of it.
     A variant's backward time is the stage's scaled by the ratio of their static costs. With
@@ -356,7 +357,8 @@ def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile
     option before it matches in both bytes and backward time (Rockmate's split: MILP plans inside
     blocks, the chain DP across them). ``cache``: recipes by block text, shared across calls (the
     cuts of one step hold many of the same blocks); ``shared``: recipes by block text from other
-    steps planned with the same costs and workspaces, read when ``cache`` lacks them and kept in both."""
+    steps planned with the same costs and workspaces, read when ``cache`` lacks them and kept in both.
+    ``selective_only``: the selective recipes alone (:func:`selective_recipe`; no greedy or MILP ones)."""
     from .chain.profile import _profile
     from .costmodel import function_cost
 
@@ -364,12 +366,12 @@ def stage_options(stages: Sequence[ChainStage], profiles: Sequence["StageProfile
     out: list[list[StageOption]] = []
     for st, prof, kind in zip(stages, profiles, kinds):
         if kind not in by_kind:
-            key = (milp, str(st.split.forward.clone("block")), str(st.split.backward.clone("block")))
+            key = (milp, selective_only, str(st.split.forward.clone("block")), str(st.split.backward.clone("block")))
             hit = None if cache is None else cache.get(key)
             if hit is None and shared is not None:
                 hit = shared.get(key)
             if hit is None:
-                found = recipes(st, costs, workspace_fn)
+                found = [] if selective_only else recipes(st, costs, workspace_fn)
                 sel = selective_recipe(st, costs)
                 found += [sel] if sel is not None else []
                 hit = (found, milp_recipes(st, costs, workspace_fn, found) if milp else [])
