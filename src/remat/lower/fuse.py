@@ -21,7 +21,7 @@ pass keeps only groups that leave ``predict_peak`` at or below the unfused progr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from ..ir import Builder, Function, Instruction, Module, OpResult, Value
 from ..ir.ops.fused import Body, Node, fusible_node_op, parse_body
@@ -341,11 +341,27 @@ def fuse_function(fn: Function, supports: Supports | None = None, stats: FuseSta
     return out
 
 
-def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge) -> tuple[Function, list]:
+def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge,
+                  size: Callable[[Any], int] | None = None) -> tuple[Function, list]:
     """``rewrite(fn, items)`` -> (program, span per item by ``id``), then, while ``check`` rejects
     an instruction, the same without the items whose span holds it. Returns the accepted program
     and the items kept (``fn`` itself when none is). A rejection outside every span (rewrites that
-    together moved a high-water mark past their spans) undoes them all: ``fn`` runs as planned."""
+    together moved a high-water mark past their spans) undoes them all: ``fn`` runs as planned.
+
+    With ``size`` (the bytes an item keeps alive over its span), also the same undoing the largest
+    of those items first (those holding at least half the largest one's bytes), so that a scalar
+    kept alive next to a large value is not undone with it; of the two, the program keeping more
+    items."""
+    out = _accepted(fn, items, rewrite, check, None)
+    if size is None:
+        return out
+    tiered = _accepted(fn, items, rewrite, check, size)
+    return tiered if len(tiered[1]) > len(out[1]) else out
+
+
+def _accepted(fn: Function, items: list, rewrite: Callable, check: Judge,
+              size: Callable[[Any], int] | None) -> tuple[Function, list]:
+    """:func:`keep_accepted`'s loop: every culprit undone at once, or (``size``) the largest first."""
     out, spans = rewrite(fn, items)
     while items:
         at = check(out)
@@ -354,6 +370,9 @@ def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge) ->
         culprits = [x for x in items if spans[id(x)][0] <= at <= spans[id(x)][1]]
         if not culprits:
             return fn, []
+        if size is not None:
+            largest = max(size(x) for x in culprits)
+            culprits = [x for x in culprits if 2 * size(x) >= largest]
         items = [x for x in items if x not in culprits]
         if items:
             out, spans = rewrite(fn, items)

@@ -14,7 +14,9 @@ The values are the same bits: a recomputation runs the same kernel on the same v
 replay their draws), so a plan's promises carry over. Keeping a value longer can raise the peak: the
 rewritten program's VM peak stays within the budget (without one, within the program's own peak),
 and a drop whose span (the first run to the last read of its results) holds an instruction
-``judge`` rejects is undone, as :mod:`remat.lower.fuse` does for fused groups.
+``judge`` rejects is undone, as :mod:`remat.lower.fuse` does for fused groups, the drops keeping
+the most bytes first: a step's scalar constants and dropout seeds stay read from their first runs
+where a weight cast or a dropout mask beside them does not fit.
 """
 from __future__ import annotations
 
@@ -131,7 +133,12 @@ def reuse_small(fn: Function, judge: Judge | None = None, limit: int | None = No
     items = find_small(fn, small)
     if not items:
         return fn
-    return keep_accepted(fn, items, _rewrite, within_peak(fn, judge, limit))[0]
+    return keep_accepted(fn, items, _rewrite, within_peak(fn, judge, limit), size=_read_bytes)[0]
+
+
+def _read_bytes(ins: Instruction) -> int:
+    """The bytes a dropped recomputation keeps alive from its first run: its results'."""
+    return sum(r.type.nbytes for r in ins.results)
 
 
 def reuse_small_pass(module: Module) -> Module:
