@@ -21,6 +21,16 @@ def _count(step, *ops: str) -> int:
     return sum(1 for ins in step.program.entry.instrs if ins.op.name in ops)
 
 
+@pytest.fixture(autouse=True)
+def _recomputed_stay_recomputed(monkeypatch):
+    """The tests are about replaying what a plan recomputes: small recomputed values (a router's
+    top-k indices, the masking noise) stay recomputed, not read from their first run
+    (``remat.lower.small_values``)."""
+    import remat.lower.small_values as small
+
+    monkeypatch.setattr(small, "find_small", lambda *args, **kwargs: [])
+
+
 def _two_steps(model, inputs, **options):
     """(step, loss, gradients) unconstrained and at 50% of the unconstrained peak, from one model."""
     runs = []
