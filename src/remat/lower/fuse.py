@@ -353,7 +353,7 @@ def keep_accepted(fn: Function, items: list, rewrite: Callable, check: Judge,
     kept alive next to a large value is not undone with it; of the two, the program keeping more
     items."""
     out = _accepted(fn, items, rewrite, check, None)
-    if size is None:
+    if size is None or len(out[1]) == len(items):  # nothing undone: the order of undoing cannot matter
         return out
     tiered = _accepted(fn, items, rewrite, check, size)
     return tiered if len(tiered[1]) > len(out[1]) else out

@@ -37,7 +37,7 @@ from .milp import MILP_MAX_NODES, NoSolutionFound
 from .problem import StepProblem, fit_peak
 from .record import Plan, Solution
 from .registry import (NEAR_FLOOR_OVERHEAD, NEIGHBOURHOOD_TIME_LIMIT, SOLVER_OPTIONS, SOLVERS, check_option, graph_solver,
-                       improves_neighbourhood, neighbourhood_passes, small_for_exact)
+                       improves_neighbourhood, neighbourhood_passes)
 
 
 def uses_milp(solver: str, n_nodes: int) -> bool:
