@@ -904,7 +904,8 @@ def _heads_first(x, seq_first: bool):
 
 
 @k("attention")
-def attention(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
+    # ``chunks`` bounds a workspace of the scores; the reference computes the same values whole.
     dt = q.dtype
     q, k, v = (_heads_first(_up(x), seq_first) for x in (q, k, v))
     out, lse = reference_forward(q, k, v, _f32_mask(mask), scale=scale, is_causal=is_causal)
@@ -912,7 +913,7 @@ def attention(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
 
 
 @k("attention_grad")
-def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_grad(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
     dt = q.dtype
     g, q, k, v, out = (_heads_first(_up(x), seq_first) for x in (g, q, k, v, out))
     grads = reference_backward(g, q, k, v, out, _up(lse), _f32_mask(mask), scale=scale, is_causal=is_causal)

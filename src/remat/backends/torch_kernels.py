@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -1114,10 +1114,27 @@ def _heads_first(x: torch.Tensor, seq_first: bool) -> torch.Tensor:
     return x.transpose(-3, -2) if seq_first else x
 
 
+def _over_chunks(kernel: Callable, chunks: int, batched: tuple, mask, **attrs) -> tuple:
+    """``kernel(*batched, mask, **attrs)`` computed over ``chunks`` slices of the leading axis, one
+    after the other, its results concatenated along it: the same values as one call (each leading
+    index is computed alone either way), a workspace a chunk's size. ``batched``: the operands with
+    that leading axis (q and what shares its batch); a mask is sliced where it has it too (the
+    scores' rank and that length), else read whole by every chunk."""
+    n = batched[0].shape[0]
+    if chunks <= 1 or batched[0].dim() < (4 if attrs.get("seq_first") else 3) or n < 2:
+        return kernel(*batched, mask, **attrs)  # no batch axis before [T, D] ([T, H, D])
+    split = mask is not None and mask.dim() == batched[0].dim() and mask.shape[0] == n
+    parts = [t.tensor_split(chunks) for t in batched]
+    masks = mask.tensor_split(chunks) if split else (mask,) * chunks
+    outs = [kernel(*args, m, **attrs) for *args, m in zip(*parts, masks)]
+    return tuple(torch.cat(rs) for rs in zip(*outs))
+
+
 @k("attention", checker=_flash_ok)
-def attention_flash(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_flash(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
     """With ``seq_first`` the kernel reads the [B, T, H, D] operands through transposed views and
-    writes its output [B, T, H, D]-contiguous (ATen's CPU flash kernels allocate it so): no copy."""
+    writes its output [B, T, H, D]-contiguous (ATen's CPU flash kernels allocate it so): no copy.
+    ``chunks`` is not needed: the flash kernels hold one block of scores at a time."""
     q, k, v = (_heads_first(x, seq_first) for x in (q, k, v))
     mask, is_causal = _flash_args(mask, q, k, is_causal)
     out, lse = _FLASH(_as4(q), _as4(k), _as4(v), 0.0, is_causal, attn_mask=mask, scale=scale)
@@ -1131,7 +1148,7 @@ def _lse_for(lse, q):
 
 
 @k("attention_grad", checker=_flash_ok)
-def attention_grad_flash(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_grad_flash(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
     g, q, k, v, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
     q4 = _as4(q)
     mask, is_causal = _flash_args(mask, q, k, is_causal)
@@ -1179,12 +1196,18 @@ def _exp_normal(x: torch.Tensor) -> torch.Tensor:
 
 
 @kernel("attention", "torch", checker=_short_lowp, priority=7)
-def attention_lowp(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_lowp(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
     """f16/bf16 attention over short sequences, as eager's math path computes it: products in the
     low precision (scores rounded to it, as eager's), the softmax in f32 (exponentials of the
     scores less their row maximum, over their row sum: :func:`_exp_normal`), probabilities rounded
     to the low precision for the product with v; no f32 copy of q, k or v. The logsumexp the
-    backward reads is the row maximum plus the log of that sum."""
+    backward reads is the row maximum plus the log of that sum. Over ``chunks`` slices of the
+    batch (:func:`_over_chunks`) when asked."""
+    return _over_chunks(_attention_lowp, chunks, (q, k, v), mask, scale=scale, is_causal=is_causal,
+                        seq_first=seq_first)
+
+
+def _attention_lowp(q, k, v, mask, *, scale, is_causal, seq_first):
     q, k, v = (_heads_first(x, seq_first) for x in (q, k, v))
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     s = _math_scores(q, k, mask, scale, is_causal).float()
@@ -1197,11 +1220,17 @@ def attention_lowp(q, k, v, mask=None, *, scale, is_causal=False, seq_first=Fals
 
 
 @kernel("attention_grad", "torch", checker=_short_lowp, priority=7)
-def attention_grad_lowp(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_grad_lowp(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
     """The backward of :func:`attention_lowp`: its products in the low precision, the element-wise
     work on the scores in f32, the scores' gradient scaled in the low precision before the products
     (as eager's backward of ``(q @ k.mT) * scale`` does). Operands read through transposed views
-    (``seq_first``) are made heads-first once each, not once per product."""
+    (``seq_first``) are made heads-first once each, not once per product. Over ``chunks`` slices of
+    the batch when asked."""
+    return _over_chunks(_attention_grad_lowp, chunks, (g, q, k, v, out, lse), mask, scale=scale,
+                        is_causal=is_causal, seq_first=seq_first)
+
+
+def _attention_grad_lowp(g, q, k, v, out, lse, mask, *, scale, is_causal, seq_first):
     rows = _heads_first((g.float() * out.float()).sum(-1, keepdim=True), seq_first)
     if seq_first:
         g, q, k0, v0 = (_heads_first(x, True).contiguous() for x in (g, q, k, v))
@@ -1217,8 +1246,14 @@ def attention_grad_lowp(g, q, k, v, out, lse, mask=None, *, scale, is_causal=Fal
 
 
 @kernel("attention", "torch", priority=5)
-def attention_math(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False):
-    """Explicit softmax (any rank, any head sizes, grouped-query); f16/bf16 compute in f32."""
+def attention_math(q, k, v, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
+    """Explicit softmax (any rank, any head sizes, grouped-query); f16/bf16 compute in f32. Over
+    ``chunks`` slices of the batch when asked."""
+    return _over_chunks(_attention_math, chunks, (q, k, v), mask, scale=scale, is_causal=is_causal,
+                        seq_first=seq_first)
+
+
+def _attention_math(q, k, v, mask, *, scale, is_causal, seq_first):
     q, k, v = (_heads_first(x, seq_first) for x in (q, k, v))
     k, v = _repeat_kv(k, q), _repeat_kv(v, q)
     s = _math_scores(_up(q), _up(k), mask, scale, is_causal)
@@ -1228,7 +1263,12 @@ def attention_math(q, k, v, mask=None, *, scale, is_causal=False, seq_first=Fals
 
 
 @kernel("attention_grad", "torch", priority=5)
-def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False):
+def attention_grad_math(g, q, k, v, out, lse, mask=None, *, scale, is_causal=False, seq_first=False, chunks=1):
+    return _over_chunks(_attention_grad_math, chunks, (g, q, k, v, out, lse), mask, scale=scale,
+                        is_causal=is_causal, seq_first=seq_first)
+
+
+def _attention_grad_math(g, q, k, v, out, lse, mask, *, scale, is_causal, seq_first):
     g, q, k0, v0, out = (_heads_first(x, seq_first) for x in (g, q, k, v, out))
     g, q32, k32, v32, out = _up(g), _up(q), _up(_repeat_kv(k0, q)), _up(_repeat_kv(v0, q)), _up(out)
     p = torch.exp(_math_scores(q32, k32, mask, scale, is_causal) - _lse_for(lse, q).unsqueeze(-1))

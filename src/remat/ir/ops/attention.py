@@ -15,6 +15,11 @@ whose scores are all masked has no defined softmax (NaN, as the explicit formula
 gives them; the op computes on their ``[..., H, T, D]`` transposes, read in place (the logsumexp
 stays ``[..., H, T]``). ``remat.passes.attention.fold_head_transposes`` sets it where a model
 transposes heads in and out of attention, so no transposed copy is made either way.
+``chunks`` (``attention`` and ``attention_grad``, default 1): kernels that hold the scores as a
+workspace may compute over this many slices of the leading axis, one after the other, with the
+same values as over the whole of it (every leading index is computed alone either way); it bounds
+the workspace, not the result. ``remat.passes.attention.chunk_attention`` sets it, and the planner
+keeps it only where it makes a plan cheaper (``remat.plan.algorithms``).
 Grouped-query attention (``attention`` and ``attention_grad``): k and v may have fewer heads (axis
 -3) than q, a divisor of them; query head ``h`` reads key/value head ``h // (H / H_kv)``, as
 Hugging Face's ``repeat_kv`` lays the repeated heads out (``remat.passes.attention.fold_kv_repeats``
@@ -39,7 +44,7 @@ from ..types import DType, TensorType
 from ._util import bcast, expect_float, rand
 
 _ATTRS = (Attr("scale", "float"), Attr("is_causal", "bool", False))
-_SEQ_ATTRS = _ATTRS + (Attr("seq_first", "bool", False),)
+_SEQ_ATTRS = _ATTRS + (Attr("seq_first", "bool", False), Attr("chunks", "int", 1))
 
 
 def swap_heads(t: TensorType) -> TensorType:
@@ -93,11 +98,22 @@ def _check_qkv(name: str, q: TensorType, k: TensorType, v: TensorType, mask: Ten
             raise TypeError(f"'{name}': mask {mask} does not broadcast to the scores' shape {list(scores)}")
 
 
+def _check_chunks(name: str, q: TensorType, attrs) -> None:
+    """``chunks`` slices a batch axis: the leading one, before [T, D] (or [T, H, D] with ``seq_first``)."""
+    n = attrs.get("chunks", 1)
+    rank = 4 if attrs.get("seq_first", False) else 3
+    if n < 1 or n > 1 and (q.rank < rank or n > q.shape[0]):
+        raise TypeError(f"'{name}': chunks must be 1, or at most the leading axis ({q.shape[0] if q.rank >= rank else 1}) "
+                        f"of a query of rank >= {rank} (a batch axis before [T, {'H, ' if rank == 4 else ''}D]), "
+                        f"got {n} for {q}")
+
+
 def _attention_infer(types, attrs):
     if len(types) not in (3, 4):
         raise TypeError(f"'attention' takes query, key, value and an optional mask, got {len(types)} operands")
     q, k, v = _heads_first("attention", types[:3], attrs)
     _check_qkv("attention", q, k, v, types[3] if len(types) == 4 else None, attrs, grouped=True)
+    _check_chunks("attention", types[0], attrs)
     out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
     return (swap_heads(out) if attrs.get("seq_first", False) else out), TensorType(lse_dtype(q.dtype), q.shape[:-1])
 
@@ -109,6 +125,7 @@ def _attention_grad_infer(types, attrs):
     g, q, k, v, out = _heads_first("attention_grad", types[:5], attrs)
     lse = types[5]
     _check_qkv("attention_grad", q, k, v, types[6] if len(types) == 7 else None, attrs, grouped=True)
+    _check_chunks("attention_grad", types[1], attrs)
     want_out = TensorType(q.dtype, q.shape[:-1] + (v.shape[-1],))
     if g != want_out or out != want_out:
         raise TypeError(f"'attention_grad': grad_out and out must be {want_out}, got {g} and {out}")
@@ -223,6 +240,9 @@ def _seq_first_samples(r: np.random.Generator) -> list[Sample]:
         # an additive float mask (a learned position bias, Swin's or T5's) over [H, T, S], seq_first
         Sample([rand(r, 2, 4, 3, 4), rand(r, 2, 6, 3, 4), rand(r, 2, 6, 3, 4), rand(r, 1, 3, 4, 6)],
                {"scale": 0.5, "seq_first": True}),
+        # over slices of the batch (3 rows in 2), a mask sliced with it
+        Sample([rand(r, 3, 4, 2, 4), rand(r, 3, 5, 2, 4), rand(r, 3, 5, 2, 4), _keep_mask(r, 3, 1, 4, 5)],
+               {"scale": 0.5, "seq_first": True, "chunks": 2}),
     ]
 
 
@@ -237,6 +257,7 @@ def _attention_grad_samples(r: np.random.Generator) -> list[Sample]:
     for s in samples[:3] + samples[4:]:
         attrs = {"is_causal": False, **s.attrs}
         seq_first = attrs.pop("seq_first", False)
+        attrs.pop("chunks", None)  # the same values over the whole batch
         o, lse = reference_forward(*seq_first_args(s.args[:3], s.attrs), *s.args[3:], **attrs)
         if seq_first:
             o = np.swapaxes(o, -3, -2)
@@ -400,7 +421,8 @@ def _attention_vjp(b, p, g):
     mask = p.x[3] if len(p.x) == 4 else None
     out, lse = p.y
     seq_first = p.attrs.get("seq_first", False)
-    attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"], "seq_first": seq_first}
+    attrs = {"scale": p.attrs["scale"], "is_causal": p.attrs["is_causal"], "seq_first": seq_first,
+             "chunks": p.attrs.get("chunks", 1)}
     extra = [mask] if mask is not None else []
     gq, gk, gv = b.op("attention_grad", g_out, q, k, v, out, lse, *extra, **attrs)
     cts = [gq, gk, gv]
