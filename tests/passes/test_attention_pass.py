@@ -256,3 +256,42 @@ def test_a_rotary_embedding_is_computed_on_the_sequence_first_values():
     m, out = _fold(ROTARY.format(extra="%22 = reduce_sum %16 {axes=[0, 1, 2, 3]} : f64[]\n  ").replace(
         "-> f64[2,4,12]", "-> (f64[2,4,12], f64[])").replace("return %21", "return %21, %22"))
     assert not any(i.attrs.get("seq_first") for i in out["f"].instructions() if i.op.name == "attention")
+
+
+def test_chunk_attention_slices_short_low_precision_attention_only():
+    """``chunk_attention`` sets ``chunks`` on low-precision attention over fewer than ``max_queries``
+    queries, about ``scores_per_chunk`` scores a slice and at most one batch row each, and nowhere
+    else (f32, long sequences, no batch axis); the VJP gives ``attention_grad`` the same slices, and
+    the text round-trips with the attribute."""
+    from remat.autodiff import differentiate
+    from remat.ir import Function, GradientSpec, Module, print_function
+    from remat.passes.attention import chunk_attention
+
+    src = """func @f(%0: {t}[8,4,16,8], %1: {t}[8,4,16,8], %2: {t}[8,4,16,8]) -> f32[] {{
+  %3, %4 = attention %0, %1, %2 {{scale=0.5}} : {t}[8,4,16,8], f32[8,4,16]
+  %5 = cast %3 {{dtype=f32}} : f32[8,4,16,8]
+  %6 = reduce_sum %5 {{axes=[0, 1, 2, 3]}} : f32[]
+  return %6
+}}
+"""
+    low = parse(src.format(t="bf16"))["f"]
+    out, sites = chunk_attention(low, max_queries=128, scores_per_chunk=2048)
+    verify(out)
+    (att,) = [i for i in out.instructions() if i.op.name == "attention"]
+    assert att.attrs["chunks"] == 4 and [s.chunks for s in sites] == [4] and sites[0].shape == (8, 4, 16, 16)
+    assert next(parse(print_function(out))["f"].instructions()).attrs["chunks"] == 4
+    assert chunk_attention(low, max_queries=128, scores_per_chunk=1)[1][0].chunks == 8  # one batch row a slice
+    assert chunk_attention(low, max_queries=16)[1] == []  # as long as the flash kernels take
+    assert chunk_attention(parse(src.format(t="f32"))["f"], max_queries=128, scores_per_chunk=2048)[1] == []
+    # [T, H, D] operands (seq_first, rank 3) have no batch axis to slice: their leading axis is T
+    seq = """func @f(%0: bf16[16,4,8], %1: bf16[16,4,8], %2: bf16[16,4,8]) -> bf16[16,4,8] {
+  %3, %4 = attention %0, %1, %2 {scale=0.5, seq_first=true} : bf16[16,4,8], f32[4,16]
+  return %3
+}
+"""
+    assert chunk_attention(parse(seq)["f"], max_queries=128, scores_per_chunk=1)[1] == []
+    with pytest.raises(Exception, match="chunks must be 1, or at most the leading axis"):
+        verify(parse(seq.replace("seq_first=true}", "seq_first=true, chunks=2}")))
+    m = differentiate(Module([out, Function("f_grad", gradient=GradientSpec("f", (0,), False))]))
+    verify(m)
+    assert [i.attrs["chunks"] for i in m["f_grad"].instructions() if i.op.name.startswith("attention")] == [4, 4]

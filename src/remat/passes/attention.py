@@ -510,3 +510,58 @@ def fold_kv_repeats(f: Function) -> tuple[Function, int]:
 def fold_kv_repeats_pass(module: Module) -> Module:
     """Grouped-query attention reads its shared key/value heads in place; see :func:`fold_kv_repeats`."""
     return Module([fold_kv_repeats(f)[0] for f in module])
+
+
+# ---------------------------------------------------------------- attention over slices of the batch
+CHUNK_SCORES = 1 << 16
+"""Scores per slice of the batch that :func:`chunk_attention` aims for: 256 KiB of f32 scores, about
+the workspace of the explicit kernels over one slice (HF ViT's [16, 4, 65, 65] scores: 5 slices);
+each further slice runs the kernel's operations again."""
+
+
+@dataclass
+class ChunkSite:
+    """One attention set to run over slices of its batch: its scores' shape and the slices."""
+
+    shape: tuple[int, ...]
+    chunks: int
+
+
+def _sliceable_scores(ins: Instruction, max_queries: int) -> tuple[int, ...] | None:
+    """The scores' shape of an ``attention`` or ``attention_grad`` in low precision over fewer than
+    ``max_queries`` queries per head, with a leading (batch) axis; None for any other."""
+    first = 0 if ins.op.name == "attention" else 1
+    q, k = ins.operands[first].type, ins.operands[first + 1].type
+    seq_first = ins.attrs.get("seq_first", False)
+    if (not q.dtype.is_low or q.rank < (4 if seq_first else 3) or q.shape[0] < 2
+            or (q.shape[-3] if seq_first else q.shape[-2]) >= max_queries):
+        return None  # (the leading axis must be a batch axis: not [T, H, D]'s T)
+    return scores_shape(swap_heads(q) if seq_first else q, swap_heads(k) if seq_first else k)
+
+
+def slices(ins: Instruction, max_queries: int, scores_per_chunk: int = CHUNK_SCORES) -> int:
+    """How many slices of the batch :func:`chunk_attention` computes an ``attention`` or
+    ``attention_grad`` over: 1 unless it is in low precision, over fewer than ``max_queries`` queries
+    per head, with a leading (batch) axis."""
+    scores = _sliceable_scores(ins, max_queries)
+    return 1 if scores is None else min(scores[0], -(-prod(scores) // scores_per_chunk))
+
+
+def chunk_attention(f: Function, max_queries: int, scores_per_chunk: int = CHUNK_SCORES
+                    ) -> tuple[Function, list[ChunkSite]]:
+    """A copy of ``f`` whose low-precision ``attention`` over fewer than ``max_queries`` queries per
+    head (those whose kernels hold the [..., T, S] scores as their workspace) computes over slices of
+    its leading (batch) axis of about ``scores_per_chunk`` scores each (the ``chunks`` attribute,
+    which the VJP gives its ``attention_grad``): the same values, a workspace a slice's size. Also
+    one :class:`ChunkSite` per attention set (none when nothing was)."""
+    sites: list[ChunkSite] = []
+
+    def rewrite(ins: Instruction, b: Builder, users) -> tuple[Value, Value] | None:
+        n = slices(ins, max_queries, scores_per_chunk)
+        if n < 2 or ins.attrs.get("chunks", 1) > 1:
+            return None
+        sites.append(ChunkSite(_sliceable_scores(ins, max_queries), n))
+        return tuple(b.op("attention", *ins.operands, **{**ins.attrs, "chunks": n}))
+
+    g, _ = _rewrite_attentions(f, rewrite)
+    return g, sites
