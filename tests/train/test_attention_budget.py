@@ -122,3 +122,62 @@ def test_chain_planner_differentiates_the_forward_the_unconstrained_step_does():
     assert len(free) == len(chained)
     for k, (a, b) in enumerate(zip(free, chained)):
         assert torch.equal(a, b), k
+
+
+class _Encoder(torch.nn.Module):
+    """Two pre-norm attention layers over 48 tokens (``scaled_dot_product_attention``) and a pooled
+    classifier: in bf16 its attention runs the explicit low-precision kernels, whose [B, H, T, S]
+    scores are a workspace as large as the step's activations."""
+
+    def __init__(self, d=32, heads=4, layers=2, classes=5):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(d, 3 * d) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+        self.norm = torch.nn.ModuleList(torch.nn.LayerNorm(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, x, y):
+        b, t, d = x.shape
+        for qkv, proj, norm in zip(self.qkv, self.proj, self.norm):
+            q, k, v = qkv(norm(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            x = x + proj(a.transpose(1, 2).reshape(b, t, d))
+        return torch.nn.functional.cross_entropy(self.head(x.mean(1)), y)
+
+
+def test_attention_over_slices_of_the_batch_lowers_the_floor_with_the_same_bits(monkeypatch):
+    """Where the attention kernels' workspace weighs in the step's memory, the plan stage also plans
+    the step with attention over slices of the batch: the same values, a slice's workspace. Below the
+    whole-batch kernels' minimum it is what fits: the report says so, and the step gives the
+    unconstrained step's loss and gradients, bit for bit, within the budget, its peak as predicted."""
+    import remat.passes.attention as pa
+
+    torch.manual_seed(0)
+    model = _Encoder()
+    x, y = torch.randn(16, 48, 32), torch.randint(0, 5, (16,))
+    m0 = copy.deepcopy(model)
+    base = remat.compile(m0, (x, y), precision="bf16")
+    base_loss = base(x, y)
+    assert [i.attrs["chunks"] for i in base.program.instructions() if i.op.name.startswith("attention")] == [1] * 4
+
+    def minimum() -> int:
+        with pytest.raises(remat.BudgetTooSmall) as e:
+            remat.compile(copy.deepcopy(model), (x, y), precision="bf16", budget=1)
+        return e.value.minimum
+
+    sliced = minimum()
+    with monkeypatch.context() as mp:
+        mp.setattr(pa, "chunk_attention", lambda f, *a, **k: (f, []))
+        whole = minimum()
+    assert sliced < whole
+    m1 = copy.deepcopy(model)
+    step = remat.compile(m1, (x, y), precision="bf16", budget=(sliced + whole) // 2)
+    loss = step(x, y)
+    r = step.report()
+    assert any(a.startswith("attention over slices of the batch") and "chosen;" in a for a in r.algorithms)
+    assert all(i.attrs["chunks"] > 1 for i in step.program.instructions() if i.op.name.startswith("attention"))
+    assert r.measured_peak == r.predicted_peak and r.measured_allocator_peak <= r.budget
+    assert torch.equal(loss, base_loss)
+    for p0, p1 in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(p0.grad, p1.grad)

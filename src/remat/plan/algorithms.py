@@ -40,6 +40,9 @@ class Variant:
 
     sites: list[str]
     make: Callable[[], StepProblem]
+    exact: bool = False
+    """Its values are the reference's, bit for bit (a kernel computing over slices of the batch):
+    planned beside the reference whenever the budget binds, and chosen when its plan is cheaper."""
     _problem: StepProblem | None = field(default=None, repr=False)
 
     @property
@@ -84,6 +87,39 @@ def plan_choosing_algorithms(p: StepProblem, lean: VariantBuilder | None) -> Pla
         return _choose(p, lean)
 
 
+def _said(plan: Plan, lines: list[str], **changes) -> Plan:
+    """``plan`` (with ``changes``) with algorithm-choice ``lines`` added to its ``algorithms`` and notes."""
+    return replace(plan, algorithms=plan.algorithms + lines, notes=plan.notes + [f"algorithm choice: {c}" for c in lines],
+                   **changes)
+
+
+def _exact_or_reference(p: StepProblem, v: Variant, ref: Plan | None, ref_min: int | None
+                        ) -> tuple[Plan | None, int | None]:
+    """The reference's plan (or minimum) and the exact variant ``v``'s, whichever is cheaper (its
+    overhead against the reference's unconstrained step), or fits: (plan or None, the smaller
+    minimum when none fits). Planned at every budget that binds, not only near the floor, so that a
+    larger budget never loses the cheaper plan a smaller one found. The choice is said in the
+    plan's ``algorithms`` and notes."""
+    q = replace(v.problem, budget=p.budget)
+    try:
+        alt = plan_step(q)
+    except BudgetTooSmall as e:
+        if ref is None:
+            return None, min(ref_min, e.minimum)
+        line = [f"{s}: not chosen; with it the step needs at least {format_bytes(e.minimum)}" for s in v.sites]
+        return _said(ref, line), ref_min
+    overhead, dispatch = against_reference(p, q, alt)
+    if ref is not None and ref.overhead <= overhead:
+        line = [f"{s}: not chosen; predicted overhead {overhead:+.1%} with it, {ref.overhead:+.1%} without" for s in v.sites]
+        return _said(ref, line), ref_min
+    why = (f"the reference algorithms need at least {format_bytes(ref_min)}, over the budget" if ref is None else
+           f"predicted overhead {overhead:+.1%} with it ({dispatch:+.1%} of it the slices' dispatch), "
+           f"{ref.overhead:+.1%} without")
+    line = [f"{s}: chosen; the same values as the reference (each batch element is computed alone either way); "
+            f"{why}" for s in v.sites]
+    return _said(alt, line, overhead=overhead, unconstrained=q.unconstrained), ref_min
+
+
 def _choose(p: StepProblem, lean: VariantBuilder | None) -> Plan:
     """:func:`plan_choosing_algorithms`' choice, its steps' block recipes shared."""
     if lean is None or p.budget is None or fit_peak(p, p.unconstrained) <= p.budget:
@@ -98,6 +134,10 @@ def _choose(p: StepProblem, lean: VariantBuilder | None) -> Plan:
     except BudgetTooSmall as e:
         ref_min = e.minimum
     variants = lean(p)
+    exact = [v for v in variants if v.exact]
+    variants = [v for v in variants if not v.exact]
+    for v in exact:
+        ref, ref_min = _exact_or_reference(p, v, ref, ref_min)
     if not variants:
         if ref is None:
             raise BudgetTooSmall(p.budget, ref_min, "this training step")
@@ -107,7 +147,7 @@ def _choose(p: StepProblem, lean: VariantBuilder | None) -> Plan:
         # unconstrained step under every budget the reference can meet.
         choice = [f"{s}: not chosen; the reference algorithms fit the budget (gradients stay bit-identical to "
                   f"the unconstrained step)" for s in variants[0].sites]
-        return replace(ref, algorithms=choice, notes=ref.notes + [f"algorithm choice: {c}" for c in choice])
+        return _said(ref, choice)
     tried: list[tuple[Variant, int]] = []  # (variant, its minimum): none fitted so far
     for variant in variants:
         q = replace(variant.problem, budget=p.budget)
