@@ -264,3 +264,33 @@ def test_overlapping_fold_is_refused_with_the_reason():
 
     with pytest.raises(UnsupportedOpError, match="only windows that tile the output exactly"):
         import_module(Overlap(), (torch.randn(1, 2, 4, 4),), train=False)
+
+
+def test_an_untraceable_loss_branch_names_the_loss_fn_way_around_it():
+    """A model computing its own loss through data-dependent control flow (DeBERTa-v2's classifier
+    keeps the labelled rows by ``nonzero``): the capture error says to compile without the labels and
+    give a ``loss_fn``, and that step gives eager's loss and gradients."""
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x, labels=None):
+            logits = self.fc(x)
+            if labels is None:
+                return {"logits": logits}
+            keep = (labels >= 0).nonzero().view(-1)
+            loss = F.cross_entropy(logits[keep], labels[keep]) if keep.size(0) > 0 else logits.sum() * 0
+            return {"loss": loss, "logits": logits}
+
+    torch.manual_seed(0)
+    model, x, y = Classifier(), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    with pytest.raises(CaptureError, match=r"compile without them and give a loss_fn applied to the logits"):
+        remat.compile(copy.deepcopy(model), dict(x=x, labels=y))
+    eager = copy.deepcopy(model)
+    F.cross_entropy(eager(x)["logits"], y).backward()
+    step = remat.compile(model, dict(x=x, target=y), loss_fn=F.cross_entropy)
+    torch.testing.assert_close(step(x=x, target=y), F.cross_entropy(eager(x)["logits"], y))
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)

@@ -143,7 +143,10 @@ class CaptureError(RuntimeError):
         elif stage.startswith("capture"):
             at = f" at {where}" if where else ""
             hint = (f"the model's Python could not be traced{at}; make it traceable by torch.export (no "
-                    "data-dependent control flow on tensor values)")
+                    "data-dependent control flow on tensor values); if that line computes the model's own "
+                    "loss from its labels (a Hugging Face model given labels=), compile without them and "
+                    "give a loss_fn applied to the logits instead, e.g. remat.compile(model, dict(input_ids=x, "
+                    "target=y), loss_fn=torch.nn.functional.cross_entropy)")
         else:
             hint = "PyTorch's decompositions failed on the captured graph with every table remat tried"
         super().__init__(f"importing the model failed at {stage}: {hint}\n{shown}")
